@@ -1,0 +1,45 @@
+"""tk_ops: PyTorch operators on Hopper (sm_90a) kernels written on a ThunderKittens-style tile core.
+
+Every op is a ``torch.ops.tk.*`` op with a CUDA kernel (when ``tk_ops._C`` is built), a PyTorch
+reference (CPU and unsupported inputs), a fake impl and autograd through a dedicated backward op.
+``tk_ops.backends()`` says which implementation serves each op on CUDA tensors.
+"""
+
+from tk_ops import _library
+from tk_ops.ops.attention import attention
+from tk_ops.ops.based_attention import based_attention
+from tk_ops.ops.fftconv import fftconv
+from tk_ops.ops.layer_norm import layer_norm
+from tk_ops.ops.linear_attention import linear_attention
+from tk_ops.ops.mamba2_ssd import mamba2_ssd
+from tk_ops.ops.matmul import linear, matmul
+from tk_ops.ops.rms_norm import rms_norm
+from tk_ops.ops.rope import rope, rope_qk
+from tk_ops import nn
+
+_library.load_extension()
+
+backends = _library.backends
+
+
+def extension_status() -> str:
+    """``"loaded"``, ``"not built"`` (pure-Python install) or why loading failed."""
+    return _library.EXTENSION_STATUS
+
+
+__all__ = [
+    "attention",
+    "backends",
+    "based_attention",
+    "extension_status",
+    "fftconv",
+    "layer_norm",
+    "linear",
+    "linear_attention",
+    "mamba2_ssd",
+    "matmul",
+    "nn",
+    "rms_norm",
+    "rope",
+    "rope_qk",
+]

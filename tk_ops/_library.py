@@ -1,0 +1,111 @@
+"""How a tk op is put together: schema, reference, fake impl, C++ kernel fallback.
+
+Every public op ``tk::<name>`` is defined here from Python (so the CPU-only install has it) with
+two implementations:
+
+* the PyTorch reference, registered as CompositeExplicitAutograd: it serves CPU and any device
+  for which the C++ extension registers no kernel;
+* the Hopper kernel, registered from C++ under the CUDA key (``csrc/torch/<op>.cpp``), which
+  takes precedence over the reference on CUDA.
+
+For inputs the kernel does not support (fp32, a head dim, a GPU older than sm_90), the C++ side
+calls ``tk::<name>_ref``, a twin op with the same schema that runs the same reference. The
+reference warns once per op when it runs on an accelerator, so a silent slow path is impossible.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import warnings
+from typing import Callable
+
+import torch
+
+NAMESPACE = "tk"
+LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
+_TAGS = (torch.Tag.pt2_compliant_tag,)
+
+_REFERENCE_WARNED: set[str] = set()
+_DEFINED: list[str] = []
+
+
+def _describe_tensors(args) -> str:
+    parts = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            parts.append(f"{a.dtype}{tuple(a.shape)}".replace("torch.", ""))
+    return ", ".join(parts)
+
+
+def _warn_once_on_accelerator(name: str, reference: Callable) -> Callable:
+    @functools.wraps(reference)
+    def run(*args):
+        if name not in _REFERENCE_WARNED:
+            device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+            if device is not None and device.type != "cpu":
+                _REFERENCE_WARNED.add(name)
+                warnings.warn(
+                    f"tk_ops: tk.{name} has no {device.type} kernel for these inputs "
+                    f"({_describe_tensors(args)}); running the PyTorch reference path",
+                    stacklevel=2,
+                )
+        return reference(*args)
+
+    return run
+
+
+def define(name: str, schema: str, *, reference: Callable, fake: Callable):
+    """Define ``tk::<name>`` and its fallback twin ``tk::<name>_ref``; return the op overload.
+
+    ``schema`` is the part after the name, e.g. ``"(Tensor a, Tensor b) -> Tensor"``.
+    ``reference`` computes the op with PyTorch ops and returns outputs with the kernel's
+    strides (contiguous); ``fake`` returns empty tensors with the same metadata.
+    """
+    for op_name in (name, f"{name}_ref"):
+        qualname = f"{NAMESPACE}::{op_name}"
+        torch.library.define(qualname, schema, lib=LIB, tags=_TAGS)
+        torch.library.register_kernel(qualname, None, _warn_once_on_accelerator(name, reference), lib=LIB)
+        torch.library.register_fake(qualname, fake, lib=LIB)
+    _DEFINED.append(name)
+    return getattr(torch.ops.tk, name).default
+
+
+def register_autograd(op, backward: Callable, setup_context: Callable) -> None:
+    torch.library.register_autograd(op, backward, setup_context=setup_context, lib=LIB)
+
+
+def has_cuda_kernel(name: str) -> bool:
+    """True when the C++ extension registered a CUDA kernel for ``tk::<name>``."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"{NAMESPACE}::{name}", "CUDA")
+
+
+def backends() -> dict[str, str]:
+    """Which implementation serves each op on CUDA tensors: ``"cuda kernel"`` or ``"reference"``.
+
+    A CUDA kernel still falls back to the reference for inputs it does not support (see each
+    op's documentation); on CPU every op runs the reference.
+    """
+    return {name: "cuda kernel" if has_cuda_kernel(name) else "reference" for name in _DEFINED}
+
+
+EXTENSION_STATUS = "not loaded"
+
+
+def load_extension() -> None:
+    """Load ``tk_ops._C`` (the CUDA kernels) when it was built; otherwise keep the references."""
+    global EXTENSION_STATUS
+    if os.environ.get("TK_OPS_DISABLE_EXTENSION") == "1":
+        EXTENSION_STATUS = "disabled by TK_OPS_DISABLE_EXTENSION=1"
+        return
+    try:
+        importlib.import_module("tk_ops._C")  # registers the CUDA kernels on import
+    except ModuleNotFoundError:
+        EXTENSION_STATUS = "not built"
+        return
+    except (ImportError, OSError) as error:  # built for another torch or CUDA
+        EXTENSION_STATUS = f"failed to load: {error}"
+        warnings.warn(f"tk_ops: the CUDA extension failed to load ({error}); using reference paths")
+        return
+    EXTENSION_STATUS = "loaded"

@@ -1,0 +1,7 @@
+"""Drop-in modules on tk ops, with the state_dict keys of the torch / Hugging Face modules."""
+
+from tk_ops.nn.linear import Linear
+from tk_ops.nn.normalization import LayerNorm, RMSNorm
+from tk_ops.nn.rotary import RotaryEmbedding
+
+__all__ = ["LayerNorm", "Linear", "RMSNorm", "RotaryEmbedding"]
