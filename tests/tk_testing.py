@@ -11,15 +11,24 @@ from tk_ops import _library
 HAS_CUDA = torch.cuda.is_available()
 IS_HOPPER = HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
 
-requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def _gpu_test(skip_condition: bool, reason: str):
+    """Mark a test ``gpu`` (the device script selects them with ``-m gpu``) and skip it where it can't run."""
+    skip = pytest.mark.skipif(skip_condition, reason=reason)
+
+    def apply(test):
+        return pytest.mark.gpu(skip(test))
+
+    return apply
+
+
+requires_cuda = _gpu_test(not HAS_CUDA, "needs a CUDA device")
 
 
 def requires_kernel(op_name: str):
     """Skip unless a Hopper GPU is present and tk_ops._C registered a CUDA kernel for the op."""
-    return pytest.mark.skipif(
+    return _gpu_test(
         not (IS_HOPPER and _library.has_cuda_kernel(op_name)),
-        reason=f"needs an sm_90 GPU and the tk_ops CUDA kernel for tk.{op_name} "
-        f"(extension: {tk_ops.extension_status()})",
+        f"needs an sm_90 GPU and the tk_ops CUDA kernel for tk.{op_name} (extension: {tk_ops.extension_status()})",
     )
 
 
