@@ -1,0 +1,39 @@
+// The vocabulary every part of the tile core shares: element types, thread-group sizes, indices.
+// Knows nothing of torch.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace tk {
+
+using bf16 = __nv_bfloat16;
+using half = __half;
+using bf16_2 = __nv_bfloat162;
+using half_2 = __half2;
+
+constexpr int WARP_THREADS = 32;
+constexpr int WARPGROUP_WARPS = 4;
+constexpr int WARPGROUP_THREADS = WARP_THREADS * WARPGROUP_WARPS;
+// Register and shared tiles are built from square base tiles of this many rows and columns.
+constexpr int BASE_TILE = 16;
+
+__device__ __forceinline__ int lane_id() { return threadIdx.x % WARP_THREADS; }
+__device__ __forceinline__ int warp_id() { return threadIdx.x / WARP_THREADS; }
+__device__ __forceinline__ int warpgroup_id() { return threadIdx.x / WARPGROUP_THREADS; }
+__device__ __forceinline__ int warp_in_warpgroup() { return warp_id() % WARPGROUP_WARPS; }
+
+// Two elements of T packed in one register (the unit of most tensor-core and vector operations).
+template <typename T> struct packed_pair;
+template <> struct packed_pair<bf16> { using type = bf16_2; };
+template <> struct packed_pair<half> { using type = half_2; };
+template <> struct packed_pair<float> { using type = float2; };
+template <typename T> using packed_pair_t = typename packed_pair<T>::type;
+
+template <typename T> constexpr bool is_16bit_float = false;
+template <> constexpr bool is_16bit_float<bf16> = true;
+template <> constexpr bool is_16bit_float<half> = true;
+
+}  // namespace tk
