@@ -1,0 +1,366 @@
+"""tk_ops.attention against a naive float64 attention, SDPA, opcheck, compile/export, bad inputs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import tk_ops
+import tk_testing
+from tk_ops.ops import attention as attention_module
+
+NEG_INF = float("-inf")
+
+
+def naive_attention(q, k, v, causal=False, scale=None):
+    """float64, the plain definition: K/V heads repeated per query head, the full score matrix, and
+    a softmax written as masked exponentials over their sum. Returns (out, lse)."""
+    q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    q_len, key_len = q.shape[2], k.shape[2]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = scale * torch.einsum("bhid,bhjd->bhij", q, k)
+    visible = torch.ones(q_len, key_len, dtype=torch.bool, device=q.device)
+    if causal:
+        rows = torch.arange(q_len, device=q.device)[:, None]
+        visible = torch.arange(key_len, device=q.device)[None, :] <= rows + (key_len - q_len)
+    scores = scores.masked_fill(~visible, NEG_INF)
+    row_max = scores.detach().amax(-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    weights = torch.exp(scores - row_max)
+    sees_a_key = visible.any(-1, keepdim=True)
+    total = torch.where(sees_a_key, weights.sum(-1, keepdim=True), 1.0)  # rows that see no key: 0 / 1
+    out = torch.einsum("bhij,bhjd->bhid", weights, v) / total
+    lse = torch.where(sees_a_key, total.log() + row_max, NEG_INF).squeeze(-1)
+    return out, lse
+
+
+def make_qkv(batch, q_heads, kv_heads, q_len, key_len, head_dim, dtype=torch.float64, value_dim=None,
+             device="cpu", requires_grad=True):
+    value_dim = head_dim if value_dim is None else value_dim
+    shapes = [(batch, q_heads, q_len, head_dim), (batch, kv_heads, key_len, head_dim),
+              (batch, kv_heads, key_len, value_dim)]
+    return [torch.randn(s, dtype=dtype, device=device).requires_grad_(requires_grad) for s in shapes]
+
+
+def finite_lse_loss(out, lse, out_weight, lse_weight):
+    """A loss through both outputs; -inf lse entries (rows that see no key) contribute nothing."""
+    return (out * out_weight).sum() + (lse.masked_fill(torch.isinf(lse), 0) * lse_weight).sum()
+
+
+def check_against_naive(q, k, v, causal, scale=None, out_tol=None, grad_tol=None):
+    """Compare tk_ops.attention's out, lse and gradients (through out and lse) with naive_attention."""
+    out_tol = tk_testing.TOLERANCE[q.dtype] if out_tol is None else out_tol
+    grad_tol = 2 * out_tol if grad_tol is None else grad_tol
+    out, lse = tk_ops.attention(q, k, v, causal=causal, scale=scale, return_lse=True)
+    assert out.dtype == q.dtype and lse.dtype == torch.float32
+    assert out.shape == (*q.shape[:3], v.shape[3]) and lse.shape == q.shape[:3]
+    assert out.is_contiguous() and lse.is_contiguous()
+
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse = naive_attention(q64, k64, v64, causal, scale)
+    tk_testing.assert_rel_close(out, ref_out, out_tol, "out")
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "lse: -inf rows differ"
+    tk_testing.assert_rel_close(lse.masked_fill(torch.isinf(lse), 0), ref_lse.masked_fill(torch.isinf(ref_lse), 0),
+                                max(out_tol, 1e-6), "lse")
+
+    # lse is fp32, so its weights are fp32 numbers for both sides.
+    out_weight, lse_weight = torch.randn_like(ref_out), torch.randn_like(ref_lse).float().double()
+    grads = torch.autograd.grad(
+        finite_lse_loss(out, lse, out_weight.to(out.dtype), lse_weight.float()), (q, k, v)
+    )
+    ref_grads = torch.autograd.grad(finite_lse_loss(ref_out, ref_lse, out_weight, lse_weight), (q64, k64, v64))
+    for name, grad, ref_grad in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert grad.dtype == q.dtype
+        tk_testing.assert_rel_close(grad, ref_grad, grad_tol, name)
+    return out, lse, grads
+
+
+# ------------------------------------------------------------------------- values (reference path)
+
+
+@pytest.mark.parametrize("q_len, key_len", [(1, 1), (17, 17), (33, 70), (70, 33)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("q_heads, kv_heads", [(3, 3), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+def test_matches_naive(q_len, key_len, causal, q_heads, kv_heads):
+    check_against_naive(*make_qkv(2, q_heads, kv_heads, q_len, key_len, 40), causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_head_dim_64_and_explicit_scale(causal):
+    check_against_naive(*make_qkv(1, 4, 2, 45, 29, 64), causal, scale=0.37)
+
+
+def test_value_head_dim_may_differ():
+    check_against_naive(*make_qkv(2, 2, 1, 23, 31, 40, value_dim=24), causal=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_low_precision_inputs_on_reference(dtype):
+    check_against_naive(*make_qkv(2, 4, 2, 37, 37, 64, dtype=dtype), causal=True)
+
+
+def test_rows_that_see_no_key():
+    q, k, v = make_qkv(1, 4, 2, 70, 33, 40)
+    out, lse, (grad_q, grad_k, grad_v) = check_against_naive(q, k, v, causal=True)
+    hidden_rows = 70 - 33  # query i sees key j iff j <= i - 37
+    assert torch.all(out[:, :, :hidden_rows] == 0)
+    assert torch.all(torch.isneginf(lse[:, :, :hidden_rows]))
+    assert torch.isfinite(lse[:, :, hidden_rows:]).all()
+    assert torch.all(grad_q[:, :, :hidden_rows] == 0)
+    for grad in (grad_q, grad_k, grad_v):
+        assert torch.isfinite(grad).all()
+
+
+def test_lse_values_against_float64_logsumexp():
+    q, k, v = make_qkv(2, 4, 2, 19, 27, 40, dtype=torch.float32, requires_grad=False)
+    _, lse = tk_ops.attention(q, k, v, scale=0.3, return_lse=True)
+    scores = 0.3 * torch.einsum("bhid,bhjd->bhij", q.double(), k.double().repeat_interleave(2, dim=1))
+    tk_testing.assert_rel_close(lse, torch.logsumexp(scores, dim=-1), 1e-6, "lse")
+
+
+def test_gradient_through_lse_only():
+    q, k, v = make_qkv(1, 2, 1, 21, 18, 40)
+    _, lse = tk_ops.attention(q, k, v, causal=True, return_lse=True)
+    grads = torch.autograd.grad(lse.masked_fill(torch.isinf(lse), 0).sum(), (q, k, v))
+    q64, k64, v64 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    _, ref_lse = naive_attention(q64, k64, v64, causal=True)
+    ref_grads = torch.autograd.grad(ref_lse.masked_fill(torch.isinf(ref_lse), 0).sum(), (q64, k64, v64),
+                                    allow_unused=True, materialize_grads=True)
+    for name, grad, ref_grad in zip(("dq", "dk", "dv"), grads, ref_grads):
+        tk_testing.assert_rel_close(grad, ref_grad, 1e-10, name)
+    assert torch.all(grads[2] == 0)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("q_heads, kv_heads", [(3, 3), (6, 2)], ids=["mha", "gqa"])
+def test_matches_sdpa_for_equal_lengths(causal, q_heads, kv_heads):
+    q, k, v = make_qkv(2, q_heads, kv_heads, 29, 29, 40)
+    out = tk_ops.attention(q, k, v, causal=causal, scale=0.2)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.2, enable_gqa=True)
+    tk_testing.assert_rel_close(out, expected, 1e-12, "out")
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    expected_grads = torch.autograd.grad(expected, (q, k, v), grad_out)
+    for name, grad, expected_grad in zip(("dq", "dk", "dv"), grads, expected_grads):
+        tk_testing.assert_rel_close(grad, expected_grad, 1e-12, name)
+
+
+# --------------------------------------------------------------------------------- strides
+
+
+class _RecordTkAttentionInputs(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.strides = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.tk.attention.default:
+            self.strides = [a.stride() for a in args[:3]]
+        return func(*args, **(kwargs or {}))
+
+
+def test_transposed_views_reach_the_op_without_copy():
+    batch, q_len, key_len, head_dim = 2, 23, 19, 40
+    q_rows = torch.randn(batch, q_len, 4 * head_dim, dtype=torch.float64)
+    kv_rows = torch.randn(batch, key_len, 2 * 2 * head_dim, dtype=torch.float64)
+    q = q_rows.view(batch, q_len, 4, head_dim).transpose(1, 2).requires_grad_()
+    k, v = kv_rows.view(batch, key_len, 2, 2, head_dim).unbind(2)
+    k, v = k.transpose(1, 2).requires_grad_(), v.transpose(1, 2).requires_grad_()
+
+    recorder = _RecordTkAttentionInputs()
+    with recorder:
+        out = tk_ops.attention(q, k, v, causal=True)
+    assert recorder.strides == [q.stride(), k.stride(), v.stride()]
+
+    contiguous = [t.detach().contiguous().requires_grad_() for t in (q, k, v)]
+    expected = tk_ops.attention(*contiguous, causal=True)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    grad_out = torch.randn_like(out)
+    for grad, expected_grad in zip(torch.autograd.grad(out, (q, k, v), grad_out),
+                                   torch.autograd.grad(expected, contiguous, grad_out)):
+        torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=1e-12)
+
+
+def test_non_unit_last_stride_is_copied_not_misread():
+    q, k, v = make_qkv(1, 2, 2, 13, 13, 80, requires_grad=False)
+    q_strided, k_strided = q[..., ::2], k[..., ::2]
+    out = tk_ops.attention(q_strided, k_strided, v[..., :40])
+    torch.testing.assert_close(out, naive_attention(q_strided, k_strided, v[..., :40])[0], rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------- blockwise reference (long sequences)
+
+
+def test_block_budget_bounds_long_sequences():
+    q = torch.empty(1, 32, 16384, 128, device="meta")
+    rows = attention_module._rows_per_block(q, q)
+    assert 1 <= rows < 16384
+    assert rows * 32 * 16384 * 4 <= attention_module._REFERENCE_BLOCK_BYTES
+
+
+@pytest.mark.parametrize("q_len, key_len", [(70, 33), (33, 70), (61, 61)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_many_blocks_match_naive(monkeypatch, q_len, key_len, causal):
+    q, k, v = make_qkv(1, 4, 2, q_len, key_len, 40)
+    rows_per_block = 6
+    monkeypatch.setattr(attention_module, "_REFERENCE_BLOCK_BYTES", rows_per_block * 4 * key_len * 8)
+    assert attention_module._rows_per_block(q, k) == rows_per_block
+    check_against_naive(q, k, v, causal)
+
+
+# ------------------------------------------------------------------------ opcheck, compile, export
+
+
+@pytest.mark.parametrize(
+    "shape, causal",
+    [((2, 4, 2, 17, 23, 40), False), ((1, 2, 1, 19, 7, 24), True), ((1, 3, 3, 9, 9, 16), True)],
+    ids=["gqa", "mqa-hidden-rows", "mha-causal"],
+)
+def test_opcheck_forward(shape, causal):
+    q, k, v = make_qkv(*shape)
+    torch.library.opcheck(torch.ops.tk.attention.default, (q, k, v, causal, 0.25))
+
+
+@pytest.mark.parametrize("with_grad_lse", [False, True], ids=["no-grad-lse", "grad-lse"])
+def test_opcheck_backward(with_grad_lse):
+    q, k, v = make_qkv(1, 4, 2, 15, 11, 24, requires_grad=False)
+    out, lse = torch.ops.tk.attention(q, k, v, True, 0.3)
+    grad_lse = torch.randn_like(lse) if with_grad_lse else None
+    torch.library.opcheck(
+        torch.ops.tk.attention_bwd.default, (torch.randn_like(out), grad_lse, q, k, v, out, lse, True, 0.3)
+    )
+
+
+def test_compile_fullgraph_calls_tk_ops():
+    q, k, v = make_qkv(2, 4, 2, 19, 21, 64, dtype=torch.float32)
+
+    def attend(q, k, v):
+        out, lse = tk_ops.attention(q, k, v, causal=True, return_lse=True)
+        return out.square().sum() + lse.sum()
+
+    compiled = torch.compile(attend, fullgraph=True)
+
+    def loss_and_grads(fn):
+        loss = fn(q, k, v)
+        return loss, torch.autograd.grad(loss, (q, k, v))
+
+    (loss, grads), codes = torch._inductor.utils.run_and_get_code(loss_and_grads, compiled)
+    code = "\n".join(codes)
+    assert "torch.ops.tk.attention.default" in code
+    assert "torch.ops.tk.attention_bwd.default" in code
+    expected_loss, expected_grads = loss_and_grads(attend)
+    torch.testing.assert_close(loss, expected_loss)
+    for grad, expected_grad in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, expected_grad)
+
+
+def test_export_keeps_tk_attention():
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v):
+            return tk_ops.attention(q, k, v, causal=True)
+
+    q, k, v = make_qkv(1, 4, 2, 11, 13, 40, dtype=torch.float32, requires_grad=False)
+    exported = torch.export.export(Attention(), (q, k, v))
+    assert any(node.target is torch.ops.tk.attention.default for node in exported.graph.nodes)
+    torch.testing.assert_close(exported.module()(q, k, v), tk_ops.attention(q, k, v, causal=True))
+
+
+# ---------------------------------------------------------------------------------- bad inputs
+
+
+def _inputs(q_shape=(2, 4, 9, 40), k_shape=(2, 2, 11, 40), v_shape=None, dtype=torch.float32):
+    v_shape = k_shape if v_shape is None else v_shape
+    return [torch.randn(s, dtype=dtype) for s in (q_shape, k_shape, v_shape)]
+
+
+@pytest.mark.parametrize(
+    "inputs, kwargs, error, match",
+    [
+        (lambda: [torch.ones(2, 4, 9, 40, dtype=torch.int32), *_inputs()[1:]], {}, TypeError, "q"),
+        (lambda: [[1.0], *_inputs()[1:]], {}, TypeError, "q"),
+        (lambda: [_inputs()[0], _inputs()[1].double(), _inputs()[2]], {}, TypeError, "k"),
+        (lambda: [_inputs()[0][0], *_inputs()[1:]], {}, ValueError, "q"),
+        (lambda: _inputs(v_shape=(2, 2, 11)), {}, ValueError, "v"),
+        (lambda: _inputs(k_shape=(3, 2, 11, 40)), {}, ValueError, "k"),
+        (lambda: _inputs(k_shape=(2, 2, 11, 32), v_shape=(2, 2, 11, 40)), {}, ValueError, "k"),
+        (lambda: _inputs(v_shape=(2, 2, 12, 40)), {}, ValueError, "v"),
+        (lambda: _inputs(v_shape=(2, 1, 11, 40)), {}, ValueError, "v"),
+        (lambda: _inputs(k_shape=(2, 3, 11, 40)), {}, ValueError, "Hq .*Hkv"),
+        (lambda: _inputs(q_shape=(2, 4, 0, 40)), {}, ValueError, "q"),
+        (lambda: _inputs(k_shape=(2, 2, 0, 40)), {}, ValueError, "k"),
+        (lambda: _inputs(), {"scale": float("nan")}, ValueError, "scale"),
+        (lambda: _inputs(), {"scale": float("inf")}, ValueError, "scale"),
+    ],
+    ids=["int-dtype", "not-a-tensor", "dtype-mismatch", "rank", "v-rank", "batch", "head-dim", "kv-length",
+         "kv-heads", "group", "empty-q", "empty-k", "nan-scale", "inf-scale"],
+)
+def test_bad_inputs(inputs, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        tk_ops.attention(*inputs(), **kwargs)
+
+
+@tk_testing.requires_cuda
+def test_device_mismatch():
+    q, k, v = _inputs()
+    with pytest.raises(ValueError, match="k"):
+        tk_ops.attention(q.cuda(), k, v.cuda())
+
+
+# ------------------------------------------------------------------------------ CUDA kernel
+
+
+@tk_testing.requires_kernel("attention")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("q_len, key_len", [(1, 1), (17, 17), (1000, 1000), (4097, 4097), (300, 1000), (1000, 300)])
+def test_kernel_against_float64(dtype, head_dim, causal, q_len, key_len):
+    check_against_naive(*make_qkv(1, 4, 2, q_len, key_len, head_dim, dtype=dtype, device="cuda"), causal)
+
+
+@tk_testing.requires_kernel("attention")
+@pytest.mark.parametrize("q_heads, kv_heads", [(8, 1), (6, 6)], ids=["mqa", "mha"])
+def test_kernel_head_groups(q_heads, kv_heads):
+    check_against_naive(*make_qkv(2, q_heads, kv_heads, 333, 333, 128, dtype=torch.bfloat16, device="cuda"), True)
+
+
+@tk_testing.requires_kernel("attention")
+def test_kernel_transposed_views():
+    batch, length, heads, head_dim = 2, 257, 4, 64
+    packed = torch.randn(batch, length, 3, heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    q, k, v = (t.transpose(1, 2) for t in packed.unbind(2))
+    out = tk_ops.attention(q, k, v, causal=True)
+    torch.testing.assert_close(out, tk_ops.attention(q.contiguous(), k.contiguous(), v.contiguous(), causal=True))
+
+
+@tk_testing.requires_kernel("attention")
+def test_kernel_cuda_graph_capture_and_replay():
+    q, k, v = make_qkv(2, 4, 2, 511, 513, 128, dtype=torch.bfloat16, device="cuda", requires_grad=False)
+    grad_out = torch.randn(2, 4, 511, 128, dtype=torch.bfloat16, device="cuda")
+
+    def step():
+        out, lse = torch.ops.tk.attention(q, k, v, True, 0.1)
+        grads = torch.ops.tk.attention_bwd(grad_out, None, q, k, v, out, lse, True, 0.1)
+        return (out, lse, *grads)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+
+    for tensor in (q, k, v, grad_out):
+        tensor.copy_(torch.randn_like(tensor))
+    graph.replay()
+    torch.cuda.synchronize()
+    for result, expected in zip(captured, step()):
+        torch.testing.assert_close(result, expected, rtol=0, atol=0)
