@@ -1,0 +1,301 @@
+"""tk.fftconv: causal long convolution through the FFT, against a direct float64 convolution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._inductor.utils import run_and_get_code
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import tk_ops
+from tk_ops.ops.fftconv import _fft_size
+from tk_testing import TOLERANCE, assert_rel_close, requires_cuda, requires_kernel
+
+# (B, H, N, L): L == N, L < N, L == 1, N not a power of two, N a power of two with L == N.
+SHAPES = [(2, 3, 37, 37), (3, 5, 100, 29), (2, 3, 53, 1), (1, 7, 100, 100), (2, 3, 256, 256)]
+
+
+def conv_reference(u, k, D=None):
+    """Direct causal convolution: conv1d (a cross-correlation) with flipped filters and L - 1 zeros on the left."""
+    heads, filter_len = k.shape
+    y = F.conv1d(F.pad(u, (filter_len - 1, 0)), k.flip(-1).unsqueeze(1), groups=heads)
+    return y if D is None else y + D[:, None] * u
+
+
+def make_inputs(B, H, N, L, *, dtype=torch.float64, param_dtype=None, with_D=True, device="cpu"):
+    """u ~ N(0, 1); k scaled like a long filter so that y stays O(1); D ~ N(0, 1)."""
+    param_dtype = param_dtype or dtype
+    u = torch.randn(B, H, N, device=device).to(dtype)
+    k = (torch.randn(H, L, device=device) / L**0.5).to(param_dtype)
+    D = torch.randn(H, device=device).to(param_dtype) if with_D else None
+    return u, k, D
+
+
+def float64_reference(u, k, D):
+    """The direct convolution of the same (already rounded) values in float64."""
+    return conv_reference(u.double(), k.double(), None if D is None else D.double())
+
+
+def test_conv_reference_matches_the_definition():
+    u, k, D = make_inputs(2, 3, 11, 5)
+    expected = D[:, None] * u
+    for s in range(k.shape[1]):  # y[t] += k[s] * u[t - s], straight from the contract
+        expected[..., s:] += k[:, s, None] * u[..., : u.shape[-1] - s]
+    assert_rel_close(conv_reference(u, k, D), expected, 1e-14)
+
+
+def test_fft_size_is_the_smallest_5_smooth_size():
+    def is_5_smooth(n):
+        for p in (2, 3, 5):
+            while n % p == 0:
+                n //= p
+        return n == 1
+
+    for n in range(1, 400):
+        size = _fft_size(n)
+        assert size >= n and is_5_smooth(size)
+        assert not any(is_5_smooth(m) for m in range(n, size)), n
+    assert _fft_size(2 * 16384 - 1) == 2 * 16384
+
+
+@pytest.mark.parametrize("with_D", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_forward_float64(shape, with_D):
+    u, k, D = make_inputs(*shape, with_D=with_D)
+    out = tk_ops.fftconv(u, k, D=D)
+    assert out.dtype == torch.float64 and out.is_contiguous()
+    assert_rel_close(out, conv_reference(u, k, D), TOLERANCE[torch.float64])
+
+
+@pytest.mark.parametrize(
+    "dtype, param_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float32),
+        (torch.float16, torch.float16),
+    ],
+)
+def test_forward_low_precision(dtype, param_dtype):
+    u, k, D = make_inputs(2, 3, 100, 45, dtype=dtype, param_dtype=param_dtype)
+    out = tk_ops.fftconv(u, k, D=D)
+    assert out.dtype == dtype
+    assert_rel_close(out, float64_reference(u, k, D), TOLERANCE[dtype])
+
+
+def fftconv_grads(u, k, D, grad):
+    leaves = [t.detach().requires_grad_() for t in (u, k) + (() if D is None else (D,))]
+    out = tk_ops.fftconv(leaves[0], leaves[1], D=leaves[2] if D is not None else None)
+    out.backward(grad)
+    return [t.grad for t in leaves]
+
+
+def reference_grads(u, k, D, grad):
+    leaves = [t.detach().double().requires_grad_() for t in (u, k) + (() if D is None else (D,))]
+    out = conv_reference(leaves[0], leaves[1], leaves[2] if D is not None else None)
+    out.backward(grad.double())
+    return [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("with_D", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gradients_float64(shape, with_D):
+    u, k, D = make_inputs(*shape, with_D=with_D)
+    grad = torch.randn_like(u)
+    for name, got, want in zip("ukD", fftconv_grads(u, k, D, grad), reference_grads(u, k, D, grad)):
+        assert_rel_close(got, want, TOLERANCE[torch.float64], f"grad_{name}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients_low_precision_with_fp32_filter(dtype):
+    u, k, D = make_inputs(3, 2, 64, 19, dtype=dtype, param_dtype=torch.float32)
+    grad = torch.randn_like(u)
+    got = fftconv_grads(u, k, D, grad)
+    want = reference_grads(u, k, D, grad)
+    assert [g.dtype for g in got] == [dtype, torch.float32, torch.float32]
+    assert_rel_close(got[0], want[0], TOLERANCE[dtype], "grad_u")
+    # grad_k and grad_D are reduced in fp32 from the same rounded values and kept in fp32.
+    assert_rel_close(got[1], want[1], TOLERANCE[torch.float32], "grad_k")
+    assert_rel_close(got[2], want[2], TOLERANCE[torch.float32], "grad_D")
+
+
+@pytest.mark.parametrize(
+    "dtype, param_dtype, with_D",
+    [
+        (torch.float64, torch.float64, True),
+        (torch.float32, torch.float32, False),
+        (torch.bfloat16, torch.float32, True),
+    ],
+)
+def test_opcheck_forward(dtype, param_dtype, with_D):
+    u, k, D = make_inputs(2, 3, 23, 9, dtype=dtype, param_dtype=param_dtype, with_D=with_D)
+    args = [t.requires_grad_() if t is not None else None for t in (u, k, D)]
+    torch.library.opcheck(torch.ops.tk.fftconv.default, tuple(args))
+
+
+@pytest.mark.parametrize("with_D", [False, True])
+def test_opcheck_backward(with_D):
+    u, k, D = make_inputs(2, 3, 23, 9, with_D=with_D)
+    torch.library.opcheck(torch.ops.tk.fftconv_bwd.default, (torch.randn_like(u), u, k, D))
+
+
+def test_compile_fullgraph_forward_and_backward():
+    u, k, D = make_inputs(2, 3, 45, 17, dtype=torch.float32)
+    grad = torch.randn_like(u)
+    compiled = torch.compile(lambda u, k, D: tk_ops.fftconv(u, k, D=D) * 2.0, fullgraph=True)
+
+    def train_step(fn):
+        leaves = [t.detach().requires_grad_() for t in (u, k, D)]
+        out = fn(*leaves)
+        out.backward(grad)
+        return out.detach(), [t.grad for t in leaves]
+
+    (out, grads), codes = run_and_get_code(train_step, compiled)
+    code = "\n".join(codes)
+    assert "torch.ops.tk.fftconv.default" in code
+    assert "torch.ops.tk.fftconv_bwd.default" in code
+    eager_out, eager_grads = train_step(lambda u, k, D: tk_ops.fftconv(u, k, D=D) * 2.0)
+    assert_rel_close(out, eager_out, 1e-6)
+    for name, got, want in zip("ukD", grads, eager_grads):
+        assert_rel_close(got, want, 1e-6, f"grad_{name}")
+
+
+def test_export():
+    class LongConv(torch.nn.Module):
+        def __init__(self, heads, filter_len):
+            super().__init__()
+            self.k = torch.nn.Parameter(torch.randn(heads, filter_len) / filter_len**0.5)
+            self.D = torch.nn.Parameter(torch.randn(heads))
+
+        def forward(self, u):
+            return tk_ops.fftconv(u, self.k, D=self.D)
+
+    module = LongConv(3, 21)
+    u = torch.randn(2, 3, 50)
+    exported = torch.export.export(module, (u,))
+    targets = [node.target for node in exported.graph.nodes if node.op == "call_function"]
+    assert torch.ops.tk.fftconv.default in targets
+    assert_rel_close(exported.module()(u), module(u), 1e-6)
+
+
+class RecordOpInputs(TorchDispatchMode):
+    """Records the u argument (shape and strides) that reaches tk.fftconv."""
+
+    def __init__(self):
+        super().__init__()
+        self.u_strides = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.tk.fftconv.default:
+            self.u_strides.append(args[0].stride())
+        return func(*args, **(kwargs or {}))
+
+
+def test_strided_views():
+    B, H, N, L = 2, 5, 41, 13
+    u_bnh = torch.randn(B, N, H, dtype=torch.float64)  # (B, N, H) storage: u's last stride is H
+    k_lh = torch.randn(L, H, dtype=torch.float64)
+    D_every_other = torch.randn(2 * H, dtype=torch.float64)[::2]
+    u, k, D = u_bnh.transpose(1, 2), k_lh.t(), D_every_other
+    with RecordOpInputs() as recorder:
+        out = tk_ops.fftconv(u, k, D=D)
+    assert recorder.u_strides == [(N * H, N, 1)]  # copied, never read with stride H along N
+    assert_rel_close(out, conv_reference(u, k, D), TOLERANCE[torch.float64])
+    grad = torch.randn_like(out)
+    for name, got, want in zip("ukD", fftconv_grads(u, k, D, grad), reference_grads(u, k, D, grad)):
+        assert_rel_close(got, want, TOLERANCE[torch.float64], f"grad_{name}")
+
+    # A head-major view with a unit last stride reaches the op as it is, without a copy.
+    u_hbn = torch.randn(H, B, N, dtype=torch.float64).transpose(0, 1)
+    with RecordOpInputs() as recorder:
+        out = tk_ops.fftconv(u_hbn, k, D=D)
+    assert recorder.u_strides == [u_hbn.stride()]
+    assert_rel_close(out, conv_reference(u_hbn, k, D), TOLERANCE[torch.float64])
+
+
+def _bad_inputs():
+    u, k, D = make_inputs(2, 3, 16, 5, dtype=torch.float32)
+    return [
+        ("u not a tensor", lambda: tk_ops.fftconv(u.tolist(), k), TypeError, "u"),
+        ("u rank 2", lambda: tk_ops.fftconv(u[0], k), ValueError, "u"),
+        ("k rank 1", lambda: tk_ops.fftconv(u, k[0]), ValueError, "k"),
+        ("k rank 3", lambda: tk_ops.fftconv(u, k[None]), ValueError, "k"),
+        ("D rank 2", lambda: tk_ops.fftconv(u, k, D=D[None]), ValueError, "D"),
+        ("integer u", lambda: tk_ops.fftconv(u.to(torch.int32), k), TypeError, "u"),
+        ("fp16 k with bf16 u", lambda: tk_ops.fftconv(u.bfloat16(), k.half()), TypeError, "k"),
+        ("fp32 k with fp64 u", lambda: tk_ops.fftconv(u.double(), k), TypeError, "k"),
+        ("bf16 k with fp32 u", lambda: tk_ops.fftconv(u, k.bfloat16()), TypeError, "k"),
+        ("fp16 D with bf16 u", lambda: tk_ops.fftconv(u.bfloat16(), k, D=D.half()), TypeError, "D"),
+        ("k heads != H", lambda: tk_ops.fftconv(u, torch.randn(4, 5)), ValueError, r"k\.shape\[0\].*H"),
+        ("L > N", lambda: tk_ops.fftconv(u, torch.randn(3, 17)), ValueError, r"k\.shape\[1\].*N = 16"),
+        ("D length != H", lambda: tk_ops.fftconv(u, k, D=torch.randn(4)), ValueError, r"D\.shape\[0\]"),
+        ("empty u", lambda: tk_ops.fftconv(u[:0], k), ValueError, "u"),
+        ("empty k", lambda: tk_ops.fftconv(u, k[:, :0]), ValueError, "k"),
+        ("empty N", lambda: tk_ops.fftconv(u[..., :0], k[:, :0]), ValueError, "u"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_inputs())), ids=[c[0] for c in _bad_inputs()])
+def test_bad_inputs(case):
+    _, call, error, match = _bad_inputs()[case]
+    with pytest.raises(error, match=match):
+        call()
+
+
+@requires_cuda
+def test_device_mismatch():
+    u, k, D = make_inputs(2, 3, 16, 5, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="k"):
+        tk_ops.fftconv(u, k.cpu())
+    with pytest.raises(ValueError, match="D"):
+        tk_ops.fftconv(u, k, D=D.cpu())
+
+
+# --------------------------------------------------------------------------------- CUDA kernel
+
+# The kernel runs its FFTs as fp16/bf16 tensor-core matmuls (Monarch form) with fp32 accumulation:
+# each of its stages rounds, so its budget is wider than one output rounding (TOLERANCE).
+KERNEL_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-5}
+KERNEL_SEQ_LENS = [256, 1024, 4096, 16384]
+
+
+@requires_kernel("fftconv")
+@pytest.mark.parametrize("N", KERNEL_SEQ_LENS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("filter_len", ["N", "odd"])
+def test_kernel_forward(dtype, N, filter_len):
+    L = N if filter_len == "N" else N // 3 + 1
+    u, k, D = make_inputs(2, 3, N, L, dtype=dtype, param_dtype=torch.float32, device="cuda")
+    out = tk_ops.fftconv(u, k, D=D)
+    assert out.dtype == dtype and out.device == u.device
+    assert_rel_close(out, float64_reference(u, k, D), KERNEL_TOLERANCE[dtype])
+
+
+@requires_kernel("fftconv")
+@pytest.mark.parametrize("N", [100, 1000, 3000])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_forward_unsupported_seq_len(dtype, N):
+    u, k, D = make_inputs(3, 5, N, N // 2 + 1, dtype=dtype, device="cuda")
+    assert_rel_close(tk_ops.fftconv(u, k, D=D), float64_reference(u, k, D), KERNEL_TOLERANCE[dtype])
+
+
+@requires_kernel("fftconv")
+@pytest.mark.parametrize("N", KERNEL_SEQ_LENS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_gradients(dtype, N):
+    u, k, D = make_inputs(2, 3, N, N // 2 + 1, dtype=dtype, param_dtype=torch.float32, device="cuda")
+    grad = torch.randn_like(u)
+    got = fftconv_grads(u, k, D, grad)
+    want = reference_grads(u, k, D, grad)
+    for name, g, w in zip("ukD", got, want):
+        assert_rel_close(g, w, 2 * KERNEL_TOLERANCE[dtype], f"grad_{name}")
+
+
+@requires_kernel("fftconv")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_opcheck(dtype):
+    u, k, D = make_inputs(2, 3, 1024, 333, dtype=dtype, param_dtype=torch.float32, device="cuda")
+    torch.library.opcheck(torch.ops.tk.fftconv_bwd.default, (torch.randn_like(u), u, k, D))
+    torch.library.opcheck(torch.ops.tk.fftconv.default, (u.requires_grad_(), k.requires_grad_(), D.requires_grad_()))
