@@ -1,0 +1,362 @@
+"""tk_ops.inductor: standard PyTorch patterns compile to tk ops, exactly, and nothing else does.
+
+The rewrites run with ``any_device=True`` here so that the CPU suite exercises them against the
+reference paths; on the H100 the default (kernel devices only) is tested too.
+"""
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+from torch._inductor import config as inductor_config
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.utils import run_and_get_code
+
+import tk_ops
+import tk_ops.inductor
+from tk_testing import assert_rel_close, requires_kernel
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture
+def rewrites():
+    """Enable the rewrites for the test (on any device) and restore the config after it."""
+    saved = inductor_config.joint_custom_post_pass
+    counters.clear()
+    tk_ops.inductor.enable(any_device=True)
+    yield
+    tk_ops.inductor.disable()
+    inductor_config.joint_custom_post_pass = saved
+
+
+def compiled_step(fn, *inputs):
+    """Compile fn, run forward + backward; return outputs, input grads and the generated code."""
+    compiled = torch.compile(fn, fullgraph=True)
+
+    def step(*args):
+        out = compiled(*args)
+        outs = out if isinstance(out, tuple) else (out,)
+        sum(o.float().square().sum() for o in outs).backward()
+        return outs
+
+    outs, codes = run_and_get_code(step, *inputs)
+    return outs, [t.grad for t in inputs if t.requires_grad], "\n".join(codes)
+
+
+def eager_step(fn, *inputs):
+    out = fn(*inputs)
+    outs = out if isinstance(out, tuple) else (out,)
+    sum(o.float().square().sum() for o in outs).backward()
+    return outs, [t.grad for t in inputs if t.requires_grad]
+
+
+def tk_calls(code: str) -> set[str]:
+    return set(re.findall(r"torch\.ops\.tk\.(\w+)", code))
+
+
+def leaf(*shape, dtype=BF16, requires_grad=True):
+    return torch.randn(*shape, dtype=dtype).requires_grad_(requires_grad)
+
+
+def clone_leaves(inputs):
+    return [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+
+
+def check_rewrite(fn, inputs, expected_ops, tol=2e-2):
+    """The compiled graph calls ``expected_ops``; outputs and gradients match eager."""
+    eager_outs, eager_grads = eager_step(fn, *clone_leaves(inputs))
+    outs, grads, code = compiled_step(fn, *inputs)
+    assert expected_ops <= tk_calls(code), f"expected {expected_ops}, generated code calls {tk_calls(code)}"
+    for out, ref in zip(outs, eager_outs):
+        assert_rel_close(out, ref, tol, "output")
+    for grad, ref in zip(grads, eager_grads):
+        assert_rel_close(grad, ref, tol, "gradient")
+
+
+def check_left_alone(fn, inputs, ops):
+    _, _, code = compiled_step(fn, *inputs)
+    assert not (ops & tk_calls(code)), f"unexpected rewrite: {tk_calls(code)}"
+
+
+# ---------------------------------------------------------------------------- enable / disable
+
+
+class _UserPass(CustomGraphPass):
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, graph):
+        self.calls += 1
+
+    def uuid(self):
+        return "user-pass"
+
+
+def test_enable_is_idempotent_chains_and_disable_restores():
+    saved = inductor_config.joint_custom_post_pass
+    user = _UserPass()
+    inductor_config.joint_custom_post_pass = user
+    try:
+        tk_ops.inductor.enable(any_device=True)
+        tk_ops.inductor.enable(any_device=True)
+        installed = inductor_config.joint_custom_post_pass
+        assert tk_ops.inductor.is_enabled() and installed.previous is user
+        assert installed.uuid() == type(installed)(installed.options, user).uuid()  # stable cache key
+        q = leaf(1, 2, 8, 64)
+        _, _, code = compiled_step(lambda q: F.scaled_dot_product_attention(q, q, q), q)
+        assert user.calls >= 1 and "attention" in tk_calls(code)
+        tk_ops.inductor.disable()
+        assert inductor_config.joint_custom_post_pass is user and not tk_ops.inductor.is_enabled()
+        tk_ops.inductor.disable()
+        assert inductor_config.joint_custom_post_pass is user
+    finally:
+        tk_ops.inductor.disable()
+        inductor_config.joint_custom_post_pass = saved
+
+
+def test_uuid_depends_on_options_and_uncacheable_user_pass():
+    from tk_ops.inductor.graph_pass import TkGraphPass
+    from tk_ops.inductor.options import RewriteOptions
+
+    assert TkGraphPass(RewriteOptions()).uuid() != TkGraphPass(RewriteOptions(matmul=True)).uuid()
+    assert TkGraphPass(RewriteOptions(), previous=lambda graph: None).uuid() is None
+
+
+def test_default_rewrites_only_on_kernel_devices():
+    saved = inductor_config.joint_custom_post_pass
+    tk_ops.inductor.enable()
+    try:
+        q = leaf(1, 2, 8, 64)
+        check_left_alone(lambda q: F.scaled_dot_product_attention(q, q, q), [q], {"attention"})
+    finally:
+        tk_ops.inductor.disable()
+        inductor_config.joint_custom_post_pass = saved
+
+
+# ----------------------------------------------------------------------------------- attention
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_rewritten(rewrites, causal):
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    check_rewrite(fn, [leaf(2, 3, 17, 64), leaf(2, 3, 17, 64), leaf(2, 3, 17, 64)], {"attention", "attention_bwd"})
+    assert counters["tk_ops"]["attention"] >= 1
+
+
+def test_sdpa_gqa_and_scale_rewritten(rewrites):
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, scale=0.3, enable_gqa=True)
+
+    check_rewrite(fn, [leaf(1, 4, 9, 128), leaf(1, 2, 9, 128), leaf(1, 2, 9, 128)], {"attention", "attention_bwd"})
+
+
+def test_sdpa_inference_rewritten(rewrites):
+    q, k, v = (leaf(1, 2, 5, 64, requires_grad=False) for _ in range(3))
+    compiled = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), fullgraph=True)
+    out, codes = run_and_get_code(compiled, q, k, v)
+    assert "attention" in tk_calls("\n".join(codes))
+    assert_rel_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True), 2e-2)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["mask", "dropout", "fp32", "head_dim_32", "causal_rectangular"],
+)
+def test_sdpa_left_alone(rewrites, case):
+    nq, nk, d, dtype = 8, 8, 64, BF16
+    if case == "causal_rectangular":
+        nk = 12
+    if case == "head_dim_32":
+        d = 32
+    if case == "fp32":
+        dtype = torch.float32
+    q, k, v = leaf(1, 2, nq, d, dtype=dtype), leaf(1, 2, nk, d, dtype=dtype), leaf(1, 2, nk, d, dtype=dtype)
+    mask = torch.rand(nq, nk) > 0.3
+
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask if case == "mask" else None,
+            dropout_p=0.5 if case == "dropout" else 0.0,
+            is_causal=case == "causal_rectangular",
+        )
+
+    check_left_alone(fn, [q, k, v], {"attention", "attention_bwd"})
+
+
+# ------------------------------------------------------------------------------------ LayerNorm
+
+
+def test_layer_norm_rewritten(rewrites):
+    def fn(x, w, b):
+        return F.layer_norm(x, (48,), w, b, 1e-5)
+
+    check_rewrite(fn, [leaf(3, 7, 48), leaf(48), leaf(48)], {"layer_norm", "layer_norm_bwd"})
+
+
+def test_residual_layer_norm_rewritten_with_stream(rewrites):
+    def fn(x, r, w, b):
+        h = x + r
+        return F.layer_norm(h, (48,), w, b, 1e-6), h
+
+    check_rewrite(fn, [leaf(3, 7, 48), leaf(3, 7, 48), leaf(48), leaf(48)], {"layer_norm", "layer_norm_bwd"})
+
+
+def test_layer_norm_fp32_left_alone(rewrites):
+    f32 = torch.float32
+    check_left_alone(
+        lambda x, w, b: F.layer_norm(x, (48,), w, b), [leaf(3, 48, dtype=f32), leaf(48, dtype=f32), leaf(48, dtype=f32)], {"layer_norm"}
+    )
+
+
+# -------------------------------------------------------------------------------------- RMSNorm
+
+
+def hf_rms_norm(x, weight, eps=1e-6):
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return weight * h.to(x.dtype)
+
+
+def test_hf_rms_norm_rewritten(rewrites):
+    check_rewrite(lambda x, w: hf_rms_norm(x, w, 1e-5), [leaf(2, 9, 40), leaf(40)], {"rms_norm", "rms_norm_bwd"})
+
+
+def test_rms_norm_other_eps_placement_left_alone(rewrites):
+    def fn(x, w):
+        h = x.to(torch.float32)
+        h = h * (torch.rsqrt(h.pow(2).mean(-1, keepdim=True)) + 1e-6)
+        return w * h.to(x.dtype)
+
+    check_left_alone(fn, [leaf(2, 9, 40), leaf(40)], {"rms_norm"})
+
+
+def test_rms_norm_fp32_weight_left_alone(rewrites):
+    check_left_alone(hf_rms_norm, [leaf(2, 9, 40), leaf(40, dtype=torch.float32)], {"rms_norm"})
+
+
+# ----------------------------------------------------------------------------------------- RoPE
+
+
+def rotate_half(x):
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def hf_tables(batch, n, d):
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.arange(n).float()[:, None] * inv_freq[None]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().expand(batch, n, d).to(BF16), emb.sin().expand(batch, n, d).to(BF16)
+
+
+def test_rope_qk_rewritten(rewrites):
+    cos, sin = hf_tables(2, 11, 64)
+
+    def fn(q, k):
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+        return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
+
+    check_rewrite(fn, [leaf(2, 4, 11, 64), leaf(2, 2, 11, 64)], {"rope_qk", "rope_qk_bwd"})
+
+
+def test_non_standard_rotation_left_alone(rewrites):
+    cos, sin = hf_tables(1, 6, 32)
+
+    def fn(q):
+        half = q.shape[-1] // 2
+        rotated = torch.cat((q[..., half:], -q[..., :half]), dim=-1)  # the opposite sign convention
+        return q * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+
+    check_left_alone(fn, [leaf(1, 2, 6, 32)], {"rope", "rope_qk"})
+
+
+# ------------------------------------------------------------------------- Hugging Face models
+
+
+
+def _hf_check(model, inputs, expected_ops):
+    model = model.to(BF16)
+    reference = [p.detach().clone() for p in model.parameters()]
+    eager_logits = model(**inputs).logits
+    eager_logits.float().square().mean().backward()
+    eager_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with torch.no_grad():
+        for p, r in zip(model.parameters(), reference):
+            p.copy_(r)
+    compiled = torch.compile(model, fullgraph=True)
+
+    def step():
+        logits = compiled(**inputs).logits
+        logits.float().square().mean().backward()
+        return logits
+
+    logits, codes = run_and_get_code(step)
+    called = tk_calls("\n".join(codes))
+    assert expected_ops <= called, f"expected {expected_ops}, generated code calls {called}"
+    assert_rel_close(logits, eager_logits, 3e-2, "logits")
+    largest = max(g.norm().item() for g in eager_grads)
+    for p, g in zip(model.parameters(), eager_grads):
+        # gradients that vanish mathematically (e.g. key biases under softmax) are rounding noise
+        if g.norm().item() > 1e-3 * largest:
+            assert_rel_close(p.grad, g, 5e-2, "parameter gradient")
+
+
+def test_hf_llama_compiles_to_tk_ops(rewrites):
+    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency")
+    config = transformers.LlamaConfig(
+        vocab_size=97,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
+    )
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 97, (2, 13))
+    _hf_check(model, {"input_ids": ids}, {"attention", "attention_bwd", "rms_norm", "rms_norm_bwd", "rope_qk", "rope_qk_bwd"})
+
+
+def test_hf_bert_compiles_to_tk_ops(rewrites):
+    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency")
+    config = transformers.BertConfig(
+        vocab_size=97,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        attn_implementation="sdpa",
+    )
+    model = transformers.BertForMaskedLM(config)
+    ids = torch.randint(0, 97, (2, 13))
+    _hf_check(model, {"input_ids": ids}, {"attention", "attention_bwd", "layer_norm", "layer_norm_bwd"})
+
+
+# ------------------------------------------------------------------------------------------ GPU
+
+
+@requires_kernel("attention")
+def test_default_rewrite_on_h100():
+    saved = inductor_config.joint_custom_post_pass
+    tk_ops.inductor.enable()
+    try:
+        q, k, v = (leaf(2, 4, 256, 128).cuda().detach().requires_grad_() for _ in range(3))
+        check_rewrite(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), [q, k, v], {"attention", "attention_bwd"})
+    finally:
+        tk_ops.inductor.disable()
+        inductor_config.joint_custom_post_pass = saved

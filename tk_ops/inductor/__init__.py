@@ -1,0 +1,50 @@
+"""Make ``torch.compile`` (Inductor) run standard PyTorch code on tk ops.
+
+    import tk_ops.inductor
+    tk_ops.inductor.enable()          # from now on torch.compile rewrites exact patterns
+    model = torch.compile(model)
+
+Rewritten, in inference and training graphs, only where exact (dtypes, shapes, masks, scales):
+``F.scaled_dot_product_attention`` (no mask or causal, dropout 0) -> ``tk.attention``; see the
+modules of this package for each pattern. ``enable`` is idempotent, chains with a pass the user
+already installed in ``torch._inductor.config.joint_custom_post_pass`` (run first), and
+``disable`` restores it. By default rewrites fire only for tensors on devices where a tk kernel
+serves them; ``enable(any_device=True)`` rewrites everywhere (the CPU test suite uses it to
+exercise the rewrites against the reference paths).
+"""
+
+from __future__ import annotations
+
+from tk_ops.inductor.graph_pass import TkGraphPass
+from tk_ops.inductor.options import RewriteOptions
+
+_CONFIG_SLOT = "joint_custom_post_pass"
+
+
+def _config():
+    from torch._inductor import config
+
+    return config
+
+
+def enable(*, any_device: bool = False, matmul: bool = False) -> None:
+    """Install the tk rewrites (again with new options if already installed)."""
+    config = _config()
+    current = getattr(config, _CONFIG_SLOT)
+    previous = current.previous if isinstance(current, TkGraphPass) else current
+    setattr(config, _CONFIG_SLOT, TkGraphPass(RewriteOptions(any_device=any_device, matmul=matmul), previous))
+
+
+def disable() -> None:
+    """Remove the tk rewrites, restoring the pass that was installed before ``enable``."""
+    config = _config()
+    current = getattr(config, _CONFIG_SLOT)
+    if isinstance(current, TkGraphPass):
+        setattr(config, _CONFIG_SLOT, current.previous)
+
+
+def is_enabled() -> bool:
+    return isinstance(getattr(_config(), _CONFIG_SLOT), TkGraphPass)
+
+
+__all__ = ["disable", "enable", "is_enabled"]

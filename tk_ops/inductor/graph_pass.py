@@ -1,0 +1,44 @@
+"""The joint-graph pass that applies every tk rewrite, chained after a user's own pass."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+import torch.fx
+from torch._dynamo.utils import counters
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from tk_ops.inductor import _graph, attention, patterns
+from tk_ops.inductor.options import RewriteOptions
+
+_SOURCES = (attention.__file__, patterns.__file__, _graph.__file__, __file__)
+
+
+class TkGraphPass(CustomGraphPass):
+    """Runs ``previous`` (the pass installed before us, if any), then the tk rewrites."""
+
+    def __init__(self, options: RewriteOptions, previous: Optional[Any] = None):
+        self.options = options
+        self.previous = previous
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        if self.previous is not None:
+            self.previous(graph)
+        attention_rewrites = attention.rewrite_attention(graph, self.options)
+        if attention_rewrites:
+            counters["tk_ops"]["attention"] += attention_rewrites
+            graph.eliminate_dead_code()
+        pattern_rewrites = patterns.rewrite_patterns(graph, self.options)
+        if pattern_rewrites:
+            counters["tk_ops"]["patterns"] += pattern_rewrites
+
+    def uuid(self) -> Optional[Any]:
+        """Stable across processes for the FX graph cache: our sources, options and the wrapped pass."""
+        previous_uuid = None
+        if self.previous is not None:
+            previous_uuid = self.previous.uuid() if hasattr(self.previous, "uuid") else None
+            if previous_uuid is None:
+                return None  # the wrapped pass cannot be cached, so neither can we
+        return (get_hash_for_files(_SOURCES), tuple(sorted(dataclasses.asdict(self.options).items())), previous_uuid)

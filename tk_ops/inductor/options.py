@@ -1,0 +1,27 @@
+"""What the rewrites may do: which devices they fire on, and whether GEMMs are rewritten."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from tk_ops import _library
+
+
+@dataclasses.dataclass(frozen=True)
+class RewriteOptions:
+    # Rewrite for tensors on any device (the tk reference path serves CPU); the CPU test suite
+    # uses it to exercise the rewrite logic. By default only devices with a tk kernel qualify.
+    any_device: bool = False
+    # Rewrite mm/addmm to tk.matmul/tk.linear (only worth it where the GEMM benchmark shows a gain).
+    matmul: bool = False
+
+    def serves(self, device: torch.device, op_name: str) -> bool:
+        if self.any_device:
+            return True
+        return (
+            device.type == "cuda"
+            and torch.cuda.get_device_capability(device) == (9, 0)
+            and _library.has_cuda_kernel(op_name)
+        )
