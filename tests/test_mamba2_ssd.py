@@ -1,0 +1,461 @@
+"""tk.mamba2_ssd: the chunked Mamba-2 SSD scan against a per-timestep float64 recurrence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._inductor.utils import run_and_get_code
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import tk_ops
+from tk_testing import TOLERANCE, assert_rel_close, requires_cuda, requires_kernel
+
+NAMES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
+
+# Variants the contract lists; L is never a multiple of 16 except in "multiple", and P, N are odd.
+CASES = {
+    "plain": dict(Bt=2, L=37, H=4, P=5, G=1, N=3, chunk_size=16),
+    "all options": dict(
+        Bt=2, L=37, H=4, P=5, G=2, N=3, chunk_size=16, D="H", z=True, dt_bias=True, dt_softplus=True, initial=True
+    ),
+    "D per channel, softplus": dict(
+        Bt=1, L=29, H=4, P=3, G=2, N=5, chunk_size=8, D="HP", z=True, dt_softplus=True, initial=True
+    ),
+    "shorter than a chunk": dict(Bt=2, L=5, H=2, P=3, G=1, N=3, chunk_size=16, D="HP", dt_bias=True),
+    "multiple": dict(Bt=1, L=48, H=4, P=3, G=2, N=3, chunk_size=16, initial=True),
+}
+
+
+def make_inputs(
+    Bt, L, H, P, G, N, chunk_size=16, *, D=None, z=False, dt_bias=False, dt_softplus=False, initial=False,
+    dtype=torch.float64, param_dtype=None, device="cpu",
+):
+    """Inputs by name (None when absent) and the dt_softplus flag; steps dt stay in (0.05, 1)."""
+    param_dtype = param_dtype or dtype
+
+    def randn(*shape, scale=1.0, to=dtype):
+        return (torch.randn(*shape, device=device) * scale).to(to)
+
+    if dt_softplus:
+        dt = randn(Bt, L, H, scale=0.5, to=param_dtype) - 1.5
+    else:
+        dt = (torch.rand(Bt, L, H, device=device) * 0.5 + 0.05).to(param_dtype)
+    inputs = dict(
+        x=randn(Bt, L, H, P),
+        dt=dt,
+        A=(-0.3 - torch.rand(H, device=device)).to(param_dtype),
+        B=randn(Bt, L, G, N),
+        C=randn(Bt, L, G, N),
+        D=None if D is None else randn(*((H,) if D == "H" else (H, P)), to=param_dtype),
+        z=randn(Bt, L, H, P) if z else None,
+        dt_bias=randn(H, scale=0.3, to=param_dtype) if dt_bias else None,
+        initial_states=randn(Bt, H, P, N, to=param_dtype) if initial else None,
+    )
+    return inputs, dt_softplus
+
+
+def recurrence(inputs, dt_softplus):
+    """h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T, y_t = (h_t C_t + D x_t) silu(z_t), one step at a time in float64."""
+    t64 = {name: None if t is None else t.double() for name, t in inputs.items()}
+    x, dt, A, B, C = (t64[name] for name in ("x", "dt", "A", "B", "C"))
+    if t64["dt_bias"] is not None:
+        dt = dt + t64["dt_bias"]
+    if dt_softplus:
+        dt = F.softplus(dt)
+    dt = dt.clamp(min=0)
+    Bt, L, H, P = x.shape
+    heads_per_group = H // B.shape[2]
+    B, C = B.repeat_interleave(heads_per_group, 2), C.repeat_interleave(heads_per_group, 2)
+    state = t64["initial_states"] if t64["initial_states"] is not None else x.new_zeros(Bt, H, P, B.shape[-1])
+    ys = []
+    for t in range(L):
+        step = dt[:, t, :, None, None]
+        state = torch.exp(step * A[:, None, None]) * state + step * x[:, t, :, :, None] * B[:, t, :, None, :]
+        ys.append((state * C[:, t, :, None, :]).sum(-1))
+    y = torch.stack(ys, dim=1)
+    if t64["D"] is not None:
+        y = y + x * (t64["D"] if t64["D"].dim() == 2 else t64["D"][:, None])
+    if t64["z"] is not None:
+        y = y * F.silu(t64["z"])
+    return y, state
+
+
+def ssd(inputs, dt_softplus, chunk_size):
+    return tk_ops.mamba2_ssd(
+        inputs["x"], inputs["dt"], inputs["A"], inputs["B"], inputs["C"], chunk_size=chunk_size, D=inputs["D"],
+        z=inputs["z"], dt_bias=inputs["dt_bias"], dt_softplus=dt_softplus, initial_states=inputs["initial_states"],
+        return_final_states=True,
+    )
+
+
+def gradients(fn, inputs, grad_y, grad_final):
+    """Gradients by name of sum(y * grad_y) + sum(final * grad_final) (either grad may be None)."""
+    leaves = {name: t.detach().requires_grad_() for name, t in inputs.items() if t is not None}
+    y, final = fn({name: leaves.get(name) for name in NAMES})
+    outputs, grads = zip(*[(o, g) for o, g in ((y, grad_y), (final, grad_final)) if g is not None])
+    torch.autograd.backward(outputs, grads)
+    return {name: t.grad for name, t in leaves.items()}
+
+
+def test_recurrence_matches_the_definition():
+    inputs, _ = make_inputs(1, 3, 2, 2, 1, 2, D="H")
+    y, final = recurrence(inputs, False)
+    x, dt, A, B, C, D = (inputs[name] for name in ("x", "dt", "A", "B", "C", "D"))
+    h = torch.zeros(2, 2, 2, dtype=torch.float64)
+    for t in range(3):
+        for head in range(2):
+            step = dt[0, t, head]
+            h[head] = torch.exp(step * A[head]) * h[head] + step * torch.outer(x[0, t, head], B[0, t, 0])
+            assert torch.allclose(y[0, t, head], h[head] @ C[0, t, 0] + D[head] * x[0, t, head])
+    assert torch.allclose(final[0], h)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_forward_float64(case):
+    inputs, softplus = make_inputs(**CASES[case])
+    y, final = ssd(inputs, softplus, CASES[case]["chunk_size"])
+    want_y, want_final = recurrence(inputs, softplus)
+    assert y.dtype == torch.float64 and y.is_contiguous() and final.dtype == torch.float64
+    assert_rel_close(y, want_y, TOLERANCE[torch.float64], "y")
+    assert_rel_close(final, want_final, TOLERANCE[torch.float64], "final_states")
+
+
+@pytest.mark.parametrize("with_final_grad", [False, True])
+@pytest.mark.parametrize("case", CASES)
+def test_gradients_float64(case, with_final_grad):
+    inputs, softplus = make_inputs(**CASES[case])
+    want_y, want_final = recurrence(inputs, softplus)
+    grad_y = torch.randn_like(want_y)
+    grad_final = torch.randn_like(want_final) if with_final_grad else None
+    got = gradients(lambda t: ssd(t, softplus, CASES[case]["chunk_size"]), inputs, grad_y, grad_final)
+    want = gradients(lambda t: recurrence(t, softplus), inputs, grad_y, grad_final)
+    assert got.keys() == want.keys()
+    for name in got:
+        assert_rel_close(got[name], want[name], TOLERANCE[torch.float64], f"grad_{name}")
+
+
+def test_gradients_through_final_states_only():
+    inputs, softplus = make_inputs(**CASES["all options"])
+    grad_final = torch.randn(2, 4, 5, 3, dtype=torch.float64)
+    got = gradients(lambda t: ssd(t, softplus, 16), inputs, None, grad_final)
+    want = gradients(lambda t: recurrence(t, softplus), inputs, None, grad_final)
+    for name in want:
+        if want[name] is None:  # z does not reach the final state
+            assert got[name] is None or not got[name].any()
+        else:
+            assert_rel_close(got[name], want[name], TOLERANCE[torch.float64], f"grad_{name}")
+
+
+def test_chunk_size_changes_only_rounding():
+    inputs, softplus = make_inputs(**CASES["all options"])
+    grad_y, grad_final = torch.randn(2, 37, 4, 5, dtype=torch.float64), torch.randn(2, 4, 5, 3, dtype=torch.float64)
+    base_y, base_final = ssd(inputs, softplus, 16)
+    base_grads = gradients(lambda t: ssd(t, softplus, 16), inputs, grad_y, grad_final)
+    for chunk_size in (1, 5, 36, 37, 64):
+        y, final = ssd(inputs, softplus, chunk_size)
+        assert_rel_close(y, base_y, 1e-12, f"y, chunk_size={chunk_size}")
+        assert_rel_close(final, base_final, 1e-12, f"final_states, chunk_size={chunk_size}")
+        grads = gradients(lambda t: ssd(t, softplus, chunk_size), inputs, grad_y, grad_final)
+        for name in grads:
+            assert_rel_close(grads[name], base_grads[name], 1e-12, f"grad_{name}, chunk_size={chunk_size}")
+
+
+def test_negative_steps_are_clamped_to_zero():
+    inputs, _ = make_inputs(**CASES["plain"])
+    inputs["dt"] = inputs["dt"] - 0.3  # about 40% of the steps become negative
+    assert (inputs["dt"] < 0).any()
+    clamped = dict(inputs, dt=inputs["dt"].clamp(min=0))
+    y, final = ssd(inputs, False, 16)
+    want_y, want_final = recurrence(clamped, False)
+    assert_rel_close(y, want_y, TOLERANCE[torch.float64], "y")
+    assert_rel_close(final, want_final, TOLERANCE[torch.float64], "final_states")
+    grads = gradients(lambda t: ssd(t, False, 16), inputs, torch.randn_like(y), None)
+    assert not grads["dt"][inputs["dt"] < 0].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_low_precision_with_fp32_parameters(dtype):
+    config = CASES["all options"]
+    inputs, softplus = make_inputs(**config, dtype=dtype, param_dtype=torch.float32)
+    y, final = ssd(inputs, softplus, config["chunk_size"])
+    want_y, want_final = recurrence(inputs, softplus)
+    assert y.dtype == dtype and final.dtype == torch.float32
+    assert_rel_close(y, want_y, TOLERANCE[dtype], "y")
+    assert_rel_close(final, want_final, TOLERANCE[torch.float32], "final_states")
+
+    grad_y, grad_final = torch.randn_like(y), torch.randn_like(final)
+    got = gradients(lambda t: ssd(t, softplus, config["chunk_size"]), inputs, grad_y, grad_final)
+    want = gradients(lambda t: recurrence(t, softplus), inputs, grad_y, grad_final)
+    for name in got:
+        assert got[name].dtype == inputs[name].dtype, name
+        assert_rel_close(got[name], want[name], TOLERANCE[got[name].dtype], f"grad_{name}")
+
+
+def test_op_outputs_and_gradient_dtypes():
+    inputs, softplus = make_inputs(**CASES["all options"], dtype=torch.bfloat16)
+    args = [inputs[name] for name in ("x", "dt", "A", "B", "C")]
+    optional = [inputs[name] for name in ("D", "z", "dt_bias")]
+    leaves = [t.requires_grad_() for t in args]
+    y, final, chunk_states = torch.ops.tk.mamba2_ssd(*leaves, 16, *optional, softplus, inputs["initial_states"])
+    assert y.dtype == torch.bfloat16 and final.dtype == chunk_states.dtype == torch.float32
+    assert chunk_states.shape == (2, 3, 4, 5, 3) and not chunk_states.requires_grad
+    assert_rel_close(chunk_states[:, 0], inputs["initial_states"], 0, "chunk_states[:, 0]")
+
+    grads = torch.ops.tk.mamba2_ssd_bwd(
+        torch.randn_like(y), None, *[t.detach() for t in leaves], 16, *optional, softplus,
+        inputs["initial_states"], chunk_states,
+    )
+    # As mamba_ssm: the reduced grad_A and grad_dt_bias are fp32, the others have their input's dtype.
+    fp32_grads = {"A", "dt_bias"}
+    assert [g.dtype for g in grads] == [torch.float32 if n in fp32_grads else torch.bfloat16 for n in NAMES]
+
+    plain = torch.ops.tk.mamba2_ssd_bwd(
+        torch.randn_like(y), None, *[t.detach() for t in leaves], 16, None, None, None, False, None, chunk_states
+    )
+    assert [g.numel() for g in plain[5:]] == [0, 0, 0, 0]
+
+    y.float().square().sum().backward()
+    assert [t.grad.dtype for t in leaves] == [torch.bfloat16] * 5  # autograd casts grad_A to A's dtype
+
+
+def _opcheck_inputs(config, dtype, param_dtype):
+    inputs, softplus = make_inputs(**config, dtype=dtype, param_dtype=param_dtype)
+    tensors = [None if inputs[n] is None else inputs[n].requires_grad_() for n in NAMES]
+    x, dt, A, B, C, D, z, dt_bias, initial = tensors
+    return (x, dt, A, B, C, config["chunk_size"], D, z, dt_bias, softplus, initial)
+
+
+OPCHECK_CASES = {
+    "float64, all options": (dict(CASES["all options"], L=11, chunk_size=4), torch.float64, torch.float64),
+    "bf16, fp32 parameters, no options": (dict(CASES["plain"], L=9, chunk_size=4), torch.bfloat16, torch.float32),
+}
+
+
+@pytest.mark.parametrize("case", OPCHECK_CASES)
+def test_opcheck_forward(case):
+    torch.library.opcheck(torch.ops.tk.mamba2_ssd.default, _opcheck_inputs(*OPCHECK_CASES[case]))
+
+
+@pytest.mark.parametrize(
+    "case, with_final_grad", [("float64, all options", True), ("bf16, fp32 parameters, no options", False)]
+)
+def test_opcheck_backward(case, with_final_grad):
+    args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in _opcheck_inputs(*OPCHECK_CASES[case]))
+    y, final, chunk_states = torch.ops.tk.mamba2_ssd(*args)
+    grad_final = torch.randn_like(final) if with_final_grad else None
+    torch.library.opcheck(torch.ops.tk.mamba2_ssd_bwd.default, (torch.randn_like(y), grad_final, *args, chunk_states))
+
+
+def test_compile_fullgraph_forward_and_backward():
+    inputs, softplus = make_inputs(**CASES["all options"], dtype=torch.float32)
+    grad_y, grad_final = torch.randn_like(inputs["x"]), torch.randn(2, 4, 5, 3)
+
+    def model(t):
+        y, final = ssd(t, softplus, 16)
+        return y * 2.0, final
+
+    def train_step(fn):
+        return gradients(fn, inputs, grad_y, grad_final)
+
+    grads, codes = run_and_get_code(train_step, torch.compile(model, fullgraph=True))
+    code = "\n".join(codes)
+    assert "torch.ops.tk.mamba2_ssd.default" in code
+    assert "torch.ops.tk.mamba2_ssd_bwd.default" in code
+    eager = train_step(model)
+    for name in eager:
+        assert_rel_close(grads[name], eager[name], 1e-6, f"grad_{name}")
+
+
+def test_export():
+    class Mixer(torch.nn.Module):
+        def __init__(self, heads, head_dim):
+            super().__init__()
+            self.A_log = torch.nn.Parameter(torch.rand(heads))
+            self.D = torch.nn.Parameter(torch.randn(heads))
+            self.dt_bias = torch.nn.Parameter(torch.randn(heads) * 0.3)
+
+        def forward(self, x, dt, B, C, z):
+            return tk_ops.mamba2_ssd(
+                x, dt, -torch.exp(self.A_log), B, C, chunk_size=8, D=self.D, z=z, dt_bias=self.dt_bias,
+                dt_softplus=True,
+            )
+
+    module = Mixer(4, 5)
+    inputs, _ = make_inputs(2, 21, 4, 5, 2, 3, z=True, dt_softplus=True, dtype=torch.float32)
+    args = tuple(inputs[name] for name in ("x", "dt", "B", "C", "z"))
+    exported = torch.export.export(module, args)
+    targets = [node.target for node in exported.graph.nodes if node.op == "call_function"]
+    assert torch.ops.tk.mamba2_ssd.default in targets
+    assert_rel_close(exported.module()(*args), module(*args), 1e-6)
+
+
+class RecordOpInputs(TorchDispatchMode):
+    """Records the strides of x, dt and B as they reach tk.mamba2_ssd."""
+
+    def __init__(self):
+        super().__init__()
+        self.strides = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.tk.mamba2_ssd.default:
+            self.strides.append((args[0].stride(), args[1].stride(), args[3].stride()))
+        return func(*args, **(kwargs or {}))
+
+
+def test_strided_views():
+    Bt, L, H, P, G, N = 2, 19, 4, 5, 2, 3
+    inputs, softplus = make_inputs(Bt, L, H, P, G, N, D="H", z=True, initial=True)
+    # Head-major storage with a unit last stride reaches the op as it is.
+    views = dict(
+        inputs,
+        x=inputs["x"].transpose(1, 2).contiguous().transpose(1, 2),
+        B=inputs["B"].transpose(1, 2).contiguous().transpose(1, 2),
+    )
+    with RecordOpInputs() as recorder:
+        y, final = ssd(views, softplus, 8)
+    assert recorder.strides == [(views["x"].stride(), views["dt"].stride(), views["B"].stride())]
+    # A last dimension with a stride other than 1 is copied, never misread.
+    transposed = dict(
+        inputs,
+        x=inputs["x"].transpose(-1, -2).contiguous().transpose(-1, -2),
+        dt=inputs["dt"].transpose(1, 2).contiguous().transpose(1, 2),
+    )
+    with RecordOpInputs() as recorder:
+        y_copied, _ = ssd(transposed, softplus, 8)
+    assert recorder.strides[0][:2] == (inputs["x"].stride(), inputs["dt"].stride())
+    want_y, want_final = recurrence(inputs, softplus)
+    for got in (y, y_copied):
+        assert_rel_close(got, want_y, TOLERANCE[torch.float64], "y")
+    assert_rel_close(final, want_final, TOLERANCE[torch.float64], "final_states")
+    grad_y = torch.randn_like(want_y)
+    got = gradients(lambda t: ssd(t, softplus, 8), views, grad_y, None)
+    want = gradients(lambda t: recurrence(t, softplus), inputs, grad_y, None)
+    for name in got:
+        assert_rel_close(got[name], want[name], TOLERANCE[torch.float64], f"grad_{name}")
+
+
+def _bad_inputs():
+    inputs, _ = make_inputs(2, 10, 4, 3, 2, 5, dtype=torch.float32, D="H", z=True, dt_bias=True, initial=True)
+    x, dt, A, B, C = (inputs[name] for name in ("x", "dt", "A", "B", "C"))
+
+    def call(**changes):
+        args = dict(inputs, **changes)
+        chunk_size = args.pop("chunk_size", 4)
+        return lambda: tk_ops.mamba2_ssd(
+            args["x"], args["dt"], args["A"], args["B"], args["C"], chunk_size=chunk_size, D=args["D"],
+            z=args["z"], dt_bias=args["dt_bias"], initial_states=args["initial_states"],
+        )
+
+    return [
+        ("x not a tensor", call(x=x.tolist()), TypeError, "x"),
+        ("x rank 3", call(x=x[0]), ValueError, "x"),
+        ("dt rank 2", call(dt=dt[0]), ValueError, "dt"),
+        ("A rank 2", call(A=A[None]), ValueError, "A"),
+        ("B rank 3", call(B=B[0]), ValueError, "B"),
+        ("C rank 5", call(C=C[None]), ValueError, "C"),
+        ("D rank 3", call(D=torch.randn(4, 3, 1)), ValueError, "D"),
+        ("integer x", call(x=x.to(torch.int32)), TypeError, "x"),
+        ("integer dt", call(dt=dt.to(torch.int64)), TypeError, "dt"),
+        ("bf16 B with fp32 x", call(B=B.bfloat16()), TypeError, "B"),
+        ("fp64 C with fp32 x", call(C=C.double()), TypeError, "C"),
+        ("fp16 z with fp32 x", call(z=inputs["z"].half()), TypeError, "z"),
+        ("dt batch", call(dt=dt[:1]), ValueError, r"dt\.shape\[0\]"),
+        ("dt seqlen", call(dt=dt[:, :9]), ValueError, r"dt\.shape\[1\]"),
+        ("dt heads", call(dt=dt[..., :3]), ValueError, r"dt\.shape\[2\]"),
+        ("A heads", call(A=A[:3]), ValueError, r"A\.shape\[0\]"),
+        ("B seqlen", call(B=B[:, :9]), ValueError, r"B\.shape\[1\]"),
+        ("H not a multiple of G", call(B=torch.randn(2, 10, 3, 5), C=torch.randn(2, 10, 3, 5)), ValueError,
+         r"H = x\.shape\[2\] \(4\) must be a multiple of the number of groups G = B\.shape\[2\] \(3\)"),
+        ("C state size", call(C=C[..., :4]), ValueError, "C must have B's shape"),
+        ("z shape", call(z=inputs["z"][..., :2]), ValueError, "z must have x's shape"),
+        ("D shape", call(D=torch.randn(4, 2)), ValueError, r"D must have shape \(4,\) or \(4, 3\)"),
+        ("dt_bias heads", call(dt_bias=torch.randn(3)), ValueError, r"dt_bias\.shape\[0\]"),
+        ("initial_states shape", call(initial_states=torch.randn(2, 4, 5, 3)), ValueError, "initial_states"),
+        ("chunk_size 0", call(chunk_size=0), ValueError, "chunk_size"),
+        ("chunk_size float", call(chunk_size=8.0), TypeError, "chunk_size"),
+        ("chunk_size bool", call(chunk_size=True), TypeError, "chunk_size"),
+        ("empty seqlen", call(x=x[:, :0], dt=dt[:, :0], B=B[:, :0], C=C[:, :0]), ValueError, "x"),
+        ("empty head dim", call(x=x[..., :0], z=None, D=None, initial_states=None), ValueError, "x"),
+        ("empty state", call(B=B[..., :0], C=C[..., :0], initial_states=None), ValueError, "B"),
+        ("empty initial_states", call(initial_states=torch.randn(2, 4, 3, 0)), ValueError, "initial_states"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_inputs())), ids=[c[0] for c in _bad_inputs()])
+def test_bad_inputs(case):
+    _, call, error, match = _bad_inputs()[case]
+    with pytest.raises(error, match=match):
+        call()
+
+
+@requires_cuda
+def test_device_mismatch():
+    inputs, _ = make_inputs(2, 10, 4, 64, 2, 64, dtype=torch.bfloat16, D="H", initial=True, device="cuda")
+    for name in ("dt", "A", "B", "D", "initial_states"):
+        moved = dict(inputs, **{name: inputs[name].cpu()})
+        with pytest.raises(ValueError, match=name):
+            ssd(moved, False, 64)
+
+
+# --------------------------------------------------------------------------------- CUDA kernel
+
+# The kernel rounds its matmul operands (decayed scores, states) to the input dtype and
+# accumulates in fp32: a few roundings more than the output alone.
+KERNEL_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+@requires_kernel("mamba2_ssd")
+@pytest.mark.parametrize("chunk_size", [64, 128, 256])
+@pytest.mark.parametrize("N", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_forward_and_gradients(dtype, N, chunk_size):
+    inputs, softplus = make_inputs(
+        2, 333, 4, 64, 2, N, D="H", z=True, dt_bias=True, dt_softplus=True, initial=True,
+        dtype=dtype, param_dtype=torch.float32, device="cuda",
+    )
+    y, final = ssd(inputs, softplus, chunk_size)
+    want_y, want_final = recurrence(inputs, softplus)
+    assert y.dtype == dtype and final.dtype == torch.float32
+    assert_rel_close(y, want_y, KERNEL_TOLERANCE[dtype], "y")
+    assert_rel_close(final, want_final, KERNEL_TOLERANCE[dtype], "final_states")
+    grad_y, grad_final = torch.randn_like(y), torch.randn_like(final)
+    got = gradients(lambda t: ssd(t, softplus, chunk_size), inputs, grad_y, grad_final)
+    want = gradients(lambda t: recurrence(t, softplus), inputs, grad_y, grad_final)
+    for name in got:
+        assert_rel_close(got[name], want[name], 2 * KERNEL_TOLERANCE[dtype], f"grad_{name}")
+
+
+@requires_kernel("mamba2_ssd")
+@pytest.mark.parametrize("L", [1, 63, 1000])
+def test_kernel_plain_odd_lengths(L):
+    inputs, softplus = make_inputs(1, L, 2, 64, 1, 64, dtype=torch.bfloat16, param_dtype=torch.float32, device="cuda")
+    y, final = ssd(inputs, softplus, 128)
+    want_y, want_final = recurrence(inputs, softplus)
+    assert_rel_close(y, want_y, KERNEL_TOLERANCE[torch.bfloat16], "y")
+    assert_rel_close(final, want_final, KERNEL_TOLERANCE[torch.bfloat16], "final_states")
+
+
+@requires_kernel("mamba2_ssd")
+def test_kernel_unsupported_sizes_fall_back():
+    inputs, softplus = make_inputs(2, 77, 4, 24, 2, 40, D="HP", dtype=torch.bfloat16, device="cuda")
+    y, final = ssd(inputs, softplus, 32)
+    want_y, want_final = recurrence(inputs, softplus)
+    assert_rel_close(y, want_y, TOLERANCE[torch.bfloat16], "y")
+    assert_rel_close(final, want_final, KERNEL_TOLERANCE[torch.bfloat16], "final_states")
+
+
+@requires_kernel("mamba2_ssd")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_opcheck(dtype):
+    config = dict(Bt=2, L=150, H=4, P=64, G=2, N=64, chunk_size=64, D="H", z=True, dt_bias=True,
+                  dt_softplus=True, initial=True)
+    inputs, softplus = make_inputs(**config, dtype=dtype, param_dtype=torch.float32, device="cuda")
+    tensors = [None if inputs[n] is None else inputs[n].requires_grad_() for n in NAMES]
+    x, dt, A, B, C, D, z, dt_bias, initial = tensors
+    args = (x, dt, A, B, C, 64, D, z, dt_bias, softplus, initial)
+    torch.library.opcheck(torch.ops.tk.mamba2_ssd.default, args)
+    plain = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+    y, final, chunk_states = torch.ops.tk.mamba2_ssd(*plain)
+    bwd_args = (torch.randn_like(y), torch.randn_like(final), *plain, chunk_states)
+    torch.library.opcheck(torch.ops.tk.mamba2_ssd_bwd.default, bwd_args)
