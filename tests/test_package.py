@@ -1,0 +1,106 @@
+"""The package itself: every contract op exists as a tk op with a backward op, the CUDA extension
+is optional, and ``tk_ops.backends()`` says what serves each op."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import tk_ops
+from tk_ops import _library
+from tk_testing import IS_HOPPER, requires_cuda
+
+# Every public op and the tk ops behind it (forward, dedicated backward).
+CONTRACT = {
+    "matmul": ("matmul", "matmul_bwd"),
+    "linear": ("linear", "linear_bwd"),
+    "attention": ("attention", "attention_bwd"),
+    "layer_norm": ("layer_norm", "layer_norm_bwd"),
+    "rms_norm": ("rms_norm", "rms_norm_bwd"),
+    "rope": ("rope", "rope_bwd"),
+    "rope_qk": ("rope_qk", "rope_qk_bwd"),
+    "based_attention": ("based_attention", "based_attention_bwd"),
+    "linear_attention": ("linear_attention", "linear_attention_bwd"),
+    "mamba2_ssd": ("mamba2_ssd", "mamba2_ssd_bwd"),
+    "fftconv": ("fftconv", "fftconv_bwd"),
+}
+
+
+@pytest.mark.parametrize("public_name", sorted(CONTRACT))
+def test_every_public_op_is_a_tk_op_with_backward_and_fallback_twin(public_name):
+    assert callable(getattr(tk_ops, public_name))
+    for op_name in CONTRACT[public_name]:
+        for name in (op_name, f"{op_name}_ref"):
+            op = getattr(torch.ops.tk, name).default
+            assert torch.Tag.pt2_compliant_tag in op.tags
+        assert op_name in tk_ops.backends()
+
+
+def test_nn_modules_exist():
+    for name in ("LayerNorm", "RMSNorm", "RotaryEmbedding", "Linear"):
+        assert issubclass(getattr(tk_ops.nn, name), torch.nn.Module)
+
+
+def test_backends_report_reference_without_extension():
+    if tk_ops.extension_status() == "loaded":
+        pytest.skip("the CUDA extension is built here")
+    assert set(tk_ops.backends().values()) == {"reference"}
+
+
+def _run_python(code: str, **env) -> str:
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, **env},
+        check=True,
+    )
+    return result.stdout.strip()
+
+
+def test_extension_can_be_disabled():
+    out = _run_python(
+        """
+        import tk_ops
+        print(tk_ops.extension_status(), sorted(set(tk_ops.backends().values())))
+        """,
+        TK_OPS_DISABLE_EXTENSION="1",
+    )
+    assert out == "disabled by TK_OPS_DISABLE_EXTENSION=1 ['reference']"
+
+
+def test_setup_builds_no_extension_without_cuda_torch():
+    if torch.version.cuda:
+        pytest.skip("torch has CUDA here: setup.py builds the extension")
+    out = _run_python(
+        """
+        import runpy, setuptools
+        captured = {}
+        setuptools.setup = lambda **kwargs: captured.update(kwargs)
+        runpy.run_path("setup.py")
+        print(len(captured["ext_modules"]), sorted(captured["packages"])[:2])
+        """
+    )
+    assert out == "0 ['tk_ops', 'tk_ops.inductor']"
+
+
+def test_reference_on_accelerator_warns_once(monkeypatch):
+    """The fallback warning names the op and the inputs; it is emitted once per op."""
+    monkeypatch.setattr(_library, "_REFERENCE_WARNED", set())
+    reference = _library._warn_once_on_accelerator("demo", lambda x: x + 1)
+    meta = torch.empty(3, device="meta")
+    with pytest.warns(UserWarning, match=r"tk\.demo has no meta kernel .*float32\(3,\)"):
+        reference(meta)
+    with __import__("warnings").catch_warnings():
+        __import__("warnings").simplefilter("error")
+        reference(meta)
+    reference(torch.ones(2))  # CPU: never warns
+
+
+@requires_cuda
+def test_extension_loaded_on_hopper():
+    if IS_HOPPER:
+        assert tk_ops.extension_status() == "loaded"
+        assert tk_ops.backends()["matmul"] == "cuda kernel"
