@@ -360,3 +360,26 @@ def test_default_rewrite_on_h100():
     finally:
         tk_ops.inductor.disable()
         inductor_config.joint_custom_post_pass = saved
+
+
+# --------------------------------------------------------------------------------------- matmul
+
+
+@pytest.fixture
+def matmul_rewrites():
+    saved = inductor_config.joint_custom_post_pass
+    tk_ops.inductor.enable(any_device=True, matmul=True)
+    yield
+    tk_ops.inductor.disable()
+    inductor_config.joint_custom_post_pass = saved
+
+
+def test_linear_and_matmul_rewritten_when_asked(matmul_rewrites):
+    def fn(x, w, b, m):
+        return F.linear(x, w, b) @ m
+
+    check_rewrite(fn, [leaf(5, 24), leaf(16, 24), leaf(16), leaf(16, 8)], {"linear", "matmul"})
+
+
+def test_matmul_not_rewritten_by_default(rewrites):
+    check_left_alone(lambda a, b: a @ b, [leaf(5, 24), leaf(24, 8)], {"matmul", "linear"})

@@ -5,12 +5,18 @@
     model = torch.compile(model)
 
 Rewritten, in inference and training graphs, only where exact (dtypes, shapes, masks, scales):
-``F.scaled_dot_product_attention`` (no mask or causal, dropout 0) -> ``tk.attention``; see the
-modules of this package for each pattern. ``enable`` is idempotent, chains with a pass the user
-already installed in ``torch._inductor.config.joint_custom_post_pass`` (run first), and
-``disable`` restores it. By default rewrites fire only for tensors on devices where a tk kernel
-serves them; ``enable(any_device=True)`` rewrites everywhere (the CPU test suite uses it to
-exercise the rewrites against the reference paths).
+  * ``F.scaled_dot_product_attention`` (no mask, or causal with Nq == Nk; dropout 0; bf16/fp16;
+    head dim 64/128; GQA via ``enable_gqa``) -> ``tk.attention`` / ``tk.attention_bwd``;
+  * ``F.layer_norm`` over the last dim, alone or after a residual add -> ``tk.layer_norm``;
+  * Hugging Face's RMSNorm (fp32 normalisation, cast, times a weight of x's dtype) -> ``tk.rms_norm``;
+  * the ``rotate_half`` RoPE ``q * cos + rotate_half(q) * sin`` (q and k together or alone) ->
+    ``tk.rope_qk`` / ``tk.rope``;
+  * with ``enable(matmul=True)``: ``mm`` / ``addmm`` -> ``tk.matmul`` / ``tk.linear``.
+``enable`` is idempotent, chains with a pass the user already installed in
+``torch._inductor.config.joint_custom_post_pass`` (theirs runs first), and ``disable`` restores it.
+By default rewrites fire only for tensors on devices where a tk kernel serves them (an sm_90 GPU
+with ``tk_ops._C`` built); ``enable(any_device=True)`` rewrites everywhere, which the CPU test
+suite uses to exercise the rewrites against the reference paths.
 """
 
 from __future__ import annotations

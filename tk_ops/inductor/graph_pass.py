@@ -10,10 +10,10 @@ import torch.fx
 from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from tk_ops.inductor import _graph, attention, patterns
+from tk_ops.inductor import _graph, attention, matmul, patterns
 from tk_ops.inductor.options import RewriteOptions
 
-_SOURCES = (attention.__file__, patterns.__file__, _graph.__file__, __file__)
+_SOURCES = (attention.__file__, matmul.__file__, patterns.__file__, _graph.__file__, __file__)
 
 
 class TkGraphPass(CustomGraphPass):
@@ -33,6 +33,9 @@ class TkGraphPass(CustomGraphPass):
         pattern_rewrites = patterns.rewrite_patterns(graph, self.options)
         if pattern_rewrites:
             counters["tk_ops"]["patterns"] += pattern_rewrites
+        matmul_rewrites = matmul.rewrite_matmul(graph, self.options)
+        if matmul_rewrites:
+            counters["tk_ops"]["matmul"] += matmul_rewrites
 
     def uuid(self) -> Optional[Any]:
         """Stable across processes for the FX graph cache: our sources, options and the wrapped pass."""
