@@ -1,0 +1,312 @@
+"""tk.rms_norm (residual add) against a float64 reference written as h / ||h||_rms."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._inductor.utils import run_and_get_code
+from torch.library import opcheck
+
+import tk_ops
+from tk_testing import TOLERANCE, assert_rel_close, requires_cuda, requires_kernel
+
+# Odd row counts and hidden sizes that are no multiple of 8; one 1-D input, one 4-D input.
+SHAPES = [(37,), (5, 100), (3, 7, 37), (2, 3, 5, 19)]
+SHAPE_IDS = ["1d-C37", "2d-C100", "3d-C37", "4d-C19"]
+EPS = 1e-6
+
+
+def reference_rms_norm(x, weight, eps=EPS, residual=None):
+    """float64 (out, h): h = x + residual; out = h / sqrt(sum(h^2) / C + eps) * weight."""
+    h = x.double()
+    if residual is not None:
+        h = h + residual.double()
+    out = h / torch.sqrt(h.pow(2).sum(-1, keepdim=True) / h.shape[-1] + eps)
+    if weight is not None:
+        out = out * weight.double()
+    return out, h
+
+
+def make_inputs(shape, dtype=torch.float64, *, weight=True, residual_dtype=None, requires_grad=False):
+    x = torch.randn(shape, dtype=dtype)
+    w = 1 + 0.5 * torch.randn(shape[-1], dtype=dtype) if weight else None
+    residual = torch.randn(shape, dtype=residual_dtype) if residual_dtype is not None else None
+    tensors = (x, w, residual)
+    for t in tensors:
+        if t is not None:
+            t.requires_grad_(requires_grad)
+    return tensors
+
+
+# ------------------------------------------------------------------------------------ forward
+
+VARIANTS = {
+    "plain": dict(),
+    "no-weight": dict(weight=False),
+    "residual": dict(residual_dtype=torch.float64),
+    "residual-no-weight": dict(weight=False, residual_dtype=torch.float64),
+}
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_matches_reference_float64(shape, variant):
+    x, weight, residual = make_inputs(shape, **VARIANTS[variant])
+    out, h = tk_ops.rms_norm(x, weight, EPS, residual=residual, return_residual=True)
+    expected_out, expected_h = reference_rms_norm(x, weight, residual=residual)
+    assert out.dtype == h.dtype == torch.float64 and out.is_contiguous() and h.is_contiguous()
+    assert_rel_close(out, expected_out, TOLERANCE[torch.float64])
+    assert_rel_close(h, expected_h, 0.0, "h")
+    assert torch.equal(tk_ops.rms_norm(x, weight, EPS, residual=residual), out)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("residual_kind", ["x-dtype", "fp32"])
+def test_low_precision_matches_reference(dtype, residual_kind):
+    residual_dtype = dtype if residual_kind == "x-dtype" else torch.float32
+    x, weight, residual = make_inputs((9, 77), dtype, residual_dtype=residual_dtype)
+    out, h = tk_ops.rms_norm(x, weight, residual=residual, return_residual=True)
+    assert out.dtype == dtype and h.dtype == residual_dtype
+    expected_out, expected_h = reference_rms_norm(x, weight, residual=residual)
+    assert_rel_close(out, expected_out, TOLERANCE[dtype])
+    assert_rel_close(h, expected_h, TOLERANCE[residual_dtype], "h")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_llama_rounding_order(dtype):
+    """Normalise in fp32, round to x's dtype, then multiply by the weight: bit-exact with that recipe."""
+    x, weight, _ = make_inputs((7, 64), dtype)
+    h32 = x.float()
+    normed = (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + EPS)).to(dtype)
+    assert torch.equal(tk_ops.rms_norm(x, weight), normed * weight)
+    fp32_weight = weight.float()
+    assert torch.equal(tk_ops.rms_norm(x, fp32_weight), (normed * fp32_weight).to(dtype))
+
+
+def test_return_residual_without_residual_is_a_copy_of_x():
+    x, weight, _ = make_inputs((5, 33), requires_grad=True)
+    out, h = tk_ops.rms_norm(x, weight, return_residual=True)
+    assert torch.equal(h, x) and h.data_ptr() != x.data_ptr()
+    (out.sum() + (3 * h).sum()).backward()
+    x_ref = x.detach().clone().requires_grad_()
+    reference_rms_norm(x_ref, weight)[0].sum().backward()
+    assert_rel_close(x.grad, x_ref.grad + 3, TOLERANCE[torch.float64], "grad x")
+
+
+def test_statistics_are_fp32_with_leading_shape():
+    x, weight, _ = make_inputs((3, 5, 21), torch.bfloat16)
+    out, h, rstd = torch.ops.tk.rms_norm(x, weight, None, EPS)
+    assert rstd.shape == (3, 5) and rstd.dtype == torch.float32 and h.numel() == 0
+    assert_rel_close(rstd, torch.rsqrt(x.double().pow(2).mean(-1) + EPS), 1e-6, "rstd")
+
+
+def test_transposed_view_matches_contiguous_copy():
+    x = torch.randn(11, 3, 40, dtype=torch.float64).transpose(0, 1)
+    residual = torch.randn(3, 11, 40, dtype=torch.float64)
+    weight = torch.randn(40, dtype=torch.float64)
+    dense = tk_ops.rms_norm(x.contiguous(), weight, residual=residual)
+    assert torch.equal(tk_ops.rms_norm(x, weight, residual=residual), dense)
+    strided = torch.randn(5, 60, dtype=torch.float64)[:, ::2]
+    assert_rel_close(tk_ops.rms_norm(strided, None), reference_rms_norm(strided, None)[0], TOLERANCE[torch.float64])
+
+
+# ---------------------------------------------------------------------------------- gradients
+
+GRADIENT_CASES = {
+    "plain": dict(),
+    "no-weight": dict(weight=False),
+    "residual": dict(residual_dtype=torch.float64),
+    "residual-return": dict(residual_dtype=torch.float64, return_residual=True),
+}
+
+
+@pytest.mark.parametrize("shape", [(7, 37), (2, 5, 100)], ids=["2d-C37", "3d-C100"])
+@pytest.mark.parametrize("case", GRADIENT_CASES)
+def test_gradients_match_reference(shape, case):
+    options = dict(GRADIENT_CASES[case])
+    return_residual = options.pop("return_residual", False)
+    inputs = make_inputs(shape, requires_grad=True, **options)
+    x, weight, residual = inputs
+    grad_out, grad_h = torch.randn(shape, dtype=torch.float64), torch.randn(shape, dtype=torch.float64)
+
+    result = tk_ops.rms_norm(x, weight, residual=residual, return_residual=return_residual)
+    out, h = result if return_residual else (result, None)
+    loss = (out * grad_out).sum() + ((h * grad_h).sum() if return_residual else 0)
+    present = [t for t in inputs if t is not None]
+    grads = torch.autograd.grad(loss, present)
+
+    expected_out, expected_h = reference_rms_norm(x, weight, residual=residual)
+    expected_loss = (expected_out * grad_out).sum() + ((expected_h * grad_h).sum() if return_residual else 0)
+    expected_grads = torch.autograd.grad(expected_loss, present)
+    names = [name for name, t in zip(["x", "weight", "residual"], inputs) if t is not None]
+    for name, got, expected in zip(names, grads, expected_grads):
+        assert_rel_close(got, expected, 1e-9, f"grad {name}")
+
+
+def test_gradient_through_h_only():
+    x, weight, residual = make_inputs((6, 23), residual_dtype=torch.float64, requires_grad=True)
+    _, h = tk_ops.rms_norm(x, weight, residual=residual, return_residual=True)
+    (2 * h).sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 2)) and torch.equal(residual.grad, torch.full_like(x, 2))
+    assert weight.grad is None
+
+
+def test_fp32_residual_gets_fp32_gradient():
+    x, weight, residual = make_inputs((5, 31), torch.bfloat16, residual_dtype=torch.float32, requires_grad=True)
+    out, h = tk_ops.rms_norm(x, weight, residual=residual, return_residual=True)
+    (out.float().sum() + h.sum()).backward()
+    assert x.grad.dtype == weight.grad.dtype == torch.bfloat16 and residual.grad.dtype == torch.float32
+
+
+# ------------------------------------------------------------------------- opcheck, compile, export
+
+
+def _op_args(case: str):
+    """Arguments of tk::rms_norm for a case: leading dims odd, hidden 37, x a transposed view."""
+    x = torch.randn(7, 3, 37).transpose(0, 1).requires_grad_()
+    if case == "bare":
+        return (x, None, None, EPS)
+    weight, residual = torch.randn(37, requires_grad=True), torch.randn(3, 7, 37, requires_grad=True)
+    if case == "residual":
+        return (x, weight, residual, EPS)
+    return (x.detach().bfloat16().requires_grad_(), weight, residual, EPS)
+
+
+CASES = ["bare", "residual", "bf16-fp32-residual"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_opcheck_forward(case):
+    opcheck(torch.ops.tk.rms_norm.default, _op_args(case))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_opcheck_backward(case):
+    x, weight, residual, eps = [a.detach() if isinstance(a, torch.Tensor) else a for a in _op_args(case)]
+    _, h, rstd = torch.ops.tk.rms_norm(x, weight, residual, eps)
+    h = h if h.numel() else x
+    grad_out = torch.randn(x.shape, dtype=x.dtype)
+    grad_h = torch.randn(h.shape, dtype=h.dtype) if residual is not None else None
+    mask = [True, residual is not None, weight is not None]
+    opcheck(torch.ops.tk.rms_norm_bwd.default, (grad_out, grad_h, h, weight, rstd, mask))
+    opcheck(torch.ops.tk.rms_norm_bwd.default, (grad_out, None, h, weight, rstd, [False] * 3))
+
+
+def test_compile_fullgraph_calls_tk_ops():
+    inputs = make_inputs((2, 9, 40), torch.float32, residual_dtype=torch.float32, requires_grad=True)
+
+    def loss(x, weight, residual):
+        out, h = tk_ops.rms_norm(x, weight, residual=residual, return_residual=True)
+        return (out * out).sum() + (h * out).sum()
+
+    def step(fn):
+        for t in inputs:
+            t.grad = None
+        value = fn(*inputs)
+        value.backward()
+        return value.detach(), *(t.grad.clone() for t in inputs)
+
+    compiled_results, codes = run_and_get_code(step, torch.compile(loss, fullgraph=True))
+    code = "\n".join(codes)
+    assert "torch.ops.tk.rms_norm.default" in code and "torch.ops.tk.rms_norm_bwd.default" in code
+    for got, expected in zip(compiled_results, step(loss)):
+        torch.testing.assert_close(got, expected)
+
+
+def test_export_contains_tk_op():
+    class PreNorm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(37))
+
+        def forward(self, x, residual):
+            return tk_ops.rms_norm(x, self.weight, residual=residual, return_residual=True)
+
+    x, residual = torch.randn(5, 37), torch.randn(5, 37)
+    module = PreNorm()
+    exported = torch.export.export(module, (x, residual))
+    assert torch.ops.tk.rms_norm.default in {node.target for node in exported.graph.nodes}
+    for got, expected in zip(exported.module()(x, residual), module(x, residual)):
+        assert torch.equal(got, expected)
+
+
+# ---------------------------------------------------------------------------------- bad inputs
+
+
+def _call(x=None, weight=None, **kwargs):
+    x = torch.randn(4, 16) if x is None else x
+    return tk_ops.rms_norm(x, weight, **kwargs)
+
+
+BAD_CALLS = [
+    # (id, call, exception, match)
+    ("x not a tensor", lambda: tk_ops.rms_norm([[1.0]], None), TypeError, "x must be a torch.Tensor"),
+    ("x integer", lambda: _call(torch.ones(4, 16, dtype=torch.int64)), TypeError, "x must have dtype"),
+    ("x 0-dim", lambda: _call(torch.tensor(1.0)), ValueError, "x must have at least 1 dimension"),
+    ("x empty", lambda: _call(torch.randn(4, 0)), ValueError, "x must not be empty"),
+    ("weight size", lambda: _call(weight=torch.randn(15)), ValueError, r"weight.shape\[0\] must equal x.shape\[-1\]"),
+    ("weight rank", lambda: _call(weight=torch.randn(16, 1)), ValueError, "weight must have 1 dimensions"),
+    ("weight dtype", lambda: _call(torch.randn(4, 16).half(), torch.randn(16, dtype=torch.bfloat16)),
+     TypeError, "weight must have dtype"),
+    ("residual shape", lambda: _call(residual=torch.randn(4, 1, 16)), ValueError, "residual must have x's shape"),
+    ("residual dtype", lambda: _call(torch.randn(4, 16).half(), residual=torch.randn(4, 16, dtype=torch.float64)),
+     TypeError, "residual must have dtype"),
+    ("eps negative", lambda: _call(eps=-1e-6), ValueError, "eps must be > 0"),
+    ("eps None", lambda: _call(eps=None), TypeError, "eps must be a float"),
+]
+
+
+@pytest.mark.parametrize("call, exception, match", [c[1:] for c in BAD_CALLS], ids=[c[0] for c in BAD_CALLS])
+def test_bad_inputs(call, exception, match):
+    with pytest.raises(exception, match=match):
+        call()
+
+
+@requires_cuda
+def test_device_mismatch():
+    x = torch.randn(4, 16, device="cuda")
+    with pytest.raises(ValueError, match="weight must be on x's device"):
+        tk_ops.rms_norm(x, torch.randn(16))
+    with pytest.raises(ValueError, match="residual must be on x's device"):
+        tk_ops.rms_norm(x, None, residual=torch.randn(4, 16))
+
+
+# ------------------------------------------------------------------------------- CUDA kernel
+
+HIDDEN_SIZES = [256, 1000, 1024, 4000, 4096, 8192]
+
+
+@requires_kernel("rms_norm")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hidden", HIDDEN_SIZES)
+@pytest.mark.parametrize("residual_kind", ["x-dtype", "fp32"])
+def test_kernel_matches_reference(dtype, hidden, residual_kind):
+    residual_dtype = dtype if residual_kind == "x-dtype" else torch.float32
+    inputs = [t.cuda().requires_grad_() for t in make_inputs((3, 59, hidden), dtype, residual_dtype=residual_dtype)]
+    x, weight, residual = inputs
+    out, h = tk_ops.rms_norm(x, weight, residual=residual, return_residual=True)
+    expected_out, expected_h = reference_rms_norm(x, weight, residual=residual)
+    assert_rel_close(out, expected_out, TOLERANCE[dtype])
+    assert_rel_close(h, expected_h, TOLERANCE[residual_dtype], "h")
+    grad_out, grad_h = torch.randn_like(out), torch.randn_like(h)
+    grads = torch.autograd.grad((out * grad_out).sum() + (h * grad_h).sum(), inputs)
+    expected_loss = (expected_out * grad_out.double()).sum() + (expected_h * grad_h.double()).sum()
+    expected_grads = torch.autograd.grad(expected_loss, inputs)
+    for name, got, expected in zip(["x", "weight", "residual"], grads, expected_grads):
+        assert_rel_close(got, expected, TOLERANCE[dtype], f"grad {name}")
+
+
+@requires_kernel("rms_norm")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_agrees_with_reference_path(dtype):
+    x, weight, residual = make_inputs((67, 4000), dtype, residual_dtype=dtype)
+    cpu = torch.ops.tk.rms_norm(x, weight, residual, EPS)
+    cuda = torch.ops.tk.rms_norm(x.cuda(), weight.cuda(), residual.cuda(), EPS)
+    for name, got, expected in zip(["out", "h", "rstd"], cuda, cpu):
+        assert_rel_close(got, expected, TOLERANCE[torch.float32] if name != "out" else TOLERANCE[dtype], name)
+
+
+@requires_kernel("rms_norm")
+def test_kernel_opcheck():
+    args = [a.detach().cuda().requires_grad_() if isinstance(a, torch.Tensor) else a for a in _op_args(CASES[2])]
+    opcheck(torch.ops.tk.rms_norm.default, tuple(args))
