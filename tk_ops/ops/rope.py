@@ -1,9 +1,209 @@
-"""PLACEHOLDER: replaced by this op's implementation (schema, checks, reference, fake, autograd)."""
+"""Rotary position embedding: ``tk.rope(x, cos, sin)`` and ``tk.rope_qk(q, k, cos, sin)``.
+
+Forward ops
+  tk::rope(Tensor x, Tensor cos, Tensor sin, bool interleaved) -> Tensor
+  tk::rope_qk(Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved) -> (Tensor, Tensor)
+Backward ops (the rotation by -theta, i.e. the same kernel with sin negated)
+  tk::rope_bwd(Tensor grad, Tensor cos, Tensor sin, bool interleaved) -> Tensor
+  tk::rope_qk_bwd(Tensor grad_q, Tensor grad_k, Tensor cos, Tensor sin, bool interleaved) -> (Tensor, Tensor)
+rope_qk's backward: autograd (eager and compiled) gives an output that did not reach the loss a
+zero gradient, never None, so rope_qk_bwd always gets two tensors; when only one of q, k
+requires grad, the backward runs rope_bwd on that one alone.
+
+What the ops receive (the public functions normalise to this with views only):
+  x, q, k, grad: (B, H, N, D), any strides with a unit last stride; q and k may differ in H (GQA).
+  cos, sin: (Bc, N, R/2) with Bc in {1, B}, unit last stride, other strides free; dtype x's or fp32.
+  The first R channels of each head are rotated, the last D - R pass through unchanged.
+  Non-interleaved (GPT-NeoX / Llama ``rotate_half``): channel i pairs with i + R/2, i < R/2.
+  Interleaved (GPT-J): channel 2i pairs with 2i + 1. Pair i turns by the angle whose cos and sin
+  are cos[b, n, i] and sin[b, n, i]:  (a, b) -> (a cos - b sin, b cos + a sin).
+Outputs are contiguous (B, H, N, D) in x's dtype; the math runs in fp32 (fp64 for fp64 inputs).
+
+cos and sin are constants: no gradient flows to them (as in FlashAttention's and Liger's rope).
+The public functions raise a ValueError when cos or sin requires grad, rather than silently
+dropping a gradient the caller asked for.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tk_ops import _checks, _library
+
+# ----------------------------------------------------------------------------------- reference
 
 
-def rope(*args, **kwargs):
-    raise NotImplementedError("tk_ops.rope is not implemented yet")
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, sign: float) -> torch.Tensor:
+    """Turn the first R = 2 * cos.shape[-1] channels of each head by ``sign`` * theta."""
+    compute_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    rotary_dim = 2 * cos.shape[-1]
+    cos = cos.to(compute_dtype).unsqueeze(1)  # (Bc, 1, N, R/2): shared by all heads
+    sin = sign * sin.to(compute_dtype).unsqueeze(1)
+    rotary = x[..., :rotary_dim].to(compute_dtype)
+    if interleaved:
+        first, second = rotary[..., 0::2], rotary[..., 1::2]
+    else:
+        first, second = rotary[..., : rotary_dim // 2], rotary[..., rotary_dim // 2 :]
+    turned = (first * cos - second * sin, second * cos + first * sin)
+    if interleaved:
+        rotary = torch.stack(turned, dim=-1).flatten(-2)
+    else:
+        rotary = torch.cat(turned, dim=-1)
+    return torch.cat((rotary.to(x.dtype), x[..., rotary_dim:]), dim=-1).contiguous()
 
 
-def rope_qk(*args, **kwargs):
-    raise NotImplementedError("tk_ops.rope_qk is not implemented yet")
+def _rope_reference(x, cos, sin, interleaved):
+    return _rotate(x, cos, sin, interleaved, 1.0)
+
+
+def _rope_bwd_reference(grad, cos, sin, interleaved):
+    return _rotate(grad, cos, sin, interleaved, -1.0)
+
+
+def _rope_qk_reference(q, k, cos, sin, interleaved):
+    return _rotate(q, cos, sin, interleaved, 1.0), _rotate(k, cos, sin, interleaved, 1.0)
+
+
+def _rope_qk_bwd_reference(grad_q, grad_k, cos, sin, interleaved):
+    return _rotate(grad_q, cos, sin, interleaved, -1.0), _rotate(grad_k, cos, sin, interleaved, -1.0)
+
+
+def _rope_fake(x, cos, sin, interleaved):
+    return x.new_empty(x.shape)
+
+
+def _rope_qk_fake(q, k, cos, sin, interleaved):
+    return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+rope_op = _library.define(
+    "rope",
+    "(Tensor x, Tensor cos, Tensor sin, bool interleaved) -> Tensor",
+    reference=_rope_reference,
+    fake=_rope_fake,
+)
+rope_bwd_op = _library.define(
+    "rope_bwd",
+    "(Tensor grad, Tensor cos, Tensor sin, bool interleaved) -> Tensor",
+    reference=_rope_bwd_reference,
+    fake=_rope_fake,
+)
+rope_qk_op = _library.define(
+    "rope_qk",
+    "(Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved) -> (Tensor, Tensor)",
+    reference=_rope_qk_reference,
+    fake=_rope_qk_fake,
+)
+rope_qk_bwd_op = _library.define(
+    "rope_qk_bwd",
+    "(Tensor grad_q, Tensor grad_k, Tensor cos, Tensor sin, bool interleaved) -> (Tensor, Tensor)",
+    reference=_rope_qk_bwd_reference,
+    fake=_rope_qk_fake,
+)
+
+
+# ------------------------------------------------------------------------------------ autograd
+
+
+def _setup_context(ctx, inputs, output):
+    cos, sin, interleaved = inputs[-3:]
+    ctx.save_for_backward(cos, sin)
+    ctx.interleaved = interleaved
+
+
+def _rope_backward(ctx, grad):
+    cos, sin = ctx.saved_tensors
+    grad_x = rope_bwd_op(_checks.unit_last_stride(grad), cos, sin, ctx.interleaved)
+    return grad_x, None, None, None
+
+
+def _rope_qk_backward(ctx, grad_q, grad_k):
+    cos, sin = ctx.saved_tensors
+    needs_q, needs_k = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if needs_q and needs_k:
+        grad_q, grad_k = rope_qk_bwd_op(
+            _checks.unit_last_stride(grad_q), _checks.unit_last_stride(grad_k), cos, sin, ctx.interleaved
+        )
+        return grad_q, grad_k, None, None, None
+    if needs_q:
+        return rope_bwd_op(_checks.unit_last_stride(grad_q), cos, sin, ctx.interleaved), None, None, None, None
+    return None, rope_bwd_op(_checks.unit_last_stride(grad_k), cos, sin, ctx.interleaved), None, None, None
+
+
+_library.register_autograd(rope_op, _rope_backward, _setup_context)
+_library.register_autograd(rope_qk_op, _rope_qk_backward, _setup_context)
+
+
+# ----------------------------------------------------------------------------------- public API
+
+
+def _rotary_tables(cos, sin, x: torch.Tensor, x_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check cos and sin against x (B, H, N, D); return views of shape (Bc, N, R/2), Bc in {1, B}."""
+    batch, _, seq_len, head_dim = x.shape
+    table_dtypes = (x.dtype, torch.float32) if x.dtype != torch.float32 else (torch.float32,)
+    for name, table in (("cos", cos), ("sin", sin)):
+        _checks.check_tensor(name, table, ndim=(2, 3, 4), dtypes=table_dtypes)
+        if torch.is_grad_enabled() and table.requires_grad:
+            raise ValueError(
+                f"{name} must not require grad: tk_ops rope treats cos and sin as constants "
+                f"(no gradient flows to them); pass {name}.detach()"
+            )
+    if sin.shape != cos.shape:
+        raise ValueError(f"sin must have cos's shape {tuple(cos.shape)}, got shape {tuple(sin.shape)}")
+    _checks.check_same_dtype(cos=cos, sin=sin)
+    _checks.check_same_device(**{x_name: x, "cos": cos, "sin": sin})
+    shape = tuple(cos.shape)
+    if cos.dim() == 4 and cos.shape[1] != 1:
+        raise ValueError(f"cos.shape[1] must be 1 (cos and sin are shared by all heads), got shape {shape}")
+    if cos.dim() >= 3 and cos.shape[0] not in (1, batch):
+        raise ValueError(f"cos.shape[0] must be 1 or {x_name}.shape[0] (B = {batch}), got shape {shape}")
+    _checks.check_dim("cos", cos, -2, seq_len, f"{x_name}.shape[2] (N)")
+    half_rotary_dim = cos.shape[-1]
+    if half_rotary_dim == head_dim and head_dim % 2 == 0:
+        # Hugging Face's duplicated form: its two halves are equal, the first one is the half form.
+        half_rotary_dim = head_dim // 2
+    elif 2 * half_rotary_dim > head_dim:
+        raise ValueError(
+            f"cos.shape[-1] must be R/2 with the rotary dim R <= D = {head_dim} (at most {head_dim // 2}), "
+            f"or D = {head_dim} for the duplicated (Hugging Face) form with D even, got shape {shape}"
+        )
+    if cos.dim() == 4:
+        cos, sin = cos.squeeze(1), sin.squeeze(1)
+    elif cos.dim() == 2:
+        cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
+    cos, sin = cos[..., :half_rotary_dim], sin[..., :half_rotary_dim]
+    return _checks.unit_last_stride(cos), _checks.unit_last_stride(sin)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False) -> torch.Tensor:
+    """Rotary position embedding of x (B, H, N, D); returns a new (B, H, N, D) tensor in x's dtype.
+
+    cos, sin: the half form (N, R/2) (FlashAttention's convention), with R <= D the rotary dim; the
+    last D - R channels pass through unchanged. A batch dim (B, N, R/2), broadcastable leading 1s
+    ((1, N, R/2), (1, 1, N, R/2), (B, 1, N, R/2)) and Hugging Face's duplicated form (N, D) or
+    (B, [1,] N, D) (full rotary, both halves equal, for either convention) are accepted; for
+    partial rotary in the duplicated form pass its first half. dtype: x's or float32.
+    interleaved=False is the GPT-NeoX / Llama ``rotate_half`` convention, True the GPT-J pairs
+    (2i, 2i + 1). cos and sin get no gradient and must not require grad.
+    """
+    _checks.check_tensor("x", x, ndim=4)
+    cos, sin = _rotary_tables(cos, sin, x, "x")
+    return rope_op(_checks.unit_last_stride(x), cos, sin, interleaved)
+
+
+def rope_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rope(q, cos, sin), rope(k, cos, sin))`` in one op (one kernel launch).
+
+    q (B, Hq, N, D) and k (B, Hk, N, D) share B, N, D and dtype; Hq and Hk are free (GQA / MQA).
+    cos and sin as for :func:`rope`.
+    """
+    _checks.check_tensor("q", q, ndim=4)
+    _checks.check_tensor("k", k, ndim=4)
+    _checks.check_same_device(q=q, k=k)
+    _checks.check_same_dtype(q=q, k=k)
+    for dim, what in ((0, "q.shape[0] (B)"), (2, "q.shape[2] (N)"), (3, "q.shape[3] (D)")):
+        _checks.check_dim("k", k, dim, q.shape[dim], what)
+    cos, sin = _rotary_tables(cos, sin, q, "q")
+    return rope_qk_op(_checks.unit_last_stride(q), _checks.unit_last_stride(k), cos, sin, interleaved)

@@ -1,0 +1,443 @@
+"""tk.rope / tk.rope_qk against a per-position rotation-matrix reference in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._inductor.utils import run_and_get_code
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import tk_ops
+from tk_testing import TOLERANCE, assert_rel_close, requires_cuda, requires_kernel
+
+# (B, H, N, D, R): odd B, H, N; full rotary at D = 64 and 128, partial rotary at D = 80 with R = 32.
+SHAPES = [(2, 3, 7, 64, 64), (1, 5, 9, 128, 128), (3, 1, 11, 80, 32)]
+SHAPE_IDS = ["D64", "D128", "D80-R32"]
+
+
+def random_angles(batch: int, seq_len: int, rotary_dim: int, device="cpu") -> torch.Tensor:
+    """Angles theta (batch, N, R/2) in float64, spread over several turns."""
+    return 4 * torch.randn(batch, seq_len, rotary_dim // 2, dtype=torch.float64, device=device)
+
+
+def rotation_matrices(theta: torch.Tensor, head_dim: int, interleaved: bool) -> torch.Tensor:
+    """One (D, D) matrix per (batch, position): a plane rotation for each channel pair, identity elsewhere."""
+    batch, seq_len, half = theta.shape
+    matrices = torch.eye(head_dim, dtype=torch.float64, device=theta.device).repeat(batch, seq_len, 1, 1)
+    for i in range(half):
+        a, b = (2 * i, 2 * i + 1) if interleaved else (i, i + half)
+        c, s = theta[..., i].cos(), theta[..., i].sin()
+        matrices[..., a, a], matrices[..., a, b] = c, -s
+        matrices[..., b, a], matrices[..., b, b] = s, c
+    return matrices
+
+
+def reference_rope(x: torch.Tensor, theta: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """out[b, h, n] = M[b, n] @ x[b, h, n] in float64 (differentiable in x)."""
+    matrices = rotation_matrices(theta, x.shape[-1], interleaved).expand(x.shape[0], -1, -1, -1)
+    return torch.einsum("bnij,bhnj->bhni", matrices, x.double())
+
+
+def tables(theta: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return theta.cos().to(dtype), theta.sin().to(dtype)
+
+
+class RecordTkArgs(TorchDispatchMode):
+    """Records the arguments each tk op receives (to see what reaches the kernel)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "tk":
+            self.calls[func.__name__] = args
+        return func(*args, **(kwargs or {}))
+
+
+# ------------------------------------------------------------------------------------ forward
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_rope_matches_rotation_matrices(shape, dtype, interleaved):
+    B, H, N, D, R = shape
+    x = torch.randn(B, H, N, D, dtype=dtype)
+    theta = random_angles(1, N, R)
+    cos, sin = tables(theta[0], dtype)  # the half form (N, R/2)
+    out = tk_ops.rope(x, cos, sin, interleaved=interleaved)
+    assert out.dtype == dtype and out.is_contiguous()
+    assert_rel_close(out, reference_rope(x, theta, interleaved), TOLERANCE[dtype])
+
+
+TABLE_FORMS = {
+    # name: (cos/sin batch Bc, how the (Bc, N, R/2) half form is laid out for the call)
+    "half (N,R/2)": (1, lambda t: t[0]),
+    "batch (B,N,R/2)": ("B", lambda t: t),
+    "broadcast (1,N,R/2)": (1, lambda t: t),
+    "broadcast (1,1,N,R/2)": (1, lambda t: t[:, None]),
+    "broadcast (B,1,N,R/2)": ("B", lambda t: t[:, None]),
+    "hf (N,D)": (1, lambda t: torch.cat((t, t), -1)[0]),
+    "hf (B,N,D)": ("B", lambda t: torch.cat((t, t), -1)),
+    "hf (B,1,N,D)": ("B", lambda t: torch.cat((t, t), -1)[:, None]),
+}
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+@pytest.mark.parametrize("form", list(TABLE_FORMS))
+def test_rope_table_forms(form, interleaved):
+    B, H, N, D = 3, 2, 5, 16
+    table_batch, layout = TABLE_FORMS[form]
+    R = D if form.startswith("hf") else 10
+    theta = random_angles(B if table_batch == "B" else 1, N, R)
+    x = torch.randn(B, H, N, D, dtype=torch.float64)
+    cos, sin = (layout(t) for t in tables(theta, torch.float64))
+    out = tk_ops.rope(x, cos, sin, interleaved=interleaved)
+    assert_rel_close(out, reference_rope(x, theta, interleaved), TOLERANCE[torch.float64])
+
+
+def test_rope_normalises_tables_with_views_only():
+    B, H, N, D = 2, 3, 5, 16
+    x = torch.randn(B, N, H, D).transpose(1, 2)
+    cos, sin = tables(random_angles(B, N, D), torch.float32)
+    hf_cos, hf_sin = torch.cat((cos, cos), -1)[:, None], torch.cat((sin, sin), -1)[:, None]
+    with RecordTkArgs() as record:
+        tk_ops.rope(x, hf_cos, hf_sin)
+    x_arg, cos_arg, sin_arg, _ = record.calls["rope.default"]
+    assert x_arg.stride() == x.stride() and x_arg.data_ptr() == x.data_ptr()
+    assert cos_arg.shape == (B, N, D // 2) and cos_arg.data_ptr() == hf_cos.data_ptr()
+    assert sin_arg.shape == (B, N, D // 2) and sin_arg.data_ptr() == hf_sin.data_ptr()
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+def test_partial_rotary_passes_channels_through(interleaved):
+    B, H, N, D, R = 2, 3, 7, 80, 32
+    x = torch.randn(B, H, N, D, dtype=torch.bfloat16)
+    theta = random_angles(1, N, R)
+    out = tk_ops.rope(x, *tables(theta[0], torch.float32), interleaved=interleaved)
+    assert torch.equal(out[..., R:], x[..., R:])
+    assert_rel_close(out, reference_rope(x, theta, interleaved), TOLERANCE[torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("table_dtype", [torch.float32, "x"], ids=["fp32-tables", "x-dtype-tables"])
+def test_low_precision_x(dtype, table_dtype):
+    B, H, N, D = 2, 3, 9, 64
+    x = torch.randn(B, H, N, D, dtype=dtype)
+    theta = random_angles(1, N, D)
+    cos, sin = tables(theta[0], dtype if table_dtype == "x" else table_dtype)
+    out = tk_ops.rope(x, cos, sin)
+    assert out.dtype == dtype
+    assert_rel_close(out, reference_rope(x, theta, False), TOLERANCE[dtype])
+
+
+def test_fp32_tables_are_more_accurate_than_bf16_tables():
+    B, H, N, D = 1, 4, 33, 64
+    x = torch.randn(B, H, N, D, dtype=torch.bfloat16)
+    theta = random_angles(1, N, D)
+    ref = reference_rope(x, theta, False)
+    err_fp32 = (tk_ops.rope(x, *tables(theta[0], torch.float32)).double() - ref).norm()
+    err_bf16 = (tk_ops.rope(x, *tables(theta[0], torch.bfloat16)).double() - ref).norm()
+    assert err_fp32 < err_bf16
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+def test_strided_view_equals_contiguous_copy(interleaved):
+    B, H, Hk, N, D = 2, 5, 3, 7, 64
+    q = torch.randn(B, N, H, D).transpose(1, 2)
+    k = torch.randn(B, N, Hk, D).transpose(1, 2)
+    cos, sin = tables(random_angles(B, N, 48), torch.float32)
+    assert torch.equal(tk_ops.rope(q, cos, sin, interleaved=interleaved),
+                       tk_ops.rope(q.contiguous(), cos, sin, interleaved=interleaved))
+    q_out, k_out = tk_ops.rope_qk(q, k, cos, sin, interleaved=interleaved)
+    q_ref, k_ref = tk_ops.rope_qk(q.contiguous(), k.contiguous(), cos, sin, interleaved=interleaved)
+    assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
+    assert q_out.is_contiguous() and k_out.is_contiguous()
+
+
+def test_non_unit_last_stride_is_copied_not_misread():
+    B, H, N, D = 2, 3, 5, 16
+    x = torch.randn(B, H, N, 2 * D, dtype=torch.float64)[..., ::2]
+    cos, sin = tables(random_angles(1, N, D)[0], torch.float64)
+    assert torch.equal(tk_ops.rope(x, cos, sin), tk_ops.rope(x.contiguous(), cos, sin))
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+def test_rope_qk_gqa(interleaved):
+    B, Hq, Hk, N, D, R = 2, 7, 3, 9, 80, 32
+    q = torch.randn(B, Hq, N, D, dtype=torch.float64)
+    k = torch.randn(B, Hk, N, D, dtype=torch.float64)
+    theta = random_angles(B, N, R)
+    cos, sin = tables(theta, torch.float64)
+    q_out, k_out = tk_ops.rope_qk(q, k, cos, sin, interleaved=interleaved)
+    assert_rel_close(q_out, reference_rope(q, theta, interleaved), TOLERANCE[torch.float64], "q_out")
+    assert_rel_close(k_out, reference_rope(k, theta, interleaved), TOLERANCE[torch.float64], "k_out")
+    assert torch.equal(q_out, tk_ops.rope(q, cos, sin, interleaved=interleaved))
+    assert torch.equal(k_out, tk_ops.rope(k, cos, sin, interleaved=interleaved))
+
+
+# ---------------------------------------------------------------------------------- gradients
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+@pytest.mark.parametrize("table_batch", [1, 3], ids=["shared-tables", "batch-tables"])
+def test_rope_gradient(interleaved, table_batch):
+    B, H, N, D, R = 3, 2, 7, 80, 32
+    x = torch.randn(B, H, N, D, dtype=torch.float64, requires_grad=True)
+    theta = random_angles(table_batch, N, R)
+    weight = torch.randn(B, H, N, D, dtype=torch.float64)
+    (tk_ops.rope(x, *tables(theta, torch.float64), interleaved=interleaved) * weight).sum().backward()
+    (expected,) = torch.autograd.grad((reference_rope(x, theta, interleaved) * weight).sum(), x)
+    assert_rel_close(x.grad, expected, TOLERANCE[torch.float64], "grad x")
+
+
+def test_rope_gradient_of_expanded_output_grad():
+    B, H, N, D = 2, 3, 5, 16
+    x = torch.randn(B, N, H, D, dtype=torch.float64).transpose(1, 2).requires_grad_()
+    theta = random_angles(1, N, D)
+    tk_ops.rope(x, *tables(theta, torch.float64)).sum().backward()  # the output grad has all strides 0
+    (expected,) = torch.autograd.grad(reference_rope(x, theta, False).sum(), x)
+    assert_rel_close(x.grad, expected, TOLERANCE[torch.float64], "grad x")
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+def test_rope_qk_gradient(interleaved):
+    B, Hq, Hk, N, D, R = 2, 5, 1, 9, 64, 48
+    q = torch.randn(B, Hq, N, D, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(B, Hk, N, D, dtype=torch.float64, requires_grad=True)
+    theta = random_angles(B, N, R)
+    weight_q, weight_k = torch.randn_like(q), torch.randn_like(k)
+    q_out, k_out = tk_ops.rope_qk(q, k, *tables(theta, torch.float64), interleaved=interleaved)
+    ((q_out * weight_q).sum() + (k_out * weight_k).sum()).backward()
+    expected_loss = (reference_rope(q, theta, interleaved) * weight_q).sum() + (
+        reference_rope(k, theta, interleaved) * weight_k
+    ).sum()
+    expected_q, expected_k = torch.autograd.grad(expected_loss, (q, k))
+    assert_rel_close(q.grad, expected_q, TOLERANCE[torch.float64], "grad q")
+    assert_rel_close(k.grad, expected_k, TOLERANCE[torch.float64], "grad k")
+
+
+def test_rope_qk_gradient_when_one_output_or_input_is_unused():
+    B, H, N, D = 2, 3, 5, 16
+    theta = random_angles(1, N, D)
+    cos, sin = tables(theta, torch.float64)
+    q = torch.randn(B, H, N, D, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(B, H, N, D, dtype=torch.float64, requires_grad=True)
+    q_out, _ = tk_ops.rope_qk(q, k, cos, sin)
+    q_out.pow(2).sum().backward()  # k_out gets no gradient: k.grad is zero
+    (expected_q,) = torch.autograd.grad(reference_rope(q, theta, False).pow(2).sum(), q)
+    assert_rel_close(q.grad, expected_q, TOLERANCE[torch.float64], "grad q")
+    assert torch.equal(k.grad, torch.zeros_like(k))
+
+    frozen_k = k.detach()
+    q.grad = None
+    with RecordTkArgs() as record:
+        q_out, k_out = tk_ops.rope_qk(q, frozen_k, cos, sin)
+        (q_out.pow(2).sum() + k_out.sum()).backward()
+    assert "rope_bwd.default" in record.calls and "rope_qk_bwd.default" not in record.calls
+    assert_rel_close(q.grad, expected_q, TOLERANCE[torch.float64], "grad q (k frozen)")
+
+
+# ------------------------------------------------------------------------- opcheck, compile, export
+
+
+def op_args(interleaved: bool, requires_grad: bool):
+    B, H, Hk, N, D, R = 2, 3, 1, 5, 24, 16
+    q = torch.randn(B, N, H, D).transpose(1, 2).requires_grad_(requires_grad)
+    k = torch.randn(B, Hk, N, D, requires_grad=requires_grad)
+    cos, sin = tables(random_angles(B, N, R), torch.float32)
+    return q, k, cos, sin, interleaved
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+def test_opcheck_forward_ops(interleaved):
+    q, k, cos, sin, _ = op_args(interleaved, requires_grad=True)
+    torch.library.opcheck(torch.ops.tk.rope.default, (q, cos, sin, interleaved))
+    torch.library.opcheck(torch.ops.tk.rope_qk.default, (q, k, cos, sin, interleaved))
+
+
+def test_opcheck_backward_ops():
+    q, k, cos, sin, interleaved = op_args(True, requires_grad=False)
+    torch.library.opcheck(torch.ops.tk.rope_bwd.default, (q, cos[:1], sin[:1], interleaved))
+    torch.library.opcheck(torch.ops.tk.rope_qk_bwd.default, (q, k, cos, sin, interleaved))
+
+
+def test_compile_fullgraph_calls_tk_forward_and_backward_ops():
+    B, Hq, Hk, N, D = 2, 3, 1, 7, 32
+    q = torch.randn(B, N, Hq, D).transpose(1, 2).requires_grad_()
+    k = torch.randn(B, Hk, N, D, requires_grad=True)
+    v = torch.randn(B, Hk, N, D, requires_grad=True)
+    cos, sin = tables(random_angles(1, N, D), torch.float32)
+    hf_cos, hf_sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+
+    def loss(q, k, v):
+        q_out, k_out = tk_ops.rope_qk(q, k, hf_cos, hf_sin)
+        v_out = tk_ops.rope(v, cos[0], sin[0], interleaved=True)
+        return (q_out.sum(1, keepdim=True) * k_out * v_out).sum()
+
+    compiled = torch.compile(loss, fullgraph=True)
+
+    def step(fn, q, k, v):
+        for t in (q, k, v):
+            t.grad = None
+        value = fn(q, k, v)
+        value.backward()
+        return value.detach(), q.grad.clone(), k.grad.clone(), v.grad.clone()
+
+    compiled_results, codes = run_and_get_code(step, compiled, q, k, v)
+    code = "\n".join(codes)
+    for op in ("rope_qk", "rope_qk_bwd", "rope", "rope_bwd"):
+        assert f"torch.ops.tk.{op}.default" in code, f"tk.{op} missing from the generated code"
+    for got, expected in zip(compiled_results, step(loss, q, k, v)):
+        torch.testing.assert_close(got, expected)
+
+
+def test_export_contains_tk_ops():
+    class Rotate(torch.nn.Module):
+        def forward(self, q, k, cos, sin):
+            q_out, k_out = tk_ops.rope_qk(q, k, cos, sin)
+            return q_out, k_out, tk_ops.rope(q, cos, sin, interleaved=True)
+
+    q, k, cos, sin, _ = op_args(False, requires_grad=False)
+    exported = torch.export.export(Rotate(), (q, k, cos, sin))
+    targets = {node.target for node in exported.graph.nodes}
+    assert torch.ops.tk.rope_qk.default in targets and torch.ops.tk.rope.default in targets
+    for got, expected in zip(exported.module()(q, k, cos, sin), Rotate()(q, k, cos, sin)):
+        assert torch.equal(got, expected)
+
+
+# ---------------------------------------------------------------------------------- bad inputs
+
+
+def _x(*shape, dtype=torch.float32):
+    return torch.randn(*shape, dtype=dtype)
+
+
+def _tables(*shape, dtype=torch.float32):
+    return _x(*shape, dtype=dtype), _x(*shape, dtype=dtype)
+
+
+BAD_ROPE_CALLS = [
+    # (id, x, cos, sin, exception, match)
+    ("x not a tensor", [[1.0]], *_tables(5, 8), TypeError, "x must be a torch.Tensor"),
+    ("x rank 3", _x(3, 5, 16), *_tables(5, 8), ValueError, "x must have 4 dimensions"),
+    ("x integer", torch.ones(2, 3, 5, 16, dtype=torch.int32), *_tables(5, 8), TypeError, "x must have dtype"),
+    ("x empty", _x(0, 3, 5, 16), *_tables(5, 8), ValueError, "x must not be empty"),
+    ("cos not a tensor", _x(2, 3, 5, 16), None, _x(5, 8), TypeError, "cos must be a torch.Tensor"),
+    ("cos rank 1", _x(2, 3, 5, 16), *_tables(8), ValueError, "cos must have 2 or 3 or 4 dimensions"),
+    ("cos rank 5", _x(2, 3, 5, 16), *_tables(1, 1, 1, 5, 8), ValueError, "cos must have 2 or 3 or 4"),
+    ("cos empty", _x(2, 3, 5, 16), *_tables(5, 0), ValueError, "cos must not be empty"),
+    ("cos fp16 for bf16 x", _x(2, 3, 5, 16, dtype=torch.bfloat16), *_tables(5, 8, dtype=torch.float16),
+     TypeError, r"cos must have dtype in \(bfloat16, float32\)"),
+    ("cos fp64 for fp32 x", _x(2, 3, 5, 16), *_tables(5, 8, dtype=torch.float64), TypeError,
+     r"cos must have dtype in \(float32\)"),
+    ("sin shape", _x(2, 3, 5, 16), _x(5, 8), _x(5, 6), ValueError, "sin must have cos's shape"),
+    ("sin dtype", _x(2, 3, 5, 16, dtype=torch.bfloat16), _x(5, 8), _x(5, 8, dtype=torch.bfloat16), TypeError,
+     "sin must have cos's dtype"),
+    ("cos N", _x(2, 3, 5, 16), *_tables(6, 8), ValueError, r"cos.shape\[-2\] must equal x.shape\[2\] \(N\)"),
+    ("cos batch", _x(2, 3, 5, 16), *_tables(3, 5, 8), ValueError, r"cos.shape\[0\] must be 1 or x.shape\[0\]"),
+    ("cos per head", _x(2, 3, 5, 16), *_tables(2, 3, 5, 8), ValueError, r"cos.shape\[1\] must be 1"),
+    ("cos last dim", _x(2, 3, 5, 16), *_tables(5, 9), ValueError, r"cos.shape\[-1\] must be R/2"),
+    ("cos last dim 2D", _x(2, 3, 5, 16), *_tables(5, 32), ValueError, r"cos.shape\[-1\] must be R/2"),
+    ("hf form odd D", _x(2, 3, 5, 15), *_tables(5, 15), ValueError, r"cos.shape\[-1\] must be R/2"),
+]
+
+
+@pytest.mark.parametrize(
+    "x, cos, sin, error, match", [case[1:] for case in BAD_ROPE_CALLS], ids=[case[0] for case in BAD_ROPE_CALLS]
+)
+def test_rope_rejects_bad_inputs(x, cos, sin, error, match):
+    with pytest.raises(error, match=match):
+        tk_ops.rope(x, cos, sin)
+
+
+BAD_ROPE_QK_CALLS = [
+    # (id, q, k, exception, match)
+    ("k rank 3", _x(2, 3, 5, 16), _x(3, 5, 16), ValueError, "k must have 4 dimensions"),
+    ("k batch", _x(2, 3, 5, 16), _x(1, 3, 5, 16), ValueError, r"k.shape\[0\] must equal q.shape\[0\] \(B\)"),
+    ("k seq len", _x(2, 3, 5, 16), _x(2, 1, 4, 16), ValueError, r"k.shape\[2\] must equal q.shape\[2\] \(N\)"),
+    ("k head dim", _x(2, 3, 5, 16), _x(2, 1, 5, 32), ValueError, r"k.shape\[3\] must equal q.shape\[3\] \(D\)"),
+    ("k dtype", _x(2, 3, 5, 16), _x(2, 1, 5, 16, dtype=torch.bfloat16), TypeError, "k must have q's dtype"),
+    ("k empty", _x(2, 3, 5, 16), _x(2, 0, 5, 16), ValueError, "k must not be empty"),
+]
+
+
+@pytest.mark.parametrize(
+    "q, k, error, match", [case[1:] for case in BAD_ROPE_QK_CALLS], ids=[case[0] for case in BAD_ROPE_QK_CALLS]
+)
+def test_rope_qk_rejects_bad_inputs(q, k, error, match):
+    with pytest.raises(error, match=match):
+        tk_ops.rope_qk(q, k, *_tables(5, 8))
+
+
+@pytest.mark.parametrize("name", ["cos", "sin"])
+def test_tables_requiring_grad_are_rejected(name):
+    x = _x(2, 3, 5, 16)
+    cos, sin = _tables(5, 8)
+    {"cos": cos, "sin": sin}[name].requires_grad_()
+    with pytest.raises(ValueError, match=f"{name} must not require grad"):
+        tk_ops.rope(x, cos, sin)
+    with pytest.raises(ValueError, match=f"{name} must not require grad"):
+        tk_ops.rope_qk(x, x, cos, sin)
+    with torch.no_grad():
+        assert torch.equal(tk_ops.rope(x, cos, sin), tk_ops.rope(x, cos.detach(), sin.detach()))
+
+
+@requires_cuda
+def test_device_mismatch_is_rejected():
+    x = torch.randn(2, 3, 5, 16, device="cuda")
+    with pytest.raises(ValueError, match="cos must be on x's device"):
+        tk_ops.rope(x, *_tables(5, 8))
+    with pytest.raises(ValueError, match="k must be on q's device"):
+        tk_ops.rope_qk(x, x.cpu(), *_tables(5, 8))
+
+
+# ------------------------------------------------------------------------------ CUDA kernels
+
+GPU_SHAPES = [(2, 3, 1000, 64, 64), (1, 5, 333, 128, 128), (3, 7, 129, 80, 32)]
+
+
+@requires_kernel("rope")
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=SHAPE_IDS)
+def test_rope_kernel(shape, dtype, interleaved):
+    B, H, N, D, R = shape
+    x = torch.randn(B, N, H, D, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
+    theta = random_angles(B, N, R, device="cuda")
+    for table_dtype in (torch.float32, dtype):
+        cos, sin = tables(theta, table_dtype)
+        out = tk_ops.rope(x, cos, sin, interleaved=interleaved)
+        assert out.dtype == dtype and out.is_contiguous()
+        assert_rel_close(out, reference_rope(x, theta, interleaved), TOLERANCE[dtype])
+        assert torch.equal(out[..., R:], x[..., R:])
+    weight = torch.randn_like(x)
+    (grad,) = torch.autograd.grad((out * weight).sum(), x)
+    (expected,) = torch.autograd.grad((reference_rope(x, theta, interleaved) * weight.double()).sum(), x)
+    assert_rel_close(grad, expected, TOLERANCE[dtype], "grad x")
+    torch.library.opcheck(torch.ops.tk.rope.default, (x, cos, sin, interleaved))
+    torch.library.opcheck(torch.ops.tk.rope_bwd.default, (weight, cos, sin, interleaved))
+
+
+@requires_kernel("rope_qk")
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rope_qk_kernel(dtype, interleaved):
+    B, Hq, Hk, N, D = 3, 12, 4, 257, 128
+    q = torch.randn(B, N, Hq, D, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
+    k = torch.randn(B, Hk, N, D, device="cuda", dtype=dtype, requires_grad=True)
+    theta = random_angles(1, N, D, device="cuda")
+    cos, sin = tables(theta, torch.float32)
+    q_out, k_out = tk_ops.rope_qk(q, k, torch.cat((cos, cos), -1), torch.cat((sin, sin), -1), interleaved=interleaved)
+    assert_rel_close(q_out, reference_rope(q, theta, interleaved), TOLERANCE[dtype], "q_out")
+    assert_rel_close(k_out, reference_rope(k, theta, interleaved), TOLERANCE[dtype], "k_out")
+    weight_q, weight_k = torch.randn_like(q), torch.randn_like(k)
+    grads = torch.autograd.grad((q_out * weight_q).sum() + (k_out * weight_k).sum(), (q, k))
+    expected_loss = (reference_rope(q, theta, interleaved) * weight_q.double()).sum() + (
+        reference_rope(k, theta, interleaved) * weight_k.double()
+    ).sum()
+    for name, grad, expected in zip("qk", grads, torch.autograd.grad(expected_loss, (q, k))):
+        assert_rel_close(grad, expected, TOLERANCE[dtype], f"grad {name}")
+    torch.library.opcheck(torch.ops.tk.rope_qk.default, (q, k, cos, sin, interleaved))
+    torch.library.opcheck(torch.ops.tk.rope_qk_bwd.default, (weight_q, weight_k, cos, sin, interleaved))
