@@ -106,8 +106,32 @@ def test_rope_normalises_tables_with_views_only():
         tk_ops.rope(x, hf_cos, hf_sin)
     x_arg, cos_arg, sin_arg, _ = record.calls["rope.default"]
     assert x_arg.stride() == x.stride() and x_arg.data_ptr() == x.data_ptr()
+    assert cos_arg.shape == (B, N, D) and cos_arg.data_ptr() == hf_cos.data_ptr()
+    assert sin_arg.shape == (B, N, D) and sin_arg.data_ptr() == hf_sin.data_ptr()
+    with RecordTkArgs() as record:
+        tk_ops.rope(x, hf_cos, hf_sin, interleaved=True)
+    _, cos_arg, sin_arg, _ = record.calls["rope.default"]
     assert cos_arg.shape == (B, N, D // 2) and cos_arg.data_ptr() == hf_cos.data_ptr()
-    assert sin_arg.shape == (B, N, D // 2) and sin_arg.data_ptr() == hf_sin.data_ptr()
+
+
+def hf_rotate_half_formula(x, cos, sin):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+@pytest.mark.parametrize("op", ["rope", "rope_qk"])
+def test_full_tables_with_unequal_halves_follow_the_rotate_half_formula(op):
+    """Any (N, D) table is applied exactly as ``x * cos + rotate_half(x) * sin`` (what torch.compile rewrites)."""
+    B, H, N, D = 2, 3, 5, 8
+    x = torch.randn(B, H, N, D, dtype=torch.float64, requires_grad=True)
+    cos, sin = torch.randn(N, D, dtype=torch.float64), torch.randn(N, D, dtype=torch.float64)
+    out = tk_ops.rope(x, cos, sin) if op == "rope" else tk_ops.rope_qk(x, x, cos, sin)[0]
+    expected = hf_rotate_half_formula(x, cos, sin)
+    assert_rel_close(out, expected, TOLERANCE[torch.float64])
+    grad = torch.randn_like(out)
+    (got,) = torch.autograd.grad(out, x, grad)
+    (want,) = torch.autograd.grad(expected, x, grad)
+    assert_rel_close(got, want, TOLERANCE[torch.float64], "gradient")
 
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
