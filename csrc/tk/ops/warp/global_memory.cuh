@@ -1,0 +1,76 @@
+// Register tiles and vectors to and from global memory, destination first:
+//
+//   load(t, src, row_stride);    t[i][j] = src[i * row_stride + j]
+//   store(dst, row_stride, t);
+//   load(v, src);  store(dst, v);   v[i] = src[i]
+//
+// Element types convert on the way. Row-layout tiles move a pair per access, so src/dst must be
+// aligned to two elements and row_stride even; col-layout tiles move single elements. Vector stores
+// come from one copy of each entry (every lane holds one). Tiles are moved whole: callers that need
+// bounds use TMA or shared memory.
+#pragma once
+
+#include "../../types/register_tile.cuh"
+
+namespace tk::warp {
+namespace detail {
+
+// Where pair element e of quadrant q of base tile (br, bc) sits in a row-major matrix at `origin`.
+template <register_layout L, typename U>
+__device__ __forceinline__ U* pair_element_pointer(U* origin, int row_stride, int br, int bc, int q, int e) {
+  const fragment::coord at = fragment::pair_element_coord<L>(q, e);
+  return origin + (BASE_TILE * br + at.row) * row_stride + BASE_TILE * bc + at.col;
+}
+
+}  // namespace detail
+
+template <register_tile_type D, typename U>
+  requires is_register_element<U>
+__device__ __forceinline__ void load(D& dst, const U* src, int row_stride) {
+  using global_pair = packed_pair_t<U>;
+  for_each_pair<D>([&](int br, int bc, int q) {
+    const auto at = [&](int e) { return detail::pair_element_pointer<D::layout>(src, row_stride, br, bc, q, e); };
+    global_pair pair;
+    if constexpr (D::layout == register_layout::row) {
+      pair = *reinterpret_cast<const global_pair*>(at(0));
+    } else {
+      pair = global_pair{*at(0), *at(1)};
+    }
+    dst.pairs[br][bc][q] = convert_pair<typename D::pair_type>(pair);
+  });
+}
+
+template <typename U, register_tile_type T>
+  requires is_register_element<U>
+__device__ __forceinline__ void store(U* dst, int row_stride, const T& src) {
+  using global_pair = packed_pair_t<U>;
+  for_each_pair<T>([&](int br, int bc, int q) {
+    const auto at = [&](int e) { return detail::pair_element_pointer<T::layout>(dst, row_stride, br, bc, q, e); };
+    const global_pair pair = convert_pair<global_pair>(src.pairs[br][bc][q]);
+    if constexpr (T::layout == register_layout::row) {
+      *reinterpret_cast<global_pair*>(at(0)) = pair;
+    } else {
+      *at(0) = pair.x;
+      *at(1) = pair.y;
+    }
+  });
+}
+
+template <register_vector_type V, typename U>
+  requires is_register_element<U>
+__device__ __forceinline__ void load(V& dst, const U* src) {
+  for_each_slot<V>([&](int b, int s) {
+    dst.values[b][s] = convert<typename V::element>(src[BASE_TILE * b + fragment::vector_entry<V::layout>(s)]);
+  });
+}
+
+template <typename U, register_vector_type V>
+  requires is_register_element<U>
+__device__ __forceinline__ void store(U* dst, const V& src) {
+  if (!fragment::holds_first_copy<V::layout>()) return;
+  for_each_slot<V>([&](int b, int s) {
+    dst[BASE_TILE * b + fragment::vector_entry<V::layout>(s)] = convert<U>(src.values[b][s]);
+  });
+}
+
+}  // namespace tk::warp

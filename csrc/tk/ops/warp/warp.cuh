@@ -1,0 +1,10 @@
+// The warp-level tile core: everything a single warp does with register tiles and vectors.
+#pragma once
+
+#include "broadcast.cuh"
+#include "global_memory.cuh"
+#include "layout.cuh"
+#include "maps.cuh"
+#include "mma.cuh"
+#include "reductions.cuh"
+#include "shared_memory.cuh"
