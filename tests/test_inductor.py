@@ -9,7 +9,6 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._dynamo.utils import counters
 from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.utils import run_and_get_code
@@ -25,7 +24,6 @@ BF16 = torch.bfloat16
 def rewrites():
     """Enable the rewrites for the test (on any device) and restore the config after it."""
     saved = inductor_config.joint_custom_post_pass
-    counters.clear()
     tk_ops.inductor.enable(any_device=True)
     yield
     tk_ops.inductor.disable()
@@ -146,7 +144,6 @@ def test_sdpa_rewritten(rewrites, causal):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
     check_rewrite(fn, [leaf(2, 3, 17, 64), leaf(2, 3, 17, 64), leaf(2, 3, 17, 64)], {"attention", "attention_bwd"})
-    assert counters["tk_ops"]["attention"] >= 1
 
 
 def test_sdpa_gqa_and_scale_rewritten(rewrites):
