@@ -1,0 +1,62 @@
+// The attention launchers: softmax(scale * q k^T + causal mask) v and its gradients, bf16 or fp16
+// in and out, fp32 softmax statistics. Plain C++ (no torch): csrc/torch/attention.cpp calls them.
+//
+// Tensors are (B, H, N, D) views with a unit last stride and any other strides (in elements).
+// Query head h reads key/value head h / (Hq / Hkv). Causal masks are bottom-right aligned: query i
+// sees key j iff j <= i + Nk - Nq; a query that sees no key gets out = 0 and lse = -inf.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+namespace tk::attention {
+
+enum class element_type { bf16, fp16 };
+
+struct heads_view {
+  const void* data;
+  int64_t batch, heads, rows, dim;
+  int64_t batch_stride, head_stride, row_stride;  // elements; the last dimension is contiguous
+};
+
+struct forward_problem {
+  element_type dtype;
+  bool causal;
+  float scale;
+  heads_view q, k, v;
+  void* out;   // (B, Hq, Nq, D) contiguous
+  float* lse;  // (B, Hq, Nq) contiguous, natural log
+};
+
+struct backward_problem {
+  element_type dtype;
+  bool causal;
+  float scale;
+  heads_view q, k, v, out, grad_out;
+  const float* lse;       // (B, Hq, Nq) contiguous
+  const float* grad_lse;  // (B, Hq, Nq) contiguous, or nullptr
+  void* grad_q;           // (B, Hq, Nq, D) contiguous
+  void* grad_k;           // (B, Hkv, Nk, D) contiguous
+  void* grad_v;
+  // Workspace of backward_workspace_floats(B, Hq, Nq) floats: the per-row statistics the
+  // gradient kernels read (lse in base 2, rowsum(dO * O) - dlse).
+  float* workspace;
+};
+
+// Floats of workspace the backward needs.
+int64_t backward_workspace_floats(int64_t batch, int64_t q_heads, int64_t q_rows);
+
+// Empty when the kernels can run the problem; otherwise why not (a head dim, a stride TMA cannot take).
+std::string unsupported_reason(const forward_problem& p);
+std::string unsupported_reason(const backward_problem& p);
+
+// True when `device` can run the kernels (an sm_90 GPU).
+bool device_supported(int device);
+
+// Launch on `stream`; return the first launch error.
+cudaError_t launch(const forward_problem& p, cudaStream_t stream);
+cudaError_t launch(const backward_problem& p, cudaStream_t stream);
+
+}  // namespace tk::attention

@@ -1,0 +1,153 @@
+// CUDA kernels of tk::attention and tk::attention_bwd on the Hopper attention kernels.
+//
+// Each entry re-checks its arguments, describes q, k, v (and the gradients' inputs) to the kernels
+// as they are stored (any strides with a unit last stride, so (B, N, H, D) views need no copy) and
+// launches on the current stream. What the kernels cannot take (fp32/fp64, head dims other than
+// 64/128 or differing between q, k and v, another GPU, strides TMA cannot describe) goes to the
+// op's reference twin tk::<op>_ref, which warns once.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "kernels/attention/attention.h"
+
+namespace {
+
+namespace attn = tk::attention;
+
+using forward_signature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                             bool, double);
+using backward_signature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, const at::Tensor&, bool, double);
+
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> reference(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+void check_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK_VALUE(q.dim() == 4, op, ": q must be 4-D (B, Hq, Nq, D), got ", q.sizes());
+  TORCH_CHECK_VALUE(k.dim() == 4, op, ": k must be 4-D (B, Hkv, Nk, D), got ", k.sizes());
+  TORCH_CHECK_VALUE(v.dim() == 4, op, ": v must be 4-D (B, Hkv, Nk, Dv), got ", v.sizes());
+  TORCH_CHECK_VALUE(k.device() == q.device() && v.device() == q.device(), op, ": k and v must be on q's device ",
+                    q.device());
+  TORCH_CHECK_TYPE(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), op,
+                   ": k and v must have q's dtype ", q.scalar_type());
+  TORCH_CHECK_VALUE(k.size(0) == q.size(0) && k.size(3) == q.size(3), op, ": k must be (", q.size(0), ", Hkv, Nk, ",
+                    q.size(3), "), got ", k.sizes());
+  TORCH_CHECK_VALUE(v.size(0) == k.size(0) && v.size(1) == k.size(1) && v.size(2) == k.size(2), op,
+                    ": v must be (B, Hkv, Nk, Dv) = (", k.size(0), ", ", k.size(1), ", ", k.size(2), ", Dv), got ",
+                    v.sizes());
+  TORCH_CHECK_VALUE(k.size(1) > 0 && q.size(1) % k.size(1) == 0, op, ": q's head count Hq (", q.size(1),
+                    ") must be a multiple of k's head count Hkv (", k.size(1), ")");
+}
+
+// The kernels' view of a (B, H, N, D) tensor, or nothing if its last stride is not unit.
+std::optional<attn::heads_view> view_of(const at::Tensor& t) {
+  if (t.stride(3) != 1 && t.size(3) > 1) return std::nullopt;
+  return attn::heads_view{t.data_ptr(), t.size(0), t.size(1), t.size(2), t.size(3),
+                          t.stride(0), t.stride(1), t.stride(2)};
+}
+
+bool kernel_device(const at::Tensor& t) {
+  const at::ScalarType dtype = t.scalar_type();
+  return (dtype == at::kBFloat16 || dtype == at::kHalf) && t.is_cuda() && attn::device_supported(t.get_device());
+}
+
+attn::element_type element_of(const at::Tensor& t) {
+  return t.scalar_type() == at::kHalf ? attn::element_type::fp16 : attn::element_type::bf16;
+}
+
+std::optional<attn::forward_problem> plan_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                  bool causal, double scale) {
+  if (!kernel_device(q) || q.numel() == 0 || k.numel() == 0) return std::nullopt;
+  const auto qv = view_of(q), kv = view_of(k), vv = view_of(v);
+  if (!qv || !kv || !vv) return std::nullopt;
+  attn::forward_problem p{element_of(q), causal, float(scale), *qv, *kv, *vv, nullptr, nullptr};
+  if (!attn::unsupported_reason(p).empty()) return std::nullopt;
+  return p;
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                  bool causal, double scale) {
+  check_inputs("tk::attention", q, k, v);
+  auto plan = plan_forward(q, k, v, causal, scale);
+  if (!plan) {
+    static const auto ref = reference<forward_signature>("tk::attention_ref");
+    return ref.call(q, k, v, causal, scale);
+  }
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
+  at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+  plan->out = out.data_ptr();
+  plan->lse = lse.data_ptr<float>();
+  const c10::cuda::CUDAGuard guard(q.device());
+  C10_CUDA_CHECK(attn::launch(*plan, c10::cuda::getCurrentCUDAStream(q.get_device()).stream()));
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q, const at::Tensor& k,
+    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool causal, double scale) {
+  check_inputs("tk::attention_bwd", q, k, v);
+  const std::vector<int64_t> out_shape{q.size(0), q.size(1), q.size(2), v.size(3)};
+  TORCH_CHECK_VALUE(out.sizes() == out_shape, "tk::attention_bwd: out must be ", out_shape, ", got ", out.sizes());
+  TORCH_CHECK_VALUE(grad_out.sizes() == out_shape, "tk::attention_bwd: grad_out must be ", out_shape, ", got ",
+                    grad_out.sizes());
+  TORCH_CHECK_VALUE(lse.sizes() == q.sizes().slice(0, 3), "tk::attention_bwd: lse must be ", q.sizes().slice(0, 3),
+                    ", got ", lse.sizes());
+  TORCH_CHECK_VALUE(!grad_lse.has_value() || grad_lse->sizes() == lse.sizes(),
+                    "tk::attention_bwd: grad_lse must have lse's shape ", lse.sizes());
+  for (const at::Tensor* t : {&grad_out, &out, &lse}) {
+    TORCH_CHECK_VALUE(t->device() == q.device(), "tk::attention_bwd: every tensor must be on q's device ", q.device());
+  }
+
+  std::optional<attn::backward_problem> plan;
+  const bool statistics_fp32 =
+      lse.scalar_type() == at::kFloat && (!grad_lse.has_value() || grad_lse->scalar_type() == at::kFloat);
+  if (kernel_device(q) && q.numel() > 0 && k.numel() > 0 && statistics_fp32 &&
+      grad_out.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type()) {
+    const auto qv = view_of(q), kv = view_of(k), vv = view_of(v), ov = view_of(out), gv = view_of(grad_out);
+    if (qv && kv && vv && ov && gv) {
+      attn::backward_problem p{element_of(q), causal, float(scale), *qv, *kv, *vv, *ov, *gv,
+                               nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+      if (attn::unsupported_reason(p).empty()) plan = p;
+    }
+  }
+  if (!plan) {
+    static const auto ref = reference<backward_signature>("tk::attention_bwd_ref");
+    return ref.call(grad_out, grad_lse, q, k, v, out, lse, causal, scale);
+  }
+
+  const at::Tensor lse_rows = lse.contiguous();
+  const std::optional<at::Tensor> grad_lse_rows =
+      grad_lse.has_value() ? std::optional<at::Tensor>(grad_lse->contiguous()) : std::nullopt;
+  at::Tensor grad_q = at::empty(q.sizes(), q.options());
+  at::Tensor grad_k = at::empty(k.sizes(), k.options());
+  at::Tensor grad_v = at::empty(v.sizes(), v.options());
+  at::Tensor workspace =
+      at::empty({attn::backward_workspace_floats(q.size(0), q.size(1), q.size(2))}, q.options().dtype(at::kFloat));
+  plan->lse = lse_rows.data_ptr<float>();
+  plan->grad_lse = grad_lse_rows.has_value() ? grad_lse_rows->data_ptr<float>() : nullptr;
+  plan->grad_q = grad_q.data_ptr();
+  plan->grad_k = grad_k.data_ptr();
+  plan->grad_v = grad_v.data_ptr();
+  plan->workspace = workspace.data_ptr<float>();
+  const c10::cuda::CUDAGuard guard(q.device());
+  C10_CUDA_CHECK(attn::launch(*plan, c10::cuda::getCurrentCUDAStream(q.get_device()).stream()));
+  return {grad_q, grad_k, grad_v};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(tk, CUDA, m) {
+  m.impl("attention", &attention_cuda);
+  m.impl("attention_bwd", &attention_bwd_cuda);
+}
