@@ -465,3 +465,142 @@ def test_rope_qk_kernel(dtype, interleaved):
         assert_rel_close(grad, expected, TOLERANCE[dtype], f"grad {name}")
     torch.library.opcheck(torch.ops.tk.rope_qk.default, (q, k, cos, sin, interleaved))
     torch.library.opcheck(torch.ops.tk.rope_qk_bwd.default, (weight_q, weight_k, cos, sin, interleaved))
+
+
+@requires_kernel("rope")
+@pytest.mark.parametrize("op", ["rope", "rope_qk"])
+@pytest.mark.parametrize("head_dim", [128, 40], ids=["vector-path", "element-path"])  # D/2 = 20: no 16-byte split
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_full_tables_with_unequal_halves_kernel(op, head_dim, dtype):
+    B, H, N = 2, 3, 77
+    x = torch.randn(B, N, H, head_dim, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
+    cos = torch.randn(N, head_dim, device="cuda")
+    sin = torch.randn(N, head_dim, device="cuda")
+    out = tk_ops.rope(x, cos, sin) if op == "rope" else tk_ops.rope_qk(x, x, cos, sin)[1]
+    expected = hf_rotate_half_formula(x.double(), cos.double(), sin.double())
+    assert_rel_close(out, expected, TOLERANCE[dtype])
+    grad = torch.randn_like(out)
+    (got,) = torch.autograd.grad(out, x, grad)
+    (want,) = torch.autograd.grad(expected, x, grad.double())
+    assert_rel_close(got, want, TOLERANCE[dtype], "gradient")
+
+
+@requires_kernel("rope_qk")
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+@pytest.mark.parametrize("table_offset", [0, 1], ids=["aligned-tables", "misaligned-tables"])
+def test_rope_qk_kernel_on_fused_projection_views(interleaved, table_offset):
+    """q and k as head slices of one padded (B, N, heads, D + pad) projection; tables as strided slices."""
+    B, Hq, Hk, N, D, R = 3, 6, 2, 45, 96, 64
+    qkv = torch.randn(B, N, Hq + 2 * Hk, D + 16, device="cuda", dtype=torch.bfloat16)
+    q = qkv[:, :, :Hq, :D].transpose(1, 2).requires_grad_()
+    k = qkv[:, :, Hq : Hq + Hk, :D].transpose(1, 2).requires_grad_()
+    theta = random_angles(B, N, R, device="cuda")
+    storage = torch.randn(2, B, N + 3, R // 2 + 8, device="cuda")
+    cos, sin = storage[:, :, 1 : N + 1, table_offset : table_offset + R // 2]
+    cos.copy_(theta.cos())
+    sin.copy_(theta.sin())
+    q_out, k_out = tk_ops.rope_qk(q, k, cos, sin, interleaved=interleaved)
+    assert q_out.is_contiguous() and k_out.is_contiguous()
+    assert_rel_close(q_out, reference_rope(q, theta, interleaved), TOLERANCE[torch.bfloat16], "q_out")
+    assert_rel_close(k_out, reference_rope(k, theta, interleaved), TOLERANCE[torch.bfloat16], "k_out")
+    assert torch.equal(q_out[..., R:], q[..., R:]) and torch.equal(k_out[..., R:], k[..., R:])
+    q_dense, k_dense = tk_ops.rope_qk(q.contiguous(), k.contiguous(), cos, sin, interleaved=interleaved)
+    assert torch.equal(q_out, q_dense) and torch.equal(k_out, k_dense)
+    grad_q, grad_k = torch.randn_like(q_out), torch.randn_like(k_out)
+    got = torch.autograd.grad((q_out, k_out), (q, k), (grad_q, grad_k))
+    expected_loss = (reference_rope(q, theta, interleaved) * grad_q.double()).sum() + (
+        reference_rope(k, theta, interleaved) * grad_k.double()
+    ).sum()
+    for name, grad, expected in zip("qk", got, torch.autograd.grad(expected_loss, (q, k))):
+        assert_rel_close(grad, expected, TOLERANCE[torch.bfloat16], f"grad {name}")
+
+
+@requires_kernel("rope")
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+@pytest.mark.parametrize(
+    "dtype, head_dim, rotary_dim, x_offset",
+    [
+        (torch.float32, 64, 48, 0),  # fp32 x: 4-element vectors
+        (torch.bfloat16, 64, 64, 1),  # x one element past 16-byte alignment: element path
+        (torch.float16, 33, 20, 0),  # odd D, R/2 = 10: element path, 13 pass-through channels
+    ],
+    ids=["fp32", "misaligned-x", "odd-D"],
+)
+def test_rope_kernel_other_paths(interleaved, dtype, head_dim, rotary_dim, x_offset):
+    B, H, N = 2, 5, 131
+    numel = B * H * N * head_dim
+    x = torch.randn(numel + x_offset, device="cuda", dtype=dtype)[x_offset:].view(B, H, N, head_dim)
+    x.requires_grad_()
+    theta = random_angles(1, N, rotary_dim, device="cuda")
+    cos, sin = tables(theta[0], torch.float32)
+    out = tk_ops.rope(x, cos, sin, interleaved=interleaved)
+    assert_rel_close(out, reference_rope(x, theta, interleaved), TOLERANCE[dtype])
+    assert torch.equal(out[..., rotary_dim:], x[..., rotary_dim:])
+    weight = torch.randn_like(out)
+    (grad,) = torch.autograd.grad(out, x, weight)
+    (expected,) = torch.autograd.grad((reference_rope(x, theta, interleaved) * weight.double()).sum(), x)
+    assert_rel_close(grad, expected, TOLERANCE[dtype], "grad x")
+
+
+@requires_kernel("rope_qk")
+def test_rope_qk_kernel_many_positions_and_heads():
+    """More (positions x head chunks) than the grid has blocks: every block strides over several items."""
+    B, Hq, Hk, N, D = 2, 16, 4, 2049, 64
+    q = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, Hk, N, D, device="cuda", dtype=torch.bfloat16)
+    theta = random_angles(1, N, D, device="cuda")
+    cos, sin = tables(theta, torch.bfloat16)
+    q_out, k_out = tk_ops.rope_qk(q, k, cos, sin)
+    assert_rel_close(q_out, reference_rope(q, theta, False), TOLERANCE[torch.bfloat16], "q_out")
+    assert_rel_close(k_out, reference_rope(k, theta, False), TOLERANCE[torch.bfloat16], "k_out")
+
+
+@requires_kernel("rope")
+def test_fp64_on_cuda_runs_the_reference():
+    B, H, N, D = 2, 3, 7, 16
+    x = torch.randn(B, H, N, D, device="cuda", dtype=torch.float64)
+    theta = random_angles(1, N, D, device="cuda")
+    out = tk_ops.rope(x, *tables(theta[0], torch.float64))
+    assert_rel_close(out, reference_rope(x, theta, False), TOLERANCE[torch.float64])
+
+
+@requires_kernel("rope_qk")
+def test_rope_qk_kernel_in_cuda_graph():
+    B, Hq, Hk, N, D = 2, 4, 2, 100, 128
+    q = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, Hk, N, D, device="cuda", dtype=torch.bfloat16)
+    cos, sin = tables(random_angles(1, N, D, device="cuda")[0], torch.float32)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        tk_ops.rope_qk(q, k, cos, sin)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q_out, k_out = tk_ops.rope_qk(q, k, cos, sin)
+    q.copy_(torch.randn_like(q))
+    k.copy_(torch.randn_like(k))
+    graph.replay()
+    q_eager, k_eager = tk_ops.rope_qk(q, k, cos, sin)
+    assert torch.equal(q_out, q_eager) and torch.equal(k_out, k_eager)
+
+
+@requires_kernel("rope_qk")
+def test_kernel_entries_check_their_inputs():
+    """The C++ entries re-check what reaches them directly (not through the public functions)."""
+    x = torch.randn(2, 3, 5, 16, device="cuda", dtype=torch.bfloat16)
+    cos, sin = torch.randn(2, 1, 5, 8, device="cuda").unbind(0)
+    with pytest.raises(ValueError, match=r"cos.shape\[1\] must equal N"):
+        torch.ops.tk.rope(x, cos[:, :4], sin[:, :4], False)
+    with pytest.raises(ValueError, match="cos must be 3-D"):
+        torch.ops.tk.rope(x, cos[0], sin[0], False)
+    with pytest.raises(ValueError, match="sin must have cos's shape"):
+        torch.ops.tk.rope_bwd(x, cos, sin[..., :4], False)
+    with pytest.raises(ValueError, match=r"cos.shape\[2\] must be R/2"):
+        torch.ops.tk.rope(x, cos.repeat(1, 1, 3), sin.repeat(1, 1, 3), True)
+    with pytest.raises(ValueError, match="k must be"):
+        torch.ops.tk.rope_qk(x, x[..., :8], cos, sin, False)
+    with pytest.raises(TypeError, match="cos and sin must have q's dtype"):
+        torch.ops.tk.rope_qk(x, x, cos.half(), sin.half(), False)
+    empty = torch.ops.tk.rope(x[:0], cos, sin, False)
+    assert empty.shape == (0, 3, 5, 16) and empty.is_cuda
