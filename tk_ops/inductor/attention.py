@@ -21,12 +21,20 @@ from tk_ops.inductor.options import RewriteOptions
 
 aten = torch.ops.aten
 
-# Fused forward -> its partner backward. Each forward returns (output, logsumexp, ...).
+# Fused forward -> the backward nodes that may partner it (cuDNN's has two names, the one used
+# depends on the torch version). Each forward returns (output, logsumexp, ...).
 _FORWARD_TO_BACKWARD = {
-    aten._scaled_dot_product_flash_attention_for_cpu.default: aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-    aten._scaled_dot_product_flash_attention.default: aten._scaled_dot_product_flash_attention_backward.default,
-    aten._scaled_dot_product_efficient_attention.default: aten._scaled_dot_product_efficient_attention_backward.default,
-    aten._scaled_dot_product_cudnn_attention.default: aten._cudnn_attention_backward.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default: (
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    ),
+    aten._scaled_dot_product_flash_attention.default: (aten._scaled_dot_product_flash_attention_backward.default,),
+    aten._scaled_dot_product_efficient_attention.default: (
+        aten._scaled_dot_product_efficient_attention_backward.default,
+    ),
+    aten._scaled_dot_product_cudnn_attention.default: (
+        aten._scaled_dot_product_cudnn_attention_backward.default,
+        aten._cudnn_attention_backward.default,
+    ),
 }
 _KERNEL_HEAD_DIMS = (64, 128)
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
@@ -56,13 +64,13 @@ def _rewritable(arguments: dict, options: RewriteOptions) -> bool:
 
 def _partner_backwards(forward: torch.fx.Node, users: dict) -> list[torch.fx.Node] | None:
     """Backward nodes reading this forward; None if a secondary output escapes elsewhere."""
-    backward_target = _FORWARD_TO_BACKWARD[forward.target]
+    backward_targets = _FORWARD_TO_BACKWARD[forward.target]
     query, key, value = forward.args[:3]
     partners = set()
     for index, items in users.items():
         for item in items:
             for user in item.users:
-                is_partner = user.target is backward_target and tuple(user.args[1:4]) == (query, key, value)
+                is_partner = user.target in backward_targets and tuple(user.args[1:4]) == (query, key, value)
                 if is_partner:
                     grads = _graph.getitem_users(user)
                     if grads is None or any(i >= _GRADS for i in grads):
