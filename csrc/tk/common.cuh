@@ -32,6 +32,11 @@ template <> struct packed_pair<half> { using type = half_2; };
 template <> struct packed_pair<float> { using type = float2; };
 template <typename T> using packed_pair_t = typename packed_pair<T>::type;
 
+// The 32-bit shared-state-space address of a generic pointer into shared memory, as PTX wants it.
+__device__ __forceinline__ uint32_t shared_address(const void* ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
 template <typename T> constexpr bool is_16bit_float = false;
 template <> constexpr bool is_16bit_float<bf16> = true;
 template <> constexpr bool is_16bit_float<half> = true;

@@ -64,7 +64,7 @@ def _linear_fake(x, weight, bias):
 def _linear_bwd_reference(grad, x, weight, output_mask):
     grad_x = torch.matmul(grad, weight).contiguous() if output_mask[0] else x.new_empty(0)
     grad_weight = torch.matmul(grad.mT, x).contiguous() if output_mask[1] else weight.new_empty(0)
-    grad_bias = grad.sum(0, dtype=torch.float32).to(grad.dtype) if output_mask[2] else grad.new_empty(0)
+    grad_bias = grad.sum(0, dtype=torch.promote_types(grad.dtype, torch.float32)).to(grad.dtype) if output_mask[2] else grad.new_empty(0)
     return grad_x, grad_weight, grad_bias
 
 

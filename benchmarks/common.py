@@ -1,0 +1,122 @@
+"""Shared benchmark helpers: GPU timing and the results file.
+
+Timing: CUDA events around a batch of back-to-back calls (so the launch queue stays full and host
+overhead hides behind device work whenever it is smaller), after warm-up, median over rounds.
+Inputs rotate through enough sets that their bytes exceed twice the L2, so no call reads what the
+previous one left in cache.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+from typing import Callable, Sequence
+
+import torch
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def l2_bytes() -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+
+
+def rotation_count(bytes_per_set: int, cap: int = 16) -> int:
+    """How many input sets make the rotation larger than twice the L2 (at least 2)."""
+    return max(2, min(cap, math.ceil(2 * l2_bytes() / max(bytes_per_set, 1)) + 1))
+
+
+def time_ms(fn: Callable, input_sets: Sequence[tuple], warmup: int = 5, rounds: int = 15, batch: int = 10) -> float:
+    """Median milliseconds per call of fn(*inputs), cycling through input_sets."""
+    for i in range(warmup):
+        fn(*input_sets[i % len(input_sets)])
+    torch.cuda.synchronize()
+    per_call = []
+    for r in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(batch):
+            fn(*input_sets[(r * batch + i) % len(input_sets)])
+        end.record()
+        end.synchronize()
+        per_call.append(start.elapsed_time(end) / batch)
+    return statistics.median(per_call)
+
+
+def time_graph_ms(fn: Callable, input_sets: Sequence[tuple], rounds: int = 15, batch: int = 20) -> float:
+    """Median milliseconds per call with `batch` calls captured in one CUDA graph: device time
+    alone, free of host overhead (what a captured training step or torch.compile's
+    reduce-overhead mode sees)."""
+    for inputs in input_sets:
+        fn(*inputs)  # warm-up outside capture (lazy initialisation, descriptor caches)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(batch):
+            fn(*input_sets[i % len(input_sets)])
+    graph.replay()
+    torch.cuda.synchronize()
+    per_call = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        per_call.append(start.elapsed_time(end) / batch)
+    del graph
+    return statistics.median(per_call)
+
+
+def host_us_per_call(fn: Callable, inputs: tuple, calls: int = 300) -> float:
+    """Host microseconds per call on a problem too small to keep the GPU busy (launch-bound)."""
+    import time
+
+    for _ in range(20):
+        fn(*inputs)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn(*inputs)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def environment() -> dict:
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    try:
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm,power.limit", "--format=csv,noheader"],
+            capture_output=True, text=True, check=False,
+        ).stdout.strip()
+    except FileNotFoundError:
+        smi = ""
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": props.name,
+        "sm_count": props.multi_processor_count,
+        "l2_mb": round(props.L2_cache_size / 2**20, 1),
+        "nvidia_smi": smi,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "command": " ".join([pathlib.Path(sys.executable).name, *sys.argv]),
+    }
+
+
+def write_results(name: str, rows: list[dict], out_dirs: Sequence[pathlib.Path] = (RESULTS,), **header) -> list[pathlib.Path]:
+    """Write {header..., environment, rows} as <dir>/<name>.json; returns the paths."""
+    document = {**environment(), **header, "rows": rows}
+    paths = []
+    for directory in out_dirs:
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"{name}.json"
+        path.write_text(json.dumps(document, indent=1) + "\n")
+        paths.append(path)
+    return paths

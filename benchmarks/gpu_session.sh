@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# The one device script: build, GPU tests, compute-sanitizer, benchmarks; logs into OUT_DIR.
+#
+#   benchmarks/gpu_session.sh OUT_DIR [PART ...]
+#
+# PARTS (default: build tests sanitize bench:gemm), run in the order given:
+#   build          cold in-place build of tk_ops._C with every core (prints the time)
+#   build:warm     incremental build (after an edit, on a machine that is still warm)
+#   tests[=ARGS]   pytest -m gpu over tests/ (or over ARGS, e.g. tests=tests/test_matmul.py)
+#   sanitize       memcheck, racecheck and synccheck over benchmarks/sanitize.py
+#   bench:NAME     python3 -m benchmarks.bench_NAME --out OUT_DIR
+#   tune:NAME      python3 -m benchmarks.tune_NAME (compares candidate tile plans)
+#   sass           HGMMA / UTMALDG / spill counts of the built kernels
+# Run from the repository root. At most 8 files come back from OUT_DIR: one log per part.
+set -o pipefail
+OUT=${1:?usage: benchmarks/gpu_session.sh OUT_DIR [PART ...]}
+shift
+mkdir -p "$OUT"
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(build tests sanitize bench:gemm)
+
+# The image's /opt/gcc wrappers make every C++ exception thrown from an extension segfault.
+export CC=/usr/bin/gcc CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++
+export PYTHONUNBUFFERED=1
+status=0
+
+section() { printf '\n===== %s =====\n' "$*"; }
+
+{
+  section environment
+  date -u
+  nvidia-smi
+  nvcc --version | tail -2
+  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+  echo "parts: ${parts[*]}"
+} 2>&1 | tee "$OUT/env.log"
+
+for part in "${parts[@]}"; do
+  case "$part" in
+    build | build:warm)
+      {
+        section "$part"
+        [ "$part" = build ] && rm -rf build tk_ops/_C*.so
+        start=$(date +%s)
+        MAX_JOBS=16 python3 setup.py build_ext --inplace
+        rc=$?
+        echo "build ($part) took $(( $(date +%s) - start )) s, exit $rc"
+        exit $rc
+      } 2>&1 | tee -a "$OUT/build.log" || status=1
+      ;;
+    tests*)
+      selection=tests
+      [[ "$part" == tests=* ]] && selection=${part#tests=}
+      { section "pytest -m gpu $selection"; python3 -m pytest $selection -m gpu -q -x -p no:cacheprovider; } 2>&1 |
+        tee -a "$OUT/tests.log" || status=1
+      ;;
+    sanitize)
+      for tool in memcheck racecheck synccheck; do
+        { section "compute-sanitizer $tool"
+          compute-sanitizer --tool "$tool" --error-exitcode 1 --kernel-name kns=producer_consumer \
+            python3 -m benchmarks.sanitize gemm; } 2>&1 | tee -a "$OUT/sanitize.log" || status=1
+      done
+      ;;
+    bench:*)
+      name=${part#bench:}
+      { section "benchmark $name"; python3 -m benchmarks.bench_"$name" --out "$OUT"; } 2>&1 |
+        tee -a "$OUT/bench_$name.log" || status=1
+      ;;
+    tune:*)
+      name=${part#tune:}
+      { section "tuning $name"; python3 -m benchmarks.tune_"$name"; } 2>&1 | tee -a "$OUT/tune_$name.log" || status=1
+      ;;
+    sass)
+      { section "SASS of tk_ops._C"
+        for so in tk_ops/_C*.so; do
+          cuobjdump --dump-sass "$so" > /tmp/tk_sass.txt
+          for op in HGMMA UTMALDG UTMASTG STSM LDL STL; do echo "$op: $(grep -c "$op" /tmp/tk_sass.txt)"; done
+        done; } 2>&1 | tee -a "$OUT/sass.log" || status=1
+      ;;
+    *) echo "unknown part: $part" | tee -a "$OUT/env.log"; status=1 ;;
+  esac
+done
+echo "gpu_session: exit $status"
+exit $status

@@ -1,0 +1,216 @@
+// GEMM on the tile core: C = A * B (+ bias), one 128 x 256 tile of C per block and step.
+//
+//   producer (1 warpgroup)      TMA: A tile (128 x 64) and B tile (64 x 256) into a ring of stages
+//   consumers (2 warpgroups)    wgmma: each owns 64 rows of the tile, acc (64 x 256 fp32) += A B
+//   epilogue (consumers)        + bias, convert, stmatrix into swizzled staging, TMA store;
+//                               the store drains while the next tile's mainloop runs
+//
+// Tails need no code: TMA zero-fills what lies past M, N or K on load (zeros add nothing to the
+// products) and drops what lies past M or N on store.
+#pragma once
+
+#include <climits>
+#include <string>
+#include <utility>
+
+#include "gemm.h"
+#include "tk/tk.cuh"
+
+namespace tk::gemm {
+
+using warpgroup::operand_major;
+
+// The tile plan. Shared memory: 4 stages x (16 + 32) KB of operands + 2 x 2 x 8 KB of output
+// staging = 224 KB of the 227 KB a block may have. Alternatives measured side by side
+// (benchmarks/tune_gemm.py: 3 stages with wider staging, one staging slot, 24/240 registers,
+// raster groups of 4 or 16, TMA boxes of 64 rows, 128 x 128 tiles) were within run-to-run noise
+// of this plan or slower; benchmarks/results/gemm_notes.md has the numbers.
+struct tile_plan {
+  static constexpr int block_m = 128;
+  static constexpr int block_n = 256;
+  static constexpr int block_k = 64;  // one 128-byte swizzle span of 16-bit elements
+  static constexpr int consumer_warpgroups = 2;
+  static constexpr int stages = 4;
+  static constexpr int store_cols = 64;  // columns per epilogue TMA store
+  static constexpr int store_slots = 2;  // staging buffers per consumer: one fills while one drains
+  static constexpr int group_rows = 8;   // tile rows per group of the raster order
+  static constexpr int box_rows = 256;   // rows per TMA box of an operand tile (at most 256)
+  // The producer only issues TMA; each consumer holds a 128-register accumulator plus addressing.
+  static constexpr int producer_registers = 40;
+  static constexpr int consumer_registers = 232;
+};
+
+// An operand tile of MN x K elements as shared memory holds it for the given major-ness.
+template <typename T, int MN, int K, operand_major MAJOR, int BOX_ROWS>
+using operand_tile =
+    std::conditional_t<MAJOR == operand_major::k,
+                       shared_tile<T, MN, K, widest_swizzle(K * int(sizeof(T))), (MN < BOX_ROWS ? MN : BOX_ROWS)>,
+                       shared_tile<T, K, MN, widest_swizzle(MN * int(sizeof(T))), (K < BOX_ROWS ? K : BOX_ROWS)>>;
+
+template <typename T, operand_major A_MAJOR, operand_major B_MAJOR, bool HAS_BIAS, typename Plan = tile_plan>
+struct gemm_kernel {
+  using plan = Plan;
+  static constexpr int stages = Plan::stages;
+  static constexpr int consumer_warpgroups = Plan::consumer_warpgroups;
+  static constexpr int producer_registers = Plan::producer_registers;
+  static constexpr int consumer_registers = Plan::consumer_registers;
+  static constexpr int rows_per_consumer = Plan::block_m / consumer_warpgroups;
+  static_assert(rows_per_consumer == 64, "each consumer warpgroup owns one 64-row wgmma block");
+  static_assert(Plan::block_n % Plan::store_cols == 0 && (Plan::block_n / Plan::store_cols) % Plan::store_slots == 0,
+                "store chunks cycle through the staging slots a whole number of times per tile");
+
+  using a_tile = operand_tile<T, Plan::block_m, Plan::block_k, A_MAJOR, Plan::box_rows>;
+  using b_tile = operand_tile<T, Plan::block_n, Plan::block_k, B_MAJOR, Plan::box_rows>;
+  using c_tile = shared_tile<T, rows_per_consumer, Plan::store_cols>;
+
+  struct stage_storage {
+    a_tile a;
+    b_tile b;
+  };
+  static constexpr uint32_t stage_bytes = a_tile::bytes + b_tile::bytes;
+
+  struct store_storage {
+    c_tile c[consumer_warpgroups][Plan::store_slots];
+  };
+
+  struct consumer_state {
+    warpgroup::accumulator<Plan::block_n> acc;
+  };
+
+  struct params {
+    CUtensorMap a;  // A as stored, boxes of a_tile
+    CUtensorMap b;
+    CUtensorMap c;
+    const T* bias;
+    int m, n, k;
+    pipeline::grouped_tile_order order;
+  };
+
+  enum class barrier_id : int {
+    consumer_store = FIRST_NAMED_BARRIER,  // one per consumer warpgroup: staging free / staging written
+    count = consumer_store + consumer_warpgroups,
+  };
+  static_assert(fits_named_barriers<barrier_id>());
+
+  __device__ static pipeline::persistent_scheduler<pipeline::grouped_tile_order> scheduler(const params& p) {
+    return {p.order};
+  }
+
+  __device__ static int iterations(const params& p, pipeline::output_tile) {
+    return (p.k + Plan::block_k - 1) / Plan::block_k;
+  }
+
+  __device__ static void prefetch(const params& p) {
+    tma::prefetch_descriptor(p.a);
+    tma::prefetch_descriptor(p.b);
+    tma::prefetch_descriptor(p.c);
+  }
+
+  // Stage i of a tile: A[m0 : m0 + 128, k0 : k0 + 64] and B[k0 : k0 + 64, n0 : n0 + 256], indexed
+  // as each is stored.
+  __device__ static void load(const params& p, pipeline::output_tile tile, int i, stage_storage& s, mbarrier& full) {
+    const int m0 = tile.row * Plan::block_m;
+    const int n0 = tile.col * Plan::block_n;
+    const int k0 = i * Plan::block_k;
+    const int a_index[2] = {A_MAJOR == operand_major::k ? m0 : k0, A_MAJOR == operand_major::k ? k0 : m0};
+    const int b_index[2] = {B_MAJOR == operand_major::k ? n0 : k0, B_MAJOR == operand_major::k ? k0 : n0};
+    tma::load(s.a, p.a, full, a_index);
+    tma::load(s.b, p.b, full, b_index);
+  }
+
+  // acc (+)= A[consumer's 64 rows, k0 : k0 + 64] * B[k0 : k0 + 64, :]; the first stage overwrites.
+  __device__ static void compute(consumer_state& state, const stage_storage& s, int i, int consumer) {
+    warpgroup::fence();
+    warpgroup::mma<A_MAJOR, B_MAJOR>(state.acc, s.a, consumer * rows_per_consumer, s.b, 0, i > 0);
+    warpgroup::commit();
+  }
+
+  // C[rows of this consumer, n0 : n0 + 256] = acc (+ bias), in store_cols-wide chunks through the
+  // staging slots; a slot is rewritten only after the TMA store that last used it has read it.
+  __device__ static void store(const params& p, consumer_state& state, pipeline::output_tile tile,
+                               store_storage& staging, int consumer) {
+    warpgroup::pin(state.acc);
+    const int row0 = tile.row * Plan::block_m + consumer * rows_per_consumer;
+    const int n0 = tile.col * Plan::block_n;
+    if constexpr (HAS_BIAS) warpgroup::add_column_vector(state.acc, p.bias, n0, p.n);
+    const bool issuer = threadIdx.x % WARPGROUP_THREADS == 0;
+    const barrier_id staging_barrier = barrier_after(barrier_id::consumer_store, consumer);
+    [&]<int... CHUNK>(std::integer_sequence<int, CHUNK...>) {
+      ([&] {
+        c_tile& slot = staging.c[consumer][CHUNK % Plan::store_slots];
+        if (issuer) tma::wait_stores_read<Plan::store_slots - 1>();
+        barrier_sync(staging_barrier, WARPGROUP_THREADS);
+        warpgroup::store<CHUNK * Plan::store_cols>(slot, state.acc);
+        fence_async_shared();  // the stmatrix writes must be visible to the copy engine
+        barrier_sync(staging_barrier, WARPGROUP_THREADS);
+        if (issuer) {
+          const int c_index[2] = {row0, n0 + CHUNK * Plan::store_cols};
+          tma::store(p.c, slot, c_index);
+          tma::commit_stores();
+        }
+      }(), ...);
+    }(std::make_integer_sequence<int, Plan::block_n / Plan::store_cols>{});
+  }
+
+  // The last stores must have read shared memory before the block exits and frees it.
+  __device__ static void finish(const params&, store_storage&, int) {
+    if (threadIdx.x % WARPGROUP_THREADS == 0) tma::wait_stores<0>();
+  }
+};
+
+// ------------------------------------------------------------------------------- host side
+
+// A stored matrix as a TMA layout. A single row has no meaningful stride: give it a legal one.
+template <typename T>
+global_layout<T, 2> layout_of(const void* data, int64_t rows, int64_t cols, int64_t row_stride) {
+  constexpr int64_t elements_per_16_bytes = 16 / int64_t(sizeof(T));
+  if (rows == 1) row_stride = (cols + elements_per_16_bytes - 1) / elements_per_16_bytes * elements_per_16_bytes;
+  return matrix_layout(static_cast<T*>(const_cast<void*>(data)), rows, cols, row_stride);
+}
+
+template <typename T>
+global_layout<T, 2> layout_of(const stored_matrix& s) {
+  return layout_of<T>(s.data, s.rows, s.cols, s.row_stride);
+}
+
+// Why kernel K cannot run problem p (empty if it can).
+template <typename K>
+std::string unsupported_reason_for(const problem& p) {
+  using T = typename K::a_tile::element;
+  const int64_t a_rows = p.a_major == major::k ? p.m : p.k;
+  const int64_t a_cols = p.a_major == major::k ? p.k : p.m;
+  const int64_t b_rows = p.b_major == major::k ? p.n : p.k;
+  const int64_t b_cols = p.b_major == major::k ? p.k : p.n;
+  if (p.m < 1 || p.n < 1 || p.k < 1) return "M, N and K must be at least 1";
+  if (p.m > INT_MAX || p.n > INT_MAX || p.k > INT_MAX) return "M, N and K must fit TMA's 32-bit coordinates";
+  if (p.a.rows != a_rows || p.a.cols != a_cols) return "A's stored shape does not match M, K and its major-ness";
+  if (p.b.rows != b_rows || p.b.cols != b_cols) return "B's stored shape does not match K, N and its major-ness";
+  if (std::string r = tma_unsupported_reason<typename K::a_tile>(layout_of<T>(p.a)); !r.empty()) return "A: " + r;
+  if (std::string r = tma_unsupported_reason<typename K::b_tile>(layout_of<T>(p.b)); !r.empty()) return "B: " + r;
+  if (std::string r = tma_unsupported_reason<typename K::c_tile>(layout_of<T>(p.c, p.m, p.n, p.n)); !r.empty()) {
+    return "C: " + r;
+  }
+  return {};
+}
+
+// Encode the tensor maps and launch kernel K over a persistent grid.
+template <typename K>
+cudaError_t launch_with(const problem& p, cudaStream_t stream) {
+  using T = typename K::a_tile::element;
+  using Plan = typename K::plan;
+  typename K::params params;
+  params.a = make_tma_map<typename K::a_tile>(layout_of<T>(p.a));
+  params.b = make_tma_map<typename K::b_tile>(layout_of<T>(p.b));
+  params.c = make_tma_map<typename K::c_tile>(layout_of<T>(p.c, p.m, p.n, p.n));
+  params.bias = static_cast<const T*>(p.bias);
+  params.m = int(p.m);
+  params.n = int(p.n);
+  params.k = int(p.k);
+  params.order = {int((p.m + Plan::block_m - 1) / Plan::block_m), int((p.n + Plan::block_n - 1) / Plan::block_n),
+                  Plan::group_rows};
+  int device = 0;
+  if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
+  return pipeline::launch<K>(params, pipeline::persistent_grid(params.order.count(), device), stream);
+}
+
+}  // namespace tk::gemm

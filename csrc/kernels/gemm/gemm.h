@@ -1,0 +1,47 @@
+// The GEMM launcher: C (M x N, row-major) = A (M x K) * B (K x N) [+ bias], fp32 accumulation,
+// bf16 or fp16 in and out. Plain C++ (no torch): csrc/torch/gemm.cpp calls it.
+//
+// Each operand is described as it is stored: a matrix of `rows` x `cols` whose columns are
+// contiguous and whose rows are `row_stride` elements apart, read K-major (A stored M x K, B stored
+// N x K) or MN-major (A stored K x M, B stored K x N). Transposed views are thus just the other
+// major-ness, with no copy.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+namespace tk::gemm {
+
+enum class element_type { bf16, fp16 };
+enum class major { k, mn };
+
+struct stored_matrix {
+  const void* data;
+  int64_t rows;
+  int64_t cols;
+  int64_t row_stride;  // elements
+};
+
+struct problem {
+  element_type dtype;
+  int64_t m, n, k;
+  stored_matrix a;
+  major a_major;
+  stored_matrix b;
+  major b_major;
+  void* c;           // M x N, rows N elements apart
+  const void* bias;  // N elements, or nullptr
+};
+
+// Empty when the kernel can run the problem; otherwise why not (e.g. a stride TMA cannot take).
+std::string unsupported_reason(const problem& p);
+
+// True when `device` can run the kernel (an sm_90 GPU).
+bool device_supported(int device);
+
+// Launch on `stream`; returns the launch's error code.
+cudaError_t launch(const problem& p, cudaStream_t stream);
+
+}  // namespace tk::gemm

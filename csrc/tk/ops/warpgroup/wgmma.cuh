@@ -1,0 +1,192 @@
+// wgmma: the warpgroup's asynchronous tensor-core product D (64 x N, fp32) (+)= A (64 x 16) * B (16 x N).
+//
+// A comes from shared memory (descriptor) or from registers (a 64 x 16 fragment, 4 x b32 per
+// thread); B always from shared memory. Each operand in shared memory may be K-major or MN-major
+// (the instruction's transpose bits), which is how transposed views reach the tensor cores with
+// no copy. Issue order: fence() once the accumulator registers were touched by other code, then
+// the products, commit(), and wait<n>() before the accumulator is read again.
+//
+// The instruction names its N and lists all N/2 accumulator registers, so the inline-assembly
+// strings are generated below from digit-structured operand lists, one specialisation per N.
+#pragma once
+
+#include <type_traits>
+
+#include "../../common.cuh"
+#include "descriptor.cuh"
+
+namespace tk::warpgroup {
+
+// ------------------------------------------------------------------ operand lists for the asm
+// TK_SEQ_<R>(FIRST, NEXT) expands FIRST(0) NEXT(1) ... NEXT(R - 1); TK_DECADE(NEXT, t) covers
+// t0..t9 by token pasting, so no list is written out by hand.
+#define TK_DECADE(NEXT, t) NEXT(t##0) NEXT(t##1) NEXT(t##2) NEXT(t##3) NEXT(t##4) NEXT(t##5) NEXT(t##6) NEXT(t##7) NEXT(t##8) NEXT(t##9)
+#define TK_FIRST_DECADE(FIRST, NEXT) FIRST(0) NEXT(1) NEXT(2) NEXT(3) NEXT(4) NEXT(5) NEXT(6) NEXT(7) NEXT(8) NEXT(9)
+#define TK_SEQ_4(FIRST, NEXT) FIRST(0) NEXT(1) NEXT(2) NEXT(3)
+#define TK_SEQ_8(FIRST, NEXT) TK_SEQ_4(FIRST, NEXT) NEXT(4) NEXT(5) NEXT(6) NEXT(7)
+#define TK_SEQ_16(FIRST, NEXT) TK_FIRST_DECADE(FIRST, NEXT) NEXT(10) NEXT(11) NEXT(12) NEXT(13) NEXT(14) NEXT(15)
+#define TK_SEQ_32(FIRST, NEXT) TK_FIRST_DECADE(FIRST, NEXT) TK_DECADE(NEXT, 1) TK_DECADE(NEXT, 2) NEXT(30) NEXT(31)
+#define TK_SEQ_64(FIRST, NEXT)                                                                                  \
+  TK_FIRST_DECADE(FIRST, NEXT) TK_DECADE(NEXT, 1) TK_DECADE(NEXT, 2) TK_DECADE(NEXT, 3) TK_DECADE(NEXT, 4)     \
+  TK_DECADE(NEXT, 5) NEXT(60) NEXT(61) NEXT(62) NEXT(63)
+#define TK_SEQ_96(FIRST, NEXT)                                                                                  \
+  TK_FIRST_DECADE(FIRST, NEXT) TK_DECADE(NEXT, 1) TK_DECADE(NEXT, 2) TK_DECADE(NEXT, 3) TK_DECADE(NEXT, 4)     \
+  TK_DECADE(NEXT, 5) TK_DECADE(NEXT, 6) TK_DECADE(NEXT, 7) TK_DECADE(NEXT, 8) NEXT(90) NEXT(91) NEXT(92)       \
+  NEXT(93) NEXT(94) NEXT(95)
+#define TK_SEQ_128(FIRST, NEXT)                                                                                 \
+  TK_FIRST_DECADE(FIRST, NEXT) TK_DECADE(NEXT, 1) TK_DECADE(NEXT, 2) TK_DECADE(NEXT, 3) TK_DECADE(NEXT, 4)     \
+  TK_DECADE(NEXT, 5) TK_DECADE(NEXT, 6) TK_DECADE(NEXT, 7) TK_DECADE(NEXT, 8) TK_DECADE(NEXT, 9)               \
+  TK_DECADE(NEXT, 10) TK_DECADE(NEXT, 11) NEXT(120) NEXT(121) NEXT(122) NEXT(123) NEXT(124) NEXT(125)          \
+  NEXT(126) NEXT(127)
+
+#define TK_REG_FIRST(i) "%" #i
+#define TK_REG_NEXT(i) ", %" #i
+#define TK_ACC_FIRST(i) "+f"(d[i])
+#define TK_ACC_NEXT(i) , "+f"(d[i])
+
+// A and B from shared memory. Operands after the R accumulators: a, b, accumulate, trans-a, trans-b.
+#define TK_WGMMA_SS_ASM(N, SEQ, PTX_TYPE, A, B, ACC, TA, TB)                                               \
+  asm volatile("{\n .reg .pred accumulate;\n setp.ne.b32 accumulate, %" ACC ", 0;\n"                          \
+               " wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE " {" SEQ(TK_REG_FIRST,   \
+               TK_REG_NEXT) "}, %" A ", %" B ", accumulate, 1, 1, %" TA ", %" TB ";\n}\n"                        \
+               : SEQ(TK_ACC_FIRST, TK_ACC_NEXT)                                                                  \
+               : "l"(a), "l"(b), "r"(accumulate), "n"(TRANS_A), "n"(TRANS_B))
+
+// A from registers (4 x b32), B from shared memory. Operands after the accumulators:
+// a0..a3, b, accumulate, trans-b.
+#define TK_WGMMA_RS_ASM(N, SEQ, PTX_TYPE, A0, A1, A2, A3, B, ACC, TB)                                       \
+  asm volatile("{\n .reg .pred accumulate;\n setp.ne.b32 accumulate, %" ACC ", 0;\n"                          \
+               " wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE " {" SEQ(TK_REG_FIRST,   \
+               TK_REG_NEXT) "}, {%" A0 ", %" A1 ", %" A2 ", %" A3 "}, %" B ", accumulate, 1, 1, %" TB ";\n}\n"    \
+               : SEQ(TK_ACC_FIRST, TK_ACC_NEXT)                                                                  \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate), "n"(TRANS_B))
+
+template <int N> struct wgmma_instruction;
+
+// One specialisation per N; i0.. are the operand numbers that follow the N/2 accumulators.
+#define TK_DEFINE_WGMMA(N, SEQ, i0, i1, i2, i3, i4, i5, i6)                                                  \
+  template <> struct wgmma_instruction<N> {                                                                   \
+    template <typename T, int TRANS_A, int TRANS_B>                                                           \
+    __device__ static void ss(float* d, uint64_t a, uint64_t b, int accumulate) {                             \
+      if constexpr (std::is_same_v<T, bf16>) {                                                                \
+        TK_WGMMA_SS_ASM(N, SEQ, "bf16", i0, i1, i2, i3, i4);                                                  \
+      } else {                                                                                                \
+        static_assert(std::is_same_v<T, half>, "wgmma operands are bf16 or fp16 here");                      \
+        TK_WGMMA_SS_ASM(N, SEQ, "f16", i0, i1, i2, i3, i4);                                                   \
+      }                                                                                                       \
+    }                                                                                                         \
+    template <typename T, int TRANS_B>                                                                        \
+    __device__ static void rs(float* d, const uint32_t (&a)[4], uint64_t b, int accumulate) {                 \
+      if constexpr (std::is_same_v<T, bf16>) {                                                                \
+        TK_WGMMA_RS_ASM(N, SEQ, "bf16", i0, i1, i2, i3, i4, i5, i6);                                          \
+      } else {                                                                                                \
+        static_assert(std::is_same_v<T, half>, "wgmma operands are bf16 or fp16 here");                      \
+        TK_WGMMA_RS_ASM(N, SEQ, "f16", i0, i1, i2, i3, i4, i5, i6);                                           \
+      }                                                                                                       \
+    }                                                                                                         \
+  };
+
+TK_DEFINE_WGMMA(8, TK_SEQ_4, "4", "5", "6", "7", "8", "9", "10")
+TK_DEFINE_WGMMA(16, TK_SEQ_8, "8", "9", "10", "11", "12", "13", "14")
+TK_DEFINE_WGMMA(32, TK_SEQ_16, "16", "17", "18", "19", "20", "21", "22")
+TK_DEFINE_WGMMA(64, TK_SEQ_32, "32", "33", "34", "35", "36", "37", "38")
+TK_DEFINE_WGMMA(128, TK_SEQ_64, "64", "65", "66", "67", "68", "69", "70")
+TK_DEFINE_WGMMA(192, TK_SEQ_96, "96", "97", "98", "99", "100", "101", "102")
+TK_DEFINE_WGMMA(256, TK_SEQ_128, "128", "129", "130", "131", "132", "133", "134")
+
+#undef TK_DEFINE_WGMMA
+#undef TK_WGMMA_RS_ASM
+#undef TK_WGMMA_SS_ASM
+#undef TK_ACC_NEXT
+#undef TK_ACC_FIRST
+#undef TK_REG_NEXT
+#undef TK_REG_FIRST
+#undef TK_SEQ_128
+#undef TK_SEQ_96
+#undef TK_SEQ_64
+#undef TK_SEQ_32
+#undef TK_SEQ_16
+#undef TK_SEQ_8
+#undef TK_SEQ_4
+#undef TK_FIRST_DECADE
+#undef TK_DECADE
+
+// ------------------------------------------------------------------------------ accumulator
+
+// The fp32 accumulator of one warpgroup's 64 x N product. Thread t of the warpgroup (warp w = t / 32,
+// lane l) holds, for each 8-column block j, rows r = 16 w + l / 4 and r + 8 at columns
+// c = 8 j + 2 (l % 4) + {0, 1}:  data[4 j + 0, 1] -> (r, c), (r, c + 1);  data[4 j + 2, 3] -> (r + 8, ...).
+template <int N>
+struct accumulator {
+  static constexpr int rows = 64;
+  static constexpr int cols = N;
+  static constexpr int registers = N / 2;
+  float data[registers];
+
+  __device__ static int first_row() { return 16 * warp_in_warpgroup() + lane_id() / 4; }
+  __device__ static int first_col() { return 2 * (lane_id() % 4); }
+};
+
+// Keep the compiler from moving reads or writes of the accumulator across an asynchronous
+// wgmma boundary (the registers change behind its back between issue and wait).
+template <int N>
+__device__ __forceinline__ void pin(accumulator<N>& acc) {
+#pragma unroll
+  for (int i = 0; i < accumulator<N>::registers; ++i) asm volatile("" : "+f"(acc.data[i])::"memory");
+}
+
+// ---------------------------------------------------------------------------- issue and wait
+
+// Orders earlier register and shared-memory accesses before the next wgmma reads them.
+__device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+
+// Closes the group of wgmmas issued since the last commit.
+__device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+
+// Waits until at most PENDING committed groups are still running.
+template <int PENDING>
+__device__ __forceinline__ void wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(PENDING) : "memory");
+}
+
+template <int PENDING, int N>
+__device__ __forceinline__ void wait(accumulator<N>& acc) {
+  wait<PENDING>();
+  pin(acc);
+}
+
+// acc (+)= A[a_mn0 : a_mn0 + 64, :] * B[:, b_mn0 : b_mn0 + N] over the whole K extent of the two
+// tiles (in steps of 16); `accumulate` false overwrites acc with the product. Issues only: the
+// caller commits and waits.
+template <operand_major A_MAJOR, operand_major B_MAJOR, int N, typename TileA, typename TileB>
+__device__ __forceinline__ void mma(accumulator<N>& acc, const TileA& a, int a_mn0, const TileB& b, int b_mn0,
+                                    bool accumulate) {
+  using T = typename TileA::element;
+  static_assert(std::is_same_v<T, typename TileB::element>, "A and B must have one element type");
+  constexpr int k = k_extent<A_MAJOR, TileA>();
+  static_assert(k == k_extent<B_MAJOR, TileB>(), "A and B tiles must cover the same K");
+  static_assert(k % 16 == 0, "wgmma steps through K 16 at a time");
+  constexpr int trans_a = A_MAJOR == operand_major::mn ? 1 : 0;
+  constexpr int trans_b = B_MAJOR == operand_major::mn ? 1 : 0;
+#pragma unroll
+  for (int k0 = 0; k0 < k; k0 += 16) {
+    const uint64_t a_desc = describe<A_MAJOR>(a, a_mn0, k0).bits;
+    const uint64_t b_desc = describe<B_MAJOR>(b, b_mn0, k0).bits;
+    wgmma_instruction<N>::template ss<T, trans_a, trans_b>(acc.data, a_desc, b_desc,
+                                                           (accumulate || k0 > 0) ? 1 : 0);
+  }
+}
+
+// acc (+)= A * B[k0 : k0 + 16, b_mn0 : b_mn0 + N] with A (64 x 16) in registers, laid out like a
+// 64 x 16 accumulator packed to pairs: a[0] (r, c..c+1), a[1] (r + 8, c..), a[2] (r, c + 8..),
+// a[3] (r + 8, c + 8..) in the notation of `accumulator`.
+template <operand_major B_MAJOR, int N, typename TileB>
+__device__ __forceinline__ void mma(accumulator<N>& acc, const uint32_t (&a)[4], const TileB& b, int b_mn0, int k0,
+                                    bool accumulate) {
+  using T = typename TileB::element;
+  constexpr int trans_b = B_MAJOR == operand_major::mn ? 1 : 0;
+  const uint64_t b_desc = describe<B_MAJOR>(b, b_mn0, k0).bits;
+  wgmma_instruction<N>::template rs<T, trans_b>(acc.data, a, b_desc, accumulate ? 1 : 0);
+}
+
+}  // namespace tk::warpgroup

@@ -1,0 +1,5 @@
+#pragma once
+
+#include "fence.cuh"
+#include "mbarrier.cuh"
+#include "named_barrier.cuh"

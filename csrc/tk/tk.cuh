@@ -1,0 +1,11 @@
+// The tile core: everything a kernel file includes.
+#pragma once
+
+#include "common.cuh"
+#include "ops/tma.cuh"
+#include "ops/warpgroup/warpgroup.cuh"
+#include "pipeline/producer_consumer.cuh"
+#include "pipeline/tile_scheduler.cuh"
+#include "sync/sync.cuh"
+#include "types/global_layout.cuh"
+#include "types/shared_tile.cuh"

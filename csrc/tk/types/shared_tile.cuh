@@ -1,0 +1,75 @@
+// Shared-memory tiles in the swizzled layouts that TMA writes and wgmma reads.
+//
+// A tile of ROWS x COLS elements (COLS is the contiguous dimension) is stored as panels: each panel
+// is ROWS rows of exactly one swizzle span (32, 64 or 128 bytes), and panels follow each other
+// along the columns. A TMA box fills BOX_ROWS rows of one panel (all of it by default), and one
+// panel is one swizzle-atom column of a wgmma operand:
+//
+//   panel p holds columns [p * panel_cols, (p + 1) * panel_cols), row r at byte r * swizzle_bytes.
+//
+// Inside a panel the 16-byte chunks of a row are permuted by the hardware swizzle: address bits
+// [4, 4 + log2(swizzle_bytes / 16)) are XORed with bits [7, ...). The permutation is a function of
+// the absolute shared address (period: 8 rows of the span), so a tile starts on a 1024-byte boundary,
+// every panel starts on a period, and TMA, wgmma and `offset()` all see the same layout.
+#pragma once
+
+#include "../common.cuh"
+
+namespace tk {
+
+enum class swizzle_mode : int { bytes32 = 32, bytes64 = 64, bytes128 = 128 };
+
+// Every swizzled pattern repeats after 8 rows of the widest span; tiles align to that period.
+constexpr int SWIZZLE_PERIOD_BYTES = 1024;
+
+// The widest swizzle whose span divides a row of `row_bytes` bytes.
+constexpr swizzle_mode widest_swizzle(int row_bytes) {
+  return row_bytes % 128 == 0 ? swizzle_mode::bytes128
+       : row_bytes % 64 == 0  ? swizzle_mode::bytes64
+                              : swizzle_mode::bytes32;
+}
+
+// BOX_ROWS: rows per TMA box (a panel moves in ROWS / BOX_ROWS copies; a box has at most 256 rows).
+template <typename T, int ROWS, int COLS, swizzle_mode SWIZZLE = widest_swizzle(COLS * int(sizeof(T))),
+          int BOX_ROWS = (ROWS < 256 ? ROWS : 256)>
+struct alignas(SWIZZLE_PERIOD_BYTES) shared_tile {
+  using element = T;
+  static constexpr int rows = ROWS;
+  static constexpr int cols = COLS;
+  static constexpr swizzle_mode swizzle = SWIZZLE;
+  static constexpr int swizzle_bytes = int(SWIZZLE);
+  static constexpr int panel_cols = swizzle_bytes / int(sizeof(T));
+  static constexpr int panels = COLS / panel_cols;
+  static constexpr int panel_bytes = ROWS * swizzle_bytes;
+  static constexpr int bytes = ROWS * COLS * int(sizeof(T));
+  static constexpr int box_rows = BOX_ROWS;
+  static constexpr int boxes_per_panel = ROWS / BOX_ROWS;
+
+  static_assert(COLS % panel_cols == 0, "a tile row must be a whole number of swizzle spans");
+  static_assert(ROWS % 8 == 0, "the swizzle pattern repeats every 8 rows: panels hold whole periods");
+  static_assert(ROWS % BOX_ROWS == 0 && BOX_ROWS % 8 == 0 && BOX_ROWS <= 256, "boxes split a panel into whole periods");
+
+  T data[ROWS * COLS];
+
+  // Byte offset of element (row, col) from the start of the tile.
+  __host__ __device__ static constexpr uint32_t offset(int row, int col) {
+    const uint32_t linear = uint32_t((col / panel_cols) * panel_bytes + row * swizzle_bytes +
+                                     (col % panel_cols) * int(sizeof(T)));
+    // 16-byte chunk index XOR (row within the period), as the swizzle unit sees address bits 7+.
+    const uint32_t chunk_mask = uint32_t(swizzle_bytes / 16 - 1);
+    return linear ^ (((linear >> 7) & chunk_mask) << 4);
+  }
+
+  __device__ T& at(int row, int col) {
+    return *reinterpret_cast<T*>(reinterpret_cast<char*>(data) + offset(row, col));
+  }
+  __device__ const T& at(int row, int col) const {
+    return *reinterpret_cast<const T*>(reinterpret_cast<const char*>(data) + offset(row, col));
+  }
+  __device__ const T* panel(int p) const {
+    return reinterpret_cast<const T*>(reinterpret_cast<const char*>(data) + p * panel_bytes);
+  }
+  __device__ T* panel(int p) { return reinterpret_cast<T*>(reinterpret_cast<char*>(data) + p * panel_bytes); }
+};
+
+}  // namespace tk

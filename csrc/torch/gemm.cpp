@@ -1,0 +1,158 @@
+// CUDA kernels of tk::matmul, tk::matmul_bwd, tk::linear, tk::linear_bwd on the Hopper GEMM.
+//
+// Each entry re-checks its arguments, describes every operand to the kernel as it is stored
+// (row- or column-major, so transposed views need no copy) and launches on the current stream.
+// What the kernel cannot take (fp32/fp64, another GPU, strides TMA cannot describe, empty sizes)
+// goes to the op's reference twin tk::<op>_ref, which warns once.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <array>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "kernels/gemm/gemm.h"
+
+namespace {
+
+using tk::gemm::major;
+using tk::gemm::problem;
+using tk::gemm::stored_matrix;
+
+struct stored_operand {
+  stored_matrix matrix;
+  major order;
+};
+
+// The ways the kernel can read a 2-D operand of logical shape (R, C): as stored row-major (unit
+// stride along C) or column-major (unit stride along R). A dimension of size 1 has no meaningful
+// stride, so it admits both. `c_is_k` says whether C is the operand's K dimension (true for A).
+std::vector<stored_operand> stored_forms(const at::Tensor& t, bool c_is_k) {
+  const int64_t r = t.size(0), c = t.size(1);
+  std::vector<stored_operand> forms;
+  if (t.stride(1) == 1 || c == 1) forms.push_back({{t.data_ptr(), r, c, t.stride(0)}, c_is_k ? major::k : major::mn});
+  if (t.stride(0) == 1 || r == 1) forms.push_back({{t.data_ptr(), c, r, t.stride(1)}, c_is_k ? major::mn : major::k});
+  return forms;
+}
+
+tk::gemm::element_type element_of(const at::Tensor& t) {
+  return t.scalar_type() == at::kHalf ? tk::gemm::element_type::fp16 : tk::gemm::element_type::bf16;
+}
+
+// The GEMM a (M x K) * b (K x N) (+ bias) as the kernel would run it, or nothing if it cannot.
+std::optional<problem> plan_gemm(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias) {
+  const at::ScalarType dtype = a.scalar_type();
+  if (dtype != at::kBFloat16 && dtype != at::kHalf) return std::nullopt;
+  if (!a.is_cuda() || !tk::gemm::device_supported(a.get_device())) return std::nullopt;
+  if (bias.has_value() && bias->stride(0) != 1 && bias->size(0) > 1) return std::nullopt;
+  for (const stored_operand& sa : stored_forms(a, /*c_is_k=*/true)) {
+    for (const stored_operand& sb : stored_forms(b, /*c_is_k=*/false)) {
+      problem p{element_of(a), a.size(0), b.size(1), a.size(1), sa.matrix, sa.order, sb.matrix, sb.order,
+                nullptr, bias.has_value() ? bias->data_ptr() : nullptr};
+      if (tk::gemm::unsupported_reason(p).empty()) return p;
+    }
+  }
+  return std::nullopt;
+}
+
+at::Tensor run_gemm(problem p, const at::Tensor& like) {
+  at::Tensor c = at::empty({p.m, p.n}, like.options());
+  p.c = c.data_ptr();
+  const c10::cuda::CUDAGuard guard(like.device());
+  C10_CUDA_CHECK(tk::gemm::launch(p, c10::cuda::getCurrentCUDAStream(like.get_device()).stream()));
+  return c;
+}
+
+void check_operands(const char* op, const char* a_name, const at::Tensor& a, const char* b_name, const at::Tensor& b) {
+  TORCH_CHECK_VALUE(a.dim() == 2, op, ": ", a_name, " must be 2-D, got ", a.sizes());
+  TORCH_CHECK_VALUE(b.dim() == 2, op, ": ", b_name, " must be 2-D, got ", b.sizes());
+  TORCH_CHECK_VALUE(a.device() == b.device(), op, ": ", b_name, " must be on ", a_name, "'s device ", a.device(),
+                    ", got ", b.device());
+  TORCH_CHECK_TYPE(a.scalar_type() == b.scalar_type(), op, ": ", b_name, " must have ", a_name, "'s dtype ",
+                   a.scalar_type(), ", got ", b.scalar_type());
+}
+
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> reference(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+at::Tensor matmul_cuda(const at::Tensor& a, const at::Tensor& b) {
+  check_operands("tk::matmul", "a", a, "b", b);
+  TORCH_CHECK_VALUE(b.size(0) == a.size(1), "tk::matmul: b.shape[0] must equal a.shape[1] (K) = ", a.size(1),
+                    ", got ", b.sizes());
+  if (auto p = plan_gemm(a, b, std::nullopt)) return run_gemm(*p, a);
+  static const auto ref = reference<at::Tensor(const at::Tensor&, const at::Tensor&)>("tk::matmul_ref");
+  return ref.call(a, b);
+}
+
+std::tuple<at::Tensor, at::Tensor> matmul_bwd_cuda(const at::Tensor& grad, const at::Tensor& a, const at::Tensor& b,
+                                                   std::array<bool, 2> output_mask) {
+  check_operands("tk::matmul_bwd", "a", a, "b", b);
+  check_operands("tk::matmul_bwd", "grad", grad, "a", a);
+  TORCH_CHECK_VALUE(grad.size(0) == a.size(0) && grad.size(1) == b.size(1) && b.size(0) == a.size(1),
+                    "tk::matmul_bwd: grad must be (M, N) = (", a.size(0), ", ", b.size(1), ") for a ", a.sizes(),
+                    " and b ", b.sizes(), ", got ", grad.sizes());
+  // grad_a = grad * b^T and grad_b = a^T * grad: transposed views, read column-major.
+  const auto plan_a = output_mask[0] ? plan_gemm(grad, b.t(), std::nullopt) : std::nullopt;
+  const auto plan_b = output_mask[1] ? plan_gemm(a.t(), grad, std::nullopt) : std::nullopt;
+  if (output_mask[0] != plan_a.has_value() || output_mask[1] != plan_b.has_value()) {
+    static const auto ref = reference<std::tuple<at::Tensor, at::Tensor>(
+        const at::Tensor&, const at::Tensor&, const at::Tensor&, std::array<bool, 2>)>("tk::matmul_bwd_ref");
+    return ref.call(grad, a, b, output_mask);
+  }
+  return {plan_a ? run_gemm(*plan_a, a) : a.new_empty({0}), plan_b ? run_gemm(*plan_b, b) : b.new_empty({0})};
+}
+
+at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  check_operands("tk::linear", "x", x, "weight", weight);
+  TORCH_CHECK_VALUE(weight.size(1) == x.size(1), "tk::linear: weight.shape[1] must equal x.shape[1] (in_features) = ",
+                    x.size(1), ", got ", weight.sizes());
+  if (bias.has_value()) {
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == weight.size(0),
+                      "tk::linear: bias must have shape (out_features,) = (", weight.size(0), ",), got ", bias->sizes());
+    TORCH_CHECK_VALUE(bias->device() == x.device(), "tk::linear: bias must be on x's device ", x.device());
+    TORCH_CHECK_TYPE(bias->scalar_type() == x.scalar_type(), "tk::linear: bias must have x's dtype ", x.scalar_type());
+  }
+  // x * weight^T: the weight's transpose is a column-major view of it.
+  if (auto p = plan_gemm(x, weight.t(), bias)) return run_gemm(*p, x);
+  static const auto ref =
+      reference<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>("tk::linear_ref");
+  return ref.call(x, weight, bias);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_bwd_cuda(const at::Tensor& grad, const at::Tensor& x,
+                                                               const at::Tensor& weight,
+                                                               std::array<bool, 3> output_mask) {
+  check_operands("tk::linear_bwd", "x", x, "weight", weight);
+  check_operands("tk::linear_bwd", "grad", grad, "x", x);
+  TORCH_CHECK_VALUE(grad.size(0) == x.size(0) && grad.size(1) == weight.size(0) && weight.size(1) == x.size(1),
+                    "tk::linear_bwd: grad must be (M, out_features) = (", x.size(0), ", ", weight.size(0),
+                    ") for x ", x.sizes(), " and weight ", weight.sizes(), ", got ", grad.sizes());
+  // grad_x = grad * weight and grad_weight = grad^T * x.
+  const auto plan_x = output_mask[0] ? plan_gemm(grad, weight, std::nullopt) : std::nullopt;
+  const auto plan_w = output_mask[1] ? plan_gemm(grad.t(), x, std::nullopt) : std::nullopt;
+  if (output_mask[0] != plan_x.has_value() || output_mask[1] != plan_w.has_value()) {
+    static const auto ref = reference<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+        const at::Tensor&, const at::Tensor&, const at::Tensor&, std::array<bool, 3>)>("tk::linear_bwd_ref");
+    return ref.call(grad, x, weight, output_mask);
+  }
+  at::Tensor grad_bias =
+      output_mask[2] ? grad.sum(0, /*keepdim=*/false, at::kFloat).to(grad.scalar_type()) : grad.new_empty({0});
+  return {plan_x ? run_gemm(*plan_x, x) : x.new_empty({0}), plan_w ? run_gemm(*plan_w, weight) : weight.new_empty({0}),
+          grad_bias};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(tk, CUDA, m) {
+  m.impl("matmul", &matmul_cuda);
+  m.impl("matmul_bwd", &matmul_bwd_cuda);
+  m.impl("linear", &linear_cuda);
+  m.impl("linear_bwd", &linear_bwd_cuda);
+}

@@ -1,0 +1,315 @@
+// Small kernels that exercise one tile-core primitive each (tests/test_core_pipeline.py):
+//   tma_round_trip   TMA prefetch and load into a swizzled tile, read back element-wise, TMA store
+//   wgmma_product    64 x N x 64 product from shared operands of either major-ness (+ bias epilogue)
+//   wgmma_registers  the same with A from registers
+//   column_sums      the producer/consumer pipeline and persistent scheduler with 1..4 stages
+#include "core_kernels.h"
+#include "tk/tk.cuh"
+
+namespace tk::core_tests {
+namespace {
+
+using warpgroup::operand_major;
+
+// Calls f.template operator()<T>() for the runtime element type.
+template <typename F>
+cudaError_t with_element(element e, F&& f) {
+  if (e == element::bf16) return f.template operator()<bf16>();
+  if (e == element::fp16) return f.template operator()<half>();
+  return f.template operator()<float>();
+}
+
+// ------------------------------------------------------------------------ TMA round trip
+
+template <typename Tile>
+struct round_trip_shared {
+  Tile tile;
+  mbarrier loaded;
+};
+
+template <typename Tile>
+__global__ void tma_round_trip_kernel(const __grid_constant__ CUtensorMap in, const __grid_constant__ CUtensorMap out,
+                                      typename Tile::element* dense, int row0, int col0) {
+  extern __shared__ uint8_t raw[];
+  auto& s = *reinterpret_cast<round_trip_shared<Tile>*>(
+      (reinterpret_cast<uintptr_t>(raw) + SWIZZLE_PERIOD_BYTES - 1) & ~uintptr_t(SWIZZLE_PERIOD_BYTES - 1));
+  const int index[2] = {row0, col0};
+  if (threadIdx.x == 0) {
+    s.loaded.init(1);
+    fence_barrier_init();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    tma::prefetch_descriptor(in);
+    tma::prefetch<Tile>(in, index);  // an L2 hint: the load below must see the same data either way
+    s.loaded.arrive_expect_tx(Tile::bytes);
+    tma::load(s.tile, in, s.loaded, index);
+  }
+  s.loaded.wait(0);
+  for (int i = threadIdx.x; i < Tile::rows * Tile::cols; i += blockDim.x) {
+    dense[i] = s.tile.at(i / Tile::cols, i % Tile::cols);
+  }
+  if (threadIdx.x == 0) {
+    tma::store(out, s.tile, index);
+    tma::commit_stores();
+    tma::wait_stores<0>();
+  }
+}
+
+template <typename T, int COLS, int BOX_ROWS>
+cudaError_t run_round_trip(const round_trip_args& a, cudaStream_t stream) {
+  using Tile = shared_tile<T, 64, COLS, widest_swizzle(COLS * int(sizeof(T))), BOX_ROWS>;
+  const CUtensorMap in = make_tma_map<Tile>(matrix_layout(static_cast<T*>(const_cast<void*>(a.in)), a.rows, a.cols, a.in_row_stride));
+  const CUtensorMap out = make_tma_map<Tile>(matrix_layout(static_cast<T*>(a.out), a.rows, a.cols, a.out_row_stride));
+  const size_t bytes = sizeof(round_trip_shared<Tile>) + SWIZZLE_PERIOD_BYTES;
+  if (cudaError_t err = cudaFuncSetAttribute(tma_round_trip_kernel<Tile>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             int(bytes));
+      err != cudaSuccess) {
+    return err;
+  }
+  tma_round_trip_kernel<Tile><<<1, 128, bytes, stream>>>(in, out, static_cast<T*>(a.dense), a.row0, a.col0);
+  return cudaGetLastError();
+}
+
+// ---------------------------------------------------------------------------------- wgmma
+
+constexpr int PRODUCT_M = 64;
+constexpr int PRODUCT_K = 64;
+
+template <typename T, int N, operand_major A_MAJOR, operand_major B_MAJOR>
+struct product_shared {
+  std::conditional_t<A_MAJOR == operand_major::k, shared_tile<T, PRODUCT_M, PRODUCT_K>, shared_tile<T, PRODUCT_K, PRODUCT_M>> a;
+  std::conditional_t<B_MAJOR == operand_major::k, shared_tile<T, N, PRODUCT_K>, shared_tile<T, PRODUCT_K, N>> b;
+  shared_tile<T, PRODUCT_M, N> c;
+  mbarrier loaded;
+};
+
+// Writes the accumulator in its documented register layout to a dense row-major 64 x N array.
+template <int N>
+__device__ void write_accumulator(const warpgroup::accumulator<N>& acc, float* out) {
+  const int r = warpgroup::accumulator<N>::first_row(), c = warpgroup::accumulator<N>::first_col();
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j) {
+    out[r * N + c + 8 * j] = acc.data[4 * j + 0];
+    out[r * N + c + 8 * j + 1] = acc.data[4 * j + 1];
+    out[(r + 8) * N + c + 8 * j] = acc.data[4 * j + 2];
+    out[(r + 8) * N + c + 8 * j + 1] = acc.data[4 * j + 3];
+  }
+}
+
+template <typename T, int N, operand_major A_MAJOR, operand_major B_MAJOR, bool A_IN_REGISTERS>
+__global__ void wgmma_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
+                             const __grid_constant__ CUtensorMap c_map, const T* a_dense, const T* bias,
+                             float* out32) {
+  using S = product_shared<T, N, A_MAJOR, B_MAJOR>;
+  extern __shared__ uint8_t raw[];
+  S& s = *reinterpret_cast<S*>((reinterpret_cast<uintptr_t>(raw) + SWIZZLE_PERIOD_BYTES - 1) &
+                               ~uintptr_t(SWIZZLE_PERIOD_BYTES - 1));
+  const int origin[2] = {0, 0};
+  if (threadIdx.x == 0) {
+    s.loaded.init(1);
+    fence_barrier_init();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    s.loaded.arrive_expect_tx((A_IN_REGISTERS ? 0 : decltype(s.a)::bytes) + decltype(s.b)::bytes);
+    if (!A_IN_REGISTERS) tma::load(s.a, a_map, s.loaded, origin);
+    tma::load(s.b, b_map, s.loaded, origin);
+  }
+  s.loaded.wait(0);
+
+  warpgroup::accumulator<N> acc;
+  if constexpr (A_IN_REGISTERS) {
+    // The 64 x 16 fragments of the four k16 steps, read from the dense row-major A (64 x 64).
+    const int r = warpgroup::accumulator<16>::first_row(), c = warpgroup::accumulator<16>::first_col();
+    const int rows[4] = {r, r + 8, r, r + 8};
+    const int cols[4] = {c, c, c + 8, c + 8};
+    uint32_t fragments[PRODUCT_K / 16][4];
+#pragma unroll
+    for (int step = 0; step < PRODUCT_K / 16; ++step) {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        fragments[step][q] = *reinterpret_cast<const uint32_t*>(&a_dense[rows[q] * PRODUCT_K + 16 * step + cols[q]]);
+      }
+    }
+    warpgroup::fence();
+#pragma unroll
+    for (int step = 0; step < PRODUCT_K / 16; ++step) {
+      warpgroup::mma<B_MAJOR>(acc, fragments[step], s.b, 0, 16 * step, step > 0);
+    }
+  } else {
+    warpgroup::fence();
+    warpgroup::mma<A_MAJOR, B_MAJOR>(acc, s.a, 0, s.b, 0, false);
+  }
+  warpgroup::commit();
+  warpgroup::wait<0>(acc);
+  write_accumulator(acc, out32);
+
+  // The GEMM epilogue: + bias, stmatrix into the swizzled tile, TMA store.
+  warpgroup::add_column_vector(acc, bias, 0, N);
+  warpgroup::store<0>(s.c, acc);
+  fence_async_shared();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    tma::store(c_map, s.c, origin);
+    tma::commit_stores();
+    tma::wait_stores<0>();
+  }
+}
+
+template <typename T, int N, operand_major A_MAJOR, operand_major B_MAJOR, bool A_IN_REGISTERS>
+cudaError_t run_product(const product_args& p, cudaStream_t stream) {
+  using S = product_shared<T, N, A_MAJOR, B_MAJOR>;
+  const bool b_k = B_MAJOR == operand_major::k;
+  T* a = static_cast<T*>(const_cast<void*>(p.a));
+  T* b = static_cast<T*>(const_cast<void*>(p.b));
+  // A is square (64 x 64), so it is stored 64 x 64 whichever its major-ness.
+  static_assert(PRODUCT_M == PRODUCT_K);
+  const CUtensorMap a_map = make_tma_map<decltype(S::a)>(matrix_layout(a, PRODUCT_M, PRODUCT_K, PRODUCT_K));
+  const CUtensorMap b_map = make_tma_map<decltype(S::b)>(
+      b_k ? matrix_layout(b, N, PRODUCT_K, PRODUCT_K) : matrix_layout(b, PRODUCT_K, N, N));
+  const CUtensorMap c_map = make_tma_map<decltype(S::c)>(matrix_layout(static_cast<T*>(p.out16), PRODUCT_M, N, N));
+  const size_t bytes = sizeof(S) + SWIZZLE_PERIOD_BYTES;
+  const auto kernel = wgmma_kernel<T, N, A_MAJOR, B_MAJOR, A_IN_REGISTERS>;
+  if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+      err != cudaSuccess) {
+    return err;
+  }
+  kernel<<<1, WARPGROUP_THREADS, bytes, stream>>>(a_map, b_map, c_map, a, static_cast<const T*>(p.bias), p.out32);
+  return cudaGetLastError();
+}
+
+template <typename T, int N>
+cudaError_t run_product_variants(const product_args& p, cudaStream_t stream) {
+  constexpr auto k = operand_major::k, mn = operand_major::mn;
+  if (p.a_in_registers) return p.b_mn_major ? run_product<T, N, k, mn, true>(p, stream) : run_product<T, N, k, k, true>(p, stream);
+  if (p.a_mn_major) return p.b_mn_major ? run_product<T, N, mn, mn, false>(p, stream) : run_product<T, N, mn, k, false>(p, stream);
+  return p.b_mn_major ? run_product<T, N, k, mn, false>(p, stream) : run_product<T, N, k, k, false>(p, stream);
+}
+
+// ------------------------------------------------------------------------ pipeline: column sums
+
+// out[r, col] = sum of x[rows of work tile r, col]. A work tile is `iterations` blocks of 64 rows
+// by 64 columns; one pipeline stage holds one 64 x 64 block. Consumer threads each sum a strided
+// set of rows of one column, then combine their partial sums through shared memory.
+template <int STAGES, int CONSUMERS>
+struct column_sum_kernel {
+  static constexpr int stages = STAGES;
+  static constexpr int consumer_warpgroups = CONSUMERS;
+  static constexpr int producer_registers = 40;
+  static constexpr int consumer_registers = 232;
+  static constexpr int block = 64;
+  static constexpr int consumer_threads = CONSUMERS * WARPGROUP_THREADS;
+  static constexpr int rows_per_pass = consumer_threads / block;
+
+  using x_tile = shared_tile<bf16, block, block>;
+  struct stage_storage {
+    x_tile x;
+  };
+  static constexpr uint32_t stage_bytes = x_tile::bytes;
+  struct store_storage {
+    float partial[consumer_threads];
+  };
+  struct consumer_state {
+    float sum;
+  };
+  struct params {
+    CUtensorMap x;
+    float* out;
+    int rows, cols, iterations;
+    pipeline::grouped_tile_order order;
+  };
+
+  enum class barrier_id : int { partials_written = FIRST_NAMED_BARRIER, partials_read, count };
+  static_assert(fits_named_barriers<barrier_id>());
+
+  __device__ static pipeline::persistent_scheduler<pipeline::grouped_tile_order> scheduler(const params& p) {
+    return {p.order};
+  }
+  __device__ static int iterations(const params& p, pipeline::output_tile tile) {
+    const int rows_left = p.rows - tile.row * p.iterations * block;
+    return min(p.iterations, (rows_left + block - 1) / block);
+  }
+  __device__ static void prefetch(const params& p) { tma::prefetch_descriptor(p.x); }
+  __device__ static void load(const params& p, pipeline::output_tile tile, int i, stage_storage& s, mbarrier& full) {
+    const int index[2] = {(tile.row * p.iterations + i) * block, tile.col * block};
+    tma::load(s.x, p.x, full, index);
+  }
+  __device__ static int thread_index(int consumer) { return consumer * WARPGROUP_THREADS + threadIdx.x % WARPGROUP_THREADS; }
+
+  __device__ static void compute(consumer_state& state, const stage_storage& s, int i, int consumer) {
+    const int t = thread_index(consumer);
+    if (i == 0) state.sum = 0.0f;
+    for (int row = t / block; row < block; row += rows_per_pass) state.sum += __bfloat162float(s.x.at(row, t % block));
+  }
+  __device__ static void store(const params& p, consumer_state& state, pipeline::output_tile tile,
+                               store_storage& staging, int consumer) {
+    const int t = thread_index(consumer);
+    staging.partial[t] = state.sum;
+    barrier_sync(barrier_id::partials_written, consumer_threads);
+    const int col = tile.col * block + t;
+    if (t < block && col < p.cols) {
+      float total = 0.0f;
+      for (int j = 0; j < rows_per_pass; ++j) total += staging.partial[t + block * j];
+      p.out[tile.row * p.cols + col] = total;
+    }
+    barrier_sync(barrier_id::partials_read, consumer_threads);
+  }
+  __device__ static void finish(const params&, store_storage&, int) {}
+};
+
+template <int STAGES, int CONSUMERS>
+cudaError_t run_column_sums(const column_sum_args& a, cudaStream_t stream) {
+  using K = column_sum_kernel<STAGES, CONSUMERS>;
+  typename K::params p;
+  p.x = make_tma_map<typename K::x_tile>(matrix_layout(static_cast<bf16*>(const_cast<void*>(a.x)), a.rows, a.cols, a.cols));
+  p.out = a.out;
+  p.rows = a.rows;
+  p.cols = a.cols;
+  p.iterations = a.iterations;
+  const int rows_per_tile = a.iterations * K::block;
+  p.order = {(a.rows + rows_per_tile - 1) / rows_per_tile, (a.cols + K::block - 1) / K::block, a.group_rows};
+  return pipeline::launch<K>(p, a.grid, stream);
+}
+
+template <int STAGES>
+cudaError_t run_column_sums_stages(const column_sum_args& a, cudaStream_t stream) {
+  return a.consumers == 1 ? run_column_sums<STAGES, 1>(a, stream) : run_column_sums<STAGES, 2>(a, stream);
+}
+
+template <int BOX_ROWS>
+cudaError_t tma_round_trip_boxes(const round_trip_args& a, cudaStream_t stream) {
+  return with_element(a.dtype, [&]<typename T>() {
+    constexpr int span = 128 / int(sizeof(T));  // columns of one 128-byte swizzle span
+    if (a.tile_cols == span / 4) return run_round_trip<T, span / 4, BOX_ROWS>(a, stream);  // 32-byte swizzle
+    if (a.tile_cols == span / 2) return run_round_trip<T, span / 2, BOX_ROWS>(a, stream);  // 64-byte swizzle
+    if (a.tile_cols == span) return run_round_trip<T, span, BOX_ROWS>(a, stream);
+    return run_round_trip<T, 2 * span, BOX_ROWS>(a, stream);  // two 128-byte panels
+  });
+}
+
+}  // namespace
+
+cudaError_t tma_round_trip(const round_trip_args& a, cudaStream_t stream) {
+  return a.box_rows == 16 ? tma_round_trip_boxes<16>(a, stream) : tma_round_trip_boxes<64>(a, stream);
+}
+
+cudaError_t wgmma_product(const product_args& p, cudaStream_t stream) {
+  const auto for_n = [&]<typename T>() {
+    if (p.n == 64) return run_product_variants<T, 64>(p, stream);
+    if (p.n == 128) return run_product_variants<T, 128>(p, stream);
+    return run_product_variants<T, 256>(p, stream);
+  };
+  return p.dtype == element::bf16 ? for_n.template operator()<bf16>() : for_n.template operator()<half>();
+}
+
+cudaError_t column_sums(const column_sum_args& a, cudaStream_t stream) {
+  switch (a.stages) {
+    case 1: return run_column_sums_stages<1>(a, stream);
+    case 2: return run_column_sums_stages<2>(a, stream);
+    case 3: return run_column_sums_stages<3>(a, stream);
+    default: return run_column_sums_stages<4>(a, stream);
+  }
+}
+
+}  // namespace tk::core_tests

@@ -1,0 +1,49 @@
+// Launchers of the tile-core test kernels (tests/core/core_kernels.cu); no torch here.
+#pragma once
+
+#include <cuda_runtime.h>
+
+namespace tk::core_tests {
+
+enum class element { bf16, fp16, fp32 };
+
+// Load the 64 x tile_cols tile at (row0, col0) of `in` (rows x cols, rows in_row_stride elements
+// apart) into shared memory in boxes of box_rows (64 or 16) rows, copy it element-wise to `dense`
+// (64 x tile_cols) and TMA-store it to the same place of `out` (rows x cols, out_row_stride apart).
+struct round_trip_args {
+  element dtype;
+  const void* in;
+  void* out;
+  void* dense;
+  int rows, cols, in_row_stride, out_row_stride;
+  int tile_cols, box_rows;
+  int row0, col0;
+};
+cudaError_t tma_round_trip(const round_trip_args& args, cudaStream_t stream);
+
+// out32 = A (64 x 64) * B (64 x n) in fp32 and out16 = out32 + bias in the input type, with A and
+// B stored K-major (A: 64 x 64 row-major; B: n x 64) or MN-major (A: K x M; B: 64 x n), or A read
+// from registers (stored row-major).
+struct product_args {
+  element dtype;
+  int n;
+  const void* a;
+  const void* b;
+  const void* bias;
+  bool a_mn_major, b_mn_major, a_in_registers;
+  float* out32;
+  void* out16;
+};
+cudaError_t wgmma_product(const product_args& args, cudaStream_t stream);
+
+// out (tiles_m x cols, fp32) = column sums of x (rows x cols, bf16) over work tiles of
+// iterations x 64 rows, through the producer/consumer pipeline on `grid` persistent blocks.
+struct column_sum_args {
+  const void* x;
+  float* out;
+  int rows, cols, iterations;
+  int stages, consumers, group_rows, grid;
+};
+cudaError_t column_sums(const column_sum_args& args, cudaStream_t stream);
+
+}  // namespace tk::core_tests

@@ -1,0 +1,427 @@
+"""tk.matmul / tk.linear against a sum-of-outer-products reference in float64, and the Hopper GEMM."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch._inductor.utils import run_and_get_code
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import tk_ops
+from tk_ops import _library
+from tk_testing import TOLERANCE, assert_rel_close, rel_err, requires_cuda, requires_kernel
+
+# (M, K, N): odd sizes, a size of 1 in each position, nothing a multiple of 16.
+SHAPES = [(7, 13, 5), (1, 9, 3), (11, 1, 6), (5, 8, 1), (3, 17, 19)]
+
+
+def reference_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sum_k a[:, k] (outer) b[k, :] in float64: a different formulation from torch.matmul."""
+    a64, b64 = a.double(), b.double()
+    return (a64[:, :, None] * b64[None, :, :]).sum(1)
+
+
+def reference_linear(x, weight, bias=None):
+    out = reference_product(x.reshape(-1, x.shape[-1]), weight.mT)
+    if bias is not None:
+        out = out + bias.double()
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+class RecordTkArgs(TorchDispatchMode):
+    """Records the arguments each tk op receives (to see what reaches the kernel)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "tk":
+            self.calls[func.__name__] = args
+        return func(*args, **(kwargs or {}))
+
+
+# ------------------------------------------------------------------------------------ forward
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_matmul_matches_outer_products(shape, dtype):
+    M, K, N = shape
+    a, b = torch.randn(M, K, dtype=dtype), torch.randn(K, N, dtype=dtype)
+    out = tk_ops.matmul(a, b)
+    assert out.dtype == dtype and out.is_contiguous() and out.shape == (M, N)
+    assert_rel_close(out, reference_product(a, b), TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_matmul_low_precision_on_cpu(dtype):
+    a, b = torch.randn(9, 21, dtype=dtype), torch.randn(21, 6, dtype=dtype)
+    out = tk_ops.matmul(a, b)
+    assert out.dtype == dtype
+    assert_rel_close(out, reference_product(a, b), TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("x_shape", [(7,), (5, 7), (2, 3, 7)], ids=["1d", "2d", "3d"])
+def test_linear_matches_reference(x_shape, with_bias):
+    x = torch.randn(*x_shape, dtype=torch.float64)
+    weight = torch.randn(9, 7, dtype=torch.float64)
+    bias = torch.randn(9, dtype=torch.float64) if with_bias else None
+    out = tk_ops.linear(x, weight, bias)
+    assert out.shape == (*x_shape[:-1], 9)
+    assert_rel_close(out, reference_linear(x, weight, bias), TOLERANCE[torch.float64])
+
+
+@pytest.mark.parametrize("transpose", ["a", "b", "both"])
+def test_transposed_views_reach_the_op_without_a_copy(transpose):
+    a = torch.randn(13, 7, dtype=torch.float64).mT if transpose in ("a", "both") else torch.randn(7, 13, dtype=torch.float64)
+    b = torch.randn(5, 13, dtype=torch.float64).mT if transpose in ("b", "both") else torch.randn(13, 5, dtype=torch.float64)
+    with RecordTkArgs() as record:
+        out = tk_ops.matmul(a, b)
+    got_a, got_b = record.calls["matmul.default"]
+    assert got_a.data_ptr() == a.data_ptr() and got_a.stride() == a.stride()
+    assert got_b.data_ptr() == b.data_ptr() and got_b.stride() == b.stride()
+    assert_rel_close(out, tk_ops.matmul(a.contiguous(), b.contiguous()), TOLERANCE[torch.float64])
+
+
+def test_operand_without_any_unit_stride_is_copied_not_misread():
+    a = torch.randn(6, 14, dtype=torch.float64)[:, ::2]  # strides (14, 2): neither row- nor column-major
+    b = torch.randn(7, 4, dtype=torch.float64)
+    assert_rel_close(tk_ops.matmul(a, b), reference_product(a, b), TOLERANCE[torch.float64])
+
+
+def test_transposed_weight_in_linear():
+    x = torch.randn(4, 6, dtype=torch.float64)
+    weight = torch.randn(6, 3, dtype=torch.float64).mT  # (3, 6), column-major
+    assert_rel_close(tk_ops.linear(x, weight), reference_linear(x, weight), TOLERANCE[torch.float64])
+
+
+# ---------------------------------------------------------------------------------- gradients
+
+
+@pytest.mark.parametrize("needs", [(True, True), (True, False), (False, True)], ids=["both", "a", "b"])
+def test_matmul_gradients(needs):
+    a = torch.randn(6, 5, dtype=torch.float64, requires_grad=needs[0])
+    b = torch.randn(5, 3, dtype=torch.float64, requires_grad=needs[1])
+    grad = torch.randn(6, 3, dtype=torch.float64)
+    tk_ops.matmul(a, b).backward(grad)
+    a_ref, b_ref = a.detach().clone().requires_grad_(needs[0]), b.detach().clone().requires_grad_(needs[1])
+    reference_product(a_ref, b_ref).backward(grad)
+    for got, expected in ((a.grad, a_ref.grad), (b.grad, b_ref.grad)):
+        assert (got is None) == (expected is None)
+        if got is not None:
+            assert_rel_close(got, expected, TOLERANCE[torch.float64])
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+def test_linear_gradients(with_bias):
+    x = torch.randn(2, 5, 7, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(4, 7, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(4, dtype=torch.float64, requires_grad=True) if with_bias else None
+    grad = torch.randn(2, 5, 4, dtype=torch.float64)
+    tk_ops.linear(x, weight, bias).backward(grad)
+    leaves = [t for t in (x, weight, bias) if t is not None]
+    refs = [t.detach().clone().requires_grad_() for t in leaves]
+    reference_linear(*refs, *([None] if not with_bias else [])).backward(grad)
+    for got, ref in zip(leaves, refs):
+        assert_rel_close(got.grad, ref.grad, TOLERANCE[torch.float64])
+
+
+def test_linear_gradient_of_weight_only():
+    x = torch.randn(3, 7, dtype=torch.float64)
+    weight = torch.randn(4, 7, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(4, dtype=torch.float64)
+    tk_ops.linear(x, weight, bias).sum().backward()
+    assert_rel_close(weight.grad, torch.ones(3, 4, dtype=torch.float64).mT @ x, TOLERANCE[torch.float64])
+
+
+def test_backward_ops_return_empty_for_unrequested_gradients():
+    grad, a, b = torch.randn(4, 3), torch.randn(4, 5), torch.randn(5, 3)
+    grad_a, grad_b = torch.ops.tk.matmul_bwd(grad, a, b, [True, False])
+    assert grad_a.shape == a.shape and grad_b.numel() == 0
+    grad_x, grad_w, grad_bias = torch.ops.tk.linear_bwd(grad, a, b.mT, [False, True, False])
+    assert grad_x.numel() == 0 and grad_w.shape == (3, 5) and grad_bias.numel() == 0
+
+
+# ------------------------------------------------------------------------- opcheck, compile, export
+
+
+def test_opcheck_forward_ops():
+    a = torch.randn(5, 7, requires_grad=True)
+    b = torch.randn(7, 3, requires_grad=True)
+    torch.library.opcheck(torch.ops.tk.matmul.default, (a, b))
+    torch.library.opcheck(torch.ops.tk.matmul.default, (b.mT, a.mT))
+    weight, bias = torch.randn(4, 7, requires_grad=True), torch.randn(4, requires_grad=True)
+    torch.library.opcheck(torch.ops.tk.linear.default, (a, weight, bias))
+    torch.library.opcheck(torch.ops.tk.linear.default, (a, weight, None))
+
+
+def test_opcheck_backward_ops():
+    grad, a, b = torch.randn(5, 3), torch.randn(5, 7), torch.randn(7, 3)
+    torch.library.opcheck(torch.ops.tk.matmul_bwd.default, (grad, a, b, [True, True]))
+    torch.library.opcheck(torch.ops.tk.matmul_bwd.default, (grad, a, b, [False, True]))
+    weight = torch.randn(3, 7)
+    torch.library.opcheck(torch.ops.tk.linear_bwd.default, (grad, a, weight, [True, True, True]))
+
+
+def test_compile_fullgraph_calls_tk_forward_and_backward_ops():
+    x, weight, bias, b = (torch.randn(*s, requires_grad=True) for s in ((6, 5), (4, 5), (4,), (4, 3)))
+
+    def loss(x, weight, bias, b):
+        return tk_ops.matmul(tk_ops.linear(x, weight, bias), b).square().sum()
+
+    def step(fn):
+        for t in (x, weight, bias, b):
+            t.grad = None
+        value = fn(x, weight, bias, b)
+        value.backward()
+        return value.detach(), *(t.grad.clone() for t in (x, weight, bias, b))
+
+    compiled_results, codes = run_and_get_code(step, torch.compile(loss, fullgraph=True))
+    code = "\n".join(codes)
+    for op in ("matmul", "matmul_bwd", "linear", "linear_bwd"):
+        assert f"torch.ops.tk.{op}.default" in code, f"tk.{op} missing from the generated code"
+    for got, expected in zip(compiled_results, step(loss)):
+        torch.testing.assert_close(got, expected)
+
+
+def test_export_contains_tk_ops():
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(4, 5))
+            self.bias = torch.nn.Parameter(torch.randn(4))
+
+        def forward(self, x, b):
+            return tk_ops.matmul(tk_ops.linear(x, self.weight, self.bias), b)
+
+    block, x, b = Block(), torch.randn(3, 5), torch.randn(4, 2)
+    exported = torch.export.export(block, (x, b))
+    targets = {node.target for node in exported.graph.nodes}
+    assert torch.ops.tk.linear.default in targets and torch.ops.tk.matmul.default in targets
+    torch.testing.assert_close(exported.module()(x, b), block(x, b))
+
+
+# ------------------------------------------------------------------------------- bad inputs
+
+
+@pytest.mark.parametrize(
+    "a, b, error, match",
+    [
+        (torch.randn(3, 4), [[1.0]], TypeError, "b must be a torch.Tensor"),
+        (torch.randint(0, 3, (3, 4)), torch.randint(0, 3, (4, 2)), TypeError, "a must have dtype"),
+        (torch.randn(3, 4), torch.randn(4, 2, dtype=torch.float64), TypeError, "b must have a's dtype"),
+        (torch.randn(3, 4, 1), torch.randn(4, 2), ValueError, "a must have 2 dimensions"),
+        (torch.randn(3, 4), torch.randn(4), ValueError, "b must have 2 dimensions"),
+        (torch.randn(3, 4), torch.randn(5, 2), ValueError, r"b.shape\[0\] must equal a.shape\[1\]"),
+        (torch.randn(0, 4), torch.randn(4, 2), ValueError, "a must not be empty"),
+        (torch.randn(3, 4), torch.randn(4, 0), ValueError, "b must not be empty"),
+    ],
+)
+def test_matmul_rejects_bad_inputs(a, b, error, match):
+    with pytest.raises(error, match=match):
+        tk_ops.matmul(a, b)
+
+
+@pytest.mark.parametrize(
+    "x, weight, bias, error, match",
+    [
+        (torch.randn(3, 4), torch.randn(2, 5), None, ValueError, r"weight.shape\[1\] must equal x.shape\[-1\]"),
+        (torch.randn(3, 4), torch.randn(2, 4, 1), None, ValueError, "weight must have 2 dimensions"),
+        (torch.randn(3, 4), torch.randn(2, 4), torch.randn(3), ValueError, r"bias.shape\[0\] must equal"),
+        (torch.randn(3, 4), torch.randn(2, 4), torch.randn(2, 1), ValueError, "bias must have 1 dimensions"),
+        (torch.randn(3, 4), torch.randn(2, 4), torch.randn(2).half(), TypeError, "bias must have x's dtype"),
+        (torch.randn(()), torch.randn(2, 4), None, ValueError, "x must have"),
+    ],
+)
+def test_linear_rejects_bad_inputs(x, weight, bias, error, match):
+    with pytest.raises(error, match=match):
+        tk_ops.linear(x, weight, bias)
+
+
+@requires_cuda
+def test_device_mismatch_is_rejected():
+    with pytest.raises(ValueError, match="b must be on a's device"):
+        tk_ops.matmul(torch.randn(3, 4, device="cuda"), torch.randn(4, 2))
+
+
+# ------------------------------------------------------------------------------ Hopper kernel
+
+LAYOUTS = ["nn", "nt", "tn", "tt"]  # A then B: n = row-major, t = column-major (a transposed view)
+# (M, K, N): tails in every dimension, sizes of 1 in each position, primes where TMA allows them
+# (strides must be multiples of 16 bytes, so a dimension that is a stride is a multiple of 8).
+KERNEL_SHAPES = [
+    (1, 8, 8), (1, 8, 1), (5, 1, 8), (97, 1, 136), (131, 72, 264), (7, 1000, 40), (256, 64, 256),
+    (383, 200, 520), (2000, 136, 4104),
+]
+
+
+def float64_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The float64 product on the GPU (the outer-product form would not fit in memory at these sizes)."""
+    return a.double() @ b.double()
+
+
+def operand(rows: int, cols: int, column_major: bool, dtype, device="cuda") -> torch.Tensor:
+    if column_major:
+        return torch.randn(cols, rows, dtype=dtype, device=device).mT
+    return torch.randn(rows, cols, dtype=dtype, device=device)
+
+
+def allocate_poisoned(shape, dtype) -> None:
+    """Leave a freed block of NaNs where the caching allocator will place the next output."""
+    poison = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+    del poison
+
+
+def tma_readable(t: torch.Tensor) -> bool:
+    """As csrc/torch/gemm.cpp decides: read row- or column-major with 16-byte row strides, or as a
+    single stored row (whose stride does not matter)."""
+    rows, cols = t.shape
+    forms = []
+    if t.stride(1) == 1 or cols == 1:
+        forms.append((rows, t.stride(0)))
+    if t.stride(0) == 1 or rows == 1:
+        forms.append((cols, t.stride(1)))
+    return t.data_ptr() % 16 == 0 and any(n == 1 or stride * t.element_size() % 16 == 0 for n, stride in forms)
+
+
+@requires_kernel("matmul")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("shape", KERNEL_SHAPES, ids=str)
+def test_matmul_kernel(shape, layout, dtype):
+    M, K, N = shape
+    a = operand(M, K, layout[0] == "t", dtype)
+    b = operand(K, N, layout[1] == "t", dtype)
+    if not (tma_readable(a) and tma_readable(b) and (N % 8 == 0 or M == 1)):
+        pytest.skip("a stride TMA cannot take: covered by the fallback tests")
+    allocate_poisoned((M, N), dtype)
+    _library._REFERENCE_WARNED.discard("matmul")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the reference path would warn: this must run on the kernel
+        out = tk_ops.matmul(a, b)
+    assert out.dtype == dtype and out.shape == (M, N) and out.is_contiguous()
+    assert_rel_close(out, float64_product(a, b), TOLERANCE[dtype])
+
+
+@requires_kernel("matmul")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("size", [512, 1024, 2048])
+def test_matmul_kernel_square_against_cublas(size, dtype):
+    a = torch.randn(size, size, dtype=dtype, device="cuda")
+    b = torch.randn(size, size, dtype=dtype, device="cuda")
+    expected = float64_product(a, b)
+    out = tk_ops.matmul(a, b)
+    assert_rel_close(out, expected, TOLERANCE[dtype])
+    assert rel_err(out, expected) <= 2 * rel_err(a @ b, expected) + 1e-4  # no worse than cuBLAS
+
+
+@requires_kernel("linear")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("shape", [(1, 64, 8), (137, 264, 1000), (300, 520, 72)], ids=str)
+def test_linear_kernel(shape, with_bias, dtype):
+    M, K, N = shape
+    x = torch.randn(M, K, dtype=dtype, device="cuda")
+    weight = torch.randn(N, K, dtype=dtype, device="cuda") / K**0.5
+    bias = torch.randn(N, dtype=dtype, device="cuda") if with_bias else None
+    allocate_poisoned((M, N), dtype)
+    _library._REFERENCE_WARNED.discard("linear")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = tk_ops.linear(x, weight, bias)
+    expected = float64_product(x, weight.mT) + (0 if bias is None else bias.double())
+    assert_rel_close(out, expected, TOLERANCE[dtype])
+
+
+@requires_kernel("linear_bwd")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_linear_kernel_gradients(dtype):
+    x = torch.randn(3, 67, 136, dtype=dtype, device="cuda", requires_grad=True)
+    weight = (torch.randn(264, 136, dtype=dtype, device="cuda") / 12).requires_grad_()
+    bias = torch.randn(264, dtype=dtype, device="cuda", requires_grad=True)
+    grad = torch.randn(3, 67, 264, dtype=dtype, device="cuda")
+    _library._REFERENCE_WARNED.discard("linear_bwd")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tk_ops.linear(x, weight, bias).backward(grad)
+    refs = [t.detach().cpu().double().requires_grad_() for t in (x, weight, bias)]
+    reference_linear(*refs).backward(grad.cpu().double())
+    for got, ref in zip((x, weight, bias), refs):
+        assert_rel_close(got.grad, ref.grad, TOLERANCE[dtype])
+
+
+@requires_kernel("matmul_bwd")
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_matmul_kernel_gradients(layout):
+    dtype = torch.bfloat16
+    a = operand(200, 72, layout[0] == "t", dtype).requires_grad_()
+    b = operand(72, 136, layout[1] == "t", dtype).requires_grad_()
+    grad = torch.randn(200, 136, dtype=dtype, device="cuda")
+    tk_ops.matmul(a, b).backward(grad)
+    a_ref, b_ref = (t.detach().cpu().double().requires_grad_() for t in (a, b))
+    reference_product(a_ref, b_ref).backward(grad.cpu().double())
+    assert_rel_close(a.grad, a_ref.grad, TOLERANCE[dtype])
+    assert_rel_close(b.grad, b_ref.grad, TOLERANCE[dtype])
+
+
+@requires_kernel("matmul")
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: (torch.randn(33, 7, device="cuda").bfloat16(), torch.randn(7, 24, device="cuda").bfloat16()),
+        lambda: (torch.randn(16, 48, device="cuda").half()[:, 1:41], torch.randn(40, 16, device="cuda").half()),
+        lambda: (torch.randn(9, 16, device="cuda").bfloat16(), torch.randn(16, 13, device="cuda").bfloat16()),
+        lambda: (torch.randn(9, 16, device="cuda"), torch.randn(16, 24, device="cuda")),
+    ],
+    ids=["K-stride-14-bytes", "misaligned-base", "N-stride-26-bytes", "fp32"],
+)
+def test_matmul_falls_back_where_tma_cannot_describe(make):
+    a, b = make()
+    _library._REFERENCE_WARNED.discard("matmul")
+    with pytest.warns(UserWarning, match="running the PyTorch reference path"):
+        out = tk_ops.matmul(a, b)
+    assert_rel_close(out, float64_product(a, b), TOLERANCE[a.dtype])
+
+
+@requires_kernel("matmul")
+def test_matmul_kernel_is_deterministic():
+    a = torch.randn(1000, 512, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(512, 2056, dtype=torch.bfloat16, device="cuda")
+    first = tk_ops.matmul(a, b)
+    for _ in range(20):
+        assert torch.equal(tk_ops.matmul(a, b), first)
+
+
+@requires_kernel("matmul")
+def test_matmul_kernel_in_cuda_graph():
+    a = torch.randn(300, 136, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(136, 264, dtype=torch.bfloat16, device="cuda")
+    expected = tk_ops.matmul(a, b)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tk_ops.matmul(a, b)
+    a.copy_(torch.randn_like(a))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not torch.equal(out, expected)
+    assert torch.equal(out, tk_ops.matmul(a, b))
+
+
+@requires_kernel("matmul")
+def test_opcheck_on_the_kernel():
+    a = torch.randn(130, 72, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    b = torch.randn(72, 264, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    torch.library.opcheck(torch.ops.tk.matmul.default, (a, b))
+    torch.library.opcheck(torch.ops.tk.matmul_bwd.default, (torch.randn_like(a @ b), a, b, [True, True]))
+    weight, bias = torch.randn(40, 72, dtype=torch.bfloat16, device="cuda"), torch.randn(40, dtype=torch.bfloat16, device="cuda")
+    torch.library.opcheck(torch.ops.tk.linear.default, (a, weight, bias))
+
+
+@requires_kernel("matmul")
+def test_cpp_checks_raise_value_error():
+    with pytest.raises(ValueError, match="b.shape\\[0\\] must equal a.shape\\[1\\]"):
+        torch.ops.tk.matmul(torch.randn(3, 4, device="cuda").half(), torch.randn(5, 2, device="cuda").half())
