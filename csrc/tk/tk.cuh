@@ -3,9 +3,12 @@
 
 #include "common.cuh"
 #include "ops/tma.cuh"
+#include "ops/warp/warp.cuh"
 #include "ops/warpgroup/warpgroup.cuh"
 #include "pipeline/producer_consumer.cuh"
 #include "pipeline/tile_scheduler.cuh"
 #include "sync/sync.cuh"
 #include "types/global_layout.cuh"
+#include "types/register_tile.cuh"
+#include "types/register_vector.cuh"
 #include "types/shared_tile.cuh"

@@ -2,5 +2,6 @@
 
 #include "descriptor.cuh"
 #include "epilogue.cuh"
+#include "register_fragments.cuh"
 #include "registers.cuh"
 #include "wgmma.cuh"
