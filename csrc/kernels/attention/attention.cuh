@@ -60,8 +60,7 @@ template <int D>
 struct dq_plan {
   static constexpr int consumer_warpgroups = 2;
   static constexpr int block_q = consumer_warpgroups * CONSUMER_ROWS;
-  // S, dP and dQ accumulators live together: 64 keys at D = 128 keep them within 240 registers.
-  static constexpr int block_kv = D == 128 ? 64 : 128;
+  static constexpr int block_kv = 128;
   static constexpr int stages = 2;
   static constexpr int producer_registers = 24;
   static constexpr int consumer_registers = 240;
@@ -178,17 +177,6 @@ template <int N>
 __device__ __forceinline__ void fill(accumulator<N>& acc, float value) {
 #pragma unroll
   for (int k = 0; k < accumulator<N>::registers; ++k) acc.data[k] = value;
-}
-
-// ------------------------------------------------------------------------------ bulk copies
-
-// A plain (non-tensor) bulk copy of `bytes` (a multiple of 16, both addresses 16-byte aligned) from
-// global to shared memory, completing on `bar`. One thread. Not in the tile core yet.
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, mbarrier& bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                   shared_address(dst)),
-               "l"(src), "r"(bytes), "r"(shared_address(&bar))
-               : "memory");
 }
 
 // --------------------------------------------------------------------------- host: layouts

@@ -113,18 +113,13 @@ struct dkdv_kernel {
   static constexpr int threads = block_threads<1 + plan::consumer_warpgroups>;
   static_assert(fits_register_file<plan>());
 
-  struct alignas(16) row_statistics {
-    float lse2[plan::block_q];
-    float delta[plan::block_q];
-  };
-  static constexpr uint32_t stage_bytes = 2 * q_tile::bytes + sizeof(row_statistics);
+  static constexpr uint32_t stage_bytes = 2 * q_tile::bytes;
 
   struct storage {
     kv_tile k[plan::consumer_warpgroups];
     kv_tile v[plan::consumer_warpgroups];
     q_tile q[stages];
     q_tile grad_out[stages];
-    row_statistics statistics[stages];
     mbarrier kv_full;
     mbarrier full[stages], empty[stages];
   };
@@ -170,14 +165,11 @@ struct dkdv_kernel {
       const int q_head = kv_head * p.shape.group + sched.head_in_group(step);
       const int q0 = sched.tile(step) * plan::block_q;
       const int index[4] = {batch, q_head, q0, 0};
-      const int64_t statistics = p.shape.statistics_offset(batch, q_head) + q0;
       smem.empty[write.stage].wait(write.phase ^ 1);
       mbarrier& full = smem.full[write.stage];
       full.arrive_expect_tx(stage_bytes);
       tma::load(smem.q[write.stage], p.q, full, index);
       tma::load(smem.grad_out[write.stage], p.grad_out, full, index);
-      bulk_load(smem.statistics[write.stage].lse2, p.lse2 + statistics, sizeof(row_statistics::lse2), full);
-      bulk_load(smem.statistics[write.stage].delta, p.delta + statistics, sizeof(row_statistics::delta), full);
     }
   }
 
@@ -200,7 +192,16 @@ struct dkdv_kernel {
       const int q0 = sched.tile(step) * plan::block_q;
       const q_tile& q = smem.q[read.stage];
       const q_tile& grad_out = smem.grad_out[read.stage];
-      const row_statistics& stats = smem.statistics[read.stage];
+      // The statistics of this lane's query columns, fetched from global memory (L2) while the
+      // tiles land and the products run: each 8-column block holds the pair first_col + {0, 1}.
+      const int64_t statistics =
+          g.statistics_offset(batch, kv_head * g.group + sched.head_in_group(step)) + q0 + accumulator<plan::block_q>::first_col();
+      float2 lse2[plan::block_q / 8], delta[plan::block_q / 8];
+#pragma unroll
+      for (int b = 0; b < plan::block_q / 8; ++b) {
+        lse2[b] = *reinterpret_cast<const float2*>(p.lse2 + statistics + 8 * b);
+        delta[b] = *reinterpret_cast<const float2*>(p.delta + statistics + 8 * b);
+      }
       smem.full[read.stage].wait(read.phase);
       // S^T = K Q^T and dP^T = V dO^T
       warpgroup::fence();
@@ -214,9 +215,11 @@ struct dkdv_kernel {
       const bool masked = vis.needs_mask(q0, key0, CONSUMER_ROWS);
 #pragma unroll
       for (int r = 0; r < accumulator<plan::block_q>::registers; ++r) {
-        const int col = accumulator_col<plan::block_q>(r);
-        s.data[r] = fast_exp2(s.data[r] * g.scale_log2 - stats.lse2[col]);
-        if (masked && !vis.visible(q0 + col, key0 + accumulator_row<plan::block_q>(r))) s.data[r] = 0.0f;
+        const float row_lse2 = r % 2 == 0 ? lse2[r / 4].x : lse2[r / 4].y;
+        s.data[r] = fast_exp2(s.data[r] * g.scale_log2 - row_lse2);
+        if (masked && !vis.visible(q0 + accumulator_col<plan::block_q>(r), key0 + accumulator_row<plan::block_q>(r))) {
+          s.data[r] = 0.0f;
+        }
       }
       p_frag.pack(s);
       // dV += P^T dO runs while dS^T is formed.
@@ -225,7 +228,8 @@ struct dkdv_kernel {
       warpgroup::commit();
 #pragma unroll
       for (int r = 0; r < accumulator<plan::block_q>::registers; ++r) {
-        grad_p.data[r] = s.data[r] * (grad_p.data[r] - stats.delta[accumulator_col<plan::block_q>(r)]);
+        const float row_delta = r % 2 == 0 ? delta[r / 4].x : delta[r / 4].y;
+        grad_p.data[r] = s.data[r] * (grad_p.data[r] - row_delta);
       }
       ds_frag.pack(grad_p);
       warpgroup::fence();

@@ -6,6 +6,8 @@
 //                                 issue S_j = Q K_j^T;  issue O += P_{j-1} V_{j-1}
 //                                 wait S_j;  masked online softmax of S_j (rescale factor per row)
 //                                 wait O;  O *= rescale;  P_j = bf16/fp16(S_j)
+//                               and the two consumers take turns issuing (ping-pong), so one
+//                               warpgroup's softmax runs while the other's products run
 //   epilogue (consumers)        O /= rowsum, stmatrix into the Q tile, TMA store (tail rows clipped);
 //                               lse = ln(sum) + max in natural log
 //
@@ -46,9 +48,25 @@ struct forward_kernel {
 
   enum class barrier_id : int {
     consumer_epilogue = FIRST_NAMED_BARRIER,  // one per consumer: its output tile is written
-    count = consumer_epilogue + plan::consumer_warpgroups,
+    issue_turn = consumer_epilogue + plan::consumer_warpgroups,  // one per consumer: its turn to issue
+    count = issue_turn + plan::consumer_warpgroups,
   };
   static_assert(fits_named_barriers<barrier_id>());
+
+  // The consumers issue their wgmmas in turn: consumer c waits for its turn, issues, and passes
+  // the turn to the next. Consumer 0 holds the first turn; the last consumer does not pass its
+  // final turn, so every barrier phase that is opened also completes.
+  static constexpr int turn_threads = 2 * WARPGROUP_THREADS;
+  __device__ static void take_first_turn(int consumer) {
+    if (consumer == 0) barrier_arrive(barrier_id::issue_turn, turn_threads);
+  }
+  __device__ static void wait_turn(int consumer) {
+    barrier_sync(barrier_after(barrier_id::issue_turn, consumer), turn_threads);
+  }
+  __device__ static void pass_turn(int consumer, bool last_turn = false) {
+    if (last_turn && consumer == plan::consumer_warpgroups - 1) return;
+    barrier_arrive(barrier_after(barrier_id::issue_turn, (consumer + 1) % plan::consumer_warpgroups), turn_threads);
+  }
 
   // Per-row running statistics of one lane's two rows (see attention.cuh on accumulator rows).
   struct online_softmax {
@@ -139,10 +157,13 @@ struct forward_kernel {
     pipeline::ring_position<stages> read_v;
     if (key_blocks > 0) {
       // S_0 = Q K_0^T
+      take_first_turn(consumer);
       smem.k_full[read_k.stage].wait(read_k.phase);
+      wait_turn(consumer);
       warpgroup::fence();
       warpgroup::mma<operand_major::k, operand_major::k>(s, q, 0, smem.k[read_k.stage], 0, false);
       warpgroup::commit();
+      pass_turn(consumer);
       warpgroup::wait<0>(s);
       release(smem.k_empty[read_k.stage]);
       read_k.advance();
@@ -153,12 +174,14 @@ struct forward_kernel {
     for (int j = 1; j < key_blocks; ++j) {
       // S_j = Q K_j^T, then O += P_{j-1} V_{j-1}: both in flight while the softmax of S_j runs.
       smem.k_full[read_k.stage].wait(read_k.phase);
+      smem.v_full[read_v.stage].wait(read_v.phase);
+      wait_turn(consumer);
       warpgroup::fence();
       warpgroup::mma<operand_major::k, operand_major::k>(s, q, 0, smem.k[read_k.stage], 0, false);
       warpgroup::commit();
-      smem.v_full[read_v.stage].wait(read_v.phase);
       mma_rs(o, p_frag, smem.v[read_v.stage]);
       warpgroup::commit();
+      pass_turn(consumer);
       warpgroup::wait<1>(s);
       release(smem.k_empty[read_k.stage]);
       read_k.advance();
@@ -174,9 +197,11 @@ struct forward_kernel {
     }
     if (key_blocks > 0) {
       smem.v_full[read_v.stage].wait(read_v.phase);
+      wait_turn(consumer);
       warpgroup::fence();
       mma_rs(o, p_frag, smem.v[read_v.stage]);
       warpgroup::commit();
+      pass_turn(consumer, /*last_turn=*/true);
       warpgroup::wait<0>(o);
       p_frag.pin();
       release(smem.v_empty[read_v.stage]);
