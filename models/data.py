@@ -1,0 +1,269 @@
+"""Training data: the corpus, its tokenizer, and the batches of the training script.
+
+Corpus: the King James Bible (4.2 MB of English) from Debian's ``bible-kjv`` package, which ships
+it with the ``bible`` program that prints it; no network is needed once the package is installed,
+and any other UTF-8 text file can be used instead (``--text``).
+
+Tokenizer: a byte-level BPE (Hugging Face ``tokenizers``) trained on the corpus itself, 8192 ids
+by default. Byte-level, so any text round-trips; BPE rather than raw bytes so a 2048-token context
+holds a few paragraphs (about 4.2 bytes per token here) and the embedding and output layers have
+the size of a real LM's; 8192 ids fit uint16 and are a multiple of 64 for the GEMMs.
+
+    python -m models.data prepare                   # needs: apt-get install -y bible-kjv
+    python -m models.data prepare --text FILE.txt   # any UTF-8 text instead
+
+writes, under ``.data/kjv`` (ignored by git; 2.5 MB for the KJV, small enough to carry to a GPU machine
+without network): ``tokenizer.json``, ``train.bin`` and ``val.bin`` (uint16 token ids) and
+``meta.json``. Every 20th block of 4096 tokens goes to ``val.bin``.
+
+Batches are a pure function of (seed, step), so a resumed run sees exactly the batches it would
+have seen, and the global batch of a step is the same whatever the number of ranks: rank r takes
+its rows out of it. Llama gets windows of seq_len + 1 tokens (inputs and shifted targets); BERT
+gets windows of seq_len tokens with 15% of the positions masked (80% mask token, 10% a random
+token, 10% unchanged) and the original ids as labels there, -100 elsewhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_DATA_DIR = REPO_ROOT / ".data" / "kjv"
+MASK_TOKEN = "<|mask|>"
+DEFAULT_VOCAB_SIZE = 8192
+VAL_BLOCK_TOKENS = 4096
+VAL_EVERY_BLOCKS = 20
+MLM_MASK_FRACTION = 0.15
+IGNORE_INDEX = -100
+
+# ------------------------------------------------------------------------------------- corpus
+
+
+def kjv_text() -> str:
+    """The King James Bible as plain text: chapter headings, then one verse per line."""
+    if shutil.which("bible") is None:
+        raise SystemExit(
+            "the corpus comes from Debian's bible-kjv package: run `apt-get install -y bible-kjv` "
+            "(or pass --text FILE with any UTF-8 text)"
+        )
+    # a very wide line so that no verse is wrapped
+    raw = subprocess.run(["bible", "-l100000", "gen1:1-rev22:21"], check=True, capture_output=True, text=True).stdout
+    return clean_kjv(raw)
+
+
+def clean_kjv(raw: str) -> str:
+    """Drop the indentation and verse numbers the ``bible`` program prints: ``  12 And ...`` -> ``And ...``."""
+    lines = (re.sub(r"^\s+\d+ ", "", line).rstrip() for line in raw.strip().splitlines())
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------- tokenizer
+
+
+class Tokenizer:
+    """A byte-level BPE tokenizer (``tokenizers``) with one special token, the MLM mask."""
+
+    def __init__(self, path: Path) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        self._tokenizer = HFTokenizer.from_file(str(path))
+        self.mask_id = self._tokenizer.token_to_id(MASK_TOKEN)
+        self.vocab_size = self._tokenizer.get_vocab_size()
+
+    @staticmethod
+    def train(text: str, vocab_size: int, path: Path) -> "Tokenizer":
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, models, pre_tokenizers, trainers
+
+        tokenizer = HFTokenizer(models.BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=[MASK_TOKEN],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tokenizer.train_from_iterator(text.splitlines(keepends=True), trainer)
+        tokenizer.save(str(path))
+        return Tokenizer(path)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text).ids
+
+    def encode_lines(self, text: str) -> np.ndarray:
+        """The ids of a long text, encoded line by line in parallel (the same ids: lines end in "\\n")."""
+        encodings = self._tokenizer.encode_batch(text.splitlines(keepends=True))
+        return np.fromiter((i for e in encodings for i in e.ids), dtype=np.int64)
+
+    def decode(self, ids) -> str:
+        return self._tokenizer.decode(list(ids))
+
+
+# ---------------------------------------------------------------------------------- prepare
+
+
+def split_train_val(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every VAL_EVERY_BLOCKS-th block of VAL_BLOCK_TOKENS ids goes to validation."""
+    block = np.arange(len(ids)) // VAL_BLOCK_TOKENS
+    is_val = block % VAL_EVERY_BLOCKS == VAL_EVERY_BLOCKS - 1
+    return ids[~is_val], ids[is_val]
+
+
+def prepare(out_dir: Path, text: Optional[str] = None, source: str = "", vocab_size: int = DEFAULT_VOCAB_SIZE) -> dict:
+    """Train the tokenizer on ``text`` (default: the KJV Bible), write the token files; return meta."""
+    if not 257 <= vocab_size <= 2**16:
+        raise ValueError(
+            f"vocab_size must be in [257, 65536] (256 bytes + the mask token; uint16 ids), got {vocab_size}"
+        )
+    if text is None:
+        text, source = kjv_text(), "King James Bible, Debian package bible-kjv (`bible gen1:1-rev22:21`)"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = Tokenizer.train(text, vocab_size, out_dir / "tokenizer.json")
+    train_ids, val_ids = split_train_val(tokenizer.encode_lines(text))
+    if len(val_ids) == 0:
+        raise ValueError(
+            f"the text is too short: it must give more than {VAL_BLOCK_TOKENS * (VAL_EVERY_BLOCKS - 1)} tokens"
+        )
+    train_ids.astype(np.uint16).tofile(out_dir / "train.bin")
+    val_ids.astype(np.uint16).tofile(out_dir / "val.bin")
+    meta = {
+        "source": source,
+        "text_bytes": len(text.encode()),
+        "text_sha256": hashlib.sha256(text.encode()).hexdigest(),
+        "tokenizer": "byte-level BPE (tokenizers)",
+        "vocab_size": tokenizer.vocab_size,
+        "mask_token_id": tokenizer.mask_id,
+        "train_tokens": int(len(train_ids)),
+        "val_tokens": int(len(val_ids)),
+    }
+    (out_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+# ---------------------------------------------------------------------------------- batches
+
+
+@dataclass
+class TokenData:
+    """A prepared data directory: token ids (memory-mapped) and its meta.json."""
+
+    train: np.ndarray
+    val: np.ndarray
+    meta: dict
+    directory: Path
+
+    @staticmethod
+    def load(directory: Path) -> "TokenData":
+        directory = Path(directory)
+        if not (directory / "meta.json").exists():
+            raise SystemExit(f"no prepared data in {directory}: run `python -m models.data prepare` first")
+        meta = json.loads((directory / "meta.json").read_text())
+        train = np.memmap(directory / "train.bin", dtype=np.uint16, mode="r")
+        val = np.memmap(directory / "val.bin", dtype=np.uint16, mode="r")
+        return TokenData(train, val, meta, directory)
+
+    def tokenizer(self) -> Tokenizer:
+        return Tokenizer(self.directory / "tokenizer.json")
+
+
+class Batches:
+    """The global batch of each step over one token array, and each rank's rows of it.
+
+    ``kind`` is ``"lm"`` (inputs, targets) or ``"mlm"`` (masked inputs, labels). Windows are
+    non-overlapping; each epoch visits them in a fresh random order drawn from (seed, epoch)
+    (``shuffle=False``: in order, for evaluation).
+    """
+
+    def __init__(
+        self,
+        ids: np.ndarray,
+        *,
+        kind: str,
+        seq_len: int,
+        global_batch: int,
+        seed: int,
+        shuffle: bool = True,
+        vocab_size: int = 0,
+        mask_id: int = -1,
+    ) -> None:
+        if kind not in ("lm", "mlm"):
+            raise ValueError(f"kind must be 'lm' or 'mlm', got {kind!r}")
+        self.ids, self.kind, self.seq_len, self.global_batch = ids, kind, seq_len, global_batch
+        self.seed, self.shuffle, self.vocab_size, self.mask_id = seed, shuffle, vocab_size, mask_id
+        self.window = seq_len + 1 if kind == "lm" else seq_len
+        self.num_windows = (len(ids) - self.window) // seq_len + 1 if len(ids) >= self.window else 0
+        self.steps_per_epoch = self.num_windows // global_batch
+        if self.steps_per_epoch == 0:
+            raise ValueError(
+                f"{len(ids)} tokens give {self.num_windows} windows of {self.window} tokens: fewer than one "
+                f"batch of {global_batch}; lower the batch size or the sequence length"
+            )
+        self._order_epoch, self._order = -1, None
+
+    def _window_starts(self, step: int) -> torch.Tensor:
+        epoch, index = divmod(step, self.steps_per_epoch)
+        if not self.shuffle:
+            windows = torch.arange(index * self.global_batch, (index + 1) * self.global_batch)
+            return windows * self.seq_len
+        if epoch != self._order_epoch:
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._order_epoch, self._order = epoch, torch.randperm(self.num_windows, generator=generator)
+        windows = self._order[index * self.global_batch : (index + 1) * self.global_batch]
+        return windows * self.seq_len
+
+    def global_batch_at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of the whole batch of ``step``, each (global_batch, seq_len) int64."""
+        rows = np.stack([self.ids[start : start + self.window] for start in self._window_starts(step).tolist()])
+        tokens = torch.from_numpy(rows.astype(np.int64))
+        if self.kind == "lm":
+            return tokens[:, :-1], tokens[:, 1:]
+        return self._mask(tokens, step)
+
+    def _mask(self, tokens: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step + (0 if self.shuffle else 2**40))
+        draw = torch.rand(tokens.shape, generator=generator)
+        action = torch.rand(tokens.shape, generator=generator)
+        random_ids = torch.randint(0, self.vocab_size, tokens.shape, generator=generator)
+        selected = draw < MLM_MASK_FRACTION
+        labels = torch.where(selected, tokens, IGNORE_INDEX)
+        inputs = torch.where(selected & (action < 0.8), self.mask_id, tokens)
+        inputs = torch.where(selected & (action >= 0.8) & (action < 0.9), random_ids, inputs)
+        return inputs, labels
+
+
+# --------------------------------------------------------------------------------------- CLI
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m models.data", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    prep = commands.add_parser("prepare", help="train the tokenizer and write the token files")
+    prep.add_argument("--text", type=Path, help="a UTF-8 text file to use instead of the KJV Bible")
+    prep.add_argument(
+        "--out", type=Path, default=DEFAULT_DATA_DIR, help=f"output directory (default {DEFAULT_DATA_DIR})"
+    )
+    prep.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
+    args = parser.parse_args(argv)
+    text = args.text.read_text(encoding="utf-8") if args.text else None
+    meta = prepare(args.out, text, source=str(args.text or ""), vocab_size=args.vocab_size)
+    size = sum(f.stat().st_size for f in args.out.iterdir())
+    print(
+        f"{meta['text_bytes'] / 1e6:.2f} MB of text -> {meta['train_tokens']:,} train + {meta['val_tokens']:,} "
+        f"val tokens (vocab {meta['vocab_size']}), {size / 1e6:.1f} MB in {args.out}"
+    )
+
+
+if __name__ == "__main__":
+    main()

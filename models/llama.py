@@ -1,0 +1,274 @@
+"""A Llama decoder on tk_ops: RMSNorm, RoPE, SwiGLU MLP, grouped-query attention.
+
+``LlamaForCausalLM(LlamaConfig(...))`` has the module tree and state_dict keys of Hugging Face's
+``LlamaForCausalLM`` (``model.embed_tokens``, ``model.layers.{i}.self_attn.q_proj``, ...,
+``model.norm``, ``lm_head``), so a Hugging Face state_dict loads with ``load_state_dict`` and gives
+the same logits (``LlamaConfig.from_hf`` converts the config). ``config.reference=True`` runs the
+same parameters on standard PyTorch ops only.
+
+On the tk path the residual add is fused into the RMSNorm that follows it
+(``tk_ops.rms_norm(x, w, residual=r, return_residual=True)``). Under autocast the residual stream
+stays fp32, as in the reference path, while the normalised activations are in the autocast dtype.
+Only the default rope type (no scaling) is implemented; there is no attention mask (causal
+attention over packed sequences) and no KV cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+import tk_ops
+from models.layers import (
+    at_least_fp32,
+    make_linear,
+    reference_attention,
+    reference_rope,
+    rotary_inverse_frequencies,
+    rotary_tables,
+    to_autocast_dtype,
+)
+
+
+@dataclasses.dataclass
+class LlamaConfig:
+    """The fields of Hugging Face's ``LlamaConfig`` that the model uses, plus ``reference``."""
+
+    vocab_size: int = 8192
+    hidden_size: int = 256
+    intermediate_size: int = 768
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: Optional[int] = None  # None: hidden_size // num_attention_heads
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    initializer_range: float = 0.02
+    reference: bool = False  # True: standard PyTorch ops only
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+    @classmethod
+    def from_hf(cls, hf_config, **overrides) -> "LlamaConfig":
+        """The config of a Hugging Face ``LlamaConfig`` (default rope type, SiLU MLP only)."""
+        rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"only the default rope type is implemented, got rope_type={rope_type!r}")
+        if hf_config.hidden_act != "silu":
+            raise ValueError(f"hidden_act must be 'silu', got {hf_config.hidden_act!r}")
+        theta = getattr(hf_config, "rope_theta", None) or rope.get("rope_theta", 10000.0)
+        fields = {f.name for f in dataclasses.fields(cls)} - {"rope_theta", "reference"}
+        values = {name: getattr(hf_config, name) for name in fields if hasattr(hf_config, name)}
+        return cls(**values, rope_theta=theta, **overrides)
+
+    def to_hf_dict(self) -> dict:
+        """A Hugging Face ``config.json`` for this model (``transformers`` loads it as LlamaForCausalLM)."""
+        values = dataclasses.asdict(self)
+        del values["reference"]
+        theta = values.pop("rope_theta")
+        rope = {"rope_type": "default", "rope_theta": theta}
+        return {
+            **values,
+            "rope_theta": theta,
+            "rope_parameters": rope,
+            "hidden_act": "silu",
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+class LlamaRMSNorm(torch.nn.Module):
+    """RMSNorm with the residual add in front: ``forward(x, residual) -> (norm(h), h)``, h = residual + x.
+
+    ``residual=None`` (the first block) normalises x and returns x as the stream.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, *, reference: bool) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+        self.reference = reference
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if self.reference:
+            stream = x if residual is None else residual + x
+            normed = at_least_fp32(stream)
+            normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
+            return self.weight * normed.to(stream.dtype), stream
+        if residual is None:
+            return tk_ops.rms_norm(to_autocast_dtype(x), self.weight, self.eps), x
+        return tk_ops.rms_norm(to_autocast_dtype(x), self.weight, self.eps, residual=residual, return_residual=True)
+
+
+class LlamaAttention(torch.nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.reference = config.reference
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        hidden, bias, reference = config.hidden_size, config.attention_bias, config.reference
+        self.q_proj = make_linear(hidden, self.num_heads * self.head_dim, bias=bias, reference=reference)
+        self.k_proj = make_linear(hidden, self.num_kv_heads * self.head_dim, bias=bias, reference=reference)
+        self.v_proj = make_linear(hidden, self.num_kv_heads * self.head_dim, bias=bias, reference=reference)
+        self.o_proj = make_linear(self.num_heads * self.head_dim, hidden, bias=bias, reference=reference)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        # (B, N, H * D) -> (B, H, N, D) as strided views: tk ops take them without a copy
+        q = self.q_proj(x).view(batch, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.reference:
+            q, k = reference_rope(q, cos, sin), reference_rope(k, cos, sin)
+            out = reference_attention(q, k, v, causal=True)
+        else:
+            q, k = tk_ops.rope_qk(q, k, cos, sin)
+            out = tk_ops.attention(q, k, v, causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
+
+
+class LlamaMLP(torch.nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = make_linear(hidden, inner, bias=bias, reference=config.reference)
+        self.up_proj = make_linear(hidden, inner, bias=bias, reference=config.reference)
+        self.down_proj = make_linear(inner, hidden, bias=bias, reference=config.reference)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(torch.nn.Module):
+    """Pre-norm block. ``forward(x, residual, cos, sin) -> (x, residual)``: the block's output x is
+    added to the residual stream by the next norm (the next block's, or the final one)."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps, reference=config.reference)
+        self.self_attn = LlamaAttention(config)
+        self.post_attention_layernorm = LlamaRMSNorm(
+            config.hidden_size, config.rms_norm_eps, reference=config.reference
+        )
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, x, residual, cos, sin):
+        normed, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(normed, cos, sin)
+        normed, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(normed), residual
+
+
+class LlamaModel(torch.nn.Module):
+    inverse_frequencies: torch.Tensor
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = torch.nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps, reference=config.reference)
+        # not in the state_dict, as Hugging Face's rotary_emb.inv_freq
+        self.register_buffer(
+            "inverse_frequencies", rotary_inverse_frequencies(config.head_dim, config.rope_theta), persistent=False
+        )
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        cos, sin = rotary_tables(self.inverse_frequencies, input_ids.shape[1])
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos, sin)
+        return self.norm(x, residual)[0]
+
+
+class LlamaForCausalLM(torch.nn.Module):
+    """``forward(input_ids)`` -> logits (B, N, vocab); ``forward(input_ids, targets)`` -> mean
+    cross-entropy over the targets that are not -100."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = make_linear(config.hidden_size, config.vocab_size, bias=False, reference=config.reference)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.apply(self._init_weights)
+
+    @property
+    def tied_weights(self) -> dict[str, str]:
+        """state_dict key -> the key it shares its tensor with (dropped from checkpoints)."""
+        return {"lm_head.weight": "model.embed_tokens.weight"} if self.config.tie_word_embeddings else {}
+
+    @property
+    def blocks(self) -> torch.nn.ModuleList:
+        """The repeated blocks (the units of per-block compile and FSDP sharding)."""
+        return self.model.layers
+
+    def _init_weights(self, module: torch.nn.Module) -> None:
+        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
+        if isinstance(module, torch.nn.Linear) and module.bias is not None:
+            torch.nn.init.zeros_(module.bias)
+
+    def forward(self, input_ids: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        logits = self.lm_head(self.model(input_ids))
+        if targets is None:
+            return logits
+        return F.cross_entropy(at_least_fp32(logits).flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: Optional[int] = None,
+        generator: Optional[torch.Generator] = None,
+    ) -> torch.Tensor:
+        """Sample ``max_new_tokens`` continuations of input_ids (B, N), recomputing the prefix each
+        step (no KV cache: this is for looking at what a small model learnt)."""
+        for _ in range(max_new_tokens):
+            context = input_ids[:, -self.config.max_position_embeddings :]
+            logits = self(context)[:, -1, :].float()
+            if temperature == 0:
+                next_ids = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    threshold = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+                    logits = logits.masked_fill(logits < threshold, float("-inf"))
+                next_ids = torch.multinomial(logits.softmax(-1), 1, generator=generator)
+            input_ids = torch.cat((input_ids, next_ids), dim=1)
+        return input_ids
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 3 x (2 x matmul parameters + causal attention scores)."""
+        c = self.config
+        attention_proj = c.hidden_size * c.head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
+        mlp = 3 * c.hidden_size * c.intermediate_size
+        matmul_params = c.num_hidden_layers * (attention_proj + mlp) + c.hidden_size * c.vocab_size
+        # q k^T and p v: 2 x 2 x (N x D) per query and head, half of the keys on average (causal)
+        attention_scores = c.num_hidden_layers * c.num_attention_heads * 2 * seq_len * c.head_dim
+        return 3.0 * (2.0 * matmul_params + attention_scores)

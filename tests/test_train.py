@@ -1,0 +1,292 @@
+"""models.data and models.train: corpus preparation, batches, schedule, training, checkpoints and
+bit-for-bit resume, and 2-process DDP / FSDP2 runs (gloo on CPU) against one process.
+
+The corpus here is a synthetic English-like text (the real one needs Debian's bible-kjv
+package); the models are the ``nano`` presets, a few steps each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from models import data, train
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+NOUNS = "king land city house people son daughter river mountain bread water fire servant law word day night".split()
+VERBS = "went came spake built gave took saw heard kept sent called blessed".split()
+CONNECTIVES = ["and", "unto", "for", "upon", "with", "before", "after", "because of"]
+
+
+def synthetic_text(lines: int = 6000, seed: int = 0) -> str:
+    rng = random.Random(seed)
+
+    def phrase() -> str:
+        return f"the {rng.choice(NOUNS)} {rng.choice(VERBS)} {rng.choice(CONNECTIVES)} the {rng.choice(NOUNS)}"
+
+    return "".join(f"{phrase().capitalize()}, {phrase()}.\n" for _ in range(lines))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The shapes here are tiny: one intra-op thread is faster than two, and robust to a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("data")
+    data.prepare(out, synthetic_text(), source="synthetic", vocab_size=320)
+    return out
+
+
+def run(out: Path, data_dir: Path, *extra: str, model: str = "llama") -> dict:
+    argv = [
+        "--model",
+        model,
+        "--preset",
+        "nano",
+        "--data",
+        str(data_dir),
+        "--out",
+        str(out),
+        "--no-progress",
+        "--eval-batches",
+        "2",
+        *extra,
+    ]
+    return train.main(argv)
+
+
+def losses(summary: dict, which: str = "train_loss") -> list[float]:
+    return [loss for _, loss in summary[which]]
+
+
+# ------------------------------------------------------------------------------------ data
+
+
+def test_prepare_writes_token_files_and_a_round_tripping_tokenizer(data_dir):
+    meta = json.loads((data_dir / "meta.json").read_text())
+    assert meta["vocab_size"] == 320 and meta["source"] == "synthetic"
+    tokenizer = data.Tokenizer(data_dir / "tokenizer.json")
+    assert tokenizer.mask_id == meta["mask_token_id"]
+    train_ids = np.fromfile(data_dir / "train.bin", dtype=np.uint16)
+    val_ids = np.fromfile(data_dir / "val.bin", dtype=np.uint16)
+    assert len(train_ids) == meta["train_tokens"] and len(val_ids) == meta["val_tokens"] > 0
+    assert len(val_ids) % data.VAL_BLOCK_TOKENS == 0
+    assert 0.03 < len(val_ids) / (len(train_ids) + len(val_ids)) < 0.06
+    all_ids = np.concatenate(data.split_train_val(tokenizer.encode_lines(synthetic_text())))
+    assert np.array_equal(all_ids, np.concatenate([train_ids, val_ids]))
+    for text in ("And the king went unto the city.\n", "naïve café — 42 ünïcödé\tok"):
+        assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+def test_prepare_rejects_short_text_and_bad_vocab(tmp_path):
+    with pytest.raises(ValueError, match="too short"):
+        data.prepare(tmp_path, "Too short.\n", vocab_size=300)
+    with pytest.raises(ValueError, match="vocab_size"):
+        data.prepare(tmp_path, synthetic_text(10), vocab_size=2**16 + 1)
+
+
+def test_clean_kjv_drops_verse_numbers():
+    raw = "\nGenesis 1\n\n  1 In the beginning God created the heaven and the earth.\n  2 And the earth was.\n"
+    assert (
+        data.clean_kjv(raw)
+        == "Genesis 1\n\nIn the beginning God created the heaven and the earth.\nAnd the earth was.\n"
+    )
+
+
+def test_lm_batches_are_shifted_windows_given_by_seed_and_step(data_dir):
+    ids = data.TokenData.load(data_dir).train
+    make = lambda seed: data.Batches(ids, kind="lm", seq_len=16, global_batch=6, seed=seed)  # noqa: E731
+    batches = make(0)
+    inputs, targets = batches.global_batch_at(3)
+    assert inputs.shape == targets.shape == (6, 16) and inputs.dtype == torch.int64
+    assert torch.equal(inputs[:, 1:], targets[:, :-1])
+    starts = [int(s) for s in batches._window_starts(3)]
+    assert all(s % 16 == 0 for s in starts)
+    assert torch.equal(inputs[0], torch.from_numpy(ids[starts[0] : starts[0] + 16].astype(np.int64)))
+    assert torch.equal(make(0).global_batch_at(3)[0], inputs)  # a pure function of (seed, step)
+    assert not torch.equal(make(1).global_batch_at(3)[0], inputs)
+    assert not torch.equal(batches.global_batch_at(4)[0], inputs)
+    # one epoch visits every window once
+    epoch = torch.cat([batches._window_starts(step) for step in range(batches.steps_per_epoch)])
+    assert len(set(epoch.tolist())) == len(epoch) == batches.steps_per_epoch * 6
+
+
+def test_mlm_batches_mask_fifteen_percent(data_dir):
+    prepared = data.TokenData.load(data_dir)
+    batches = data.Batches(
+        prepared.train,
+        kind="mlm",
+        seq_len=64,
+        global_batch=64,
+        seed=0,
+        vocab_size=prepared.meta["vocab_size"],
+        mask_id=prepared.meta["mask_token_id"],
+    )
+    inputs, labels = batches.global_batch_at(0)
+    original = torch.from_numpy(
+        np.stack([prepared.train[s : s + 64] for s in batches._window_starts(0).tolist()]).astype(np.int64)
+    )
+    selected = labels != data.IGNORE_INDEX
+    assert 0.13 < selected.float().mean() < 0.17
+    assert torch.equal(labels[selected], original[selected])
+    assert torch.equal(inputs[~selected], original[~selected])
+    masked = (inputs == prepared.meta["mask_token_id"]) & selected
+    assert 0.75 < masked.sum() / selected.sum() < 0.85
+    assert torch.equal(batches.global_batch_at(0)[0], inputs)
+
+
+def test_learning_rate_warms_up_then_decays_to_a_tenth():
+    args = train.parse_args(
+        ["--model", "llama", "--preset", "nano", "--steps", "100", "--warmup", "10", "--lr", "1.0"]
+    )[0]
+    schedule = [train.learning_rate(step, args) for step in range(100)]
+    assert schedule[0] == pytest.approx(0.1) and schedule[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(schedule[9:], schedule[10:]))
+    assert schedule[-1] == pytest.approx(0.1, abs=1e-3)
+
+
+# ----------------------------------------------------------------------------------- training
+
+
+def test_training_lowers_the_loss_and_writes_checkpoint_plot_summary(data_dir, tmp_path):
+    summary = run(tmp_path, data_dir, "--steps", "12", "--eval-every", "6", "--sample-tokens", "5")
+    evals = losses(summary, "eval_loss")
+    assert [step for step, _ in summary["eval_loss"]] == [0, 6, 12]
+    assert evals[-1] < evals[0] - 0.5
+    assert json.loads((tmp_path / "summary.json").read_text())["train_loss"] == summary["train_loss"]
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert isinstance(summary["sample"], str) and summary["sample"].startswith("And God said")
+    checkpoint = load_file(str(tmp_path / "checkpoint.safetensors"))
+    assert "model.model.embed_tokens.weight" in checkpoint and "model.lm_head.weight" not in checkpoint  # tied
+    assert {"optimizer.model.embed_tokens.weight.exp_avg", "optimizer.model.norm.weight.step", "rng.cpu.0"} <= set(
+        checkpoint
+    )
+
+
+def test_checkpoint_loads_as_a_model_and_into_hugging_face(data_dir, tmp_path):
+    transformers = pytest.importorskip("transformers", reason="needs transformers (pip install transformers)")
+    run(tmp_path, data_dir, "--steps", "2", "--sample-tokens", "0")
+    model = train.load_model(tmp_path / "checkpoint.safetensors")
+    weights = load_file(str(tmp_path / "checkpoint.safetensors"))
+    assert torch.equal(model.model.embed_tokens.weight, weights["model.model.embed_tokens.weight"])
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**model.config.to_hf_dict())).eval()
+    missing, unexpected = hf.load_state_dict(
+        {key.removeprefix("model."): value for key, value in weights.items() if key.startswith("model.")}, strict=False
+    )
+    assert missing == ["lm_head.weight"] and not unexpected  # tied to the embedding, as in Hugging Face
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), hf(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model", ["llama", "bert"])
+def test_resume_continues_bit_for_bit(data_dir, tmp_path, model):
+    """6 steps in one go == 3 steps, stop, resume for 3 (BERT also draws dropout masks)."""
+    common = ["--steps", "6", "--eval-every", "2", "--sample-tokens", "0"]
+    whole = run(tmp_path / "whole", data_dir, *common, model=model)
+    run(tmp_path / "split", data_dir, *common, "--stop-at", "3", model=model)
+    resumed = run(tmp_path / "split", data_dir, *common, "--resume", model=model)
+    assert resumed["train_loss"] == whole["train_loss"]
+    # the stopped run also evaluated at its stop (step 3)
+    assert [entry for entry in resumed["eval_loss"] if entry[0] != 3] == whole["eval_loss"]
+    final_whole = load_file(str(tmp_path / "whole" / "checkpoint.safetensors"))
+    final_split = load_file(str(tmp_path / "split" / "checkpoint.safetensors"))
+    assert final_whole.keys() == final_split.keys()
+    assert all(torch.equal(final_whole[k], final_split[k]) for k in final_whole)
+
+
+def test_resume_refuses_another_seed(data_dir, tmp_path):
+    run(tmp_path, data_dir, "--steps", "2", "--sample-tokens", "0")
+    with pytest.raises(SystemExit, match="seed"):
+        run(tmp_path, data_dir, "--steps", "4", "--resume", "--seed", "1")
+
+
+@pytest.mark.parametrize("model, tolerance", [("llama", 1e-4), ("bert", 2e-2)])
+def test_reference_path_follows_the_same_loss_curve(data_dir, tmp_path, model, tolerance):
+    """Same initial weights and batches; BERT's dropout masks differ between the paths (tk_ops.layer_norm
+    draws its own), hence the looser tolerance there."""
+    common = ["--steps", "4", "--sample-tokens", "0", "--no-save", "--eval-batches", "1"]
+    tk = losses(run(tmp_path / "tk", data_dir, *common, model=model))
+    reference = losses(run(tmp_path / "reference", data_dir, *common, "--reference", model=model))
+    assert tk == pytest.approx(reference, rel=tolerance)
+
+
+def test_gradient_accumulation_matches_the_whole_batch(data_dir, tmp_path):
+    common = ["--steps", "3", "--sample-tokens", "0", "--no-save", "--eval-every", "3"]
+    whole = run(tmp_path / "whole", data_dir, *common, "--batch-size", "8")
+    accumulated = run(tmp_path / "accum", data_dir, *common, "--batch-size", "4", "--grad-accum", "2")
+    assert losses(accumulated) == pytest.approx(losses(whole), rel=1e-5)
+    assert losses(accumulated, "eval_loss") == pytest.approx(losses(whole, "eval_loss"), rel=1e-5)
+
+
+# ------------------------------------------------------------------------------- torchrun
+
+
+def torchrun(out: Path, data_dir: Path, *extra: str) -> dict:
+    """2 CPU processes (gloo), global batch 8 = 2 ranks x 4 rows."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "models.train",
+        "--model",
+        "llama",
+        "--preset",
+        "nano",
+        "--data",
+        str(data_dir),
+        "--out",
+        str(out),
+        "--no-progress",
+        "--sample-tokens",
+        "0",
+        "--eval-every",
+        "2",
+        "--eval-batches",
+        "2",
+        *extra,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return json.loads((out / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def one_process_reference(data_dir, tmp_path_factory) -> dict:
+    """The 2-rank runs' global batch (8 rows) on one process: 2 micro-steps of 4 rows."""
+    out = tmp_path_factory.mktemp("one-process")
+    return run(out, data_dir, "--steps", "4", "--eval-every", "2", "--sample-tokens", "0", "--grad-accum", "2")
+
+
+def test_ddp_then_fsdp_resume_on_two_processes_match_one_process(data_dir, tmp_path, one_process_reference):
+    """Steps 1-2 with DDP, a checkpoint, steps 3-4 resumed with FSDP2: the losses of one process."""
+    stopped = torchrun(tmp_path, data_dir, "--steps", "4", "--stop-at", "2", "--parallel", "ddp")
+    assert stopped["world_size"] == 2 and stopped["parallel"] == "ddp"
+    with safe_open(str(tmp_path / "checkpoint.safetensors"), "pt") as f:
+        assert {"rng.cpu.0", "rng.cpu.1"} <= set(f.keys()) and f.metadata()["world_size"] == "2"
+    resumed = torchrun(tmp_path, data_dir, "--steps", "4", "--parallel", "fsdp", "--resume")
+    assert resumed["world_size"] == 2 and resumed["parallel"] == "fsdp"
+    assert losses(resumed) == pytest.approx(losses(one_process_reference), rel=1e-5)
+    assert losses(resumed, "eval_loss") == pytest.approx(losses(one_process_reference, "eval_loss"), rel=1e-5)
