@@ -18,6 +18,7 @@ Liger comes from the carried wheels (.baselines); without it its columns stay em
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import pathlib
 import warnings
@@ -44,6 +45,12 @@ except ImportError:  # the wheels were not carried
 # ---------------------------------------------------------------------------------- correctness
 
 CHECK_ROWS = 67
+CHECK_DEVICE = "cuda"
+# NaN after the end of every row of the row-strided layout and of every parameter vector: a kernel
+# that reads past an end and lets what it reads reach a result fails the check, whatever the
+# allocator left beyond the tensor (a read past the end starts at the end, so one element would do).
+ROW_PADDING = 8  # elements: rows stay 16-byte aligned for bf16/fp16 when hidden is a multiple of 8
+PARAMETER_CANARY = 8  # elements
 # Sizes that are no multiple of 8 (one-element accesses, one and several warps per row), a warp per
 # row with 1 / 2 / 4 accesses, several warps per row with a partial last warp, and the largest.
 CHECK_HIDDEN = (37, 200, 256, 512, 1000, 1001, 1032, 4000, 8192)
@@ -57,10 +64,28 @@ def rel_err(got: torch.Tensor, expected: torch.Tensor) -> float:
     return ((got - expected).norm() / expected.norm().clamp_min(1e-30)).item()
 
 
+@contextlib.contextmanager
+def poisoned_allocations():
+    """Every tensor allocated inside starts as NaN (the op's outputs included, allocated in C++ by
+    at::empty), so an element the kernel never writes fails the check: torch's deterministic mode
+    fills uninitialised memory."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        assert torch.empty(1, device=CHECK_DEVICE, dtype=torch.float16).isnan().all(), "allocations are not poisoned"
+        yield
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+
+
 def call_kernel(op, *args):
-    """Run a tk op and fail if it fell back to its reference (which warns once per op name)."""
+    """Run a tk op on poisoned outputs and fail if it fell back to its reference (which warns once per op name)."""
     _library._REFERENCE_WARNED.clear()
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, poisoned_allocations():
         warnings.simplefilter("always")
         result = op(*args)
     fallbacks = [str(w.message) for w in caught if "reference path" in str(w.message)]
@@ -99,16 +124,29 @@ def check_cases():
     return cases
 
 
+def make_activation(dtype, hidden, layout):
+    """A random (rows, hidden) activation (3 x rows when transposed) in the case's layout."""
+    if layout == "row-strided":  # rows `hidden + ROW_PADDING` apart, NaN between them: a view, no copy
+        rows = torch.full((CHECK_ROWS, hidden + ROW_PADDING), math.nan, device=CHECK_DEVICE, dtype=dtype)
+        rows[:, :hidden] = torch.randn(CHECK_ROWS, hidden, device=CHECK_DEVICE)
+        return rows[:, :hidden]
+    if layout == "transposed":  # leading dims permuted: the kernel's glue copies it
+        return torch.randn(CHECK_ROWS, 3, hidden, device=CHECK_DEVICE, dtype=dtype).transpose(0, 1)
+    return torch.randn(CHECK_ROWS, hidden, device=CHECK_DEVICE, dtype=dtype)
+
+
+def make_parameter(values: torch.Tensor, dtype) -> torch.Tensor:
+    """``values`` in ``dtype``, a view of a buffer that holds NaN past its end."""
+    buffer = torch.full((values.numel() + PARAMETER_CANARY,), math.nan, device=CHECK_DEVICE, dtype=dtype)
+    buffer[: values.numel()] = values
+    return buffer[: values.numel()]
+
+
 def make_check_inputs(dtype, hidden, residual_dtype, parameter_dtype, layout):
-    if layout == "row-strided":  # every row `hidden + 8` apart: a view, no copy
-        x = torch.randn(CHECK_ROWS, hidden + 8, device="cuda", dtype=dtype)[:, :hidden]
-    elif layout == "transposed":  # leading dims permuted: the kernel's glue copies it
-        x = torch.randn(CHECK_ROWS, 3, hidden, device="cuda", dtype=dtype).transpose(0, 1)
-    else:
-        x = torch.randn(CHECK_ROWS, hidden, device="cuda", dtype=dtype)
-    residual = None if residual_dtype is None else torch.randn(x.shape, device="cuda", dtype=residual_dtype)
-    weight = (1 + 0.5 * torch.randn(hidden, device="cuda")).to(parameter_dtype)
-    bias = torch.randn(hidden, device="cuda").to(parameter_dtype)
+    x = make_activation(dtype, hidden, layout)
+    residual = None if residual_dtype is None else make_activation(residual_dtype, hidden, layout)
+    weight = make_parameter(1 + 0.5 * torch.randn(hidden, device=CHECK_DEVICE), parameter_dtype)
+    bias = make_parameter(torch.randn(hidden, device=CHECK_DEVICE), parameter_dtype)
     return x, residual, weight, bias
 
 
@@ -120,7 +158,7 @@ def run_check() -> None:
     for kind, dtype, hidden, residual_dtype, parameter_dtype, p, layout in check_cases():
         name = f"{kind} {str(dtype)[6:]} C={hidden} res={residual_dtype and str(residual_dtype)[6:]} param={str(parameter_dtype)[6:]} p={p} {layout}"
         x, residual, weight, bias = make_check_inputs(dtype, hidden, residual_dtype, parameter_dtype, layout)
-        seed = torch.tensor(0x1234_5678_9ABC_DEF, device="cuda", dtype=torch.int64) if p > 0 else None
+        seed = torch.tensor(0x1234_5678_9ABC_DEF, device=CHECK_DEVICE, dtype=torch.int64) if p > 0 else None
         if kind == "layer":
             fwd_args = (x, weight, bias, residual, seed, EPS, p)
             got = call_kernel(ops.layer_norm, *fwd_args)
@@ -135,8 +173,8 @@ def run_check() -> None:
         if got[1].numel() and not torch.equal(got[1], expected[1]):
             failures.append(f"{name} fwd: h differs from the reference's bits (dropout mask or rounding)")
         h = h if h.numel() else x
-        grad_out = torch.randn(x.shape, device="cuda", dtype=dtype)
-        grad_h = torch.randn(h.shape, device="cuda", dtype=h.dtype) if residual is not None else None
+        grad_out = make_activation(dtype, hidden, layout)
+        grad_h = make_activation(h.dtype, hidden, layout) if residual is not None else None
         masks = ([True, residual is not None, True, True], [False, False, True, False], [True, False, False, False])
         for mask in masks:
             if kind == "layer":

@@ -400,6 +400,92 @@ def test_device_mismatch():
 
 HIDDEN_SIZES = [256, 1000, 1024, 4000, 4096, 8192]
 
+# Row plans that leave accesses past the end of a row (37: one element per access, 32 threads x 8
+# for 37 elements; 1032: a second warp for one 16-byte access; 1000, 4000: a partial last warp),
+# with dropout and no residual, and row-strided inputs with a residual (and dropout).
+EDGE_CASES = {  # id: (hidden, residual, dropout_p, layout)
+    "C37-dropout": (37, False, 0.15, "contiguous"),
+    "C1032-dropout": (1032, False, 0.15, "contiguous"),
+    "C4000-residual-strided": (4000, True, 0.0, "row-strided"),
+    "C1000-residual-dropout-strided": (1000, True, 0.15, "row-strided"),
+}
+EDGE_ROWS = 67
+ROW_PADDING = 8  # NaN elements after each row of a row-strided activation (rows stay 16-byte aligned)
+PARAMETER_CANARY = 8  # NaN elements after the end of each parameter
+
+
+@pytest.fixture
+def poisoned_allocations():
+    """Every tensor the test allocates, the kernels' outputs included, starts as NaN (torch's
+    deterministic mode fills uninitialised memory): an element a kernel never writes cannot pass."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    assert torch.empty(1, device="cuda", dtype=torch.float16).isnan().all()
+    yield
+    torch.utils.deterministic.fill_uninitialized_memory = fill
+    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+
+
+def on_gpu_rows(values: torch.Tensor, layout: str) -> torch.Tensor:
+    """(rows, hidden) values on the GPU; row-strided: a view whose rows are followed by NaN."""
+    if layout == "contiguous":
+        return values.cuda()
+    count, hidden = values.shape
+    rows = torch.full((count, hidden + ROW_PADDING), float("nan"), dtype=values.dtype, device="cuda")
+    rows[:, :hidden] = values
+    return rows[:, :hidden]
+
+
+def on_gpu_with_canary(values: torch.Tensor) -> torch.Tensor:
+    """A (C,) parameter on the GPU, a view of a buffer holding NaN past its end."""
+    buffer = torch.full((values.numel() + PARAMETER_CANARY,), float("nan"), dtype=values.dtype, device="cuda")
+    buffer[: values.numel()] = values
+    return buffer[: values.numel()]
+
+
+@requires_kernel("layer_norm")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("parameter_kind", ["x-dtype", "fp32"])
+@pytest.mark.parametrize("case", EDGE_CASES)
+def test_kernel_writes_every_output_and_reads_nothing_past_the_ends(poisoned_allocations, dtype, parameter_kind, case):
+    hidden, with_residual, p, layout = EDGE_CASES[case]
+    parameter_dtype = dtype if parameter_kind == "x-dtype" else torch.float32
+    residual_dtype = torch.float64 if with_residual else None
+    x64, weight64, bias64, residual64 = make_inputs((EDGE_ROWS, hidden), residual_dtype=residual_dtype)
+    x = on_gpu_rows(x64.to(dtype), layout)
+    residual = on_gpu_rows(residual64.to(dtype), layout) if with_residual else None
+    weight, bias = on_gpu_with_canary(weight64.to(parameter_dtype)), on_gpu_with_canary(bias64.to(parameter_dtype))
+    seed = torch.tensor(0x0123_4567_89AB_CDEF, dtype=torch.int64, device="cuda") if p > 0 else None
+    out, h, mean, rstd = torch.ops.tk.layer_norm(x, weight, bias, residual, seed, EPS, p)
+
+    leaves = [t.cpu().double().requires_grad_() for t in (x, weight, bias, residual) if t is not None]
+    keep = dropout_keep_mask(seed.cpu(), x.shape, p) if p > 0 else None
+    expected_out, expected_h = reference_layer_norm(
+        *leaves[:3], residual=leaves[3] if with_residual else None, keep=keep, dropout_p=p
+    )
+    assert_rel_close(out, expected_out, TOLERANCE[dtype])
+    grad_out = on_gpu_rows(torch.randn(EDGE_ROWS, hidden, dtype=dtype), layout)
+    grad_h = on_gpu_rows(torch.randn(EDGE_ROWS, hidden, dtype=h.dtype), layout) if with_residual else None
+    loss = (expected_out * grad_out.cpu().double()).sum()
+    if with_residual:
+        loss = loss + (expected_h * grad_h.cpu().double()).sum()
+    grads = torch.autograd.grad(loss, leaves)
+    expected = {"x": grads[0], "weight": grads[1], "bias": grads[2], "residual": grads[3] if with_residual else None}
+
+    saved_h = h if h.numel() else x
+    masks = ([True, with_residual, True, True], [True, False, False, False], [True, False, True, True],
+             [False, False, True, True])
+    for mask in masks:
+        got = torch.ops.tk.layer_norm_bwd(grad_out, grad_h, saved_h, weight, bias, mean, rstd, seed, p, mask)
+        for name, wanted, gradient in zip(("x", "residual", "weight", "bias"), mask, got):
+            if wanted:
+                assert_rel_close(gradient, expected[name], TOLERANCE[dtype], f"grad {name}, output_mask {mask}")
+            else:
+                assert gradient.numel() == 0
+
 
 @requires_kernel("layer_norm")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -275,6 +275,86 @@ def test_device_mismatch():
 
 HIDDEN_SIZES = [256, 1000, 1024, 4000, 4096, 8192]
 
+# Row plans that leave accesses past the end of a row (37: one element per access, 32 threads x 8
+# for 37 elements; 1032: a second warp for one 16-byte access; 1000, 4000: a partial last warp),
+# without a residual (h is x), and row-strided inputs with a residual.
+EDGE_CASES = {  # id: (hidden, residual, layout)
+    "C37": (37, False, "contiguous"),
+    "C1032": (1032, False, "contiguous"),
+    "C1000-residual-strided": (1000, True, "row-strided"),
+    "C4000-residual-strided": (4000, True, "row-strided"),
+}
+EDGE_ROWS = 67
+ROW_PADDING = 8  # NaN elements after each row of a row-strided activation (rows stay 16-byte aligned)
+PARAMETER_CANARY = 8  # NaN elements after the end of the weight
+
+
+@pytest.fixture
+def poisoned_allocations():
+    """Every tensor the test allocates, the kernels' outputs included, starts as NaN (torch's
+    deterministic mode fills uninitialised memory): an element a kernel never writes cannot pass."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    assert torch.empty(1, device="cuda", dtype=torch.float16).isnan().all()
+    yield
+    torch.utils.deterministic.fill_uninitialized_memory = fill
+    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+
+
+def on_gpu_rows(values: torch.Tensor, layout: str) -> torch.Tensor:
+    """(rows, hidden) values on the GPU; row-strided: a view whose rows are followed by NaN."""
+    if layout == "contiguous":
+        return values.cuda()
+    count, hidden = values.shape
+    rows = torch.full((count, hidden + ROW_PADDING), float("nan"), dtype=values.dtype, device="cuda")
+    rows[:, :hidden] = values
+    return rows[:, :hidden]
+
+
+def on_gpu_with_canary(values: torch.Tensor) -> torch.Tensor:
+    """A (C,) parameter on the GPU, a view of a buffer holding NaN past its end."""
+    buffer = torch.full((values.numel() + PARAMETER_CANARY,), float("nan"), dtype=values.dtype, device="cuda")
+    buffer[: values.numel()] = values
+    return buffer[: values.numel()]
+
+
+@requires_kernel("rms_norm")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("weight_kind", ["x-dtype", "fp32"])
+@pytest.mark.parametrize("case", EDGE_CASES)
+def test_kernel_writes_every_output_and_reads_nothing_past_the_ends(poisoned_allocations, dtype, weight_kind, case):
+    hidden, with_residual, layout = EDGE_CASES[case]
+    weight_dtype = dtype if weight_kind == "x-dtype" else torch.float32
+    residual_dtype = torch.float64 if with_residual else None
+    x64, weight64, residual64 = make_inputs((EDGE_ROWS, hidden), residual_dtype=residual_dtype)
+    x = on_gpu_rows(x64.to(dtype), layout)
+    residual = on_gpu_rows(residual64.to(dtype), layout) if with_residual else None
+    weight = on_gpu_with_canary(weight64.to(weight_dtype))
+    out, h, rstd = torch.ops.tk.rms_norm(x, weight, residual, EPS)
+
+    leaves = [t.cpu().double().requires_grad_() for t in (x, weight, residual) if t is not None]
+    expected_out, expected_h = reference_rms_norm(*leaves[:2], residual=leaves[2] if with_residual else None)
+    assert_rel_close(out, expected_out, TOLERANCE[dtype])
+    grad_out = on_gpu_rows(torch.randn(EDGE_ROWS, hidden, dtype=dtype), layout)
+    grad_h = on_gpu_rows(torch.randn(EDGE_ROWS, hidden, dtype=h.dtype), layout) if with_residual else None
+    loss = (expected_out * grad_out.cpu().double()).sum()
+    if with_residual:
+        loss = loss + (expected_h * grad_h.cpu().double()).sum()
+    grads = torch.autograd.grad(loss, leaves)
+    expected = {"x": grads[0], "weight": grads[1], "residual": grads[2] if with_residual else None}
+
+    masks = ([True, with_residual, True], [True, False, False], [True, False, True], [False, False, True])
+    for mask in masks:
+        got = torch.ops.tk.rms_norm_bwd(grad_out, grad_h, h if h.numel() else x, weight, rstd, mask)
+        for name, wanted, gradient in zip(("x", "residual", "weight"), mask, got):
+            if wanted:
+                assert_rel_close(gradient, expected[name], TOLERANCE[dtype], f"grad {name}, output_mask {mask}")
+            else:
+                assert gradient.numel() == 0
+
 
 @requires_kernel("rms_norm")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -91,7 +91,8 @@ __global__ void __launch_bounds__(MAX_BLOCK_THREADS, BACKWARD_MIN_BLOCKS_PER_SM)
 #pragma unroll
     for (int j = 0; j < V; ++j) active[j] = row_valid && place.access(j) < a.accesses_per_row;
 
-    // Inactive accesses stay zero: they add nothing to the sums below.
+    // Both passes skip inactive accesses (past the row's end, or of a row past the last); their
+    // packs are zeroed only so that the launder below reads defined values.
     pack<T, N> grad_out_raw[V];
     pack<S, N> h_raw[V];
 #pragma unroll
@@ -110,6 +111,9 @@ __global__ void __launch_bounds__(MAX_BLOCK_THREADS, BACKWARD_MIN_BLOCKS_PER_SM)
     float sums[SUMS] = {0.f, 0.f};
 #pragma unroll
     for (int j = 0; j < V; ++j) {
+      // Past the row's end the weight is not ours to read: whatever follows it in memory may be
+      // inf or NaN, and grad_out = 0 times that would make the row's sums, so all of dh, NaN.
+      if (!active[j]) continue;
       float weight[N], grad_out[N], weighted[N];
       load_parameter<T>(a.weight, a.weight_fp32, place.access(j) * N, 1.f, weight);
 #pragma unroll
@@ -121,7 +125,6 @@ __global__ void __launch_bounds__(MAX_BLOCK_THREADS, BACKWARD_MIN_BLOCKS_PER_SM)
         sums[1] += g * normed;
         weighted[e] = Kind == norm_kind::layer ? normed : round_to<T>(normed);
       }
-      if (!row_valid) continue;
 #pragma unroll
       for (int c = 0; c < layout::chunks_per_access; ++c) {
         const int at = (j * layout::chunks_per_access + c) * MAX_BLOCK_THREADS + int(threadIdx.x);

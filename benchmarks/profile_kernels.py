@@ -1,0 +1,65 @@
+"""One profiled call of a kernel for Nsight Compute, after warm-up calls.
+
+    ncu --clock-control none --launch-skip S --launch-count C -k regex:NAME --set full \\
+        python3 -m benchmarks.profile_kernels CASE
+
+Each case makes ``WARMUP_CALLS`` calls before the one that is meant to be profiled, so
+``--launch-skip`` is WARMUP_CALLS times the number of kernels per call (printed by the script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+import tk_ops
+
+WARMUP_CALLS = 2
+
+
+def gemm(m: int, n: int, k: int, weight_row_major: bool):
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    if weight_row_major:
+        weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        return lambda: tk_ops.linear(a, weight), 1
+    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+    return lambda: tk_ops.matmul(a, b), 1
+
+
+def attention(batch: int, heads: int, n: int, d: int, backward: bool):
+    q, k, v = (torch.randn(batch, heads, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    scale = 1.0 / math.sqrt(d)
+    if not backward:
+        return lambda: torch.ops.tk.attention.default(q, k, v, False, scale), 1
+    out, lse = torch.ops.tk.attention.default(q, k, v, False, scale)
+    grad = torch.randn_like(out)
+    # statistics, dK/dV and dQ kernels
+    return lambda: torch.ops.tk.attention_bwd.default(grad, None, q, k, v, out, lse, False, scale), 3
+
+
+CASES = {
+    "gemm_k64": lambda: gemm(4096, 4096, 64, weight_row_major=False),
+    "gemm_4096": lambda: gemm(4096, 4096, 4096, weight_row_major=False),
+    "linear_llama_row_major_weight": lambda: gemm(16384, 11008, 4096, weight_row_major=True),
+    "attention_fwd_d128_n8192": lambda: attention(2, 16, 8192, 128, backward=False),
+    "attention_bwd_d128_n8192": lambda: attention(2, 16, 8192, 128, backward=True),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("case", choices=sorted(CASES))
+    args = parser.parse_args()
+    call, kernels_per_call = CASES[args.case]()
+    for _ in range(WARMUP_CALLS):
+        call()
+    torch.cuda.synchronize()
+    call()
+    torch.cuda.synchronize()
+    print(f"{args.case}: profile with --launch-skip {WARMUP_CALLS * kernels_per_call} --launch-count {kernels_per_call}")
+
+
+if __name__ == "__main__":
+    main()
