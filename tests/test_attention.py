@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import tk_ops
 import tk_testing
@@ -144,47 +143,23 @@ def test_matches_sdpa_for_equal_lengths(causal, q_heads, kv_heads):
     out = tk_ops.attention(q, k, v, causal=causal, scale=0.2)
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.2, enable_gqa=True)
     tk_testing.assert_rel_close(out, expected, 1e-12, "out")
-    grad_out = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), grad_out)
-    expected_grads = torch.autograd.grad(expected, (q, k, v), grad_out)
-    for name, grad, expected_grad in zip(("dq", "dk", "dv"), grads, expected_grads):
-        tk_testing.assert_rel_close(grad, expected_grad, 1e-12, name)
+    tk_testing.assert_gradients_close(out, (q, k, v), expected, (q, k, v), 1e-12, "qkv")
 
 
 # --------------------------------------------------------------------------------- strides
-
-
-class _RecordTkAttentionInputs(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.strides = None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.tk.attention.default:
-            self.strides = [a.stride() for a in args[:3]]
-        return func(*args, **(kwargs or {}))
 
 
 def test_transposed_views_reach_the_op_without_copy():
     batch, q_len, key_len, head_dim = 2, 23, 19, 40
     q_rows = torch.randn(batch, q_len, 4 * head_dim, dtype=torch.float64)
     kv_rows = torch.randn(batch, key_len, 2 * 2 * head_dim, dtype=torch.float64)
-    q = q_rows.view(batch, q_len, 4, head_dim).transpose(1, 2).requires_grad_()
-    k, v = kv_rows.view(batch, key_len, 2, 2, head_dim).unbind(2)
-    k, v = k.transpose(1, 2).requires_grad_(), v.transpose(1, 2).requires_grad_()
+    q = q_rows.view(batch, q_len, 4, head_dim).transpose(1, 2)
+    k, v = (t.transpose(1, 2) for t in kv_rows.view(batch, key_len, 2, 2, head_dim).unbind(2))
 
-    recorder = _RecordTkAttentionInputs()
-    with recorder:
-        out = tk_ops.attention(q, k, v, causal=True)
-    assert recorder.strides == [q.stride(), k.stride(), v.stride()]
-
-    contiguous = [t.detach().contiguous().requires_grad_() for t in (q, k, v)]
-    expected = tk_ops.attention(*contiguous, causal=True)
-    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
-    grad_out = torch.randn_like(out)
-    for grad, expected_grad in zip(torch.autograd.grad(out, (q, k, v), grad_out),
-                                   torch.autograd.grad(expected, contiguous, grad_out)):
-        torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=1e-12)
+    with tk_testing.RecordTkCalls() as recorder:
+        tk_ops.attention(q, k, v, causal=True)
+    assert [t.stride() for t in recorder.calls["attention"][-1][:3]] == [q.stride(), k.stride(), v.stride()]
+    tk_testing.check_matches_contiguous_copies(lambda q, k, v: tk_ops.attention(q, k, v, causal=True), (q, k, v))
 
 
 def test_non_unit_last_stride_is_copied_not_misread():
@@ -238,26 +213,13 @@ def test_opcheck_backward(with_grad_lse):
 
 
 def test_compile_fullgraph_calls_tk_ops():
-    q, k, v = make_qkv(2, 4, 2, 19, 21, 64, dtype=torch.float32)
-
     def attend(q, k, v):
         out, lse = tk_ops.attention(q, k, v, causal=True, return_lse=True)
         return out.square().sum() + lse.sum()
 
-    compiled = torch.compile(attend, fullgraph=True)
-
-    def loss_and_grads(fn):
-        loss = fn(q, k, v)
-        return loss, torch.autograd.grad(loss, (q, k, v))
-
-    (loss, grads), codes = torch._inductor.utils.run_and_get_code(loss_and_grads, compiled)
-    code = "\n".join(codes)
-    assert "torch.ops.tk.attention.default" in code
-    assert "torch.ops.tk.attention_bwd.default" in code
-    expected_loss, expected_grads = loss_and_grads(attend)
-    torch.testing.assert_close(loss, expected_loss)
-    for grad, expected_grad in zip(grads, expected_grads):
-        torch.testing.assert_close(grad, expected_grad)
+    tk_testing.check_compile_fullgraph(
+        attend, make_qkv(2, 4, 2, 19, 21, 64, dtype=torch.float32), ["attention", "attention_bwd"]
+    )
 
 
 def test_export_keeps_tk_attention():
@@ -266,9 +228,7 @@ def test_export_keeps_tk_attention():
             return tk_ops.attention(q, k, v, causal=True)
 
     q, k, v = make_qkv(1, 4, 2, 11, 13, 40, dtype=torch.float32, requires_grad=False)
-    exported = torch.export.export(Attention(), (q, k, v))
-    assert any(node.target is torch.ops.tk.attention.default for node in exported.graph.nodes)
-    torch.testing.assert_close(exported.module()(q, k, v), tk_ops.attention(q, k, v, causal=True))
+    tk_testing.check_export(Attention(), (q, k, v), ["attention"])
 
 
 # ---------------------------------------------------------------------------------- bad inputs

@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._inductor.utils import run_and_get_code
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import tk_ops
+import tk_testing
 from tk_ops.ops.fftconv import _fft_size
 from tk_testing import TOLERANCE, assert_rel_close, requires_cuda, requires_kernel
 
@@ -142,24 +141,15 @@ def test_opcheck_backward(with_D):
 
 
 def test_compile_fullgraph_forward_and_backward():
-    u, k, D = make_inputs(2, 3, 45, 17, dtype=torch.float32)
-    grad = torch.randn_like(u)
-    compiled = torch.compile(lambda u, k, D: tk_ops.fftconv(u, k, D=D) * 2.0, fullgraph=True)
-
-    def train_step(fn):
-        leaves = [t.detach().requires_grad_() for t in (u, k, D)]
-        out = fn(*leaves)
-        out.backward(grad)
-        return out.detach(), [t.grad for t in leaves]
-
-    (out, grads), codes = run_and_get_code(train_step, compiled)
-    code = "\n".join(codes)
-    assert "torch.ops.tk.fftconv.default" in code
-    assert "torch.ops.tk.fftconv_bwd.default" in code
-    eager_out, eager_grads = train_step(lambda u, k, D: tk_ops.fftconv(u, k, D=D) * 2.0)
-    assert_rel_close(out, eager_out, 1e-6)
-    for name, got, want in zip("ukD", grads, eager_grads):
-        assert_rel_close(got, want, 1e-6, f"grad_{name}")
+    inputs = [t.requires_grad_() for t in make_inputs(2, 3, 45, 17, dtype=torch.float32)]
+    grad = torch.randn_like(inputs[0])
+    tk_testing.check_compile_fullgraph(
+        lambda u, k, D: tk_ops.fftconv(u, k, D=D) * 2.0,
+        inputs,
+        ["fftconv", "fftconv_bwd"],
+        loss=lambda out: (out * grad).sum(),
+        tol=1e-6,
+    )
 
 
 def test_export():
@@ -172,25 +162,12 @@ def test_export():
         def forward(self, u):
             return tk_ops.fftconv(u, self.k, D=self.D)
 
-    module = LongConv(3, 21)
-    u = torch.randn(2, 3, 50)
-    exported = torch.export.export(module, (u,))
-    targets = [node.target for node in exported.graph.nodes if node.op == "call_function"]
-    assert torch.ops.tk.fftconv.default in targets
-    assert_rel_close(exported.module()(u), module(u), 1e-6)
+    tk_testing.check_export(LongConv(3, 21), (torch.randn(2, 3, 50),), ["fftconv"], tol=1e-6)
 
 
-class RecordOpInputs(TorchDispatchMode):
-    """Records the u argument (shape and strides) that reaches tk.fftconv."""
-
-    def __init__(self):
-        super().__init__()
-        self.u_strides = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.tk.fftconv.default:
-            self.u_strides.append(args[0].stride())
-        return func(*args, **(kwargs or {}))
+def u_strides(recorder: tk_testing.RecordTkCalls) -> list[tuple[int, ...]]:
+    """The strides of u in each call of tk.fftconv."""
+    return [u.stride() for u, *_ in recorder.calls["fftconv"]]
 
 
 def test_strided_views():
@@ -199,9 +176,9 @@ def test_strided_views():
     k_lh = torch.randn(L, H, dtype=torch.float64)
     D_every_other = torch.randn(2 * H, dtype=torch.float64)[::2]
     u, k, D = u_bnh.transpose(1, 2), k_lh.t(), D_every_other
-    with RecordOpInputs() as recorder:
+    with tk_testing.RecordTkCalls() as recorder:
         out = tk_ops.fftconv(u, k, D=D)
-    assert recorder.u_strides == [(N * H, N, 1)]  # copied, never read with stride H along N
+    assert u_strides(recorder) == [(N * H, N, 1)]  # copied, never read with stride H along N
     assert_rel_close(out, conv_reference(u, k, D), TOLERANCE[torch.float64])
     grad = torch.randn_like(out)
     for name, got, want in zip("ukD", fftconv_grads(u, k, D, grad), reference_grads(u, k, D, grad)):
@@ -209,9 +186,9 @@ def test_strided_views():
 
     # A head-major view with a unit last stride reaches the op as it is, without a copy.
     u_hbn = torch.randn(H, B, N, dtype=torch.float64).transpose(0, 1)
-    with RecordOpInputs() as recorder:
+    with tk_testing.RecordTkCalls() as recorder:
         out = tk_ops.fftconv(u_hbn, k, D=D)
-    assert recorder.u_strides == [u_hbn.stride()]
+    assert u_strides(recorder) == [u_hbn.stride()]
     assert_rel_close(out, conv_reference(u_hbn, k, D), TOLERANCE[torch.float64])
 
 
@@ -237,9 +214,8 @@ def _bad_inputs():
     ]
 
 
-@pytest.mark.parametrize("case", range(len(_bad_inputs())), ids=[c[0] for c in _bad_inputs()])
-def test_bad_inputs(case):
-    _, call, error, match = _bad_inputs()[case]
+@tk_testing.parametrize_with_ids("call, error, match", _bad_inputs())
+def test_bad_inputs(call, error, match):
     with pytest.raises(error, match=match):
         call()
 

@@ -15,7 +15,7 @@ from torch._inductor.utils import run_and_get_code
 
 import tk_ops
 import tk_ops.inductor
-from tk_testing import assert_rel_close, requires_kernel
+from tk_testing import assert_rel_close, check_compile_fullgraph, requires_kernel
 
 BF16 = torch.bfloat16
 
@@ -30,25 +30,20 @@ def rewrites():
     inductor_config.joint_custom_post_pass = saved
 
 
+def sum_of_squares(*outputs):
+    return sum(o.float().square().sum() for o in outputs)
+
+
 def compiled_step(fn, *inputs):
-    """Compile fn, run forward + backward; return outputs, input grads and the generated code."""
+    """Compile fn, run forward + backward; return the generated code."""
     compiled = torch.compile(fn, fullgraph=True)
 
     def step(*args):
         out = compiled(*args)
-        outs = out if isinstance(out, tuple) else (out,)
-        sum(o.float().square().sum() for o in outs).backward()
-        return outs
+        sum_of_squares(*(out if isinstance(out, tuple) else (out,))).backward()
 
-    outs, codes = run_and_get_code(step, *inputs)
-    return outs, [t.grad for t in inputs if t.requires_grad], "\n".join(codes)
-
-
-def eager_step(fn, *inputs):
-    out = fn(*inputs)
-    outs = out if isinstance(out, tuple) else (out,)
-    sum(o.float().square().sum() for o in outs).backward()
-    return outs, [t.grad for t in inputs if t.requires_grad]
+    _, codes = run_and_get_code(step, *inputs)
+    return "\n".join(codes)
 
 
 def tk_calls(code: str) -> set[str]:
@@ -59,23 +54,13 @@ def leaf(*shape, dtype=BF16, requires_grad=True):
     return torch.randn(*shape, dtype=dtype).requires_grad_(requires_grad)
 
 
-def clone_leaves(inputs):
-    return [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
-
-
 def check_rewrite(fn, inputs, expected_ops, tol=2e-2):
     """The compiled graph calls ``expected_ops``; outputs and gradients match eager."""
-    eager_outs, eager_grads = eager_step(fn, *clone_leaves(inputs))
-    outs, grads, code = compiled_step(fn, *inputs)
-    assert expected_ops <= tk_calls(code), f"expected {expected_ops}, generated code calls {tk_calls(code)}"
-    for out, ref in zip(outs, eager_outs):
-        assert_rel_close(out, ref, tol, "output")
-    for grad, ref in zip(grads, eager_grads):
-        assert_rel_close(grad, ref, tol, "gradient")
+    check_compile_fullgraph(fn, inputs, expected_ops, loss=sum_of_squares, tol=tol)
 
 
 def check_left_alone(fn, inputs, ops):
-    _, _, code = compiled_step(fn, *inputs)
+    code = compiled_step(fn, *inputs)
     assert not (ops & tk_calls(code)), f"unexpected rewrite: {tk_calls(code)}"
 
 
@@ -105,7 +90,7 @@ def test_enable_is_idempotent_chains_and_disable_restores():
         assert installed.uuid() == type(installed)(installed.options, user).uuid()  # stable cache key
         q = leaf(1, 2, 8, 64)
         with inductor_config.patch(fx_graph_cache=False):  # a cache hit would skip both passes
-            _, _, code = compiled_step(lambda q: F.scaled_dot_product_attention(q, q, q), q)
+            code = compiled_step(lambda q: F.scaled_dot_product_attention(q, q, q), q)
         assert user.calls >= 1 and "attention" in tk_calls(code)
         tk_ops.inductor.disable()
         assert inductor_config.joint_custom_post_pass is user and not tk_ops.inductor.is_enabled()
@@ -282,6 +267,17 @@ def test_non_standard_rotation_left_alone(rewrites):
 
 
 
+TINY_HF_CONFIG = dict(
+    vocab_size=97,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    max_position_embeddings=64,
+    attn_implementation="sdpa",
+)
+
+
 def _hf_check(model, inputs, expected_ops):
     model = model.to(BF16)
     reference = [p.detach().clone() for p in model.parameters()]
@@ -312,34 +308,14 @@ def _hf_check(model, inputs, expected_ops):
 
 def test_hf_llama_compiles_to_tk_ops(rewrites):
     transformers = pytest.importorskip("transformers", reason="transformers is a test dependency")
-    config = transformers.LlamaConfig(
-        vocab_size=97,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        attn_implementation="sdpa",
-    )
-    model = transformers.LlamaForCausalLM(config)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_HF_CONFIG, num_key_value_heads=1))
     ids = torch.randint(0, 97, (2, 13))
     _hf_check(model, {"input_ids": ids}, {"attention", "attention_bwd", "rms_norm", "rms_norm_bwd", "rope_qk", "rope_qk_bwd"})
 
 
 def test_hf_bert_compiles_to_tk_ops(rewrites):
     transformers = pytest.importorskip("transformers", reason="transformers is a test dependency")
-    config = transformers.BertConfig(
-        vocab_size=97,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        max_position_embeddings=64,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        attn_implementation="sdpa",
-    )
+    config = transformers.BertConfig(**TINY_HF_CONFIG, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     model = transformers.BertForMaskedLM(config)
     ids = torch.randint(0, 97, (2, 13))
     _hf_check(model, {"input_ids": ids}, {"attention", "attention_bwd", "layer_norm", "layer_norm_bwd"})

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch._inductor.utils import run_and_get_code
 
 import tk_ops
 import tk_testing
@@ -84,11 +83,7 @@ def test_gradients_match_autograd_of_naive(small_chunks, normalize, n):
     q, k, v = make_inputs(n, normalize=normalize, requires_grad=True)
     out = tk_ops.linear_attention(q, k, v, normalize=normalize, eps=1e-2)
     ref = naive_linear_attention(q, k, v, normalize, 1e-2)
-    grad = torch.randn_like(ref)
-    grads = torch.autograd.grad(out, (q, k, v), grad)
-    ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
-    for name, got, want in zip("qkv", grads, ref_grads):
-        assert_rel_close(got, want, 1e-10, f"grad_{name}")
+    tk_testing.assert_gradients_close(out, (q, k, v), ref, (q, k, v), 1e-10, "qkv")
 
 
 def test_unnormalised_never_divides(small_chunks):
@@ -120,27 +115,13 @@ def test_opcheck_backward(small_chunks, normalize):
 
 @pytest.mark.parametrize("normalize", [False, True])
 def test_compile_fullgraph_forward_and_backward(normalize):
-    q, k, v = make_inputs(29, normalize=normalize, dtype=torch.float32, requires_grad=True)
     grad = torch.randn(B, H, 29, DV)
-    compiled = torch.compile(lambda q, k, v: tk_ops.linear_attention(q, k, v, normalize=normalize), fullgraph=True)
-
-    def forward_backward():
-        out = compiled(q, k, v)
-        out.backward(grad)
-        return out
-
-    out, codes = run_and_get_code(forward_backward)
-    code = "\n".join(codes)
-    assert "torch.ops.tk.linear_attention.default" in code
-    assert "torch.ops.tk.linear_attention_bwd.default" in code
-    compiled_grads = [t.grad.clone() for t in (q, k, v)]
-    for t in (q, k, v):
-        t.grad = None
-    eager = tk_ops.linear_attention(q, k, v, normalize=normalize)
-    eager.backward(grad)
-    torch.testing.assert_close(out, eager)
-    for got, t in zip(compiled_grads, (q, k, v)):
-        torch.testing.assert_close(got, t.grad)
+    tk_testing.check_compile_fullgraph(
+        lambda q, k, v: tk_ops.linear_attention(q, k, v, normalize=normalize),
+        make_inputs(29, normalize=normalize, dtype=torch.float32, requires_grad=True),
+        ["linear_attention", "linear_attention_bwd"],
+        loss=lambda out: (out * grad).sum(),
+    )
 
 
 def test_export():
@@ -148,11 +129,7 @@ def test_export():
         def forward(self, q, k, v):
             return tk_ops.linear_attention(q, k, v, normalize=True, eps=1e-6)
 
-    q, k, v = make_inputs(19, normalize=True, dtype=torch.float32)
-    exported = torch.export.export(Mixer(), (q, k, v))
-    targets = [node.target for node in exported.graph.nodes]
-    assert torch.ops.tk.linear_attention.default in targets
-    torch.testing.assert_close(exported.module()(q, k, v), Mixer()(q, k, v))
+    tk_testing.check_export(Mixer(), make_inputs(19, normalize=True, dtype=torch.float32), ["linear_attention"])
 
 
 @pytest.mark.parametrize("normalize", [False, True])
@@ -161,17 +138,12 @@ def test_strided_views(small_chunks, normalize):
     n = 41
     q_bnhf, k_bnhf = (torch.rand(B, n, H, F, dtype=torch.float64) + 0.1 for _ in range(2))
     v_bnhd = torch.randn(B, n, H, DV, dtype=torch.float64)
-    q, k, v = (t.transpose(1, 2).requires_grad_() for t in (q_bnhf, k_bnhf, v_bnhd))
-    k_columns = k.detach().transpose(-1, -2).contiguous().transpose(-1, -2).requires_grad_()
+    q, k, v = (t.transpose(1, 2) for t in (q_bnhf, k_bnhf, v_bnhd))
+    k_columns = k.transpose(-1, -2).contiguous().transpose(-1, -2)
     assert q.stride(-1) == 1 and k_columns.stride(-1) != 1
-    out = tk_ops.linear_attention(q, k_columns, v, normalize=normalize)
-    out.backward(torch.ones_like(out))
-    dense = [t.detach().contiguous().requires_grad_() for t in (q, k, v)]
-    expected = tk_ops.linear_attention(*dense, normalize=normalize)
-    expected.backward(torch.ones_like(expected))
-    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
-    for got, want in zip((q.grad, k_columns.grad, v.grad), (t.grad for t in dense)):
-        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    tk_testing.check_matches_contiguous_copies(
+        lambda q, k, v: tk_ops.linear_attention(q, k, v, normalize=normalize), (q, k_columns, v)
+    )
 
 
 def _bad(**changes):
@@ -231,11 +203,7 @@ def test_kernel_matches_float64(dtype, normalize, n, f, dv):
     ref = naive_linear_attention(q64 * scale, k64, v64, normalize, 1e-12)
     assert out.dtype == dtype
     assert_rel_close(out, ref, 2 * TOLERANCE[dtype])
-    grad = torch.randn_like(ref)
-    out.backward(grad.to(dtype))
-    ref.backward(grad)
-    for name, got, want in zip("qkv", (q.grad, k.grad, v.grad), (q64.grad, k64.grad, v64.grad)):
-        assert_rel_close(got, want, 3 * TOLERANCE[dtype], f"grad_{name}")
+    tk_testing.assert_gradients_close(out, (q, k, v), ref, (q64, k64, v64), 3 * TOLERANCE[dtype], "qkv")
 
 
 @tk_testing.requires_kernel("linear_attention")

@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._inductor.utils import run_and_get_code
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import tk_ops
+import tk_testing
 from tk_testing import TOLERANCE, assert_rel_close, requires_cuda, requires_kernel
 
 NAMES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
@@ -251,20 +250,17 @@ def test_compile_fullgraph_forward_and_backward():
     inputs, softplus = make_inputs(**CASES["all options"], dtype=torch.float32)
     grad_y, grad_final = torch.randn_like(inputs["x"]), torch.randn(2, 4, 5, 3)
 
-    def model(t):
-        y, final = ssd(t, softplus, 16)
+    def model(*tensors):
+        y, final = ssd(dict(zip(NAMES, tensors)), softplus, 16)
         return y * 2.0, final
 
-    def train_step(fn):
-        return gradients(fn, inputs, grad_y, grad_final)
-
-    grads, codes = run_and_get_code(train_step, torch.compile(model, fullgraph=True))
-    code = "\n".join(codes)
-    assert "torch.ops.tk.mamba2_ssd.default" in code
-    assert "torch.ops.tk.mamba2_ssd_bwd.default" in code
-    eager = train_step(model)
-    for name in eager:
-        assert_rel_close(grads[name], eager[name], 1e-6, f"grad_{name}")
+    tk_testing.check_compile_fullgraph(
+        model,
+        [inputs[name].requires_grad_() for name in NAMES],
+        ["mamba2_ssd", "mamba2_ssd_bwd"],
+        loss=lambda y, final: (y * grad_y).sum() + (final * grad_final).sum(),
+        tol=1e-6,
+    )
 
 
 def test_export():
@@ -281,26 +277,14 @@ def test_export():
                 dt_softplus=True,
             )
 
-    module = Mixer(4, 5)
     inputs, _ = make_inputs(2, 21, 4, 5, 2, 3, z=True, dt_softplus=True, dtype=torch.float32)
     args = tuple(inputs[name] for name in ("x", "dt", "B", "C", "z"))
-    exported = torch.export.export(module, args)
-    targets = [node.target for node in exported.graph.nodes if node.op == "call_function"]
-    assert torch.ops.tk.mamba2_ssd.default in targets
-    assert_rel_close(exported.module()(*args), module(*args), 1e-6)
+    tk_testing.check_export(Mixer(4, 5), args, ["mamba2_ssd"], tol=1e-6)
 
 
-class RecordOpInputs(TorchDispatchMode):
-    """Records the strides of x, dt and B as they reach tk.mamba2_ssd."""
-
-    def __init__(self):
-        super().__init__()
-        self.strides = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.tk.mamba2_ssd.default:
-            self.strides.append((args[0].stride(), args[1].stride(), args[3].stride()))
-        return func(*args, **(kwargs or {}))
+def x_dt_B_strides(recorder: tk_testing.RecordTkCalls) -> list[tuple[tuple[int, ...], ...]]:
+    """The strides of x, dt and B in each call of tk.mamba2_ssd."""
+    return [(x.stride(), dt.stride(), B.stride()) for x, dt, _, B, *_ in recorder.calls["mamba2_ssd"]]
 
 
 def test_strided_views():
@@ -312,18 +296,18 @@ def test_strided_views():
         x=inputs["x"].transpose(1, 2).contiguous().transpose(1, 2),
         B=inputs["B"].transpose(1, 2).contiguous().transpose(1, 2),
     )
-    with RecordOpInputs() as recorder:
+    with tk_testing.RecordTkCalls() as recorder:
         y, final = ssd(views, softplus, 8)
-    assert recorder.strides == [(views["x"].stride(), views["dt"].stride(), views["B"].stride())]
+    assert x_dt_B_strides(recorder) == [(views["x"].stride(), views["dt"].stride(), views["B"].stride())]
     # A last dimension with a stride other than 1 is copied, never misread.
     transposed = dict(
         inputs,
         x=inputs["x"].transpose(-1, -2).contiguous().transpose(-1, -2),
         dt=inputs["dt"].transpose(1, 2).contiguous().transpose(1, 2),
     )
-    with RecordOpInputs() as recorder:
+    with tk_testing.RecordTkCalls() as recorder:
         y_copied, _ = ssd(transposed, softplus, 8)
-    assert recorder.strides[0][:2] == (inputs["x"].stride(), inputs["dt"].stride())
+    assert x_dt_B_strides(recorder)[0][:2] == (inputs["x"].stride(), inputs["dt"].stride())
     want_y, want_final = recurrence(inputs, softplus)
     for got in (y, y_copied):
         assert_rel_close(got, want_y, TOLERANCE[torch.float64], "y")
@@ -382,9 +366,8 @@ def _bad_inputs():
     ]
 
 
-@pytest.mark.parametrize("case", range(len(_bad_inputs())), ids=[c[0] for c in _bad_inputs()])
-def test_bad_inputs(case):
-    _, call, error, match = _bad_inputs()[case]
+@tk_testing.parametrize_with_ids("call, error, match", _bad_inputs())
+def test_bad_inputs(call, error, match):
     with pytest.raises(error, match=match):
         call()
 

@@ -6,10 +6,9 @@ import warnings
 
 import pytest
 import torch
-from torch._inductor.utils import run_and_get_code
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import tk_ops
+import tk_testing
 from tk_ops import _library
 from tk_testing import TOLERANCE, assert_rel_close, rel_err, requires_cuda, requires_kernel
 
@@ -28,19 +27,6 @@ def reference_linear(x, weight, bias=None):
     if bias is not None:
         out = out + bias.double()
     return out.reshape(*x.shape[:-1], weight.shape[0])
-
-
-class RecordTkArgs(TorchDispatchMode):
-    """Records the arguments each tk op receives (to see what reaches the kernel)."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "tk":
-            self.calls[func.__name__] = args
-        return func(*args, **(kwargs or {}))
 
 
 # ------------------------------------------------------------------------------------ forward
@@ -79,9 +65,9 @@ def test_linear_matches_reference(x_shape, with_bias):
 def test_transposed_views_reach_the_op_without_a_copy(transpose):
     a = torch.randn(13, 7, dtype=torch.float64).mT if transpose in ("a", "both") else torch.randn(7, 13, dtype=torch.float64)
     b = torch.randn(5, 13, dtype=torch.float64).mT if transpose in ("b", "both") else torch.randn(13, 5, dtype=torch.float64)
-    with RecordTkArgs() as record:
+    with tk_testing.RecordTkCalls() as record:
         out = tk_ops.matmul(a, b)
-    got_a, got_b = record.calls["matmul.default"]
+    got_a, got_b = record.calls["matmul"][-1]
     assert got_a.data_ptr() == a.data_ptr() and got_a.stride() == a.stride()
     assert got_b.data_ptr() == b.data_ptr() and got_b.stride() == b.stride()
     assert_rel_close(out, tk_ops.matmul(a.contiguous(), b.contiguous()), TOLERANCE[torch.float64])
@@ -168,24 +154,11 @@ def test_opcheck_backward_ops():
 
 
 def test_compile_fullgraph_calls_tk_forward_and_backward_ops():
-    x, weight, bias, b = (torch.randn(*s, requires_grad=True) for s in ((6, 5), (4, 5), (4,), (4, 3)))
-
     def loss(x, weight, bias, b):
         return tk_ops.matmul(tk_ops.linear(x, weight, bias), b).square().sum()
 
-    def step(fn):
-        for t in (x, weight, bias, b):
-            t.grad = None
-        value = fn(x, weight, bias, b)
-        value.backward()
-        return value.detach(), *(t.grad.clone() for t in (x, weight, bias, b))
-
-    compiled_results, codes = run_and_get_code(step, torch.compile(loss, fullgraph=True))
-    code = "\n".join(codes)
-    for op in ("matmul", "matmul_bwd", "linear", "linear_bwd"):
-        assert f"torch.ops.tk.{op}.default" in code, f"tk.{op} missing from the generated code"
-    for got, expected in zip(compiled_results, step(loss)):
-        torch.testing.assert_close(got, expected)
+    inputs = [torch.randn(*s, requires_grad=True) for s in ((6, 5), (4, 5), (4,), (4, 3))]
+    tk_testing.check_compile_fullgraph(loss, inputs, ["matmul", "matmul_bwd", "linear", "linear_bwd"])
 
 
 def test_export_contains_tk_ops():
@@ -198,11 +171,7 @@ def test_export_contains_tk_ops():
         def forward(self, x, b):
             return tk_ops.matmul(tk_ops.linear(x, self.weight, self.bias), b)
 
-    block, x, b = Block(), torch.randn(3, 5), torch.randn(4, 2)
-    exported = torch.export.export(block, (x, b))
-    targets = {node.target for node in exported.graph.nodes}
-    assert torch.ops.tk.linear.default in targets and torch.ops.tk.matmul.default in targets
-    torch.testing.assert_close(exported.module()(x, b), block(x, b))
+    tk_testing.check_export(Block(), (torch.randn(3, 5), torch.randn(4, 2)), ["linear", "matmul"])
 
 
 # ------------------------------------------------------------------------------- bad inputs

@@ -10,12 +10,11 @@ import warnings
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from models.bert import BertConfig, BertForMaskedLM
 from models.llama import LlamaConfig, LlamaForCausalLM
 from tk_ops import _library
-from tk_testing import assert_rel_close, requires_cuda
+from tk_testing import RecordTkCalls, assert_rel_close, check_compile_fullgraph, requires_cuda
 
 try:
     import transformers
@@ -25,50 +24,14 @@ except ImportError:  # a test dependency
 needs_transformers = pytest.mark.skipif(transformers is None, reason="needs transformers (pip install transformers)")
 
 # odd sizes on purpose: nothing is a multiple of 16 except where a head dim must be even
-LLAMA = dict(
-    vocab_size=101,
-    hidden_size=48,
-    intermediate_size=83,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
+SIZES = dict(
+    hidden_size=48, intermediate_size=83, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64
 )
-BERT = dict(
-    vocab_size=103,
-    hidden_size=48,
-    intermediate_size=83,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    max_position_embeddings=64,
-    hidden_dropout_prob=0.0,
-)
+LLAMA = dict(SIZES, vocab_size=101, num_key_value_heads=2)
+BERT = dict(SIZES, vocab_size=103, hidden_dropout_prob=0.0)
 BATCH, SEQ_LEN = 3, 13
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The shapes here are tiny: one intra-op thread is faster than two, and robust to a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-class RecordOps(TorchDispatchMode):
-    """Records the names of the ops dispatched (tk ops show as ``tk.<name>.default``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: set[str] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.add(str(func))
-        return func(*args, **(kwargs or {}))
-
-
-def tk_ops_called(names: set[str]) -> set[str]:
-    return {n.removeprefix("tk.").removesuffix(".default") for n in names if n.startswith("tk.")}
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def llama(reference: bool, **overrides) -> LlamaForCausalLM:
@@ -173,7 +136,7 @@ def test_tk_path_matches_reference_path_in_float64(make, vocab):
     reference_model.load_state_dict(tk_model.state_dict())
     ids, targets = tokens(vocab), tokens(vocab)
     targets[0, :4] = -100
-    with RecordOps() as recorded:
+    with RecordTkCalls() as recorded:
         tk_loss, tk_grads = _loss_and_grads(tk_model, ids, targets)
     reference_loss, reference_grads = _loss_and_grads(reference_model, ids, targets)
     assert_rel_close(tk_loss, reference_loss, 1e-12, "loss")
@@ -184,7 +147,7 @@ def test_tk_path_matches_reference_path_in_float64(make, vocab):
     expected = {"linear", "linear_bwd", "attention", "attention_bwd", norm, f"{norm}_bwd"}
     if make is llama:
         expected |= {"rope_qk", "rope_qk_bwd"}
-    assert expected <= tk_ops_called(recorded.names)
+    assert expected <= recorded.calls.keys()
 
 
 @pytest.mark.parametrize(
@@ -192,9 +155,9 @@ def test_tk_path_matches_reference_path_in_float64(make, vocab):
 )
 def test_reference_path_calls_no_tk_op(make, vocab):
     model = make(reference=True)
-    with RecordOps() as recorded:
+    with RecordTkCalls() as recorded:
         model(tokens(vocab), tokens(vocab)).backward()
-    assert not tk_ops_called(recorded.names)
+    assert not recorded.calls
 
 
 @pytest.mark.parametrize(
@@ -269,29 +232,18 @@ def test_bert_hidden_dropout_follows_the_seed():
 
 
 def test_llama_compiled_block_calls_tk_ops_and_matches_eager():
-    from torch._inductor.utils import run_and_get_code
-
-    model = llama(reference=False, num_hidden_layers=1)
-    block = model.model.layers[0]
-    x = torch.randn(2, 7, LLAMA["hidden_size"])
+    block = llama(reference=False, num_hidden_layers=1).model.layers[0]
+    x = torch.randn(2, 7, LLAMA["hidden_size"], requires_grad=True)
     residual = torch.randn(2, 7, LLAMA["hidden_size"])
     cos = torch.randn(7, LLAMA["hidden_size"] // LLAMA["num_attention_heads"] // 2)
     sin = torch.randn_like(cos)
-
-    def loss_and_grad(fn):
-        x_leaf = x.clone().requires_grad_()
-        out, stream = fn(x_leaf, residual, cos, sin)
-        (out.square().sum() + stream.sum()).backward()
-        return out.detach(), x_leaf.grad
-
-    compiled = torch.compile(block, fullgraph=True)
-    (out, grad), code = run_and_get_code(loss_and_grad, compiled)
-    code = "\n".join(code)
-    for op in ("rms_norm", "rms_norm_bwd", "rope_qk", "attention", "attention_bwd", "linear", "linear_bwd"):
-        assert f"torch.ops.tk.{op}." in code, f"tk.{op} missing from the compiled code"
-    eager_out, eager_grad = loss_and_grad(block)
-    assert_rel_close(out, eager_out, 1e-5, "compiled output")
-    assert_rel_close(grad, eager_grad, 1e-5, "compiled grad")
+    check_compile_fullgraph(
+        block,
+        [x, residual, cos, sin],
+        ["rms_norm", "rms_norm_bwd", "rope_qk", "attention", "attention_bwd", "linear", "linear_bwd"],
+        loss=lambda out, stream: out.square().sum() + stream.sum(),
+        tol=1e-5,
+    )
 
 
 # ---------------------------------------------------------------------------------- the rest

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch._inductor.utils import run_and_get_code
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import tk_ops
+import tk_testing
 from tk_testing import TOLERANCE, assert_rel_close, requires_cuda, requires_kernel
 
 # (B, H, N, D, R): odd B, H, N; full rotary at D = 64 and 128, partial rotary at D = 80 with R = 32.
@@ -40,19 +39,6 @@ def reference_rope(x: torch.Tensor, theta: torch.Tensor, interleaved: bool) -> t
 
 def tables(theta: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     return theta.cos().to(dtype), theta.sin().to(dtype)
-
-
-class RecordTkArgs(TorchDispatchMode):
-    """Records the arguments each tk op receives (to see what reaches the kernel)."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "tk":
-            self.calls[func.__name__] = args
-        return func(*args, **(kwargs or {}))
 
 
 # ------------------------------------------------------------------------------------ forward
@@ -102,15 +88,15 @@ def test_rope_normalises_tables_with_views_only():
     x = torch.randn(B, N, H, D).transpose(1, 2)
     cos, sin = tables(random_angles(B, N, D), torch.float32)
     hf_cos, hf_sin = torch.cat((cos, cos), -1)[:, None], torch.cat((sin, sin), -1)[:, None]
-    with RecordTkArgs() as record:
+    with tk_testing.RecordTkCalls() as record:
         tk_ops.rope(x, hf_cos, hf_sin)
-    x_arg, cos_arg, sin_arg, _ = record.calls["rope.default"]
+    x_arg, cos_arg, sin_arg, _ = record.calls["rope"][-1]
     assert x_arg.stride() == x.stride() and x_arg.data_ptr() == x.data_ptr()
     assert cos_arg.shape == (B, N, D) and cos_arg.data_ptr() == hf_cos.data_ptr()
     assert sin_arg.shape == (B, N, D) and sin_arg.data_ptr() == hf_sin.data_ptr()
-    with RecordTkArgs() as record:
+    with tk_testing.RecordTkCalls() as record:
         tk_ops.rope(x, hf_cos, hf_sin, interleaved=True)
-    _, cos_arg, sin_arg, _ = record.calls["rope.default"]
+    _, cos_arg, sin_arg, _ = record.calls["rope"][-1]
     assert cos_arg.shape == (B, N, D // 2) and cos_arg.data_ptr() == hf_cos.data_ptr()
 
 
@@ -128,10 +114,7 @@ def test_full_tables_with_unequal_halves_follow_the_rotate_half_formula(op):
     out = tk_ops.rope(x, cos, sin) if op == "rope" else tk_ops.rope_qk(x, x, cos, sin)[0]
     expected = hf_rotate_half_formula(x, cos, sin)
     assert_rel_close(out, expected, TOLERANCE[torch.float64])
-    grad = torch.randn_like(out)
-    (got,) = torch.autograd.grad(out, x, grad)
-    (want,) = torch.autograd.grad(expected, x, grad)
-    assert_rel_close(got, want, TOLERANCE[torch.float64], "gradient")
+    tk_testing.assert_gradients_close(out, (x,), expected, (x,), TOLERANCE[torch.float64], "x")
 
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
@@ -256,10 +239,10 @@ def test_rope_qk_gradient_when_one_output_or_input_is_unused():
 
     frozen_k = k.detach()
     q.grad = None
-    with RecordTkArgs() as record:
+    with tk_testing.RecordTkCalls() as record:
         q_out, k_out = tk_ops.rope_qk(q, frozen_k, cos, sin)
         (q_out.pow(2).sum() + k_out.sum()).backward()
-    assert "rope_bwd.default" in record.calls and "rope_qk_bwd.default" not in record.calls
+    assert "rope_bwd" in record.calls and "rope_qk_bwd" not in record.calls
     assert_rel_close(q.grad, expected_q, TOLERANCE[torch.float64], "grad q (k frozen)")
 
 
@@ -300,21 +283,7 @@ def test_compile_fullgraph_calls_tk_forward_and_backward_ops():
         v_out = tk_ops.rope(v, cos[0], sin[0], interleaved=True)
         return (q_out.sum(1, keepdim=True) * k_out * v_out).sum()
 
-    compiled = torch.compile(loss, fullgraph=True)
-
-    def step(fn, q, k, v):
-        for t in (q, k, v):
-            t.grad = None
-        value = fn(q, k, v)
-        value.backward()
-        return value.detach(), q.grad.clone(), k.grad.clone(), v.grad.clone()
-
-    compiled_results, codes = run_and_get_code(step, compiled, q, k, v)
-    code = "\n".join(codes)
-    for op in ("rope_qk", "rope_qk_bwd", "rope", "rope_bwd"):
-        assert f"torch.ops.tk.{op}.default" in code, f"tk.{op} missing from the generated code"
-    for got, expected in zip(compiled_results, step(loss, q, k, v)):
-        torch.testing.assert_close(got, expected)
+    tk_testing.check_compile_fullgraph(loss, [q, k, v], ["rope_qk", "rope_qk_bwd", "rope", "rope_bwd"])
 
 
 def test_export_contains_tk_ops():
@@ -324,11 +293,7 @@ def test_export_contains_tk_ops():
             return q_out, k_out, tk_ops.rope(q, cos, sin, interleaved=True)
 
     q, k, cos, sin, _ = op_args(False, requires_grad=False)
-    exported = torch.export.export(Rotate(), (q, k, cos, sin))
-    targets = {node.target for node in exported.graph.nodes}
-    assert torch.ops.tk.rope_qk.default in targets and torch.ops.tk.rope.default in targets
-    for got, expected in zip(exported.module()(q, k, cos, sin), Rotate()(q, k, cos, sin)):
-        assert torch.equal(got, expected)
+    tk_testing.check_export(Rotate(), (q, k, cos, sin), ["rope_qk", "rope"], tol=0)
 
 
 # ---------------------------------------------------------------------------------- bad inputs
@@ -368,9 +333,7 @@ BAD_ROPE_CALLS = [
 ]
 
 
-@pytest.mark.parametrize(
-    "x, cos, sin, error, match", [case[1:] for case in BAD_ROPE_CALLS], ids=[case[0] for case in BAD_ROPE_CALLS]
-)
+@tk_testing.parametrize_with_ids("x, cos, sin, error, match", BAD_ROPE_CALLS)
 def test_rope_rejects_bad_inputs(x, cos, sin, error, match):
     with pytest.raises(error, match=match):
         tk_ops.rope(x, cos, sin)
@@ -387,9 +350,7 @@ BAD_ROPE_QK_CALLS = [
 ]
 
 
-@pytest.mark.parametrize(
-    "q, k, error, match", [case[1:] for case in BAD_ROPE_QK_CALLS], ids=[case[0] for case in BAD_ROPE_QK_CALLS]
-)
+@tk_testing.parametrize_with_ids("q, k, error, match", BAD_ROPE_QK_CALLS)
 def test_rope_qk_rejects_bad_inputs(q, k, error, match):
     with pytest.raises(error, match=match):
         tk_ops.rope_qk(q, k, *_tables(5, 8))
@@ -479,10 +440,7 @@ def test_full_tables_with_unequal_halves_kernel(op, head_dim, dtype):
     out = tk_ops.rope(x, cos, sin) if op == "rope" else tk_ops.rope_qk(x, x, cos, sin)[1]
     expected = hf_rotate_half_formula(x.double(), cos.double(), sin.double())
     assert_rel_close(out, expected, TOLERANCE[dtype])
-    grad = torch.randn_like(out)
-    (got,) = torch.autograd.grad(out, x, grad)
-    (want,) = torch.autograd.grad(expected, x, grad.double())
-    assert_rel_close(got, want, TOLERANCE[dtype], "gradient")
+    tk_testing.assert_gradients_close(out, (x,), expected, (x,), TOLERANCE[dtype], "x")
 
 
 @requires_kernel("rope_qk")

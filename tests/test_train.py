@@ -27,6 +27,8 @@ NOUNS = "king land city house people son daughter river mountain bread water fir
 VERBS = "went came spake built gave took saw heard kept sent called blessed".split()
 CONNECTIVES = ["and", "unto", "for", "upon", "with", "before", "after", "because of"]
 
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
 
 def synthetic_text(lines: int = 6000, seed: int = 0) -> str:
     rng = random.Random(seed)
@@ -37,15 +39,6 @@ def synthetic_text(lines: int = 6000, seed: int = 0) -> str:
     return "".join(f"{phrase().capitalize()}, {phrase()}.\n" for _ in range(lines))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The shapes here are tiny: one intra-op thread is faster than two, and robust to a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("data")
@@ -53,8 +46,9 @@ def data_dir(tmp_path_factory) -> Path:
     return out
 
 
-def run(out: Path, data_dir: Path, *extra: str, model: str = "llama") -> dict:
-    argv = [
+def train_args(out: Path, data_dir: Path, *extra: str, model: str = "llama") -> list[str]:
+    """models.train's command line for the nano preset on the synthetic data, without progress bars."""
+    return [
         "--model",
         model,
         "--preset",
@@ -68,7 +62,10 @@ def run(out: Path, data_dir: Path, *extra: str, model: str = "llama") -> dict:
         "2",
         *extra,
     ]
-    return train.main(argv)
+
+
+def run(out: Path, data_dir: Path, *extra: str, model: str = "llama") -> dict:
+    return train.main(train_args(out, data_dir, *extra, model=model))
 
 
 def losses(summary: dict, which: str = "train_loss") -> list[float]:
@@ -250,22 +247,7 @@ def torchrun(out: Path, data_dir: Path, *extra: str) -> dict:
         "2",
         "-m",
         "models.train",
-        "--model",
-        "llama",
-        "--preset",
-        "nano",
-        "--data",
-        str(data_dir),
-        "--out",
-        str(out),
-        "--no-progress",
-        "--sample-tokens",
-        "0",
-        "--eval-every",
-        "2",
-        "--eval-batches",
-        "2",
-        *extra,
+        *train_args(out, data_dir, "--sample-tokens", "0", "--eval-every", "2", *extra),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -1,9 +1,13 @@
-"""Shared helpers for the op tests: float64 comparisons, devices, GPU skips."""
+"""Shared helpers for the op tests: float64 comparisons, devices, GPU skips, compile / export / dispatch checks."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
+
 import pytest
 import torch
+from torch._inductor.utils import run_and_get_code
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import tk_ops
 from tk_ops import _library
@@ -50,3 +54,111 @@ def assert_rel_close(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str
 
 # Relative-error budgets vs float64: low-precision inputs and outputs vs fp32 arithmetic.
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}
+
+
+def assert_gradients_close(
+    out: torch.Tensor,
+    inputs: Sequence[torch.Tensor],
+    reference: torch.Tensor,
+    reference_inputs: Sequence[torch.Tensor],
+    tol: float,
+    names: Iterable[str],
+) -> None:
+    """For one random output gradient (the same values for both), the gradients of ``out`` w.r.t. ``inputs``
+    match those of ``reference`` w.r.t. ``reference_inputs`` within the relative error ``tol``
+    (``names`` name the inputs in messages)."""
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, inputs, grad)
+    reference_grads = torch.autograd.grad(reference, reference_inputs, grad.to(reference.dtype))
+    for name, got, want in zip(names, grads, reference_grads, strict=True):
+        assert_rel_close(got, want, tol, f"grad_{name}")
+
+
+def check_matches_contiguous_copies(
+    fn: Callable[..., torch.Tensor], views: Sequence[torch.Tensor], tol: float = 1e-12
+) -> None:
+    """``fn`` of strided views gives the output and input gradients it gives on contiguous copies of them
+    (assert_close with rtol = atol = ``tol``)."""
+    leaves = [t.detach().requires_grad_() for t in views]
+    copies = [t.detach().contiguous().requires_grad_() for t in views]
+    out, expected = fn(*leaves), fn(*copies)
+    torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
+    grad = torch.randn_like(out)
+    for got, want in zip(torch.autograd.grad(out, leaves, grad), torch.autograd.grad(expected, copies, grad)):
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def parametrize_with_ids(argnames: str, cases: Sequence[tuple]):
+    """``pytest.mark.parametrize`` over rows ``(id, *values)``: the first item of each row names the case."""
+    return pytest.mark.parametrize(argnames, [case[1:] for case in cases], ids=[case[0] for case in cases])
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor, tol: float | None, what: str) -> None:
+    """Relative error within ``tol`` (0: equal), or torch.testing.assert_close's dtype defaults when ``tol`` is None."""
+    if tol is None:
+        torch.testing.assert_close(got, want, msg=lambda message: f"{what}: {message}")
+    else:
+        assert_rel_close(got, want, tol, what)
+
+
+def _as_tuple(outputs) -> tuple:
+    return outputs if isinstance(outputs, tuple) else (outputs,)
+
+
+def check_compile_fullgraph(
+    fn: Callable,
+    inputs: Sequence[torch.Tensor],
+    ops: Iterable[str],
+    *,
+    loss: Callable[..., torch.Tensor] | None = None,
+    tol: float | None = None,
+) -> None:
+    """``torch.compile(fn, fullgraph=True)`` runs forward and backward with ``torch.ops.tk.<op>.default`` for
+    every name in ``ops`` in its generated code, and gives eager's outputs and input gradients.
+
+    ``fn`` returns a tensor or a tuple of tensors; backward starts from ``loss(*outputs)``, or from the
+    output itself when ``loss`` is None. Both runs use fresh leaves with the ``requires_grad`` of ``inputs``;
+    outputs and gradients are compared within the relative error ``tol`` (None: assert_close's defaults).
+    """
+
+    def forward_backward(run):
+        leaves = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
+        outputs = _as_tuple(run(*leaves))
+        (outputs[0] if loss is None else loss(*outputs)).backward()
+        return [out.detach() for out in outputs], [t.grad for t in leaves if t.requires_grad]
+
+    (outputs, grads), codes = run_and_get_code(forward_backward, torch.compile(fn, fullgraph=True))
+    code = "\n".join(codes)
+    for op in ops:
+        assert f"torch.ops.tk.{op}.default" in code, f"tk.{op} missing from the generated code"
+    eager_outputs, eager_grads = forward_backward(fn)
+    for i, (got, want) in enumerate(zip(outputs, eager_outputs, strict=True)):
+        _assert_close(got, want, tol, f"output {i}")
+    for i, (got, want) in enumerate(zip(grads, eager_grads, strict=True)):
+        _assert_close(got, want, tol, f"gradient of input {i}")
+
+
+def check_export(module: torch.nn.Module, args: tuple, ops: Iterable[str], *, tol: float | None = None) -> None:
+    """``torch.export.export(module, args)`` keeps ``torch.ops.tk.<op>.default`` for every name in ``ops`` in
+    its graph, and the exported program gives the module's outputs (within ``tol``, as check_compile_fullgraph)."""
+    exported = torch.export.export(module, args)
+    targets = {node.target for node in exported.graph.nodes}
+    for op in ops:
+        assert getattr(torch.ops.tk, op).default in targets, f"tk.{op} missing from the exported graph"
+    outputs, expected = _as_tuple(exported.module()(*args)), _as_tuple(module(*args))
+    for i, (got, want) in enumerate(zip(outputs, expected, strict=True)):
+        _assert_close(got, want, tol, f"output {i}")
+
+
+class RecordTkCalls(TorchDispatchMode):
+    """Records the positional arguments of every tk op call, by op name (``"rope_bwd"``), in call order:
+    what reaches the op (strides, storage) after the public function's checks and views."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: dict[str, list[tuple]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "tk":
+            self.calls.setdefault(func.overloadpacket.__name__, []).append(args)
+        return func(*args, **(kwargs or {}))
