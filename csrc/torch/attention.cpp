@@ -17,8 +17,11 @@
 #include <vector>
 
 #include "kernels/attention/attention.h"
+#include "registration.h"
 
 namespace {
+
+using tk::registration::reference;
 
 namespace attn = tk::attention;
 
@@ -27,11 +30,6 @@ using forward_signature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, 
 using backward_signature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, bool, double);
-
-template <typename Signature>
-c10::TypedOperatorHandle<Signature> reference(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
 
 void check_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   TORCH_CHECK_VALUE(q.dim() == 4, op, ": q must be 4-D (B, Hq, Nq, D), got ", q.sizes());
@@ -59,7 +57,7 @@ std::optional<attn::heads_view> view_of(const at::Tensor& t) {
 
 bool kernel_device(const at::Tensor& t) {
   const at::ScalarType dtype = t.scalar_type();
-  return (dtype == at::kBFloat16 || dtype == at::kHalf) && t.is_cuda() && attn::device_supported(t.get_device());
+  return (dtype == at::kBFloat16 || dtype == at::kHalf) && tk::registration::runs_kernels(t);
 }
 
 attn::element_type element_of(const at::Tensor& t) {

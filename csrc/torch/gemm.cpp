@@ -17,8 +17,11 @@
 #include <vector>
 
 #include "kernels/gemm/gemm.h"
+#include "registration.h"
 
 namespace {
+
+using tk::registration::reference;
 
 using tk::gemm::major;
 using tk::gemm::problem;
@@ -48,7 +51,7 @@ tk::gemm::element_type element_of(const at::Tensor& t) {
 std::optional<problem> plan_gemm(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias) {
   const at::ScalarType dtype = a.scalar_type();
   if (dtype != at::kBFloat16 && dtype != at::kHalf) return std::nullopt;
-  if (!a.is_cuda() || !tk::gemm::device_supported(a.get_device())) return std::nullopt;
+  if (!tk::registration::runs_kernels(a)) return std::nullopt;
   if (bias.has_value() && bias->stride(0) != 1 && bias->size(0) > 1) return std::nullopt;
   for (const stored_operand& sa : stored_forms(a, /*c_is_k=*/true)) {
     for (const stored_operand& sb : stored_forms(b, /*c_is_k=*/false)) {
@@ -75,11 +78,6 @@ void check_operands(const char* op, const char* a_name, const at::Tensor& a, con
                     ", got ", b.device());
   TORCH_CHECK_TYPE(a.scalar_type() == b.scalar_type(), op, ": ", b_name, " must have ", a_name, "'s dtype ",
                    a.scalar_type(), ", got ", b.scalar_type());
-}
-
-template <typename Signature>
-c10::TypedOperatorHandle<Signature> reference(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
 at::Tensor matmul_cuda(const at::Tensor& a, const at::Tensor& b) {

@@ -21,8 +21,11 @@
 #include <tuple>
 
 #include "kernels/norms/norms.h"
+#include "registration.h"
 
 namespace {
+
+using tk::registration::reference;
 
 using tk::norms::element_type;
 using tk::norms::norm_kind;
@@ -33,11 +36,6 @@ using tk::norms::row_matrix;
 using optional_tensor = std::optional<at::Tensor>;
 using layer_norm_outputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 using rms_norm_outputs = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
-
-template <typename Signature>
-c10::TypedOperatorHandle<Signature> reference(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
 
 std::optional<element_type> element_of(at::ScalarType t) {
   switch (t) {
@@ -55,7 +53,7 @@ bool x_or_fp32(const optional_tensor& t, at::ScalarType x) {
   return !t.has_value() || t->scalar_type() == x || t->scalar_type() == at::kFloat;
 }
 
-bool kernel_device(const at::Tensor& x) { return x.is_cuda() && tk::norms::device_supported(x.get_device()); }
+bool kernel_device(const at::Tensor& x) { return tk::registration::runs_kernels(x); }
 
 // The tensor as (rows, hidden) with contiguous columns: a view where one exists, else a copy.
 at::Tensor as_rows(const at::Tensor& t, int64_t hidden) {

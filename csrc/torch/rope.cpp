@@ -17,19 +17,17 @@
 #include <vector>
 
 #include "kernels/rope/rope.h"
+#include "registration.h"
 
 namespace {
+
+using tk::registration::reference;
 
 namespace rope = tk::rope;
 
 using single_signature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool);
 using pair_signature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                           const at::Tensor&, bool);
-
-template <typename Signature>
-c10::TypedOperatorHandle<Signature> reference(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
 
 struct named_tensor {
   const char* name;
@@ -93,7 +91,7 @@ std::optional<rope::problem> plan_rope(const std::vector<at::Tensor>& xs, const 
   const at::Tensor& first = xs.front();
   const auto x_type = element_of(first.scalar_type());
   const auto table_type = element_of(cos.scalar_type());
-  if (!x_type || !table_type || !first.is_cuda() || !rope::device_supported(first.get_device())) return std::nullopt;
+  if (!x_type || !table_type || !tk::registration::runs_kernels(first)) return std::nullopt;
   if (!unit_channel_stride(cos) || !unit_channel_stride(sin)) return std::nullopt;
   rope::problem p{};
   p.x_type = *x_type;

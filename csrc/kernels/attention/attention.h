@@ -52,9 +52,6 @@ int64_t backward_workspace_floats(int64_t batch, int64_t q_heads, int64_t q_rows
 std::string unsupported_reason(const forward_problem& p);
 std::string unsupported_reason(const backward_problem& p);
 
-// True when `device` can run the kernels (an sm_90 GPU).
-bool device_supported(int device);
-
 // Launch on `stream`; return the first launch error.
 cudaError_t launch(const forward_problem& p, cudaStream_t stream);
 cudaError_t launch(const backward_problem& p, cudaStream_t stream);

@@ -337,11 +337,4 @@ cudaError_t launch(const forward_problem& p, cudaStream_t stream) {
   return dispatch(p, [&]<typename T, int D>() { return run<T, D>(p, stream); });
 }
 
-bool device_supported(int device) {
-  int major_version = 0, minor_version = 0;
-  if (cudaDeviceGetAttribute(&major_version, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return false;
-  if (cudaDeviceGetAttribute(&minor_version, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) return false;
-  return major_version == 9 && minor_version == 0;
-}
-
 }  // namespace tk::attention

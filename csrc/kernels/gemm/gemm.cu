@@ -37,13 +37,6 @@ constexpr auto launchers = launch_table(std::make_integer_sequence<int, VARIANTS
 
 std::string unsupported_reason(const problem& p) { return reasons[variant_index(p)](p); }
 
-bool device_supported(int device) {
-  int major_version = 0, minor_version = 0;
-  if (cudaDeviceGetAttribute(&major_version, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return false;
-  if (cudaDeviceGetAttribute(&minor_version, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) return false;
-  return major_version == 9 && minor_version == 0;
-}
-
 cudaError_t launch(const problem& p, cudaStream_t stream) { return launchers[variant_index(p)](p, stream); }
 
 }  // namespace tk::gemm

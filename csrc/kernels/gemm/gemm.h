@@ -38,9 +38,6 @@ struct problem {
 // Empty when the kernel can run the problem; otherwise why not (e.g. a stride TMA cannot take).
 std::string unsupported_reason(const problem& p);
 
-// True when `device` can run the kernel (an sm_90 GPU).
-bool device_supported(int device);
-
 // Launch on `stream`; returns the launch's error code.
 cudaError_t launch(const problem& p, cudaStream_t stream);
 

@@ -44,13 +44,6 @@ row_plan backward_plan(const backward_problem& p) {
 
 }  // namespace
 
-bool device_supported(int device) {
-  int major_version = 0, minor_version = 0;
-  if (cudaDeviceGetAttribute(&major_version, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return false;
-  if (cudaDeviceGetAttribute(&minor_version, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) return false;
-  return major_version == 9 && minor_version == 0;
-}
-
 std::string unsupported_reason(norm_kind kind, const forward_problem& p) {
   const element_type x = p.x.dtype;
   const element_type stream = p.residual.data != nullptr ? p.residual.dtype : x;

@@ -68,9 +68,6 @@ struct backward_problem {
   float* workspace;           // backward_workspace_floats() floats, any content
 };
 
-// True when `device` can run the kernels (an sm_90 GPU: they are built for sm_90a only).
-bool device_supported(int device);
-
 // Empty when the kernels can run the problem; otherwise why not (dtype, hidden size, alignment).
 std::string unsupported_reason(norm_kind kind, const forward_problem& p);
 std::string unsupported_reason(norm_kind kind, const backward_problem& p);

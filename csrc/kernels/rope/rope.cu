@@ -143,13 +143,6 @@ std::string unsupported_reason(const problem& p) {
   return {};
 }
 
-bool device_supported(int device) {
-  int major_version = 0, minor_version = 0;
-  if (cudaDeviceGetAttribute(&major_version, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return false;
-  if (cudaDeviceGetAttribute(&minor_version, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) return false;
-  return major_version == 9 && minor_version == 0;
-}
-
 cudaError_t launch(const problem& p, cudaStream_t stream) {
   if (!unsupported_reason(p).empty()) return cudaErrorInvalidValue;
   return with_element(p.x_type, [&](auto x_tag) {

@@ -57,9 +57,6 @@ struct problem {
 // Empty when the kernel can run the problem; otherwise why not.
 std::string unsupported_reason(const problem& p);
 
-// True when `device` can run the kernel (an sm_90 GPU).
-bool device_supported(int device);
-
 // Launch on `stream` (the current device's); returns the launch's error code.
 cudaError_t launch(const problem& p, cudaStream_t stream);
 
