@@ -1,4 +1,4 @@
-"""What the Llama and BERT models share: the tk_ops linear layer under autocast, and rotary tables.
+"""What the Llama and BERT models share: linear layers, autocast casts for the norms, rotary tables.
 
 Every model module has a ``reference`` flag. ``reference=False`` runs on tk_ops (``tk_ops.linear``,
 ``tk_ops.attention``, ``tk_ops.rms_norm``, ``tk_ops.layer_norm``, ``tk_ops.rope_qk``);
@@ -6,9 +6,10 @@ Every model module has a ``reference`` flag. ``reference=False`` runs on tk_ops 
 ``F.scaled_dot_product_attention``, ``F.layer_norm``, ...). Both paths have the same parameters
 and state_dict keys, so one checkpoint serves both.
 
-tk ops have no autocast rule: under ``torch.autocast`` they would see fp32 weights next to bf16
-activations. The tk path therefore casts its inputs itself, exactly where autocast would
-(``to_autocast_dtype``), and keeps fp32 master weights, as autocast does for ``F.linear``.
+Under ``torch.autocast``, tk_ops.linear / matmul / attention cast fp32 inputs to the autocast
+dtype themselves, as their torch counterparts do. The norms are not autocast (in torch either);
+the tk path hands them activations in the autocast dtype (``to_autocast_dtype``) so the fused
+residual stream and the kernels run in 16-bit, with the fp32 master weights.
 """
 
 from __future__ import annotations
@@ -41,16 +42,9 @@ def at_least_fp32(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-class TkLinear(tk_ops.nn.Linear):
-    """``tk_ops.nn.Linear`` that follows ``torch.autocast`` like ``nn.Linear`` does."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return tk_ops.linear(to_autocast_dtype(x), to_autocast_dtype(self.weight), to_autocast_dtype(self.bias))
-
-
 def make_linear(in_features: int, out_features: int, *, bias: bool, reference: bool) -> torch.nn.Linear:
-    """``nn.Linear`` on the reference path, ``TkLinear`` on the tk path (same parameters and keys)."""
-    cls = torch.nn.Linear if reference else TkLinear
+    """``nn.Linear`` on the reference path, ``tk_ops.nn.Linear`` on the tk path (same parameters and keys)."""
+    cls = torch.nn.Linear if reference else tk_ops.nn.Linear
     return cls(in_features, out_features, bias=bias)
 
 

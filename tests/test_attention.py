@@ -324,3 +324,12 @@ def test_kernel_cuda_graph_capture_and_replay():
     torch.cuda.synchronize()
     for result, expected in zip(captured, step()):
         torch.testing.assert_close(result, expected, rtol=0, atol=0)
+
+
+def test_attention_follows_autocast_like_sdpa():
+    q, k, v = (torch.randn(2, 4, 9, 32) for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = tk_ops.attention(q, k, v, causal=True)
+        expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.dtype == expected.dtype == torch.bfloat16
+    tk_testing.assert_rel_close(out, expected, 2e-2)

@@ -394,3 +394,28 @@ def test_opcheck_on_the_kernel():
 def test_cpp_checks_raise_value_error():
     with pytest.raises(ValueError, match="b.shape\\[0\\] must equal a.shape\\[1\\]"):
         torch.ops.tk.matmul(torch.randn(3, 4, device="cuda").half(), torch.randn(5, 2, device="cuda").half())
+
+
+# ------------------------------------------------------------------------------------- autocast
+
+
+def test_linear_and_matmul_follow_autocast_like_torch():
+    """fp32 master weights under autocast: cast to the autocast dtype, as F.linear / matmul do."""
+    x, weight, bias = torch.randn(6, 40), torch.randn(24, 40, requires_grad=True), torch.randn(24, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = tk_ops.linear(x, weight, bias)
+        expected = torch.nn.functional.linear(x, weight, bias)
+        product = tk_ops.matmul(out, weight)
+        expected_product = torch.matmul(expected, weight)
+    assert out.dtype == expected.dtype == torch.bfloat16
+    assert_rel_close(out, expected, 1e-2)
+    assert product.dtype == torch.bfloat16
+    assert_rel_close(product, expected_product, 1e-2)
+    out.float().sum().backward()
+    assert weight.grad.dtype == torch.float32 and bias.grad.dtype == torch.float32
+
+
+def test_fp64_is_not_autocast():
+    a, b = torch.randn(3, 5, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert tk_ops.matmul(a, b).dtype == torch.float64

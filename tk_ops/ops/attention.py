@@ -34,6 +34,7 @@ from typing import Iterator, Optional
 import torch
 
 from tk_ops import _checks, _library
+from tk_ops._autocast import autocast_inputs
 
 # Bytes of one block of scores (B * Hq * rows * Nk) in the reference; the backward holds about four
 # tensors of that size at once (scores, probabilities, dP, dS).
@@ -229,6 +230,7 @@ def attention(
     Inputs may be views with any strides and a unit last stride, e.g.
     ``x.view(B, N, H, D).transpose(1, 2)``.
     """
+    q, k, v = autocast_inputs(q, k, v)
     _check_inputs(q, k, v, scale)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[3])

@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from tk_ops import _checks, _library
+from tk_ops._autocast import autocast_inputs
 
 
 def _unit_stride_either_way(t: torch.Tensor) -> torch.Tensor:
@@ -134,6 +135,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` for a (M, K) and b (K, N); either may be a transposed (column-major) view."""
     _checks.check_tensor("a", a, ndim=2)
     _checks.check_tensor("b", b, ndim=2)
+    a, b = autocast_inputs(a, b)
     _checks.check_same_device(a=a, b=b)
     _checks.check_same_dtype(a=a, b=b)
     _checks.check_dim("b", b, 0, a.shape[1], "a.shape[1] (K)")
@@ -145,6 +147,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     _checks.check_tensor("x", x, ndim=tuple(range(1, 9)))
     _checks.check_tensor("weight", weight, ndim=2)
     _checks.check_optional("bias", bias, ndim=1)
+    x, weight, bias = autocast_inputs(x, weight, bias)
     _checks.check_same_device(x=x, weight=weight, bias=bias)
     _checks.check_same_dtype(x=x, weight=weight, bias=bias)
     _checks.check_dim("weight", weight, 1, x.shape[-1], "x.shape[-1] (in_features)")
