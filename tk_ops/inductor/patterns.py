@@ -24,7 +24,7 @@ import tk_ops
 from tk_ops.inductor.options import RewriteOptions
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
-_PATTERN_EPS = 1e-6  # a placeholder value: scalar_workaround turns eps into a pattern argument
+_PATTERN_EPS = 1e-6  # any value: scalar_workaround turns eps into an argument of the pattern
 
 # The options of the pass being applied (extra checks are called from inside ``apply``).
 _active_options: RewriteOptions = RewriteOptions()
