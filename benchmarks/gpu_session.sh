@@ -7,7 +7,8 @@
 #   build          cold in-place build of tk_ops._C with every core (prints the time)
 #   build:warm     incremental build (after an edit, on a machine that is still warm)
 #   tests[=ARGS]   pytest -m gpu over tests/ (or over ARGS, e.g. tests=tests/test_matmul.py)
-#   sanitize       memcheck, racecheck and synccheck over benchmarks/sanitize.py
+#   sanitize       memcheck, racecheck and synccheck over a small run of each registered kernel
+#   profile        Nsight Compute sections of the GEMM and attention kernels (benchmarks/profile_kernels.py)
 #   bench:NAME     python3 -m benchmarks.bench_NAME --out OUT_DIR
 #   tune:NAME      python3 -m benchmarks.tune_NAME (compares candidate tile plans)
 #   sass           HGMMA / UTMALDG / spill counts of the built kernels
@@ -22,6 +23,12 @@ parts=("$@")
 # The image's /opt/gcc wrappers make every C++ exception thrown from an extension segfault.
 export CC=/usr/bin/gcc CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++
 export PYTHONUNBUFFERED=1
+# Peer packages for the baselines (Liger, fla, mamba_ssm's Triton SSD), when the call carries them:
+# see ../shared/tools/baseline-wheels.sh; name .baselines in the device call's carry list.
+if [ -d .baselines ]; then
+  python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .baselines/*.whl > /dev/null 2>&1
+  export PYTHONPATH=/tmp/site:$PWD/.baselines/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 status=0
 
 section() { printf '\n===== %s =====\n' "$*"; }
@@ -55,10 +62,34 @@ for part in "${parts[@]}"; do
         tee -a "$OUT/tests.log" || status=1
       ;;
     sanitize)
+      # One small correctness run per registered kernel family (each checks its results against
+      # float64), under each tool; families whose kernels are not registered are skipped.
+      declare -A sanitize_runs=(
+        [matmul]="benchmarks.sanitize gemm"
+        [attention]="benchmarks.bench_attention --sanitize"
+        [rope]="benchmarks.bench_rope --smoke"
+        [layer_norm]="benchmarks.bench_norms --check"
+      )
+      registered=$(python3 -c "import tk_ops; b = tk_ops.backends(); print(*[o for o in ('matmul', 'attention', 'rope', 'layer_norm') if b[o] == 'cuda kernel'])")
       for tool in memcheck racecheck synccheck; do
-        { section "compute-sanitizer $tool"
-          compute-sanitizer --tool "$tool" --error-exitcode 1 --kernel-name kns=producer_consumer \
-            python3 -m benchmarks.sanitize gemm; } 2>&1 | tee -a "$OUT/sanitize.log" || status=1
+        for family in $registered; do
+          { section "compute-sanitizer $tool: $family"
+            compute-sanitizer --tool "$tool" --error-exitcode 1 python3 -m ${sanitize_runs[$family]}; } 2>&1 |
+            tee -a "$OUT/sanitize.log" || status=1
+        done
+      done
+      ;;
+    profile)
+      # Nsight Compute on one call after warm-up (benchmarks/profile_kernels.py makes 2 warm-up
+      # calls): case, kernel-name regex, kernels per call.
+      for spec in "gemm_k64 producer_consumer 1" "linear_llama_row_major_weight producer_consumer 1" \
+                  "attention_fwd_d128_n8192 forward_entry 1" "attention_bwd_d128_n8192 statistics_kernel|gradient_entry 3"; do
+        read -r profile_case kernels per_call <<< "$spec"
+        { section "ncu $profile_case"
+          ncu --clock-control none --launch-skip $((2 * per_call)) --launch-count "$per_call" -k "regex:$kernels" \
+            --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
+            --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+            python3 -m benchmarks.profile_kernels "$profile_case"; } 2>&1 | tee -a "$OUT/profile.log" || status=1
       done
       ;;
     bench:*)
