@@ -184,6 +184,13 @@ def test_layer_norm_rewritten(rewrites):
     check_rewrite(fn, [leaf(3, 7, 48), leaf(48), leaf(48)], {"layer_norm", "layer_norm_bwd"})
 
 
+def test_layer_norm_without_bias_rewritten(rewrites):
+    def fn(x, w):
+        return F.layer_norm(x, (48,), w, None, 1e-5)
+
+    check_rewrite(fn, [leaf(3, 7, 48), leaf(48)], {"layer_norm", "layer_norm_bwd"})
+
+
 def test_residual_layer_norm_rewritten_with_stream(rewrites):
     def fn(x, r, w, b):
         h = x + r

@@ -73,6 +73,14 @@ def _layer_norm_replacement(x, weight, bias, eps):
     return tk_ops.layer_norm(x, weight, bias, eps)
 
 
+def _layer_norm_without_bias_pattern(x, weight, eps):
+    return torch.nn.functional.layer_norm(x, x.shape[-1:], weight, None, eps)
+
+
+def _layer_norm_without_bias_replacement(x, weight, eps):
+    return tk_ops.layer_norm(x, weight, None, eps)
+
+
 def _residual_layer_norm_pattern(x, residual, weight, bias, eps):
     h = x + residual
     return torch.nn.functional.layer_norm(h, h.shape[-1:], weight, bias, eps), h
@@ -188,6 +196,13 @@ _RULES = (
         _EPS,
     ),
     _Rule(_layer_norm_pattern, _layer_norm_replacement, ((_B, _N, _D), (_D,), (_D,)), _norm_exact("layer_norm", ("weight", "bias")), _EPS),
+    _Rule(
+        _layer_norm_without_bias_pattern,
+        _layer_norm_without_bias_replacement,
+        ((_B, _N, _D), (_D,)),
+        _norm_exact("layer_norm", ("weight",)),
+        _EPS,
+    ),
     _Rule(_rms_norm_hf, _rms_norm_replacement, ((_B, _N, _D), (_D,)), _norm_exact("rms_norm", ("weight",)), _EPS),
     _Rule(_rms_norm_hf_weight_last, _rms_norm_replacement, ((_B, _N, _D), (_D,)), _norm_exact("rms_norm", ("weight",)), _EPS),
     _Rule(
