@@ -79,8 +79,6 @@ def _measure(model: Model, rewrite: bool) -> dict:
         "train_step_ms": common.time_ms(train_step, inputs, warmup=3, rounds=10, batch=3),
         "tk_ops_called": calls,
     }
-    del net, compiled
-    torch.cuda.empty_cache()
     return result
 
 
@@ -92,7 +90,10 @@ def main() -> None:
     rows = []
     print(f"{'model':16} {'pass':10} {'compile ms':>11} {'+tk ms':>9} {'ratio':>6}  tk ops in the code")
     for model in MODELS:
-        baseline, ours = _measure(model, rewrite=False), _measure(model, rewrite=True)
+        baseline = _measure(model, rewrite=False)
+        torch.cuda.empty_cache()
+        ours = _measure(model, rewrite=True)
+        torch.cuda.empty_cache()
         for measure in ("forward_ms", "train_step_ms"):
             row = {
                 "shape": f"{model.name} B={model.batch} N={model.seq}",

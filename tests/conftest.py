@@ -19,3 +19,18 @@ def one_intra_op_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def poisoned_allocations():
+    """Every tensor the test allocates, the kernels' outputs included, starts as NaN (torch's
+    deterministic mode fills uninitialised memory): an element a kernel never writes cannot pass."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    assert torch.empty(1, device="cuda", dtype=torch.float16).isnan().all()
+    yield
+    torch.utils.deterministic.fill_uninitialized_memory = fill
+    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)

@@ -9,7 +9,7 @@ from torch.library import opcheck
 
 import tk_ops
 from tk_ops.ops.layer_norm import dropout_hash, dropout_keep_mask
-from tk_testing import TOLERANCE, assert_rel_close, requires_cuda, requires_kernel
+from tk_testing import TOLERANCE, assert_rel_close, on_gpu_rows, on_gpu_with_canary, requires_cuda, requires_kernel
 
 # Odd row counts and hidden sizes that are no multiple of 8; one 1-D input, one 4-D input.
 SHAPES = [(37,), (5, 100), (3, 7, 37), (2, 3, 5, 19)]
@@ -410,40 +410,6 @@ EDGE_CASES = {  # id: (hidden, residual, dropout_p, layout)
     "C1000-residual-dropout-strided": (1000, True, 0.15, "row-strided"),
 }
 EDGE_ROWS = 67
-ROW_PADDING = 8  # NaN elements after each row of a row-strided activation (rows stay 16-byte aligned)
-PARAMETER_CANARY = 8  # NaN elements after the end of each parameter
-
-
-@pytest.fixture
-def poisoned_allocations():
-    """Every tensor the test allocates, the kernels' outputs included, starts as NaN (torch's
-    deterministic mode fills uninitialised memory): an element a kernel never writes cannot pass."""
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    fill = torch.utils.deterministic.fill_uninitialized_memory
-    torch.use_deterministic_algorithms(True)
-    torch.utils.deterministic.fill_uninitialized_memory = True
-    assert torch.empty(1, device="cuda", dtype=torch.float16).isnan().all()
-    yield
-    torch.utils.deterministic.fill_uninitialized_memory = fill
-    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
-
-
-def on_gpu_rows(values: torch.Tensor, layout: str) -> torch.Tensor:
-    """(rows, hidden) values on the GPU; row-strided: a view whose rows are followed by NaN."""
-    if layout == "contiguous":
-        return values.cuda()
-    count, hidden = values.shape
-    rows = torch.full((count, hidden + ROW_PADDING), float("nan"), dtype=values.dtype, device="cuda")
-    rows[:, :hidden] = values
-    return rows[:, :hidden]
-
-
-def on_gpu_with_canary(values: torch.Tensor) -> torch.Tensor:
-    """A (C,) parameter on the GPU, a view of a buffer holding NaN past its end."""
-    buffer = torch.full((values.numel() + PARAMETER_CANARY,), float("nan"), dtype=values.dtype, device="cuda")
-    buffer[: values.numel()] = values
-    return buffer[: values.numel()]
 
 
 @requires_kernel("layer_norm")

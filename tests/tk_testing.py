@@ -162,3 +162,26 @@ class RecordTkCalls(TorchDispatchMode):
         if func.namespace == "tk":
             self.calls.setdefault(func.overloadpacket.__name__, []).append(args)
         return func(*args, **(kwargs or {}))
+
+
+# ------------------------------------------------------------- kernels that must not over-read
+
+ROW_PADDING = 8  # NaN elements after each row of a row-strided activation (rows stay 16-byte aligned)
+PARAMETER_CANARY = 8  # NaN elements after the end of a parameter
+
+
+def on_gpu_rows(values: torch.Tensor, layout: str) -> torch.Tensor:
+    """(rows, hidden) values on the GPU; row-strided: a view whose rows are followed by NaN."""
+    if layout == "contiguous":
+        return values.cuda()
+    count, hidden = values.shape
+    rows = torch.full((count, hidden + ROW_PADDING), float("nan"), dtype=values.dtype, device="cuda")
+    rows[:, :hidden] = values
+    return rows[:, :hidden]
+
+
+def on_gpu_with_canary(values: torch.Tensor) -> torch.Tensor:
+    """A (C,) parameter on the GPU, a view of a buffer holding NaN past its end."""
+    buffer = torch.full((values.numel() + PARAMETER_CANARY,), float("nan"), dtype=values.dtype, device="cuda")
+    buffer[: values.numel()] = values
+    return buffer[: values.numel()]
