@@ -8,6 +8,7 @@ from torch._inductor.utils import run_and_get_code
 from torch.library import opcheck
 
 import tk_ops
+import tk_testing
 from tk_ops.ops.layer_norm import dropout_hash, dropout_keep_mask
 from tk_testing import TOLERANCE, assert_rel_close, on_gpu_rows, on_gpu_with_canary, requires_cuda, requires_kernel
 
@@ -342,11 +343,7 @@ def test_export_contains_tk_op():
         def forward(self, x, residual):
             return tk_ops.layer_norm(x, self.weight, self.bias, residual=residual)
 
-    x, residual = torch.randn(5, 37), torch.randn(5, 37)
-    module = PostNorm()
-    exported = torch.export.export(module, (x, residual))
-    assert torch.ops.tk.layer_norm.default in {node.target for node in exported.graph.nodes}
-    assert torch.equal(exported.module()(x, residual), module(x, residual))
+    tk_testing.check_export(PostNorm(), (torch.randn(5, 37), torch.randn(5, 37)), ["layer_norm"], tol=0)
 
 
 # ---------------------------------------------------------------------------------- bad inputs

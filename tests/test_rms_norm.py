@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch._inductor.utils import run_and_get_code
 from torch.library import opcheck
 
 import tk_ops
+import tk_testing
 from tk_testing import TOLERANCE, assert_rel_close, on_gpu_rows, on_gpu_with_canary, requires_cuda, requires_kernel
 
 # Odd row counts and hidden sizes that are no multiple of 8; one 1-D input, one 4-D input.
@@ -195,22 +195,12 @@ def test_opcheck_backward(case):
 def test_compile_fullgraph_calls_tk_ops():
     inputs = make_inputs((2, 9, 40), torch.float32, residual_dtype=torch.float32, requires_grad=True)
 
-    def loss(x, weight, residual):
-        out, h = tk_ops.rms_norm(x, weight, residual=residual, return_residual=True)
-        return (out * out).sum() + (h * out).sum()
+    def norm(x, weight, residual):
+        return tk_ops.rms_norm(x, weight, residual=residual, return_residual=True)
 
-    def step(fn):
-        for t in inputs:
-            t.grad = None
-        value = fn(*inputs)
-        value.backward()
-        return value.detach(), *(t.grad.clone() for t in inputs)
-
-    compiled_results, codes = run_and_get_code(step, torch.compile(loss, fullgraph=True))
-    code = "\n".join(codes)
-    assert "torch.ops.tk.rms_norm.default" in code and "torch.ops.tk.rms_norm_bwd.default" in code
-    for got, expected in zip(compiled_results, step(loss)):
-        torch.testing.assert_close(got, expected)
+    tk_testing.check_compile_fullgraph(
+        norm, inputs, ["rms_norm", "rms_norm_bwd"], loss=lambda out, h: (out * out).sum() + (h * out).sum()
+    )
 
 
 def test_export_contains_tk_op():
@@ -222,12 +212,7 @@ def test_export_contains_tk_op():
         def forward(self, x, residual):
             return tk_ops.rms_norm(x, self.weight, residual=residual, return_residual=True)
 
-    x, residual = torch.randn(5, 37), torch.randn(5, 37)
-    module = PreNorm()
-    exported = torch.export.export(module, (x, residual))
-    assert torch.ops.tk.rms_norm.default in {node.target for node in exported.graph.nodes}
-    for got, expected in zip(exported.module()(x, residual), module(x, residual)):
-        assert torch.equal(got, expected)
+    tk_testing.check_export(PreNorm(), (torch.randn(5, 37), torch.randn(5, 37)), ["rms_norm"], tol=0)
 
 
 # ---------------------------------------------------------------------------------- bad inputs
