@@ -1,6 +1,7 @@
 """Training throughput of the ~1B Llama preset: tk_ops vs the pure-PyTorch reference path, eager and compiled.
 
     python -m benchmarks.bench_training [--steps 100] [--variants tk-compile,reference-compile] [--out DIR]
+    python -m benchmarks.bench_training --multi-gpu [--steps 30] [--out DIR]     # on a machine of 2 GPUs
 
 Each variant is one ``python -m models.train --model llama --preset 1b`` run in its own process
 (fresh memory and compile caches) for the same number of steps from the same initial weights on
@@ -11,6 +12,10 @@ so the four can be run in separate commands) and DIR/training.png: the train-los
 tokens/s of each variant. ``speedup`` is tk-compile over reference-compile tokens/s;
 ``loss_gap`` the largest difference between the variants' train losses, each averaged over the
 last quarter of the steps (curves that agree within noise give a gap of a few 0.01 nats).
+
+``--multi-gpu`` runs the data-parallel variants instead and writes multi_gpu.json / .png: one GPU
+with ``--grad-accum 2`` against two GPUs under torchrun (NCCL) with DDP and with FSDP2, which see
+the same batches, so their per-step losses should agree to rounding (``max_step_gap``).
 
 Needs the prepared data (``python -m models.data prepare``, carried as ``.data/``) and a GPU.
 """
@@ -33,12 +38,25 @@ VARIANTS = {
     "reference-eager": ["--reference"],
     "reference-compile": ["--reference", "--compile"],
 }
+# Same global batch on one GPU (two micro-steps) and on two (one each); launched with torchrun.
+MULTI_GPU_VARIANTS = {
+    "tk-1gpu-accum2": ["--grad-accum", "2"],
+    "tk-ddp-2gpu": ["--parallel", "ddp"],
+    "tk-fsdp-2gpu": ["--parallel", "fsdp"],
+}
+MULTI_GPU_PROCESSES = 2
+
+
+def launcher(name: str) -> list[str]:
+    if name in MULTI_GPU_VARIANTS and "--parallel" in MULTI_GPU_VARIANTS[name]:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={MULTI_GPU_PROCESSES}"]
+    return [sys.executable]
 
 
 def run_variant(name: str, args) -> dict:
     out = REPO_ROOT / "runs" / f"bench-training-{name}"
     command = [
-        sys.executable,
+        *launcher(name),
         "-m",
         "models.train",
         "--model",
@@ -59,7 +77,7 @@ def run_variant(name: str, args) -> dict:
         "--no-progress",
         "--sample-tokens",
         "0",
-        *VARIANTS[name],
+        *{**VARIANTS, **MULTI_GPU_VARIANTS}[name],
         *args.train_args,
     ]
     print(f"[{name}] {' '.join(command)}", flush=True)
@@ -99,6 +117,9 @@ def comparisons(rows: list[dict]) -> dict:
         result["speedup_eager"] = round(
             by_name["tk-eager"]["tokens_per_s"] / by_name["reference-eager"]["tokens_per_s"], 3
         )
+    if len(rows) > 1 and all(row["variant"] in MULTI_GPU_VARIANTS for row in rows):
+        steps = zip(*(row["train_loss"] for row in rows))
+        result["max_step_gap"] = round(max(max(losses) - min(losses) for losses in steps), 4)
     tails = [tail_mean(row) for row in rows]
     if len(tails) > 1:
         result["loss_gap"] = round(max(tails) - min(tails), 4)
@@ -141,7 +162,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--preset", default="1b")
     parser.add_argument(
-        "--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {', '.join(VARIANTS)}"
+        "--variants", help=f"comma-separated subset of {', '.join(VARIANTS)} (default: all of them)"
+    )
+    parser.add_argument(
+        "--multi-gpu", action="store_true", help=f"run {', '.join(MULTI_GPU_VARIANTS)} instead (2 GPUs)"
     )
     parser.add_argument("--data", type=pathlib.Path, default=REPO_ROOT / ".data" / "kjv")
     parser.add_argument(
@@ -149,16 +173,18 @@ def main() -> None:
     )
     parser.add_argument("train_args", nargs="*", help="extra models.train arguments, after --")
     args = parser.parse_args()
-    names = [name for name in args.variants.split(",") if name]
-    unknown = set(names) - VARIANTS.keys()
+    known = MULTI_GPU_VARIANTS if args.multi_gpu else VARIANTS
+    names = [name for name in (args.variants or ",".join(known)).split(",") if name]
+    unknown = set(names) - known.keys()
     if unknown:
-        parser.error(f"unknown variants {sorted(unknown)}: choose from {sorted(VARIANTS)}")
+        parser.error(f"unknown variants {sorted(unknown)}: choose from {sorted(known)}")
 
-    path = args.out / "training.json"
+    stem = "multi_gpu" if args.multi_gpu else "training"
+    path = args.out / f"{stem}.json"
     previous = json.loads(path.read_text()) if path.exists() else {}
     kept = [row for row in previous.get("rows", []) if row["variant"] not in names and row.get("steps") == args.steps]
     new_rows = [{**run_variant(name, args), "steps": args.steps} for name in names]
-    rows = sorted(kept + new_rows, key=lambda row: list(VARIANTS).index(row["variant"]))
+    rows = sorted(kept + new_rows, key=lambda row: list(known).index(row["variant"]))
     document = {
         **environment(),
         "model": f"llama {args.preset}",
@@ -174,7 +200,7 @@ def main() -> None:
         f"Llama {args.preset} ({rows[0]['parameters'] / 1e9:.2f}B), {rows[0]['tokens_per_step']} tokens/step, "
         f"{args.steps} steps, {document['gpu']}"
     )
-    plot(rows, args.out / "training.png", title)
+    plot(rows, args.out / f"{stem}.png", title)
     for row in rows:
         mfu = f"{row['mfu']:.1%}" if row["mfu"] else "-"
         print(
@@ -182,7 +208,7 @@ def main() -> None:
             f"final loss {tail_mean(row):.3f}"
         )
     print(json.dumps(comparisons(rows)))
-    print(f"wrote {path} and {args.out / 'training.png'}")
+    print(f"wrote {path} and {args.out / f'{stem}.png'}")
 
 
 if __name__ == "__main__":

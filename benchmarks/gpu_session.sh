@@ -7,8 +7,10 @@
 #   build          cold in-place build of tk_ops._C with every core (prints the time)
 #   build:warm     incremental build (after an edit, on a machine that is still warm)
 #   tests[=ARGS]   pytest -m gpu over tests/ (or over ARGS, e.g. tests=tests/test_matmul.py)
-#   sanitize       memcheck, racecheck and synccheck over a small run of each registered kernel
-#   profile        Nsight Compute sections of the GEMM and attention kernels (benchmarks/profile_kernels.py)
+#   sanitize[=F,..] memcheck, racecheck and synccheck over a small run of each registered kernel
+#                  family (or of the families named: matmul, attention, rope, layer_norm)
+#   apply:PATCH    apply the patch file PATCH to this copy only, to measure a variant (then build:warm)
+#   profile        Nsight Compute sections of the GEMM, attention and norm kernels (benchmarks/profile_kernels.py)
 #   bench:NAME     python3 -m benchmarks.bench_NAME --out OUT_DIR
 #   tune:NAME      python3 -m benchmarks.tune_NAME (compares candidate tile plans)
 #   sass           HGMMA / UTMALDG / spill counts of the built kernels
@@ -61,7 +63,7 @@ for part in "${parts[@]}"; do
       { section "pytest -m gpu $selection"; python3 -m pytest $selection -m gpu -q -x -p no:cacheprovider; } 2>&1 |
         tee -a "$OUT/tests.log" || status=1
       ;;
-    sanitize)
+    sanitize | sanitize=*)
       # One small correctness run per registered kernel family (each checks its results against
       # float64), under each tool; families whose kernels are not registered are skipped.
       declare -A sanitize_runs=(
@@ -71,6 +73,7 @@ for part in "${parts[@]}"; do
         [layer_norm]="benchmarks.bench_norms --check"
       )
       registered=$(python3 -c "import tk_ops; b = tk_ops.backends(); print(*[o for o in ('matmul', 'attention', 'rope', 'layer_norm') if b[o] == 'cuda kernel'])")
+      [[ "$part" == sanitize=* ]] && registered=${part#sanitize=} && registered=${registered//,/ }
       for tool in memcheck racecheck synccheck; do
         for family in $registered; do
           { section "compute-sanitizer $tool: $family"
@@ -83,7 +86,9 @@ for part in "${parts[@]}"; do
       # Nsight Compute on one call after warm-up (benchmarks/profile_kernels.py makes 2 warm-up
       # calls): case, kernel-name regex, kernels per call.
       for spec in "gemm_k64 producer_consumer 1" "linear_llama_row_major_weight producer_consumer 1" \
-                  "attention_fwd_d128_n8192 forward_entry 1" "attention_bwd_d128_n8192 statistics_kernel|gradient_entry 3"; do
+                  "attention_fwd_d128_n8192 forward_entry 1" "attention_bwd_d128_n8192 statistics_kernel|gradient_entry 3" \
+                  "layer_norm_bwd_h1024 norm_backward_kernel|sum_partial_rows_kernel 2" \
+                  "layer_norm_bwd_h4096 norm_backward_kernel|sum_partial_rows_kernel 2"; do
         read -r profile_case kernels per_call <<< "$spec"
         { section "ncu $profile_case"
           ncu --clock-control none --launch-skip $((2 * per_call)) --launch-count "$per_call" -k "regex:$kernels" \
@@ -91,6 +96,11 @@ for part in "${parts[@]}"; do
             --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
             python3 -m benchmarks.profile_kernels "$profile_case"; } 2>&1 | tee -a "$OUT/profile.log" || status=1
       done
+      ;;
+    apply:*)
+      patch_file=${part#apply:}
+      { section "$part"; git apply --verbose "$patch_file" || patch -p1 --forward < "$patch_file"; } 2>&1 |
+        tee -a "$OUT/env.log" || status=1
       ;;
     bench:*)
       name=${part#bench:}

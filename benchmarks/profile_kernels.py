@@ -39,12 +39,27 @@ def attention(batch: int, heads: int, n: int, d: int, backward: bool):
     return lambda: torch.ops.tk.attention_bwd.default(grad, None, q, k, v, out, lse, False, scale), 3
 
 
+def layer_norm_backward(rows: int, hidden: int):
+    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+    weight, bias = (torch.randn(hidden, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    _, _, mean, rstd = torch.ops.tk.layer_norm.default(x, weight, bias, None, None, 1e-5, 0.0)
+    grad = torch.randn_like(x)
+    h = x  # without residual or dropout the backward reads x as the stream
+    # the row kernel, then the sum of its per-block partial rows of dweight and dbias
+    return lambda: torch.ops.tk.layer_norm_bwd.default(
+        grad, None, h, weight, bias, mean, rstd, None, 0.0, [True, False, True, True]
+    ), 2
+
+
 CASES = {
     "gemm_k64": lambda: gemm(4096, 4096, 64, weight_row_major=False),
     "gemm_4096": lambda: gemm(4096, 4096, 4096, weight_row_major=False),
     "linear_llama_row_major_weight": lambda: gemm(16384, 11008, 4096, weight_row_major=True),
     "attention_fwd_d128_n8192": lambda: attention(2, 16, 8192, 128, backward=False),
     "attention_bwd_d128_n8192": lambda: attention(2, 16, 8192, 128, backward=True),
+    # fwd+bwd at hidden 1024 took 0.64 ms for 336 MB (0.5 of eager's speed) while 4096 ran near copy speed
+    "layer_norm_bwd_h1024": lambda: layer_norm_backward(32768, 1024),
+    "layer_norm_bwd_h4096": lambda: layer_norm_backward(32768, 4096),
 }
 
 

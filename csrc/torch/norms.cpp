@@ -6,9 +6,6 @@
 // fp32/fp64 x, another GPU than sm_90, hidden sizes above the kernels' maximum (8192 for bf16/fp16
 // rows that are 16-byte aligned, 2048 otherwise), empty tensors. The dropout seed is read by the
 // kernels from device memory, so a launch never synchronises and can be captured in a CUDA graph.
-//
-// Not registered yet: the CUDA-key registration of these four entries lands only once the GPU
-// tests have passed on the device (benchmarks/results/norms_notes.md says how to run them).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/cuda/CUDAException.h>
@@ -327,3 +324,10 @@ rms_norm_outputs rms_norm_bwd_cuda(const at::Tensor& grad_out, const optional_te
 }
 
 }  // namespace
+
+TORCH_LIBRARY_IMPL(tk, CUDA, m) {
+  m.impl("layer_norm", &layer_norm_cuda);
+  m.impl("layer_norm_bwd", &layer_norm_bwd_cuda);
+  m.impl("rms_norm", &rms_norm_cuda);
+  m.impl("rms_norm_bwd", &rms_norm_bwd_cuda);
+}
