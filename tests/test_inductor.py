@@ -174,6 +174,82 @@ def test_sdpa_left_alone(rewrites, case):
     check_left_alone(fn, [q, k, v], {"attention", "attention_bwd"})
 
 
+def call_arguments(code: str, op: str) -> list[list[str]]:
+    """The arguments, as written in the generated code, of each call of tk.<op>."""
+    return [call.split(", ") for call in re.findall(rf"torch\.ops\.tk\.{op}\.default\(([^)]*)\)", code)]
+
+
+def constant_mask(kind: str, nq: int, nk: int, device) -> torch.Tensor:
+    """Masks built in the graph from aranges (as Hugging Face does under torch.compile), (1, 1, nq, nk)."""
+    rows = torch.arange(nq, device=device)[:, None]
+    cols = torch.arange(nk, device=device)[None, :]
+    attends = {
+        "causal": cols <= rows,
+        "causal_bottom_right": cols <= rows + (nk - nq),
+        "all": cols >= 0,
+        "window": (cols <= rows) & (cols > rows - 3),
+    }[kind.removeprefix("additive_")]
+    if kind.startswith("additive_"):
+        zero = torch.zeros((), dtype=BF16, device=device)
+        return torch.where(attends, zero, torch.full((), float("-inf"), dtype=BF16, device=device))[None, None]
+    return attends[None, None].expand(1, 1, nq, nk)
+
+
+@pytest.mark.parametrize(
+    "kind, nq, nk",
+    [("causal", 17, 17), ("additive_causal", 17, 17), ("all", 9, 13), ("causal_bottom_right", 9, 13)],
+)
+def test_sdpa_with_constant_mask_rewritten(rewrites, kind, nq, nk):
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=constant_mask(kind, nq, nk, q.device))
+
+    inputs = [leaf(2, 2, nq, 64), leaf(2, 2, nk, 64), leaf(2, 2, nk, 64)]
+    check_rewrite(fn, inputs, {"attention", "attention_bwd"})
+    [(*_, causal, _)] = call_arguments(compiled_step(fn, *inputs), "attention")
+    assert causal == str(kind != "all")
+
+
+@pytest.mark.parametrize(
+    "kind, nq, nk",
+    # a sliding window; top-left causal on a rectangle (tk's is bottom-right); empty rows (nq > nk)
+    [("window", 12, 12), ("causal", 9, 13), ("causal_bottom_right", 13, 9)],
+)
+def test_sdpa_with_other_constant_masks_left_alone(rewrites, kind, nq, nk):
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=constant_mask(kind, nq, nk, q.device))
+
+    check_left_alone(fn, [leaf(1, 2, nq, 64), leaf(1, 2, nk, 64), leaf(1, 2, nk, 64)], {"attention", "attention_bwd"})
+
+
+def test_sdpa_with_mask_from_an_input_left_alone(rewrites):
+    def fn(q, k, v, positions):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=positions[None, :] <= positions[:, None])
+
+    inputs = [leaf(1, 2, 8, 64), leaf(1, 2, 8, 64), leaf(1, 2, 8, 64), torch.arange(8)]
+    check_left_alone(fn, inputs, {"attention", "attention_bwd"})
+
+
+def repeat_kv(x: torch.Tensor, copies: int) -> torch.Tensor:
+    """Hugging Face's repeat_kv."""
+    batch, heads, n, d = x.shape
+    return x[:, :, None, :, :].expand(batch, heads, copies, n, d).reshape(batch, heads * copies, n, d)
+
+
+@pytest.mark.parametrize("copies", [2, 3])
+def test_sdpa_on_repeat_kv_reads_the_unexpanded_heads(rewrites, copies):
+    def fn(q, k, v):
+        mask = constant_mask("causal", q.shape[2], q.shape[2], q.device)
+        return F.scaled_dot_product_attention(q, repeat_kv(k, copies), repeat_kv(v, copies), attn_mask=mask)
+
+    inputs = [leaf(2, 2 * copies, 11, 64), leaf(2, 2, 11, 64), leaf(2, 2, 11, 64)]
+    check_rewrite(fn, inputs, {"attention", "attention_bwd"})
+    code = compiled_step(fn, *inputs)
+    # q, k, v are the compiled function's inputs themselves, not copies expanded to 2 * copies heads
+    [forward] = call_arguments(code, "attention")
+    [backward] = call_arguments(code, "attention_bwd")
+    assert forward[:3] == backward[2:5] == ["primals_1", "primals_2", "primals_3"]
+
+
 # ------------------------------------------------------------------------------------ LayerNorm
 
 
@@ -315,6 +391,16 @@ def _hf_check(model, inputs, expected_ops):
 
 def test_hf_llama_compiles_to_tk_ops(rewrites):
     transformers = pytest.importorskip("transformers", reason="transformers is a test dependency")
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_HF_CONFIG, num_key_value_heads=1))
+    ids = torch.randint(0, 97, (2, 13))
+    _hf_check(model, {"input_ids": ids}, {"attention", "attention_bwd", "rms_norm", "rms_norm_bwd", "rope_qk", "rope_qk_bwd"})
+
+
+def test_hf_llama_with_its_mask_materialised_compiles_to_tk_ops(rewrites, monkeypatch):
+    """Before torch 2.14, transformers always builds the causal mask under torch.compile (and then
+    uses repeat_kv for GQA); the rewrite proves that mask causal and reads the unrepeated K/V."""
+    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency")
+    monkeypatch.setattr(transformers.masking_utils, "_ignore_causal_mask_sdpa", lambda *args, **kwargs: False)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_HF_CONFIG, num_key_value_heads=1))
     ids = torch.randint(0, 97, (2, 13))
     _hf_check(model, {"input_ids": ids}, {"attention", "attention_bwd", "rms_norm", "rms_norm_bwd", "rope_qk", "rope_qk_bwd"})

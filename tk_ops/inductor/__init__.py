@@ -5,8 +5,9 @@
     model = torch.compile(model)
 
 Rewritten, in inference and training graphs, only where exact (dtypes, shapes, masks, scales):
-  * ``F.scaled_dot_product_attention`` (no mask, or causal with Nq == Nk; dropout 0; bf16/fp16;
-    head dim 64/128; GQA via ``enable_gqa``) -> ``tk.attention`` / ``tk.attention_bwd``;
+  * ``F.scaled_dot_product_attention`` (no mask, causal with Nq == Nk, or a constant mask proven
+    all-true or causal; dropout 0; bf16/fp16; head dim 64/128; GQA via ``enable_gqa`` or
+    ``repeat_kv``-expanded K/V, read unexpanded) -> ``tk.attention`` / ``tk.attention_bwd``;
   * ``F.layer_norm`` over the last dim (with or without bias), alone or after a residual add ->
     ``tk.layer_norm``;
   * Hugging Face's RMSNorm (fp32 normalisation, cast, times a weight of x's dtype) -> ``tk.rms_norm``;

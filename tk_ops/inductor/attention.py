@@ -4,17 +4,29 @@ Dynamo/AOT lower ``F.scaled_dot_product_attention`` to one fused forward node pe
 (flash, efficient, cuDNN, flash-for-CPU) and, in training graphs, one partner backward node that
 reads the forward's output and logsumexp. Both are replaced: the forward by ``tk.attention``
 (which returns out and lse) and each partner backward by ``tk.attention_bwd`` reading our out and
-lse. The rewrite is exact only when: no mask or bias, dropout 0, bf16/fp16, head dim 64 or 128,
-and for causal masks Nq == Nk (SDPA's causal mask is top-left aligned, tk's bottom-right; the two
-agree only on square problems).
+lse. The rewrite is exact only when: dropout 0, bf16/fp16, head dim 64 or 128, and either
+  * no mask, or ``is_causal`` with Nq == Nk (SDPA's causal mask is top-left aligned, tk's
+    bottom-right; the two agree only on square problems), or
+  * an explicit mask (boolean, or additive 0 / -inf) that reads no graph input, e.g. one built
+    from aranges as Hugging Face models do under torch.compile before torch 2.14. Such a mask is a
+    constant of the graph: it is evaluated on the CPU at compile time and accepted when every
+    query sees every key (no mask) or when it is the bottom-right causal mask with no empty row.
+
+K and V expanded from fewer heads by Hugging Face's ``repeat_kv`` (unsqueeze, expand, copy,
+reshape) are read from the unexpanded tensors, as GQA, so the copies disappear. Their gradients
+then go back as the expanded shape that the graph's own ``repeat_kv`` backward (a sum over each
+group) expects: our per-group gradient in the first copy of the group, zeros in the others, so the
+sum is exact.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from tk_ops.inductor import _graph
 from tk_ops.inductor.options import RewriteOptions
@@ -39,27 +51,131 @@ _FORWARD_TO_BACKWARD = {
 _KERNEL_HEAD_DIMS = (64, 128)
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 _GRADS = 3  # grad_query, grad_key, grad_value
+# The most memory one intermediate of a constant mask may take when it is evaluated at compile time.
+_CONSTANT_MASK_BYTES = 1 << 28
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
-def _rewritable(arguments: dict, options: RewriteOptions) -> bool:
+def _is_call(node, targets) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def _constant_value(node: torch.fx.Node) -> Optional[torch.Tensor]:
+    """The value of a node that reads no graph input, computed on the CPU; None for any other node,
+    and for random ops, symbolic shapes or intermediates over _CONSTANT_MASK_BYTES."""
+    ancestors, pending = set(), [node]
+    while pending:
+        current = pending.pop()
+        if current in ancestors:
+            continue
+        if current.op != "call_function" or not isinstance(current.target, torch._ops.OpOverload):
+            return None
+        if torch.Tag.nondeterministic_seeded in current.target.tags:
+            return None
+        value = current.meta.get("val")
+        if not isinstance(value, torch.Tensor) or not all(isinstance(size, int) for size in value.shape):
+            return None
+        if value.untyped_storage().nbytes() > _CONSTANT_MASK_BYTES:
+            return None
+        ancestors.add(current)
+        pending.extend(current.all_input_nodes)
+    values = {}
+    for current in (n for n in node.graph.nodes if n in ancestors):
+        args, kwargs = torch.fx.node.map_arg((current.args, current.kwargs), values.__getitem__)
+        if "device" in kwargs:
+            kwargs = {**kwargs, "device": torch.device("cpu")}
+        values[current] = current.target(*args, **kwargs)
+    return values[node]
+
+
+def _constant_mask_causal(mask: torch.fx.Node, q_len: int, k_len: int) -> Optional[bool]:
+    """False if the constant mask lets every query see every key, True if it is the bottom-right
+    causal mask with no empty row (tk's causal), None if it is neither or not a constant."""
+    with unset_fake_temporarily():  # real tensors, computed now, while the pass runs under fake mode
+        return _mask_causal(_constant_value(mask), q_len, k_len)
+
+
+def _mask_causal(value: Optional[torch.Tensor], q_len: int, k_len: int) -> Optional[bool]:
+    if value is None or value.dim() < 2:
+        return None
+    for dim in range(value.dim() - 2):  # broadcast copies (stride 0) are checked once
+        if value.stride(dim) == 0:
+            value = value.narrow(dim, 0, 1)
+    if value.dtype == torch.bool:
+        attends = value
+    elif value.is_floating_point():
+        attends = value == 0
+        if not bool(torch.all(attends | (value == float("-inf")))):
+            return None
+    else:
+        return None
+    try:
+        attends = attends.expand(*attends.shape[:-2], q_len, k_len)
+    except RuntimeError:
+        return None
+    if bool(attends.all()):
+        return False
+    causal = torch.arange(k_len)[None, :] <= torch.arange(q_len)[:, None] + (k_len - q_len)
+    if q_len <= k_len and torch.equal(attends, causal.expand_as(attends)):
+        return True
+    return None
+
+
+def _causal_if_rewritable(arguments: dict, options: RewriteOptions) -> Optional[bool]:
+    """tk's causal flag for an SDPA node it computes exactly, None if it does not."""
     q, k, v = (_graph.fake_value(arguments[name]) for name in ("query", "key", "value"))
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
-        return False
-    if arguments.get("attn_mask") is not None or arguments.get("attn_bias") is not None:
-        return False
+        return None
     if arguments.get("dropout_p", 0.0) != 0.0:
-        return False
+        return None
     if not (q.dtype == k.dtype == v.dtype and q.dtype in _KERNEL_DTYPES):
-        return False
+        return None
     if not (q.shape[-1] == k.shape[-1] == v.shape[-1] and q.shape[-1] in _KERNEL_HEAD_DIMS):
-        return False
-    if q.shape[1] % k.shape[1] != 0:
-        return False
-    if arguments.get("is_causal") and not torch.fx.experimental.symbolic_shapes.statically_known_true(
-        q.shape[2] == k.shape[2]
-    ):
-        return False
-    return options.serves(q.device, "attention")
+        return None
+    if q.shape[1] % k.shape[1] != 0 or not options.serves(q.device, "attention"):
+        return None
+    mask = arguments.get("attn_mask", arguments.get("attn_bias"))
+    if mask is not None:
+        if not all(isinstance(size, int) for size in (q.shape[2], k.shape[2])):
+            return None
+        return _constant_mask_causal(mask, q.shape[2], k.shape[2])
+    causal = bool(arguments.get("is_causal", False))
+    if causal and not torch.fx.experimental.symbolic_shapes.statically_known_true(q.shape[2] == k.shape[2]):
+        return None
+    return causal
+
+
+def _unrepeated(node: torch.fx.Node) -> tuple[torch.fx.Node, int]:
+    """(x, n) when ``node`` is x of shape (B, H, N, D) with each head repeated n times along dim 1
+    (Hugging Face's repeat_kv: unsqueeze(2), expand, copy, reshape); (node, 1) otherwise."""
+    not_repeated = (node, 1)
+    if not _is_call(node, _VIEWS):
+        return not_repeated
+    expanded = node.args[0]
+    if _is_call(expanded, (aten.clone.default,)):
+        expanded = expanded.args[0]
+    if not _is_call(expanded, (aten.expand.default,)):
+        return not_repeated
+    unsqueezed = expanded.args[0]
+    if not (_is_call(unsqueezed, (aten.unsqueeze.default,)) and unsqueezed.args[1] == 2):
+        return not_repeated
+    source = unsqueezed.args[0]
+    shapes = [tuple(_graph.fake_value(n).shape) for n in (node, expanded, source)]
+    if [len(shape) for shape in shapes] != [4, 5, 4]:
+        return not_repeated
+    (batch, heads, n, d), (_, _, copies, _, _), source_shape = shapes
+    if source_shape != (batch, heads // copies, n, d) or heads != source_shape[1] * copies:
+        return not_repeated
+    return source, copies
+
+
+def _as_repeated_grad(graph: torch.fx.Graph, grad: torch.fx.Node, copies: int, like: torch.fx.Node) -> torch.fx.Node:
+    """A gradient for the repeated tensor whose sum over each group of copies is ``grad`` exactly."""
+    batch, heads, n, d = _graph.fake_value(grad).shape
+    grouped = _graph.insert_single(graph, like, aten.unsqueeze.default, (grad, 2), like)
+    padding = [0, 0, 0, 0, 0, copies - 1]  # (D, N, copies) from the last dim: zeros after the first copy
+    padded = _graph.insert_single(graph, like, aten.constant_pad_nd.default, (grouped, padding, 0.0), like)
+    return _graph.insert_single(graph, like, aten.view.default, (padded, [batch, heads * copies, n, d]), like)
 
 
 def _partner_backwards(forward: torch.fx.Node, users: dict) -> list[torch.fx.Node] | None:
@@ -89,13 +205,16 @@ def rewrite_attention(graph: torch.fx.Graph, options: RewriteOptions) -> int:
             continue
         arguments = _graph.bind_arguments(forward)
         users = _graph.getitem_users(forward)
-        if users is None or not _rewritable(arguments, options):
+        if users is None:
+            continue
+        causal = _causal_if_rewritable(arguments, options)
+        if causal is None:
             continue
         backwards = _partner_backwards(forward, users)
         if backwards is None:
             continue
-        query, key, value = arguments["query"], arguments["key"], arguments["value"]
-        causal = bool(arguments.get("is_causal", False))
+        query = arguments["query"]
+        (key, key_copies), (value, value_copies) = _unrepeated(arguments["key"]), _unrepeated(arguments["value"])
         scale = arguments.get("scale")
         if scale is None:
             scale = 1.0 / math.sqrt(_graph.fake_value(query).shape[-1])
@@ -115,9 +234,13 @@ def rewrite_attention(graph: torch.fx.Graph, options: RewriteOptions) -> int:
                 _GRADS,
                 backward,
             )
+            copies = (1, key_copies, value_copies)
             for index, items in backward_users.items():
+                grad = grads[index]
+                if copies[index] > 1:
+                    grad = _as_repeated_grad(graph, grad, copies[index], items[0])
                 for item in items:
-                    item.replace_all_uses_with(grads[index])
+                    item.replace_all_uses_with(grad)
                     graph.erase_node(item)
             graph.erase_node(backward)
         for items in users.values():
