@@ -295,6 +295,12 @@ def run_case(kind: str, case: str, hidden: int, copy: float) -> dict:
         timed = timed_function(fn, case)
         errors[name] = rel_err(first_output(timed(*first)).float(), ours.float()) if name != "tk_ops" else 0.0
         timings[name] = common.time_ms(timed, sets)
+    # Ours again as one CUDA-graph replay: device time alone, to tell host-bound sizes apart.
+    try:
+        ours_graph_ms = common.time_graph_ms(timed_function(impls["tk_ops"], case), sets)
+    except RuntimeError as error:  # a capture failure must not cost the run its other numbers
+        print(f"CUDA-graph timing failed for {kind} {case} {hidden}: {error}")
+        ours_graph_ms = float("nan")
     del sets, first
     torch.cuda.empty_cache()
     moved = hbm_bytes(kind, case, hidden)
@@ -303,6 +309,8 @@ def run_case(kind: str, case: str, hidden: int, copy: float) -> dict:
     row = {
         "norm": kind, "case": case, "rows": ROWS, "hidden": hidden, "dtype": "bf16", "hbm_bytes": moved,
         "ours_ms": round(timings["tk_ops"], 5),
+        "ours_graph_ms": round(ours_graph_ms, 5),
+        "graph_fraction_of_copy": round(moved / ours_graph_ms / 1e6 / copy, 3),
         "ours_gbps": round(moved / timings["tk_ops"] / 1e6, 1),
         "fraction_of_copy": round(moved / timings["tk_ops"] / 1e6 / copy, 3),
         "best_baseline": best,
@@ -361,7 +369,7 @@ def main() -> None:
     print(f"device-to-device copy in this run: {copy:.0f} GB/s")
     out_dirs = [common.RESULTS] + ([args.out] if args.out else [])
     rows = []
-    print(f"{'norm':5} {'case':8} {'hidden':>6} {'ours ms':>8} {'GB/s':>6} {'of copy':>7} {'liger':>7} {'eager':>7} {'compiled':>8} {'best':>8} {'ratio':>6}")
+    print(f"{'norm':5} {'case':8} {'hidden':>6} {'ours ms':>8} {'GB/s':>6} {'of copy':>7} {'liger':>7} {'eager':>7} {'compiled':>8} {'best':>8} {'ratio':>6} {'graph ms':>8}")
     for hidden in HIDDEN_SIZES:
         for kind in ("layer", "rms"):
             for case in ("fwd", "fwd+res", "fwd+bwd"):
@@ -371,7 +379,7 @@ def main() -> None:
                 compiled_cell = f"{row['compiled_ms']:8.4f}" if "compiled_ms" in row else f"{'-':>8}"
                 print(f"{kind:5} {case:8} {hidden:6} {row['ours_ms']:8.4f} {row['ours_gbps']:6.0f} "
                       f"{row['fraction_of_copy']:7.3f} {cells[0]} {cells[1]} {compiled_cell} {row['best_baseline']:>8} "
-                      f"{row['ratio_vs_best']:6.2f}")
+                      f"{row['ratio_vs_best']:6.2f} {row['ours_graph_ms']:8.4f}")
         # Written after every size, so a run cut short still leaves its numbers.
         common.write_results("norms", rows, out_dirs, copy_gbps=round(copy, 1),
                              ceiling="device-to-device copy (read + write), this run",
