@@ -418,12 +418,25 @@ def test_hf_bert_compiles_to_tk_ops(rewrites):
 
 
 @requires_kernel("attention")
-def test_default_rewrite_on_h100():
+@pytest.mark.parametrize("form", ["is_causal", "constant_mask", "constant_mask_repeat_kv"])
+def test_default_rewrite_on_h100(form):
+    """On CUDA, SDPA with a mask lowers to the efficient or cuDNN node with an additive bias."""
+
+    def fn(q, k, v):
+        if form == "is_causal":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        mask = constant_mask("causal", q.shape[2], q.shape[2], q.device)
+        if form == "constant_mask_repeat_kv":
+            k, v = repeat_kv(k, 2), repeat_kv(v, 2)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
     saved = inductor_config.joint_custom_post_pass
     tk_ops.inductor.enable()
     try:
-        q, k, v = (leaf(2, 4, 256, 128).cuda().detach().requires_grad_() for _ in range(3))
-        check_rewrite(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), [q, k, v], {"attention", "attention_bwd"})
+        kv_heads = 2 if form == "constant_mask_repeat_kv" else 4
+        q = leaf(2, 4, 256, 128).cuda().detach().requires_grad_()
+        k, v = (leaf(2, kv_heads, 256, 128).cuda().detach().requires_grad_() for _ in range(2))
+        check_rewrite(fn, [q, k, v], {"attention", "attention_bwd"})
     finally:
         tk_ops.inductor.disable()
         inductor_config.joint_custom_post_pass = saved
