@@ -15,7 +15,7 @@ from torch._inductor.utils import run_and_get_code
 
 import tk_ops
 import tk_ops.inductor
-from tk_testing import assert_rel_close, check_compile_fullgraph, requires_kernel
+from tk_testing import assert_rel_close, check_compile_fullgraph, parametrize_with_ids, requires_kernel
 
 BF16 = torch.bfloat16
 
@@ -463,3 +463,150 @@ def test_linear_and_matmul_rewritten_when_asked(matmul_rewrites):
 
 def test_matmul_not_rewritten_by_default(rewrites):
     check_left_alone(lambda a, b: a @ b, [leaf(5, 24), leaf(24, 8)], {"matmul", "linear"})
+
+
+# ------------------------------------------------------------- dropout + residual + LayerNorm
+
+DROPOUT_P = 0.25
+HIDDEN = 40
+
+
+def tk_layer_norm_calls(code: str) -> list[tuple[bool, float]]:
+    """(whether a residual is passed, dropout_p) for every tk.layer_norm call in the generated code."""
+    calls = re.findall(r"torch\.ops\.tk\.layer_norm\.default\((.*)\)", code)
+    tails = (call.rsplit(", ", 4)[1:] for call in calls)  # residual, dropout_seed, eps, dropout_p
+    return [(residual != "None", float(p)) for residual, _, _, p in tails]
+
+
+def calls_torch_dropout_rng(code: str) -> bool:
+    # Inductor's CPU kernel for the uniform draw of the mask, or the fused op (fallback_random)
+    return "normalized_rand_cpu" in code or "aten.native_dropout" in code
+
+
+def compiled_inference(fn, *inputs):
+    """Compile fn and run it without autograd; return its outputs and the generated code."""
+    with torch.no_grad():
+        outputs, codes = run_and_get_code(torch.compile(fn, fullgraph=True), *inputs)
+    return outputs, "\n".join(codes)
+
+
+def away_from_zero(*shape):
+    """|x| in [0.5, 1.5]: no kept x / (1 - p) vanishes in the bf16 rounding of h = that + residual."""
+    return ((torch.rand(*shape) + 0.5) * torch.randn(*shape).sign()).to(BF16)
+
+
+def dropout_block(p=DROPOUT_P, training=True, residual_first=False, normalized_shape=(HIDDEN,), post_ln=False):
+    """The norm of h = dropout(x) + residual and, pre-LN style, h read once more (post-LN: the norm alone)."""
+
+    def block(x, residual, weight=None, bias=None):
+        dropped = F.dropout(x, p, training=training)
+        h = residual + dropped if residual_first else dropped + residual
+        out = F.layer_norm(h, normalized_shape, weight, bias, 1e-5)
+        return (out,) if post_ln else (out, h * 2)
+
+    return block
+
+
+TRAINING_CASES = [
+    ("weight_bias", True, True, False, False),
+    ("weight_bias_residual_first", True, True, True, False),
+    ("weight", True, False, True, False),
+    ("no_affine", False, False, False, False),
+    ("post_ln", True, True, False, True),
+    ("post_ln_weight_residual_first", True, False, True, True),
+]
+
+
+@parametrize_with_ids("with_weight, with_bias, residual_first, post_ln", TRAINING_CASES)
+def test_dropout_residual_layer_norm_rewritten_in_training(rewrites, with_weight, with_bias, residual_first, post_ln):
+    check_dropout_chain_in_training(with_weight, with_bias, residual_first, post_ln)
+
+
+def test_fused_native_dropout_rewritten_in_training(rewrites):
+    """fallback_random keeps aten.native_dropout (mask as its second output) instead of decomposing it."""
+    with inductor_config.patch(fallback_random=True):
+        check_dropout_chain_in_training(True, True, False, False)
+
+
+def check_dropout_chain_in_training(with_weight, with_bias, residual_first, post_ln):
+    x, residual = away_from_zero(4, 16, HIDDEN).requires_grad_(), leaf(4, 16, HIDDEN)
+    inputs = [x, residual, *(leaf(HIDDEN) for present in (with_weight, with_bias) if present)]
+    compiled = torch.compile(dropout_block(residual_first=residual_first, post_ln=post_ln), fullgraph=True)
+
+    def step():
+        outputs = compiled(*inputs)
+        sum_of_squares(*outputs).backward()
+        return [output.detach() for output in outputs]
+
+    outputs, codes = run_and_get_code(step)
+    code = "\n".join(codes)
+    assert {"layer_norm", "layer_norm_bwd"} <= tk_calls(code)
+    assert tk_layer_norm_calls(code) == [(True, DROPOUT_P)] and not calls_torch_dropout_rng(code)
+
+    # The mask is unknown (our hash of an in-graph seed): read it off h where the block returns it
+    # (dropped: h == residual exactly; kept: h == round(x / (1 - p) + residual), |x| >= 0.5 apart),
+    # else off grad_x (zero exactly where dropped).
+    kept = outputs[1] / 2 != residual.detach() if not post_ln else x.grad != 0
+    assert abs(kept.float().mean().item() - (1 - DROPOUT_P)) < 0.05, "keep fraction far from 1 - p"
+    reference_inputs = [t.detach().double().requires_grad_() for t in inputs]
+    x64, residual64, *parameters64 = reference_inputs
+    weight64, bias64 = (parameters64.pop(0) if present else None for present in (with_weight, with_bias))
+    h64 = torch.where(kept, x64 / (1 - DROPOUT_P), 0.0) + residual64
+    reference_outputs = (F.layer_norm(h64, (HIDDEN,), weight64, bias64, 1e-5), h64 * 2)[: len(outputs)]
+    for name, got, want in zip(["out", "2h"], outputs, reference_outputs):
+        assert_rel_close(got, want, 2e-2, name)
+    sum_of_squares(*reference_outputs).backward()
+    for name, got, want in zip(["x", "residual", "weight", "bias"], inputs, reference_inputs):
+        assert_rel_close(got.grad, want.grad, 2e-2, f"grad_{name}")
+
+
+def test_post_ln_dropout_rewritten_in_inference(rewrites):
+    inputs = [leaf(3, 5, HIDDEN), leaf(3, 5, HIDDEN), leaf(HIDDEN), leaf(HIDDEN)]
+    _, code = compiled_inference(dropout_block(post_ln=True), *inputs)
+    assert tk_layer_norm_calls(code) == [(True, DROPOUT_P)] and not calls_torch_dropout_rng(code)
+
+
+@pytest.mark.parametrize("residual_first", [False, True])
+def test_dropout_residual_layer_norm_rewritten_in_inference(rewrites, residual_first):
+    x, residual, weight, bias = away_from_zero(4, 16, HIDDEN), leaf(4, 16, HIDDEN), leaf(HIDDEN), leaf(HIDDEN)
+    (out, doubled_h), code = compiled_inference(dropout_block(residual_first=residual_first), x, residual, weight, bias)
+    assert "layer_norm" in tk_calls(code) and "layer_norm_bwd" not in tk_calls(code)
+    assert tk_layer_norm_calls(code) == [(True, DROPOUT_P)] and not calls_torch_dropout_rng(code)
+    h = doubled_h / 2
+    kept = h != residual
+    assert abs(kept.float().mean().item() - (1 - DROPOUT_P)) < 0.05, "keep fraction far from 1 - p"
+    assert_rel_close(h, torch.where(kept, x.double() / (1 - DROPOUT_P), 0.0) + residual.double(), 2e-2, "h")
+    assert_rel_close(out, F.layer_norm(h.double(), (HIDDEN,), weight.double(), bias.double(), 1e-5), 2e-2, "out")
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_dropout_with_other_readers_left_unfused(rewrites, training):
+    def fn(x, residual, weight, bias):
+        dropped = F.dropout(x, DROPOUT_P, training=True)
+        return F.layer_norm(dropped + residual, (HIDDEN,), weight, bias, 1e-5), dropped * 3
+
+    inputs = [leaf(3, 5, HIDDEN), leaf(3, 5, HIDDEN), leaf(HIDDEN), leaf(HIDDEN)]
+    code = compiled_step(fn, *inputs) if training else compiled_inference(fn, *inputs)[1]
+    assert tk_layer_norm_calls(code) == [(True, 0.0)] and calls_torch_dropout_rng(code)
+
+
+@parametrize_with_ids(
+    "p, training, post_ln", [("p0", 0.0, True, False), ("eval", DROPOUT_P, False, False), ("p0_post_ln", 0.0, True, True)]
+)
+def test_no_dropout_goes_to_the_residual_rule(rewrites, p, training, post_ln):
+    """Without dropout the chain is a plain residual LayerNorm: the residual rule, exact vs eager."""
+    fn = dropout_block(p=p, training=training, post_ln=post_ln)
+    inputs = [leaf(3, 5, HIDDEN), leaf(3, 5, HIDDEN), leaf(HIDDEN), leaf(HIDDEN)]
+    check_rewrite(fn, inputs, {"layer_norm", "layer_norm_bwd"})
+    assert tk_layer_norm_calls(compiled_step(fn, *inputs)) == [(True, 0.0)]
+
+
+def test_dropout_before_layer_norm_over_two_dims_left_alone(rewrites):
+    fn = dropout_block(normalized_shape=(5, HIDDEN))
+    check_left_alone(fn, [leaf(3, 5, HIDDEN), leaf(3, 5, HIDDEN), leaf(5, HIDDEN), leaf(5, HIDDEN)], {"layer_norm"})
+
+
+def test_dropout_residual_layer_norm_fp32_left_alone(rewrites):
+    f32 = torch.float32
+    inputs = [leaf(3, 5, HIDDEN, dtype=f32), leaf(3, 5, HIDDEN, dtype=f32), leaf(HIDDEN, dtype=f32), leaf(HIDDEN, dtype=f32)]
+    check_left_alone(dropout_block(), inputs, {"layer_norm"})

@@ -8,8 +8,9 @@ Rewritten, in inference and training graphs, only where exact (dtypes, shapes, m
   * ``F.scaled_dot_product_attention`` (no mask, causal with Nq == Nk, or a constant mask proven
     all-true or causal; dropout 0; bf16/fp16; head dim 64/128; GQA via ``enable_gqa`` or
     ``repeat_kv``-expanded K/V, read unexpanded) -> ``tk.attention`` / ``tk.attention_bwd``;
-  * ``F.layer_norm`` over the last dim (with or without bias), alone or after a residual add ->
-    ``tk.layer_norm``;
+  * ``F.layer_norm`` over the last dim (with or without bias), alone or after a residual add
+    (then also without weight), and ``F.dropout(x) + residual`` into it -> ``tk.layer_norm`` /
+    ``tk.layer_norm_bwd`` (the dropout on tk's hash RNG: same keep probability, one mask);
   * Hugging Face's RMSNorm (fp32 normalisation, cast, times a weight of x's dtype) -> ``tk.rms_norm``;
   * the ``rotate_half`` RoPE ``q * cos + rotate_half(q) * sin`` (q and k together or alone) ->
     ``tk.rope_qk`` / ``tk.rope``;

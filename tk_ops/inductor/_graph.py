@@ -39,11 +39,12 @@ def getitem_users(node: torch.fx.Node) -> Optional[dict[int, list[torch.fx.Node]
     return by_index
 
 
-def _fake_call(op, args: tuple) -> Any:
+def _fake_call(op, args: tuple, kwargs: dict) -> Any:
     fake_args = tuple(fake_value(a) for a in args)
+    # with no tensor arguments (a random draw), the fake mode comes from the tracing context
     fake_mode = torch._guards.detect_fake_mode([a for a in fake_args if isinstance(a, torch.Tensor)])
     with fake_mode:
-        return op(*fake_args)
+        return op(*fake_args, **kwargs)
 
 
 def _transfer_meta(nodes, like: torch.fx.Node) -> None:
@@ -55,7 +56,7 @@ def _transfer_meta(nodes, like: torch.fx.Node) -> None:
 
 def insert_call(graph: torch.fx.Graph, before: torch.fx.Node, op, args: tuple, outputs: int, like: torch.fx.Node):
     """Insert ``op(*args)`` before ``before`` with fake metadata; return its getitem nodes."""
-    fake_out = _fake_call(op, args)
+    fake_out = _fake_call(op, args, {})
     with graph.inserting_before(before):
         call = graph.call_function(op, args)
         call.meta["val"] = fake_out
@@ -68,11 +69,31 @@ def insert_call(graph: torch.fx.Graph, before: torch.fx.Node, op, args: tuple, o
     return items
 
 
-def insert_single(graph: torch.fx.Graph, before: torch.fx.Node, op, args: tuple, like: torch.fx.Node) -> torch.fx.Node:
-    """Insert the single-output ``op(*args)`` before ``before`` with fake metadata; return it."""
-    fake_out = _fake_call(op, args)
+def insert_single(
+    graph: torch.fx.Graph, before: torch.fx.Node, op, args: tuple, like: torch.fx.Node, kwargs: Optional[dict] = None
+) -> torch.fx.Node:
+    """Insert the single-output ``op(*args, **kwargs)`` before ``before`` with fake metadata; return it."""
+    kwargs = kwargs or {}
+    fake_out = _fake_call(op, args, kwargs)
     with graph.inserting_before(before):
-        call = graph.call_function(op, args)
+        call = graph.call_function(op, args, kwargs)
     call.meta["val"] = fake_out
     _transfer_meta((call,), like)
     return call
+
+
+def erase_unused(graph: torch.fx.Graph, nodes) -> None:
+    """Erase ``nodes`` once they have no users, and with them every producer left without users.
+
+    A replaced chain is thus removed down to its inputs, including random ops that
+    ``Graph.eliminate_dead_code`` keeps (it treats them as impure).
+    """
+    pending, erased = list(nodes), set()
+    while pending:
+        node = pending.pop()
+        if node in erased or node.users or node.op != "call_function":
+            continue
+        producers = node.all_input_nodes
+        graph.erase_node(node)
+        erased.add(node)
+        pending.extend(producers)

@@ -10,10 +10,17 @@ import torch.fx
 from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from tk_ops.inductor import _graph, attention, matmul, patterns
+from tk_ops.inductor import _graph, attention, layer_norm_dropout, matmul, patterns
 from tk_ops.inductor.options import RewriteOptions
 
-_SOURCES = (attention.__file__, matmul.__file__, patterns.__file__, _graph.__file__, __file__)
+_SOURCES = (
+    attention.__file__,
+    layer_norm_dropout.__file__,
+    matmul.__file__,
+    patterns.__file__,
+    _graph.__file__,
+    __file__,
+)
 
 
 class TkGraphPass(CustomGraphPass):
@@ -33,6 +40,10 @@ class TkGraphPass(CustomGraphPass):
         pattern_rewrites = patterns.rewrite_patterns(graph, self.options)
         if pattern_rewrites:
             counters["tk_ops"]["patterns"] += pattern_rewrites
+        # after the patterns: it folds dropout into the residual tk.layer_norm they produce
+        dropout_rewrites = layer_norm_dropout.rewrite_layer_norm_dropout(graph, self.options)
+        if dropout_rewrites:
+            counters["tk_ops"]["layer_norm_dropout"] += dropout_rewrites
         matmul_rewrites = matmul.rewrite_matmul(graph, self.options)
         if matmul_rewrites:
             counters["tk_ops"]["matmul"] += matmul_rewrites

@@ -90,6 +90,34 @@ def _residual_layer_norm_replacement(x, residual, weight, bias, eps):
     return tk_ops.layer_norm(x, weight, bias, eps, residual=residual, return_residual=True)
 
 
+def _residual_layer_norm_without_bias_pattern(x, residual, weight, eps):
+    h = x + residual
+    return torch.nn.functional.layer_norm(h, h.shape[-1:], weight, None, eps), h
+
+
+def _residual_layer_norm_without_bias_replacement(x, residual, weight, eps):
+    return tk_ops.layer_norm(x, weight, None, eps, residual=residual, return_residual=True)
+
+
+def _residual_layer_norm_without_affine_pattern(x, residual, eps):
+    h = x + residual
+    return torch.nn.functional.layer_norm(h, h.shape[-1:], None, None, eps), h
+
+
+def _residual_layer_norm_without_affine_replacement(x, residual, eps):
+    return tk_ops.layer_norm(x, None, None, eps, residual=residual, return_residual=True)
+
+
+def _norm_only(residual_function: Callable) -> Callable:
+    """The residual pattern or replacement returning only the norm (same signature, for the tracer)."""
+
+    @functools.wraps(residual_function)
+    def norm_only(*args):
+        return residual_function(*args)[0]
+
+    return norm_only
+
+
 # ---------------------------------------------------------------------------------------- RoPE
 
 
@@ -186,14 +214,37 @@ class _Rule:
 
 _B, _H, _N, _D = 2, 4, 8, 16
 _EPS = {"eps": _PATTERN_EPS}
-# Larger patterns first, so that a residual add is folded in before the plain norm claims the norm.
-_RULES = (
+_RESIDUAL_LAYER_NORM_RULES = (
     _Rule(
         _residual_layer_norm_pattern,
         _residual_layer_norm_replacement,
         ((_B, _N, _D), (_B, _N, _D), (_D,), (_D,)),
         _norm_exact("layer_norm", ("residual", "weight", "bias")),
         _EPS,
+    ),
+    _Rule(
+        _residual_layer_norm_without_bias_pattern,
+        _residual_layer_norm_without_bias_replacement,
+        ((_B, _N, _D), (_B, _N, _D), (_D,)),
+        _norm_exact("layer_norm", ("residual", "weight")),
+        _EPS,
+    ),
+    _Rule(
+        _residual_layer_norm_without_affine_pattern,
+        _residual_layer_norm_without_affine_replacement,
+        ((_B, _N, _D), (_B, _N, _D)),
+        _norm_exact("layer_norm", ("residual",)),
+        _EPS,
+    ),
+)
+# Larger patterns first, so that a residual add is folded in before the plain norm claims the norm.
+# Each residual rule also comes in a norm-only form for an h read by the norm alone (post-LN
+# blocks): in a training graph the (out, h) form then fails, h having no gradient of its own.
+_RULES = (
+    *_RESIDUAL_LAYER_NORM_RULES,
+    *(
+        dataclasses.replace(rule, search=_norm_only(rule.search), replacement=_norm_only(rule.replacement))
+        for rule in _RESIDUAL_LAYER_NORM_RULES
     ),
     _Rule(_layer_norm_pattern, _layer_norm_replacement, ((_B, _N, _D), (_D,), (_D,)), _norm_exact("layer_norm", ("weight", "bias")), _EPS),
     _Rule(

@@ -66,7 +66,7 @@ _LOW32 = 0xFFFFFFFF
 _LOW16 = 0xFFFF
 _MIX_MULTIPLIERS = (0x7FEB352D, 0x846CA68B)
 _SEED_SALT = 0x9E3779B9
-_SEED_BOUND = 2**62
+DROPOUT_SEED_BOUND = 2**62  # seeds are drawn in [0, 2**62); the compiler rewrite draws them the same way
 
 # ------------------------------------------------------------------------------ shared by the norms
 
@@ -139,7 +139,7 @@ def dropout_keep_mask(seed: torch.Tensor, shape: torch.Size, dropout_p: float) -
 
 
 def _draw_dropout_seed(device: torch.device) -> torch.Tensor:
-    return torch.randint(0, _SEED_BOUND, (), device=device, dtype=torch.int64)
+    return torch.randint(0, DROPOUT_SEED_BOUND, (), device=device, dtype=torch.int64)
 
 
 def _materialises_h(residual: Optional[torch.Tensor], dropout_p: float) -> bool:
