@@ -420,7 +420,9 @@ def test_hf_bert_compiles_to_tk_ops(rewrites):
 @requires_kernel("attention")
 @pytest.mark.parametrize("form", ["is_causal", "constant_mask", "constant_mask_repeat_kv"])
 def test_default_rewrite_on_h100(form):
-    """On CUDA, SDPA with a mask lowers to the efficient or cuDNN node with an additive bias."""
+    """On CUDA, SDPA with a mask lowers to the efficient or cuDNN node with an additive bias. The first
+    H100 run rewrote that forward but not its backward; until that is understood (a debug run that
+    prints the joint graph), constant masks are left alone on CUDA and this test pins it."""
 
     def fn(q, k, v):
         if form == "is_causal":
@@ -436,7 +438,10 @@ def test_default_rewrite_on_h100(form):
         kv_heads = 2 if form == "constant_mask_repeat_kv" else 4
         q = leaf(2, 4, 256, 128).cuda().detach().requires_grad_()
         k, v = (leaf(2, kv_heads, 256, 128).cuda().detach().requires_grad_() for _ in range(2))
-        check_rewrite(fn, [q, k, v], {"attention", "attention_bwd"})
+        if form == "is_causal":
+            check_rewrite(fn, [q, k, v], {"attention", "attention_bwd"})
+        else:  # constant masks stay on PyTorch's kernels on CUDA until the half rewrite is understood
+            check_left_alone(fn, [q, k, v], {"attention", "attention_bwd"})
     finally:
         tk_ops.inductor.disable()
         inductor_config.joint_custom_post_pass = saved
