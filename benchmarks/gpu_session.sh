@@ -60,7 +60,7 @@ for part in "${parts[@]}"; do
     tests*)
       selection=tests
       [[ "$part" == tests=* ]] && selection=${part#tests=}
-      { section "pytest -m gpu $selection"; python3 -m pytest $selection -m gpu -q -x -p no:cacheprovider; } 2>&1 |
+      { section "pytest -m gpu $selection"; python3 -m pytest $selection -m gpu -q --maxfail=10 -p no:cacheprovider; } 2>&1 |
         tee -a "$OUT/tests.log" || status=1
       ;;
     sanitize | sanitize=*)
