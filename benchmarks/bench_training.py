@@ -38,25 +38,27 @@ VARIANTS = {
     "reference-eager": ["--reference"],
     "reference-compile": ["--reference", "--compile"],
 }
-# Same global batch on one GPU (two micro-steps) and on two (one each); launched with torchrun.
+# The same global batch on one GPU (two micro-steps) and on two (one each, under torchrun).
 MULTI_GPU_VARIANTS = {
     "tk-1gpu-accum2": ["--grad-accum", "2"],
     "tk-ddp-2gpu": ["--parallel", "ddp"],
     "tk-fsdp-2gpu": ["--parallel", "fsdp"],
 }
-MULTI_GPU_PROCESSES = 2
+DATA_PARALLEL_PROCESSES = 2
 
 
-def launcher(name: str) -> list[str]:
-    if name in MULTI_GPU_VARIANTS and "--parallel" in MULTI_GPU_VARIANTS[name]:
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={MULTI_GPU_PROCESSES}"]
+def launcher(train_args: list[str]) -> list[str]:
+    """The interpreter, under torchrun when the run is data-parallel."""
+    if "--parallel" in train_args:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={DATA_PARALLEL_PROCESSES}"]
     return [sys.executable]
 
 
 def run_variant(name: str, args) -> dict:
     out = REPO_ROOT / "runs" / f"bench-training-{name}"
+    variant_args = {**VARIANTS, **MULTI_GPU_VARIANTS}[name]
     command = [
-        *launcher(name),
+        *launcher(variant_args),
         "-m",
         "models.train",
         "--model",
@@ -77,7 +79,7 @@ def run_variant(name: str, args) -> dict:
         "--no-progress",
         "--sample-tokens",
         "0",
-        *{**VARIANTS, **MULTI_GPU_VARIANTS}[name],
+        *variant_args,
         *args.train_args,
     ]
     print(f"[{name}] {' '.join(command)}", flush=True)

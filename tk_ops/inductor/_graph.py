@@ -25,6 +25,11 @@ def bind_arguments(node: torch.fx.Node) -> dict[str, Any]:
     return bound
 
 
+def is_call(node: Any, *targets) -> bool:
+    """``node`` is an FX call of one of ``targets``."""
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
+
+
 def fake_value(arg: Any) -> Any:
     return arg.meta.get("val") if isinstance(arg, torch.fx.Node) else arg
 

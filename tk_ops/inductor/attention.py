@@ -28,6 +28,7 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from tk_ops._checks import KERNEL_DTYPES
 from tk_ops.inductor import _graph
 from tk_ops.inductor.options import RewriteOptions
 
@@ -49,15 +50,10 @@ _FORWARD_TO_BACKWARD = {
     ),
 }
 _KERNEL_HEAD_DIMS = (64, 128)
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 _GRADS = 3  # grad_query, grad_key, grad_value
 # The most memory one intermediate of a constant mask may take when it is evaluated at compile time.
 _CONSTANT_MASK_BYTES = 1 << 28
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
-
-
-def _is_call(node, targets) -> bool:
-    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
 
 
 def _constant_value(node: torch.fx.Node) -> Optional[torch.Tensor]:
@@ -128,7 +124,7 @@ def _causal_if_rewritable(arguments: dict, options: RewriteOptions) -> Optional[
         return None
     if arguments.get("dropout_p", 0.0) != 0.0:
         return None
-    if not (q.dtype == k.dtype == v.dtype and q.dtype in _KERNEL_DTYPES):
+    if not (q.dtype == k.dtype == v.dtype and q.dtype in KERNEL_DTYPES):
         return None
     if not (q.shape[-1] == k.shape[-1] == v.shape[-1] and q.shape[-1] in _KERNEL_HEAD_DIMS):
         return None
@@ -151,15 +147,15 @@ def _unrepeated(node: torch.fx.Node) -> tuple[torch.fx.Node, int]:
     """(x, n) when ``node`` is x of shape (B, H, N, D) with each head repeated n times along dim 1
     (Hugging Face's repeat_kv: unsqueeze(2), expand, copy, reshape); (node, 1) otherwise."""
     not_repeated = (node, 1)
-    if not _is_call(node, _VIEWS):
+    if not _graph.is_call(node, *_VIEWS):
         return not_repeated
     expanded = node.args[0]
-    if _is_call(expanded, (aten.clone.default,)):
+    if _graph.is_call(expanded, aten.clone.default):
         expanded = expanded.args[0]
-    if not _is_call(expanded, (aten.expand.default,)):
+    if not _graph.is_call(expanded, aten.expand.default):
         return not_repeated
     unsqueezed = expanded.args[0]
-    if not (_is_call(unsqueezed, (aten.unsqueeze.default,)) and unsqueezed.args[1] == 2):
+    if not (_graph.is_call(unsqueezed, aten.unsqueeze.default) and unsqueezed.args[1] == 2):
         return not_repeated
     source = unsqueezed.args[0]
     shapes = [tuple(_graph.fake_value(n).shape) for n in (node, expanded, source)]

@@ -45,19 +45,15 @@ import torch
 import torch.fx
 from torch._inductor import inductor_prims
 
+from tk_ops._checks import KERNEL_DTYPES
 from tk_ops.inductor import _graph
 from tk_ops.inductor.options import RewriteOptions
 from tk_ops.ops.layer_norm import DROPOUT_SEED_BOUND
 
 aten, prims, tk = torch.ops.aten, torch.ops.prims, torch.ops.tk
 
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 _UNIFORM_OPS = (aten.rand_like.default, aten.rand.default)
 _KEEP_COMPARISONS = (aten.gt.Scalar, aten.ge.Scalar)  # u > p and u >= p: the same law
-
-
-def _is_call(node, *targets) -> bool:
-    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
 
 
 def _shape(node):
@@ -66,7 +62,7 @@ def _shape(node):
 
 def _scaled_operand(node, scale: float) -> Optional[torch.fx.Node]:
     """t where ``node`` is ``t * scale`` (either order), else None."""
-    if not _is_call(node, aten.mul.Tensor):
+    if not _graph.is_call(node, aten.mul.Tensor):
         return None
     for tensor, number in (node.args, reversed(node.args)):
         if isinstance(tensor, torch.fx.Node) and not isinstance(number, torch.fx.Node) and number == scale:
@@ -76,14 +72,14 @@ def _scaled_operand(node, scale: float) -> Optional[torch.fx.Node]:
 
 def _is_uniform(node, shape) -> bool:
     """``node`` is a uniform [0, 1) draw of ``shape`` (possibly cast to another float dtype)."""
-    if _is_call(node, prims.convert_element_type.default):
+    if _graph.is_call(node, prims.convert_element_type.default):
         node = node.args[0]
-    if _is_call(node, inductor_prims.random):
+    if _graph.is_call(node, inductor_prims.random):
         drawn = node.args[2] == "rand"
-    elif _is_call(node, operator.getitem):
-        drawn = _is_call(node.args[0], torch.ops.rngprims.philox_rand.default) and node.args[1] == 0
+    elif _graph.is_call(node, operator.getitem):
+        drawn = _graph.is_call(node.args[0], torch.ops.rngprims.philox_rand.default) and node.args[1] == 0
     else:
-        drawn = _is_call(node, *_UNIFORM_OPS)
+        drawn = _graph.is_call(node, *_UNIFORM_OPS)
     return drawn and _shape(node) == shape
 
 
@@ -100,10 +96,10 @@ def _valid_probability(p) -> bool:
 
 def _fused_dropout(dropped: torch.fx.Node) -> Optional[_Dropout]:
     """``dropped`` is output 0 of ``aten.native_dropout(x, p, True)``."""
-    if not (_is_call(dropped, operator.getitem) and dropped.args[1] == 0):
+    if not (_graph.is_call(dropped, operator.getitem) and dropped.args[1] == 0):
         return None
     fused = dropped.args[0]
-    if not _is_call(fused, aten.native_dropout.default):
+    if not _graph.is_call(fused, aten.native_dropout.default):
         return None
     arguments = _graph.bind_arguments(fused)
     outputs = _graph.getitem_users(fused)
@@ -115,13 +111,13 @@ def _fused_dropout(dropped: torch.fx.Node) -> Optional[_Dropout]:
 
 def _decomposed_dropout(dropped: torch.fx.Node) -> Optional[_Dropout]:
     """``dropped`` is ``mul(mul(gt(u, p), x), 1 / (1 - p))``."""
-    if not _is_call(dropped, aten.mul.Tensor):
+    if not _graph.is_call(dropped, aten.mul.Tensor):
         return None
     masked = next((arg for arg in dropped.args if isinstance(arg, torch.fx.Node)), None)
-    if not _is_call(masked, aten.mul.Tensor) or len(masked.users) != 1:
+    if not _graph.is_call(masked, aten.mul.Tensor) or len(masked.users) != 1:
         return None
     for keep, x in (masked.args, reversed(masked.args)):
-        if not (_is_call(keep, *_KEEP_COMPARISONS) and isinstance(x, torch.fx.Node)):
+        if not (_graph.is_call(keep, *_KEEP_COMPARISONS) and isinstance(x, torch.fx.Node)):
             continue
         uniform, p = keep.args
         if not (_valid_probability(p) and _scaled_operand(dropped, 1.0 / (1.0 - p)) is masked):
@@ -133,14 +129,14 @@ def _decomposed_dropout(dropped: torch.fx.Node) -> Optional[_Dropout]:
 
 def _dropout_backward(reader: torch.fx.Node, p: float) -> Optional[list[torch.fx.Node]]:
     """The multiplies ``grad * (float(keep) * 1/(1-p))`` that ``reader`` (a cast of keep) feeds."""
-    if not _is_call(reader, prims.convert_element_type.default):
+    if not _graph.is_call(reader, prims.convert_element_type.default):
         return None
     multiplies = []
     for scaled in reader.users:
         if _scaled_operand(scaled, 1.0 / (1.0 - p)) is not reader:
             return None
         for multiply in scaled.users:
-            if not _is_call(multiply, aten.mul.Tensor) or list(multiply.args).count(scaled) != 1:
+            if not _graph.is_call(multiply, aten.mul.Tensor) or list(multiply.args).count(scaled) != 1:
                 return None
             multiplies.append(multiply)
     return multiplies
@@ -163,7 +159,7 @@ def _partner_backwards(outputs: dict) -> Optional[list[torch.fx.Node]]:
         user
         for item in (*h, *mean, *rstd)
         for user in item.users
-        if _is_call(user, tk.layer_norm_bwd.default)
+        if _graph.is_call(user, tk.layer_norm_bwd.default)
         and user.args[2] in h
         and user.args[5] in mean
         and user.args[6] in rstd
@@ -181,7 +177,7 @@ def _gradients_of_stream(backward: torch.fx.Node) -> list[torch.fx.Node]:
 
 def _exact(dropout: _Dropout, dropped: torch.fx.Node, residual: torch.fx.Node, options: RewriteOptions) -> bool:
     x, dropped, residual = (_graph.fake_value(node) for node in (dropout.x, dropped, residual))
-    if x.dtype not in _KERNEL_DTYPES or not (x.dtype == dropped.dtype == residual.dtype):
+    if x.dtype not in KERNEL_DTYPES or not (x.dtype == dropped.dtype == residual.dtype):
         return False
     return x.shape == dropped.shape == residual.shape and options.serves(x.device, "layer_norm")
 
@@ -272,7 +268,7 @@ def rewrite_layer_norm_dropout(graph: torch.fx.Graph, options: RewriteOptions) -
     """Fold every exact dropout before a residual tk.layer_norm into it; return how many."""
     rewritten = 0
     for norm in list(graph.nodes):
-        if not _is_call(norm, tk.layer_norm.default):
+        if not _graph.is_call(norm, tk.layer_norm.default):
             continue
         arguments = _graph.bind_arguments(norm)
         if arguments["residual"] is None or arguments["dropout_seed"] is not None or arguments["dropout_p"] != 0:

@@ -10,17 +10,17 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from tk_ops._checks import KERNEL_DTYPES
 from tk_ops.inductor import _graph
 from tk_ops.inductor.options import RewriteOptions
 
 aten = torch.ops.aten
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _operands_served(tensors, options: RewriteOptions) -> bool:
     if not all(isinstance(t, torch.Tensor) for t in tensors):
         return False
-    if len({t.dtype for t in tensors}) != 1 or tensors[0].dtype not in _KERNEL_DTYPES:
+    if len({t.dtype for t in tensors}) != 1 or tensors[0].dtype not in KERNEL_DTYPES:
         return False
     return options.serves(tensors[0].device, "matmul")
 

@@ -21,9 +21,9 @@ from torch._inductor.pattern_matcher import Match, PatternMatcherPass, fwd_only,
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 import tk_ops
+from tk_ops._checks import KERNEL_DTYPES
 from tk_ops.inductor.options import RewriteOptions
 
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 _PATTERN_EPS = 1e-6  # any value: scalar_workaround turns eps into an argument of the pattern
 
 # The options of the pass being applied (extra checks are called from inside ``apply``).
@@ -157,7 +157,7 @@ def _norm_exact(op_name: str, tensor_names: tuple[str, ...]) -> Callable[[Match]
     def check(match: Match) -> bool:
         x = _val(match, "x")
         tensors = [_val(match, name) for name in tensor_names]
-        if not isinstance(x, torch.Tensor) or x.dtype not in _KERNEL_DTYPES or x.dim() < 1:
+        if not isinstance(x, torch.Tensor) or x.dtype not in KERNEL_DTYPES or x.dim() < 1:
             return False
         for t in tensors:
             if not isinstance(t, torch.Tensor) or t.dtype != x.dtype:
@@ -174,7 +174,7 @@ def _rope_exact(op_name: str, tensor_names: tuple[str, ...]) -> Callable[[Match]
         xs = [_val(match, name) for name in tensor_names]
         cos, sin = _val(match, "cos"), _val(match, "sin")
         for x in xs:
-            if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.dtype not in _KERNEL_DTYPES:
+            if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.dtype not in KERNEL_DTYPES:
                 return False
             if x.shape[-1] % 2:
                 return False
