@@ -4,8 +4,8 @@
 
 For debugging the attention rewrite (tk_ops/inductor/attention.py) on a device: which fused
 forward and backward aten nodes SDPA lowers to, who reads each output, and what the mask is
-built from, for an explicit constant causal mask (the case the first H100 run rewrote only
-halfway) and for a one-layer Hugging Face Llama (needs transformers).
+built from; then the tk nodes left after the tk pass, and the tk ops in the generated code. For
+an explicit constant causal mask and for a one-layer Hugging Face Llama (needs transformers).
 """
 
 from __future__ import annotations
@@ -16,9 +16,12 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 from torch._inductor import config as inductor_config
+from torch._inductor.utils import run_and_get_code
 
 from tk_ops.inductor import _graph
 from tk_ops.inductor.attention import _FORWARD_TO_BACKWARD
+from tk_ops.inductor.graph_pass import TkGraphPass
+from tk_ops.inductor.options import RewriteOptions
 
 _SDPA_NODES = set(_FORWARD_TO_BACKWARD) | {b for backwards in _FORWARD_TO_BACKWARD.values() for b in backwards}
 
@@ -52,6 +55,20 @@ def print_sdpa_nodes(graph: torch.fx.Graph) -> None:
             print(f"    mask {mask.name}, built from {[(a.op, str(a.target)) for a in _ancestors(mask)]}")
 
 
+def print_sdpa_nodes_then_rewrite(graph: torch.fx.Graph) -> None:
+    print_sdpa_nodes(graph)
+    TkGraphPass(RewriteOptions())(graph)
+    tk_nodes = [n for n in graph.nodes if n.op == "call_function" and str(n.target).startswith("tk.")]
+    print(f"--- after the tk pass: {[(n.name, str(n.target)) for n in tk_nodes]}")
+
+
+def run_printing_tk_calls(step) -> None:
+    _, codes = run_and_get_code(step)
+    for index, code in enumerate(codes):
+        calls = sorted({line.split("torch.ops.tk.")[1].split("(")[0] for line in code.splitlines() if "torch.ops.tk." in line})
+        print(f"--- generated code {index}: tk ops {calls}")
+
+
 def constant_causal_mask(q, k, v):
     rows = torch.arange(q.shape[2], device=q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=rows[None, :] <= rows[:, None])
@@ -62,11 +79,12 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
     inductor_config.fx_graph_cache = False
-    inductor_config.joint_custom_post_pass = print_sdpa_nodes
+    inductor_config.joint_custom_post_pass = print_sdpa_nodes_then_rewrite
 
     q, k, v = (torch.randn(2, 4, 256, 128, device=args.device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     print("=== F.scaled_dot_product_attention with a constant causal mask")
-    torch.compile(constant_causal_mask, fullgraph=True)(q, k, v).float().sum().backward()
+    compiled = torch.compile(constant_causal_mask, fullgraph=True)
+    run_printing_tk_calls(lambda: compiled(q, k, v).float().sum().backward())
 
     import transformers
 
@@ -77,7 +95,8 @@ def main() -> None:
     )
     model = transformers.LlamaForCausalLM(config).to(args.device, torch.bfloat16)
     ids = torch.randint(0, 128, (2, 16), device=args.device)
-    torch.compile(model)(input_ids=ids).logits.float().sum().backward()
+    compiled_model = torch.compile(model)
+    run_printing_tk_calls(lambda: compiled_model(input_ids=ids).logits.float().sum().backward())
 
 
 if __name__ == "__main__":

@@ -420,9 +420,8 @@ def test_hf_bert_compiles_to_tk_ops(rewrites):
 @requires_kernel("attention")
 @pytest.mark.parametrize("form", ["is_causal", "constant_mask", "constant_mask_repeat_kv"])
 def test_default_rewrite_on_h100(form):
-    """On CUDA, SDPA with a mask lowers to the efficient or cuDNN node with an additive bias. The first
-    H100 run rewrote that forward but not its backward; until that is understood (a debug run that
-    prints the joint graph), constant masks are left alone on CUDA and this test pins it."""
+    """On CUDA, SDPA with a mask lowers to the cuDNN (or efficient) node with an additive bias; a
+    constant causal mask is proven on the CPU at compile time and both directions go to tk."""
 
     def fn(q, k, v):
         if form == "is_causal":
@@ -438,10 +437,24 @@ def test_default_rewrite_on_h100(form):
         kv_heads = 2 if form == "constant_mask_repeat_kv" else 4
         q = leaf(2, 4, 256, 128).cuda().detach().requires_grad_()
         k, v = (leaf(2, kv_heads, 256, 128).cuda().detach().requires_grad_() for _ in range(2))
-        if form == "is_causal":
-            check_rewrite(fn, [q, k, v], {"attention", "attention_bwd"})
-        else:  # constant masks stay on PyTorch's kernels on CUDA until the half rewrite is understood
-            check_left_alone(fn, [q, k, v], {"attention", "attention_bwd"})
+        check_rewrite(fn, [q, k, v], {"attention", "attention_bwd"})
+    finally:
+        tk_ops.inductor.disable()
+        inductor_config.joint_custom_post_pass = saved
+
+
+@requires_kernel("attention")
+def test_hf_llama_on_h100_compiles_to_tk_ops():
+    """The default enable() on a CUDA Hugging Face Llama: its mask, built from aranges under
+    torch.compile, is proven causal, so attention goes to tk in both directions."""
+    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency")
+    saved = inductor_config.joint_custom_post_pass
+    tk_ops.inductor.enable()
+    try:
+        config = transformers.LlamaConfig(**TINY_HF_CONFIG, num_key_value_heads=1)
+        model = transformers.LlamaForCausalLM(config).cuda()
+        ids = torch.randint(0, 97, (2, 40), device="cuda")
+        _hf_check(model, {"input_ids": ids}, {"attention", "attention_bwd", "rms_norm", "rms_norm_bwd", "rope_qk", "rope_qk_bwd"})
     finally:
         tk_ops.inductor.disable()
         inductor_config.joint_custom_post_pass = saved

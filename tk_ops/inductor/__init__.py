@@ -6,7 +6,7 @@
 
 Rewritten, in inference and training graphs, only where exact (dtypes, shapes, masks, scales):
   * ``F.scaled_dot_product_attention`` (no mask, causal with Nq == Nk, or a constant mask proven
-    all-true or causal, not yet on CUDA; dropout 0; bf16/fp16; head dim 64/128; GQA via ``enable_gqa`` or
+    all-true or causal; dropout 0; bf16/fp16; head dim 64/128; GQA via ``enable_gqa`` or
     ``repeat_kv``-expanded K/V, read unexpanded) -> ``tk.attention`` / ``tk.attention_bwd``;
   * ``F.layer_norm`` over the last dim (with or without bias), alone or after a residual add
     (then also without weight), and ``F.dropout(x) + residual`` into it -> ``tk.layer_norm`` /

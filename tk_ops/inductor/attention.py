@@ -132,9 +132,7 @@ def _causal_if_rewritable(arguments: dict, options: RewriteOptions) -> Optional[
         return None
     mask = arguments.get("attn_mask", arguments.get("attn_bias"))
     if mask is not None:
-        # Not on CUDA yet: in the one H100 run, a constant causal mask got the forward rewritten
-        # but not its backward (tests/test_inductor.py::test_default_rewrite_on_h100), cause unknown.
-        if q.device.type == "cuda" or not all(isinstance(size, int) for size in (q.shape[2], k.shape[2])):
+        if not all(isinstance(size, int) for size in (q.shape[2], k.shape[2])):
             return None
         return _constant_mask_causal(mask, q.shape[2], k.shape[2])
     causal = bool(arguments.get("is_causal", False))
