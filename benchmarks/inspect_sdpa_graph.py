@@ -18,7 +18,9 @@ import torch.nn.functional as F
 from torch._inductor import config as inductor_config
 from torch._inductor.utils import run_and_get_code
 
-from tk_ops.inductor import _graph
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from tk_ops.inductor import _graph, attention
 from tk_ops.inductor.attention import _FORWARD_TO_BACKWARD
 from tk_ops.inductor.graph_pass import TkGraphPass
 from tk_ops.inductor.options import RewriteOptions
@@ -53,6 +55,29 @@ def print_sdpa_nodes(graph: torch.fx.Graph) -> None:
         mask = arguments.get("attn_mask", arguments.get("attn_bias"))
         if isinstance(mask, torch.fx.Node):
             print(f"    mask {mask.name}, built from {[(a.op, str(a.target)) for a in _ancestors(mask)]}")
+            print_constant_checks(mask)
+        if node.target in _FORWARD_TO_BACKWARD:
+            print(f"    tk causal flag: {attention._causal_if_rewritable(arguments, RewriteOptions())}")
+
+
+def print_constant_checks(mask: torch.fx.Node) -> None:
+    """What attention._constant_value checks, node by node, and what the proof concludes."""
+    for node in _ancestors(mask):
+        value = node.meta.get("val")
+        tags = getattr(node.target, "tags", ())
+        print(
+            f"      {node.name}: overload={isinstance(node.target, torch._ops.OpOverload)} "
+            f"seeded={torch.Tag.nondeterministic_seeded in tags} val={type(value).__name__} "
+            f"shape={getattr(value, 'shape', None)} kwargs={node.kwargs}"
+        )
+    q_len, k_len = (int(size) for size in mask.meta["val"].shape[-2:])
+    try:
+        with unset_fake_temporarily():
+            constant = attention._constant_value(mask)
+            print(f"      constant value: {None if constant is None else (constant.dtype, tuple(constant.shape))}")
+            print(f"      causal: {attention._mask_causal(constant, q_len, k_len)}")
+    except Exception as error:  # the point is to see it on the device
+        print(f"      evaluation raised {type(error).__name__}: {error}")
 
 
 def print_sdpa_nodes_then_rewrite(graph: torch.fx.Graph) -> None:

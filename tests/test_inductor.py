@@ -188,16 +188,21 @@ def constant_mask(kind: str, nq: int, nk: int, device) -> torch.Tensor:
         "causal_bottom_right": cols <= rows + (nk - nq),
         "all": cols >= 0,
         "window": (cols <= rows) & (cols > rows - 3),
-    }[kind.removeprefix("additive_")]
-    if kind.startswith("additive_"):
+    }[kind.split("_", 1)[1] if kind.split("_", 1)[0] in _MASKED_BIAS else kind]
+    if kind.split("_", 1)[0] in _MASKED_BIAS:
         zero = torch.zeros((), dtype=BF16, device=device)
-        return torch.where(attends, zero, torch.full((), float("-inf"), dtype=BF16, device=device))[None, None]
+        masked = torch.full((), _MASKED_BIAS[kind.split("_", 1)[0]], dtype=BF16, device=device)
+        return torch.where(attends, zero, masked)[None, None]
     return attends[None, None].expand(1, 1, nq, nk)
+
+
+# Additive masks: -inf; the lowest bf16 (Hugging Face's fill); -100, which is not a mask (exp(-100) > 0).
+_MASKED_BIAS = {"additive": float("-inf"), "lowest": torch.finfo(BF16).min, "soft": -100.0}
 
 
 @pytest.mark.parametrize(
     "kind, nq, nk",
-    [("causal", 17, 17), ("additive_causal", 17, 17), ("all", 9, 13), ("causal_bottom_right", 9, 13)],
+    [("causal", 17, 17), ("additive_causal", 17, 17), ("lowest_causal", 17, 17), ("all", 9, 13), ("causal_bottom_right", 9, 13)],
 )
 def test_sdpa_with_constant_mask_rewritten(rewrites, kind, nq, nk):
     def fn(q, k, v):
@@ -212,7 +217,7 @@ def test_sdpa_with_constant_mask_rewritten(rewrites, kind, nq, nk):
 @pytest.mark.parametrize(
     "kind, nq, nk",
     # a sliding window; top-left causal on a rectangle (tk's is bottom-right); empty rows (nq > nk)
-    [("window", 12, 12), ("causal", 9, 13), ("causal_bottom_right", 13, 9)],
+    [("window", 12, 12), ("causal", 9, 13), ("causal_bottom_right", 13, 9), ("soft_causal", 12, 12)],
 )
 def test_sdpa_with_other_constant_masks_left_alone(rewrites, kind, nq, nk):
     def fn(q, k, v):

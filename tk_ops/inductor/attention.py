@@ -7,8 +7,8 @@ reads the forward's output and logsumexp. Both are replaced: the forward by ``tk
 lse. The rewrite is exact only when: dropout 0, bf16/fp16, head dim 64 or 128, and either
   * no mask, or ``is_causal`` with Nq == Nk (SDPA's causal mask is top-left aligned, tk's
     bottom-right; the two agree only on square problems), or
-  * an explicit mask (boolean, or additive 0 / -inf) that reads no graph input, e.g. one built
-    from aranges as Hugging Face models do under torch.compile before torch 2.14. Such a mask is a
+  * an explicit mask (boolean, or additive: 0 or at most _MASKED_BIAS) that reads no graph input,
+    e.g. one built from aranges as Hugging Face models do under torch.compile before torch 2.14. Such a mask is a
     constant of the graph: it is evaluated on the CPU at compile time and accepted when every
     query sees every key (no mask) or when it is the bottom-right causal mask with no empty row.
 
@@ -53,6 +53,10 @@ _KERNEL_HEAD_DIMS = (64, 128)
 _GRADS = 3  # grad_query, grad_key, grad_value
 # The most memory one intermediate of a constant mask may take when it is evaluated at compile time.
 _CONSTANT_MASK_BYTES = 1 << 28
+# An additive bias at or below this masks its key exactly: exp of it underflows to 0 in fp32 unless
+# two scores of a row differ by ~65000. torch's cuDNN path turns a boolean mask into -65504 (the
+# largest fp16), Hugging Face fills with the dtype's lowest value; -inf qualifies too.
+_MASKED_BIAS = -65504.0
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
@@ -101,7 +105,7 @@ def _mask_causal(value: Optional[torch.Tensor], q_len: int, k_len: int) -> Optio
         attends = value
     elif value.is_floating_point():
         attends = value == 0
-        if not bool(torch.all(attends | (value == float("-inf")))):
+        if not bool(torch.all(attends | (value <= _MASKED_BIAS))):
             return None
     else:
         return None
