@@ -5,7 +5,7 @@
 For debugging the attention rewrite (tk_ops/inductor/attention.py) on a device: which fused
 forward and backward aten nodes SDPA lowers to, who reads each output, and what the mask is
 built from; then the tk nodes left after the tk pass, and the tk ops in the generated code. For
-an explicit constant causal mask and for a one-layer Hugging Face Llama (needs transformers).
+an explicit constant causal mask and for one-layer Hugging Face Llama and BERT (needs transformers).
 """
 
 from __future__ import annotations
@@ -122,6 +122,14 @@ def main() -> None:
     ids = torch.randint(0, 128, (2, 16), device=args.device)
     compiled_model = torch.compile(model)
     run_printing_tk_calls(lambda: compiled_model(input_ids=ids).logits.float().sum().backward())
+
+    print(f"=== Hugging Face BERT, one layer (transformers {transformers.__version__})")
+    bert_config = transformers.BertConfig(
+        vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
+        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="sdpa",
+    )
+    bert = torch.compile(transformers.BertForMaskedLM(bert_config).to(args.device, torch.bfloat16))
+    run_printing_tk_calls(lambda: bert(input_ids=ids).logits.float().sum().backward())
 
 
 if __name__ == "__main__":
