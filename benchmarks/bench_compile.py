@@ -53,6 +53,11 @@ def _bert():
 MODELS = [Model("llama-4L-2048", _llama, 4, 2048, 32000), Model("bert-large-4L", _bert, 32, 512, 30522)]
 
 
+def tk_ops_called(codes: list[str]) -> list[str]:
+    """The tk ops that Inductor's generated code calls."""
+    return sorted(set(re.findall(r"torch\.ops\.tk\.(\w+)", "\n".join(codes))))
+
+
 def _measure(model: Model, rewrite: bool) -> dict:
     torch._dynamo.reset()
     if rewrite:
@@ -73,7 +78,7 @@ def _measure(model: Model, rewrite: bool) -> dict:
 
     _, forward_code = run_and_get_code(forward, *inputs[0])
     _, train_code = run_and_get_code(train_step, *inputs[0])
-    calls = sorted(set(re.findall(r"torch\.ops\.tk\.(\w+)", "\n".join(forward_code + train_code))))
+    calls = tk_ops_called(forward_code + train_code)
     result = {
         "forward_ms": common.time_ms(forward, inputs, warmup=3, rounds=10, batch=3),
         "train_step_ms": common.time_ms(train_step, inputs, warmup=3, rounds=10, batch=3),

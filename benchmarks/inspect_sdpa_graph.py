@@ -17,9 +17,9 @@ import torch.fx
 import torch.nn.functional as F
 from torch._inductor import config as inductor_config
 from torch._inductor.utils import run_and_get_code
-
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from benchmarks.bench_compile import tk_ops_called
 from tk_ops.inductor import _graph, attention
 from tk_ops.inductor.attention import _FORWARD_TO_BACKWARD
 from tk_ops.inductor.graph_pass import TkGraphPass
@@ -61,23 +61,14 @@ def print_sdpa_nodes(graph: torch.fx.Graph) -> None:
 
 
 def print_constant_checks(mask: torch.fx.Node) -> None:
-    """What attention._constant_value checks, node by node, and what the proof concludes."""
-    for node in _ancestors(mask):
-        value = node.meta.get("val")
-        tags = getattr(node.target, "tags", ())
-        print(
-            f"      {node.name}: overload={isinstance(node.target, torch._ops.OpOverload)} "
-            f"seeded={torch.Tag.nondeterministic_seeded in tags} val={type(value).__name__} "
-            f"shape={getattr(value, 'shape', None)} kwargs={node.kwargs}"
-        )
+    """What the rewrite's mask proof concludes: the mask's value at compile time, and causal or not."""
     q_len, k_len = (int(size) for size in mask.meta["val"].shape[-2:])
-    try:
-        with unset_fake_temporarily():
-            constant = attention._constant_value(mask)
-            print(f"      constant value: {None if constant is None else (constant.dtype, tuple(constant.shape))}")
-            print(f"      causal: {attention._mask_causal(constant, q_len, k_len)}")
-    except Exception as error:  # the point is to see it on the device
-        print(f"      evaluation raised {type(error).__name__}: {error}")
+    with unset_fake_temporarily():
+        constant = attention._constant_value(mask)
+        print(f"      constant value: {None if constant is None else (constant.dtype, tuple(constant.shape))}")
+        if constant is not None and constant.is_floating_point():
+            print(f"      values: {sorted(set(constant.flatten().tolist()))[:4]}")
+        print(f"      causal: {attention._mask_causal(constant, q_len, k_len)}")
 
 
 def print_sdpa_nodes_then_rewrite(graph: torch.fx.Graph) -> None:
@@ -90,8 +81,7 @@ def print_sdpa_nodes_then_rewrite(graph: torch.fx.Graph) -> None:
 def run_printing_tk_calls(step) -> None:
     _, codes = run_and_get_code(step)
     for index, code in enumerate(codes):
-        calls = sorted({line.split("torch.ops.tk.")[1].split("(")[0] for line in code.splitlines() if "torch.ops.tk." in line})
-        print(f"--- generated code {index}: tk ops {calls}")
+        print(f"--- generated code {index}: tk ops {tk_ops_called([code])}")
 
 
 def constant_causal_mask(q, k, v):

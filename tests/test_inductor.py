@@ -188,12 +188,13 @@ def constant_mask(kind: str, nq: int, nk: int, device) -> torch.Tensor:
         "causal_bottom_right": cols <= rows + (nk - nq),
         "all": cols >= 0,
         "window": (cols <= rows) & (cols > rows - 3),
-    }[kind.split("_", 1)[1] if kind.split("_", 1)[0] in _MASKED_BIAS else kind]
-    if kind.split("_", 1)[0] in _MASKED_BIAS:
-        zero = torch.zeros((), dtype=BF16, device=device)
-        masked = torch.full((), _MASKED_BIAS[kind.split("_", 1)[0]], dtype=BF16, device=device)
-        return torch.where(attends, zero, masked)[None, None]
-    return attends[None, None].expand(1, 1, nq, nk)
+    }
+    bias, _, shape = kind.partition("_")
+    if bias not in _MASKED_BIAS:
+        return attends[kind][None, None].expand(1, 1, nq, nk)
+    zero = torch.zeros((), dtype=BF16, device=device)
+    masked = torch.full((), _MASKED_BIAS[bias], dtype=BF16, device=device)
+    return torch.where(attends[shape], zero, masked)[None, None]
 
 
 # Additive masks: -inf; the lowest bf16 (Hugging Face's fill); -100, which is not a mask (exp(-100) > 0).
@@ -422,9 +423,19 @@ def test_hf_bert_compiles_to_tk_ops(rewrites):
 # ------------------------------------------------------------------------------------------ GPU
 
 
+@pytest.fixture
+def default_rewrites():
+    """The rewrites as a user enables them (only where a tk kernel serves the device)."""
+    saved = inductor_config.joint_custom_post_pass
+    tk_ops.inductor.enable()
+    yield
+    tk_ops.inductor.disable()
+    inductor_config.joint_custom_post_pass = saved
+
+
 @requires_kernel("attention")
 @pytest.mark.parametrize("form", ["is_causal", "constant_mask", "constant_mask_repeat_kv"])
-def test_default_rewrite_on_h100(form):
+def test_default_rewrite_on_h100(default_rewrites, form):
     """On CUDA, SDPA with a mask lowers to the cuDNN (or efficient) node with an additive bias; a
     constant causal mask is proven on the CPU at compile time and both directions go to tk."""
 
@@ -436,33 +447,20 @@ def test_default_rewrite_on_h100(form):
             k, v = repeat_kv(k, 2), repeat_kv(v, 2)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
-    saved = inductor_config.joint_custom_post_pass
-    tk_ops.inductor.enable()
-    try:
-        kv_heads = 2 if form == "constant_mask_repeat_kv" else 4
-        q = leaf(2, 4, 256, 128).cuda().detach().requires_grad_()
-        k, v = (leaf(2, kv_heads, 256, 128).cuda().detach().requires_grad_() for _ in range(2))
-        check_rewrite(fn, [q, k, v], {"attention", "attention_bwd"})
-    finally:
-        tk_ops.inductor.disable()
-        inductor_config.joint_custom_post_pass = saved
+    kv_heads = 2 if form == "constant_mask_repeat_kv" else 4
+    q = leaf(2, 4, 256, 128).cuda().detach().requires_grad_()
+    k, v = (leaf(2, kv_heads, 256, 128).cuda().detach().requires_grad_() for _ in range(2))
+    check_rewrite(fn, [q, k, v], {"attention", "attention_bwd"})
 
 
 @requires_kernel("attention")
-def test_hf_llama_on_h100_compiles_to_tk_ops():
+def test_hf_llama_on_h100_compiles_to_tk_ops(default_rewrites):
     """The default enable() on a CUDA Hugging Face Llama: its mask, built from aranges under
     torch.compile, is proven causal, so attention goes to tk in both directions."""
     transformers = pytest.importorskip("transformers", reason="transformers is a test dependency")
-    saved = inductor_config.joint_custom_post_pass
-    tk_ops.inductor.enable()
-    try:
-        config = transformers.LlamaConfig(**TINY_HF_CONFIG, num_key_value_heads=1)
-        model = transformers.LlamaForCausalLM(config).cuda()
-        ids = torch.randint(0, 97, (2, 40), device="cuda")
-        _hf_check(model, {"input_ids": ids}, {"attention", "attention_bwd", "rms_norm", "rms_norm_bwd", "rope_qk", "rope_qk_bwd"})
-    finally:
-        tk_ops.inductor.disable()
-        inductor_config.joint_custom_post_pass = saved
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_HF_CONFIG, num_key_value_heads=1)).cuda()
+    ids = torch.randint(0, 97, (2, 40), device="cuda")
+    _hf_check(model, {"input_ids": ids}, {"attention", "attention_bwd", "rms_norm", "rms_norm_bwd", "rope_qk", "rope_qk_bwd"})
 
 
 # --------------------------------------------------------------------------------------- matmul

@@ -8,9 +8,10 @@ lse. The rewrite is exact only when: dropout 0, bf16/fp16, head dim 64 or 128, a
   * no mask, or ``is_causal`` with Nq == Nk (SDPA's causal mask is top-left aligned, tk's
     bottom-right; the two agree only on square problems), or
   * an explicit mask (boolean, or additive: 0 or at most _MASKED_BIAS) that reads no graph input,
-    e.g. one built from aranges as Hugging Face models do under torch.compile before torch 2.14. Such a mask is a
-    constant of the graph: it is evaluated on the CPU at compile time and accepted when every
-    query sees every key (no mask) or when it is the bottom-right causal mask with no empty row.
+    e.g. one built from aranges as Hugging Face models do under torch.compile before torch 2.14.
+    Such a mask is a constant of the graph: it is evaluated on the CPU at compile time and accepted
+    when every query sees every key (no mask) or when it is the bottom-right causal mask with no
+    empty row.
 
 K and V expanded from fewer heads by Hugging Face's ``repeat_kv`` (unsqueeze, expand, copy,
 reshape) are read from the unexpanded tensors, as GQA, so the copies disappear. Their gradients
