@@ -6,6 +6,9 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
+
+#include "element_type.h"
 
 namespace tk {
 
@@ -35,6 +38,23 @@ template <typename T> using packed_pair_t = typename packed_pair<T>::type;
 // The 32-bit shared-state-space address of a generic pointer into shared memory, as PTX wants it.
 __device__ __forceinline__ uint32_t shared_address(const void* ptr) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
+// The C++ type of a run-time element_type (for kernels instantiated through tk::dispatch).
+template <element_type E>
+using element_t = std::conditional_t<E == element_type::bf16, bf16, std::conditional_t<E == element_type::fp16, half, float>>;
+
+// Whole blocks of `block` needed to cover `count` (host and device; integer types only).
+template <typename I>
+__host__ __device__ constexpr I ceil_div(I count, I block) {
+  static_assert(std::is_integral_v<I>, "ceil_div counts in integers");
+  return (count + block - 1) / block;
+}
+
+// `count` rounded up to a multiple of `multiple`.
+template <typename I>
+__host__ __device__ constexpr I round_up(I count, I multiple) {
+  return ceil_div(count, multiple) * multiple;
 }
 
 template <typename T> constexpr bool is_16bit_float = false;
