@@ -102,20 +102,40 @@ def test_wgmma_against_float64(dtype, n, majors):
 # --------------------------------------------------------------------------------------- pipeline
 
 
+def grouped_order(tiles_m: int, tiles_n: int, group_rows: int):
+    """The tile of each task index, as pipeline::grouped_tile_order orders them."""
+    tiles = []
+    for index in range(tiles_m * tiles_n):
+        group, in_group = divmod(index, group_rows * tiles_n)
+        first_row = group * group_rows
+        rows_in_group = min(group_rows, tiles_m - first_row)
+        tiles.append((first_row + in_group % rows_in_group, in_group // rows_in_group))
+    return tiles
+
+
 @requires_hopper
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])
 @pytest.mark.parametrize("consumers", [1, 2])
 @pytest.mark.parametrize(
     "rows, cols, iterations, grid",
-    [(64, 64, 1, 1), (1000, 304, 3, 3), (4100, 136, 7, 5), (777, 1000, 2, 132)],
-    ids=["one-tile", "tails", "many-tiles-per-block", "more-blocks-than-tiles"],
+    # (777, 1000) in 128 x 64 tiles: 7 x 16 = 112 tasks
+    [(64, 64, 1, 1), (1000, 304, 3, 3), (4100, 136, 7, 5), (777, 1000, 2, 132), (777, 1000, 2, 112)],
+    ids=["one-tile", "tails", "many-tiles-per-block", "more-blocks-than-tiles", "one-block-per-task"],
 )
-def test_pipeline_column_sums(stages, consumers, rows, cols, iterations, grid):
-    x = torch.randn(rows, cols, device="cuda").bfloat16()  # cols a multiple of 8: 16-byte row strides
-    out = core().column_sums(x, iterations, stages, consumers, 3, grid)
+def test_pipeline_template_hooks(stages, consumers, rows, cols, iterations, grid):
+    """Two-part stages, a resident tile per task and scratch kept across tasks, on persistent grids
+    (several tasks per block) and on one block per task."""
+    x, y = (torch.randn(rows, cols, device="cuda").bfloat16() for _ in range(2))  # cols % 8 == 0: 16-byte rows
     rows_per_tile = 64 * iterations
-    padded = torch.zeros(math.ceil(rows / rows_per_tile) * rows_per_tile, cols, dtype=torch.float64, device="cuda")
-    padded[:rows] = x.double()
-    expected = padded.view(-1, rows_per_tile, cols).sum(1)
+    tiles_m, tiles_n = math.ceil(rows / rows_per_tile), math.ceil(cols / 64)
+    z = torch.randn(64 * tiles_m, cols, device="cuda").bfloat16()
+    out, tasks_before = core().pipeline_sums(x, y, z, iterations, stages, consumers, 3, grid)
+    padded = torch.zeros(tiles_m * rows_per_tile, cols, dtype=torch.float64, device="cuda")
+    padded[:rows] = x.double() + 2 * y.double()
+    expected = padded.view(tiles_m, rows_per_tile, cols).sum(1) + 3 * z.double().view(tiles_m, 64, cols).sum(1)
     assert not out.isnan().any(), "a work tile was never stored"
     assert_rel_close(out, expected, 1e-5)
+    expected_before = torch.empty(tiles_m, tiles_n, dtype=torch.int32)
+    for index, (row, col) in enumerate(grouped_order(tiles_m, tiles_n, 3)):
+        expected_before[row, col] = index // grid
+    assert torch.equal(tasks_before.cpu(), expected_before), "scratch did not persist across a block's tasks"

@@ -117,6 +117,12 @@ def test_mma(kernels, form, dtype):
     tk_testing.assert_rel_close(d, a64 @ b64 + c.double(), FLOAT_TOLERANCE, f"mma_{form}")
 
 
+def _where_kept(x, keep, value):
+    rows = torch.arange(x.shape[0], device=x.device)[:, None]
+    cols = torch.arange(x.shape[1], device=x.device)[None, :]
+    return torch.where(keep(rows, cols), x, value)
+
+
 def _softmax2(x, y, u, w):
     shifted = x - x.amax(dim=1, keepdim=True)
     return 2**shifted / (2**shifted).sum(dim=1, keepdim=True)
@@ -149,6 +155,9 @@ TILE_CASES = [
     ("fill", lambda x, y, u, w: torch.full_like(x, 2.5), True),
     ("neg_infty", lambda x, y, u, w: torch.full_like(x, float("-inf")), True),
     ("softmax2", _softmax2, False),
+    ("tril", lambda x, y, u, w: _where_kept(x, lambda r, c: c + 5 <= r + 3 + 2, float("-inf")), True),
+    ("mask_predicate", lambda x, y, u, w: _where_kept(x, lambda r, c: (r + 7 + c + 11) % 3 != 0, 0.0), True),
+    ("columns", lambda x, y, u, w: torch.cat([x[:, COLS - BASE_TILE :], torch.zeros_like(x[:, BASE_TILE:])], 1), True),
 ]
 ROW_CASES = [
     ("row_max", lambda x, y, u, w: x.amax(dim=1), True),
@@ -158,6 +167,8 @@ ROW_CASES = [
     ("vector_round_trip", lambda x, y, u, w: u, True),
     ("vector_exp2", lambda x, y, u, w: 2**u, False),
     ("vector_sub", lambda x, y, u, w: x.amax(dim=1) - u, False),
+    ("lane_row_sum", lambda x, y, u, w: x.sum(dim=1) + u, False),
+    ("bounded_load", lambda x, y, u, w: torch.where(torch.arange(ROWS, device=u.device) < ROWS - 11, u, 0.0), True),
 ]
 COL_CASES = [
     ("col_max", lambda x, y, u, w: x.amax(dim=0), True),

@@ -20,6 +20,7 @@ using half_2 = __half2;
 constexpr int WARP_THREADS = 32;
 constexpr int WARPGROUP_WARPS = 4;
 constexpr int WARPGROUP_THREADS = WARP_THREADS * WARPGROUP_WARPS;
+constexpr unsigned ALL_LANES = 0xffffffffu;  // the member mask of a whole-warp shuffle or vote
 // Register and shared tiles are built from square base tiles of this many rows and columns.
 constexpr int BASE_TILE = 16;
 

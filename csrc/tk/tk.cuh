@@ -2,10 +2,13 @@
 #pragma once
 
 #include "common.cuh"
+#include "dispatch.h"
 #include "ops/tma.cuh"
 #include "ops/warp/warp.cuh"
 #include "ops/warpgroup/warpgroup.cuh"
+#include "pipeline/block.cuh"
 #include "pipeline/producer_consumer.cuh"
+#include "pipeline/stage_ring.cuh"
 #include "pipeline/tile_scheduler.cuh"
 #include "sync/sync.cuh"
 #include "types/global_layout.cuh"

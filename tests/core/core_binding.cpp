@@ -50,16 +50,22 @@ std::tuple<at::Tensor, at::Tensor> wgmma_product(const at::Tensor& a, const at::
   return {out32, out16};
 }
 
-at::Tensor column_sums(const at::Tensor& x, int64_t iterations, int64_t stages, int64_t consumers, int64_t group_rows,
-                       int64_t grid) {
-  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kBFloat16);
+// Returns (out, tasks_before) of the template's test kernel (see core_kernels.h).
+std::tuple<at::Tensor, at::Tensor> pipeline_sums(const at::Tensor& x, const at::Tensor& y, const at::Tensor& z,
+                                                 int64_t iterations, int64_t stages, int64_t consumers,
+                                                 int64_t group_rows, int64_t grid) {
+  for (const at::Tensor* t : {&x, &y, &z}) TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kBFloat16);
   const int64_t rows_per_tile = 64 * iterations;
   const int64_t tiles_m = (x.size(0) + rows_per_tile - 1) / rows_per_tile;
+  const int64_t tiles_n = (x.size(1) + 63) / 64;
+  TORCH_CHECK(y.sizes() == x.sizes() && z.size(0) == 64 * tiles_m && z.size(1) == x.size(1));
   at::Tensor out = at::full({tiles_m, x.size(1)}, NAN, x.options().dtype(at::kFloat));
-  C10_CUDA_CHECK(tk::core_tests::column_sums({x.data_ptr(), out.data_ptr<float>(), int(x.size(0)), int(x.size(1)), int(iterations),
-                               int(stages), int(consumers), int(group_rows), int(grid)},
-                              stream()));
-  return out;
+  at::Tensor tasks_before = at::full({tiles_m, tiles_n}, -1, x.options().dtype(at::kInt));
+  C10_CUDA_CHECK(tk::core_tests::pipeline_sums({x.data_ptr(), y.data_ptr(), z.data_ptr(), out.data_ptr<float>(),
+                                                tasks_before.data_ptr<int>(), int(x.size(0)), int(x.size(1)),
+                                                int(iterations), int(stages), int(consumers), int(group_rows), int(grid)},
+                                               stream()));
+  return {out, tasks_before};
 }
 
 }  // namespace
@@ -67,5 +73,5 @@ at::Tensor column_sums(const at::Tensor& x, int64_t iterations, int64_t stages, 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tma_round_trip", &tma_round_trip);
   m.def("wgmma_product", &wgmma_product);
-  m.def("column_sums", &column_sums);
+  m.def("pipeline_sums", &pipeline_sums);
 }

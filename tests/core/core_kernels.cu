@@ -2,7 +2,8 @@
 //   tma_round_trip   TMA prefetch and load into a swizzled tile, read back element-wise, TMA store
 //   wgmma_product    64 x N x 64 product from shared operands of either major-ness (+ bias epilogue)
 //   wgmma_registers  the same with A from registers
-//   column_sums      the producer/consumer pipeline and persistent scheduler with 1..4 stages
+//   pipeline_sums    every hook of the producer/consumer template (two-part stages, a resident tile,
+//                    scratch kept across tasks) with 1..4 stages, persistent and one-task grids
 #include "core_kernels.h"
 #include "tk/tk.cuh"
 
@@ -84,19 +85,6 @@ struct product_shared {
   mbarrier loaded;
 };
 
-// Writes the accumulator in its documented register layout to a dense row-major 64 x N array.
-template <int N>
-__device__ void write_accumulator(const warpgroup::accumulator<N>& acc, float* out) {
-  const int r = warpgroup::accumulator<N>::first_row(), c = warpgroup::accumulator<N>::first_col();
-#pragma unroll
-  for (int j = 0; j < N / 8; ++j) {
-    out[r * N + c + 8 * j] = acc.data[4 * j + 0];
-    out[r * N + c + 8 * j + 1] = acc.data[4 * j + 1];
-    out[(r + 8) * N + c + 8 * j] = acc.data[4 * j + 2];
-    out[(r + 8) * N + c + 8 * j + 1] = acc.data[4 * j + 3];
-  }
-}
-
 template <typename T, int N, operand_major A_MAJOR, operand_major B_MAJOR, bool A_IN_REGISTERS>
 __global__ void wgmma_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
                              const __grid_constant__ CUtensorMap c_map, const T* a_dense, const T* bias,
@@ -120,33 +108,25 @@ __global__ void wgmma_kernel(const __grid_constant__ CUtensorMap a_map, const __
 
   warpgroup::accumulator<N> acc;
   if constexpr (A_IN_REGISTERS) {
-    // The 64 x 16 fragments of the four k16 steps, read from the dense row-major A (64 x 64).
-    const int r = warpgroup::accumulator<16>::first_row(), c = warpgroup::accumulator<16>::first_col();
-    const int rows[4] = {r, r + 8, r, r + 8};
-    const int cols[4] = {c, c, c + 8, c + 8};
-    uint32_t fragments[PRODUCT_K / 16][4];
-#pragma unroll
-    for (int step = 0; step < PRODUCT_K / 16; ++step) {
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        fragments[step][q] = *reinterpret_cast<const uint32_t*>(&a_dense[rows[q] * PRODUCT_K + 16 * step + cols[q]]);
-      }
-    }
+    // Each warp's 16 rows of the dense row-major A (64 x 64) as a register tile.
+    register_tile<T, BASE_TILE, PRODUCT_K> a_regs;
+    warp::load(a_regs, a_dense + warpgroup::warp_row() * PRODUCT_K, PRODUCT_K);
     warpgroup::fence();
-#pragma unroll
-    for (int step = 0; step < PRODUCT_K / 16; ++step) {
-      warpgroup::mma<B_MAJOR>(acc, fragments[step], s.b, 0, 16 * step, step > 0);
-    }
+    warpgroup::mma<B_MAJOR>(acc, a_regs, s.b, 0, false);
+    warpgroup::commit();
+    warpgroup::wait<0>(acc, a_regs);
   } else {
     warpgroup::fence();
     warpgroup::mma<A_MAJOR, B_MAJOR>(acc, s.a, 0, s.b, 0, false);
+    warpgroup::commit();
+    warpgroup::wait<0>(acc);
   }
-  warpgroup::commit();
-  warpgroup::wait<0>(acc);
-  write_accumulator(acc, out32);
+  warp::store(out32 + warpgroup::warp_row() * N, N, acc);
 
   // The GEMM epilogue: + bias, stmatrix into the swizzled tile, TMA store.
-  warpgroup::add_column_vector(acc, bias, 0, N);
+  per_col_vector<decltype(acc)> bias_columns;
+  warp::load(bias_columns, bias, N);
+  warp::add_col(acc, acc, bias_columns);
   warpgroup::store<0>(s.c, acc);
   fence_async_shared();
   __syncthreads();
@@ -189,11 +169,15 @@ cudaError_t run_product_variants(const product_args& p, cudaStream_t stream) {
 
 // ------------------------------------------------------------------------ pipeline: column sums
 
-// out[r, col] = sum of x[rows of work tile r, col]. A work tile is `iterations` blocks of 64 rows
-// by 64 columns; one pipeline stage holds one 64 x 64 block. Consumer threads each sum a strided
-// set of rows of one column, then combine their partial sums through shared memory.
+// Every hook of the producer/consumer template at once. A task is the output tile (r, c): 64
+// columns of `iterations` 64-row blocks of x and y, plus the 64 x 64 block (r, c) of z:
+//   out[r, col] = sum over the task's rows of (x + 2 y)[:, col] + 3 * sum of z's block (r, c)
+//   tasks_before[r, c] = how many tasks the block ran before this one
+// x and y arrive as the two parts of a stage, each released as soon as the consumers have read it;
+// z is the task's resident tile; the task count lives in scratch shared memory, which must persist
+// across a persistent block's tasks. The weights 1, 2, 3 tell the three sources apart.
 template <int STAGES, int CONSUMERS>
-struct column_sum_kernel {
+struct pipeline_sum_kernel {
   static constexpr int stages = STAGES;
   static constexpr int consumer_warpgroups = CONSUMERS;
   static constexpr int producer_registers = 40;
@@ -202,79 +186,117 @@ struct column_sum_kernel {
   static constexpr int consumer_threads = CONSUMERS * WARPGROUP_THREADS;
   static constexpr int rows_per_pass = consumer_threads / block;
 
-  using x_tile = shared_tile<bf16, block, block>;
-  struct stage_storage {
-    x_tile x;
+  using tile = shared_tile<bf16, block, block>;
+  struct stage {
+    tile x, y;
   };
-  static constexpr uint32_t stage_bytes = x_tile::bytes;
-  struct store_storage {
+  enum part : int { x_part, y_part };
+  static constexpr uint32_t stage_bytes[] = {tile::bytes, tile::bytes};
+  struct resident {
+    tile z;
+  };
+  static constexpr uint32_t resident_bytes = tile::bytes;
+  struct scratch {
     float partial[consumer_threads];
+    int tasks_seen[CONSUMERS];
   };
   struct consumer_state {
     float sum;
   };
   struct params {
-    CUtensorMap x;
+    CUtensorMap x, y, z;
     float* out;
+    int* tasks_before;
     int rows, cols, iterations;
     pipeline::grouped_tile_order order;
   };
+  using context = pipeline::task_context<pipeline_sum_kernel>;
 
   enum class barrier_id : int { partials_written = FIRST_NAMED_BARRIER, partials_read, count };
   static_assert(fits_named_barriers<barrier_id>());
 
-  __device__ static pipeline::persistent_scheduler<pipeline::grouped_tile_order> scheduler(const params& p) {
-    return {p.order};
-  }
+  __host__ __device__ static pipeline::grouped_tile_order tasks(const params& p) { return p.order; }
   __device__ static int iterations(const params& p, pipeline::output_tile tile) {
     const int rows_left = p.rows - tile.row * p.iterations * block;
-    return min(p.iterations, (rows_left + block - 1) / block);
+    return min(p.iterations, ceil_div(rows_left, block));
   }
-  __device__ static void prefetch(const params& p) { tma::prefetch_descriptor(p.x); }
-  __device__ static void load(const params& p, pipeline::output_tile tile, int i, stage_storage& s, mbarrier& full) {
+  __device__ static void prefetch(const params& p) {
+    tma::prefetch_descriptor(p.x);
+    tma::prefetch_descriptor(p.y);
+    tma::prefetch_descriptor(p.z);
+  }
+  __device__ static void load_resident(const params& p, pipeline::output_tile tile, resident& r, mbarrier& full) {
+    const int index[2] = {tile.row * block, tile.col * block};
+    tma::load(r.z, p.z, full, index);
+  }
+  __device__ static void load(const params& p, pipeline::output_tile tile, int i, int part, stage& s, mbarrier& full) {
     const int index[2] = {(tile.row * p.iterations + i) * block, tile.col * block};
-    tma::load(s.x, p.x, full, index);
+    tma::load(part == x_part ? s.x : s.y, part == x_part ? p.x : p.y, full, index);
   }
   __device__ static int thread_index(int consumer) { return consumer * WARPGROUP_THREADS + threadIdx.x % WARPGROUP_THREADS; }
-
-  __device__ static void compute(consumer_state& state, const stage_storage& s, int i, int consumer) {
-    const int t = thread_index(consumer);
-    if (i == 0) state.sum = 0.0f;
-    for (int row = t / block; row < block; row += rows_per_pass) state.sum += __bfloat162float(s.x.at(row, t % block));
+  __device__ static float column_share(const tile& t, int thread) {
+    float sum = 0.0f;
+    for (int row = thread / block; row < block; row += rows_per_pass) sum += __bfloat162float(t.at(row, thread % block));
+    return sum;
   }
-  __device__ static void store(const params& p, consumer_state& state, pipeline::output_tile tile,
-                               store_storage& staging, int consumer) {
-    const int t = thread_index(consumer);
-    staging.partial[t] = state.sum;
+
+  __device__ static void init(const params&, scratch& s, int consumer) {
+    if (threadIdx.x % WARPGROUP_THREADS == 0) s.tasks_seen[consumer] = 0;
+  }
+  __device__ static void compute(const context& ctx, consumer_state& state, pipeline::stage_inputs<pipeline_sum_kernel>& in) {
+    const int t = thread_index(ctx.consumer);
+    state.sum = 0.0f;
+    auto at = in.first();
+    for (int i = 0; i < ctx.iterations; ++i, at.advance()) {
+      state.sum += column_share(in.wait(at, x_part).x, t);
+      in.release(at, x_part);
+      state.sum += 2.0f * column_share(in.wait(at, y_part).y, t);
+      in.release(at, y_part);
+    }
+  }
+  __device__ static void store(const context& ctx, consumer_state& state) {
+    const params& p = ctx.params;
+    const int t = thread_index(ctx.consumer);
+    ctx.scratch.partial[t] = state.sum + 3.0f * column_share(ctx.resident.z, t);
     barrier_sync(barrier_id::partials_written, consumer_threads);
-    const int col = tile.col * block + t;
+    const int col = ctx.task.col * block + t;
     if (t < block && col < p.cols) {
       float total = 0.0f;
-      for (int j = 0; j < rows_per_pass; ++j) total += staging.partial[t + block * j];
-      p.out[tile.row * p.cols + col] = total;
+      for (int j = 0; j < rows_per_pass; ++j) total += ctx.scratch.partial[t + block * j];
+      p.out[ctx.task.row * p.cols + col] = total;
     }
     barrier_sync(barrier_id::partials_read, consumer_threads);
+    if (threadIdx.x % WARPGROUP_THREADS == 0) {
+      const int seen = ctx.scratch.tasks_seen[ctx.consumer]++;
+      if (ctx.consumer == 0) p.tasks_before[ctx.task.row * p.order.tiles_n + ctx.task.col] = seen;
+    }
   }
-  __device__ static void finish(const params&, store_storage&, int) {}
 };
 
 template <int STAGES, int CONSUMERS>
-cudaError_t run_column_sums(const column_sum_args& a, cudaStream_t stream) {
-  using K = column_sum_kernel<STAGES, CONSUMERS>;
+cudaError_t run_pipeline_sums(const pipeline_sum_args& a, cudaStream_t stream) {
+  using K = pipeline_sum_kernel<STAGES, CONSUMERS>;
+  using tile = typename K::tile;
+  const auto matrix = [&](const void* data, int rows) {
+    return make_tma_map<tile>(matrix_layout(static_cast<bf16*>(const_cast<void*>(data)), rows, a.cols, a.cols));
+  };
   typename K::params p;
-  p.x = make_tma_map<typename K::x_tile>(matrix_layout(static_cast<bf16*>(const_cast<void*>(a.x)), a.rows, a.cols, a.cols));
+  const int rows_per_tile = a.iterations * K::block;
+  p.order = {ceil_div(a.rows, rows_per_tile), ceil_div(a.cols, K::block), a.group_rows};
+  p.x = matrix(a.x, a.rows);
+  p.y = matrix(a.y, a.rows);
+  p.z = matrix(a.z, p.order.tiles_m * K::block);
   p.out = a.out;
+  p.tasks_before = a.tasks_before;
   p.rows = a.rows;
   p.cols = a.cols;
   p.iterations = a.iterations;
-  const int rows_per_tile = a.iterations * K::block;
-  p.order = {(a.rows + rows_per_tile - 1) / rows_per_tile, (a.cols + K::block - 1) / K::block, a.group_rows};
   return pipeline::launch<K>(p, a.grid, stream);
 }
 
 template <int STAGES>
-cudaError_t run_column_sums_stages(const column_sum_args& a, cudaStream_t stream) {
-  return a.consumers == 1 ? run_column_sums<STAGES, 1>(a, stream) : run_column_sums<STAGES, 2>(a, stream);
+cudaError_t run_pipeline_sums_stages(const pipeline_sum_args& a, cudaStream_t stream) {
+  return a.consumers == 1 ? run_pipeline_sums<STAGES, 1>(a, stream) : run_pipeline_sums<STAGES, 2>(a, stream);
 }
 
 template <int BOX_ROWS>
@@ -303,12 +325,12 @@ cudaError_t wgmma_product(const product_args& p, cudaStream_t stream) {
   return p.dtype == element::bf16 ? for_n.template operator()<bf16>() : for_n.template operator()<half>();
 }
 
-cudaError_t column_sums(const column_sum_args& a, cudaStream_t stream) {
+cudaError_t pipeline_sums(const pipeline_sum_args& a, cudaStream_t stream) {
   switch (a.stages) {
-    case 1: return run_column_sums_stages<1>(a, stream);
-    case 2: return run_column_sums_stages<2>(a, stream);
-    case 3: return run_column_sums_stages<3>(a, stream);
-    default: return run_column_sums_stages<4>(a, stream);
+    case 1: return run_pipeline_sums_stages<1>(a, stream);
+    case 2: return run_pipeline_sums_stages<2>(a, stream);
+    case 3: return run_pipeline_sums_stages<3>(a, stream);
+    default: return run_pipeline_sums_stages<4>(a, stream);
   }
 }
 

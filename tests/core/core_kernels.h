@@ -36,14 +36,20 @@ struct product_args {
 };
 cudaError_t wgmma_product(const product_args& args, cudaStream_t stream);
 
-// out (tiles_m x cols, fp32) = column sums of x (rows x cols, bf16) over work tiles of
-// iterations x 64 rows, through the producer/consumer pipeline on `grid` persistent blocks.
-struct column_sum_args {
+// The producer/consumer template with every hook (core_kernels.cu, pipeline_sum_kernel): over work
+// tiles of iterations x 64 rows by 64 columns, out (tiles_m x cols, fp32) = column sums of x + 2 y
+// (rows x cols, bf16) plus 3 x the column sums of z's 64-row block per tile (z: tiles_m * 64 x cols,
+// bf16), and tasks_before (tiles_m x tiles_n, int32) = the tasks a block ran before each tile; on
+// `grid` blocks.
+struct pipeline_sum_args {
   const void* x;
+  const void* y;
+  const void* z;
   float* out;
+  int* tasks_before;
   int rows, cols, iterations;
   int stages, consumers, group_rows, grid;
 };
-cudaError_t column_sums(const column_sum_args& args, cudaStream_t stream);
+cudaError_t pipeline_sums(const pipeline_sum_args& args, cudaStream_t stream);
 
 }  // namespace tk::core_tests

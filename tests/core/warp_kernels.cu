@@ -6,6 +6,7 @@
 // order. Nothing here knows torch. Every kernel is one warp, except the wgmma ones (one warpgroup).
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <string_view>
 #include <utility>
 
@@ -93,8 +94,8 @@ __global__ void mma_product(const T* a, const T* b, const float* c, float* d) {
 // ---- maps, broadcasts, reductions, layout changes on one ROWS x COLS tile ------------------------
 // The cases are written in order; test_core_warp.py lists the same names in the same order.
 
-constexpr int TILE_CASES = 25;
-constexpr int ROW_CASES = 7;
+constexpr int TILE_CASES = 28;
+constexpr int ROW_CASES = 9;
 constexpr int COL_CASES = 5;
 
 // x, y: ROWS x COLS (y > 0); u: ROWS entries (> 0); w: COLS entries (> 0).
@@ -152,6 +153,15 @@ __global__ void elementwise_suite(const float* x_in, const float* y_in, const fl
   warp::row_sum(l, t);
   warp::div_row(t, t, l);
   emit_tile(t);
+  warp::copy(t, x);
+  warp::tril(t, {3, 5}, 2, -INFINITY); emit_tile(t);  // tril: keep col + 5 <= row + 3 + 2
+  warp::copy(t, x);
+  warp::mask(t, {7, 11}, [](int row, int col) { return (row + col) % 3 != 0; }, 0.0f);
+  emit_tile(t);                                        // mask_predicate
+  warp::zero(t);
+  const auto last_columns = warp::columns<COLS - BASE_TILE, BASE_TILE>(x);
+  for_each_pair<decltype(last_columns)>([&](int br, int bc, int q) { t.pairs[br][bc][q] = last_columns.pairs[br][bc][q]; });
+  emit_tile(t);                                        // columns: x's last base-tile column first, zeros after
 
   warp::row_max(m, x); emit_row(m);                    // row_max
   warp::row_sum(m, x); emit_row(m);                    // row_sum
@@ -161,6 +171,9 @@ __global__ void elementwise_suite(const float* x_in, const float* y_in, const fl
   warp::exp2(m, u); emit_row(m);                       // vector_exp2
   warp::row_max(m, x);
   warp::sub(m, m, u); emit_row(m);                     // vector_sub (row_max - u)
+  warp::lane_row_sum(m, x, u);
+  warp::all_lanes_row_sum(m); emit_row(m);             // lane_row_sum (+ u), combined across lanes
+  warp::load(m, u_in, ROWS - 11); emit_row(m);         // bounded_load: u, zeros from ROWS - 11 on
 
   warp::col_max(c, x); emit_col(c);                    // col_max
   warp::col_sum(c, x); emit_col(c);                    // col_sum
@@ -182,28 +195,28 @@ __global__ void elementwise_suite(const float* x_in, const float* y_in, const fl
 
 constexpr int WGMMA_N = 2 * BASE_TILE;
 
-// out (64 x WGMMA_N): each lane writes the PTX ISA's coordinates of its accumulator registers
-// through a register tile; fragment_out: the same after a round trip tile -> fragment, written at
-// the PTX coordinates directly. Both must come back as row * WGMMA_N + col.
+// out (64 x WGMMA_N): each lane puts the PTX ISA's coordinates of accumulator register d_k into
+// element k of its accumulator tile and stores the tile; fragment_out: each register written at its
+// PTX coordinates directly. Both must come back as row * WGMMA_N + col.
 __global__ void accumulator_layout(float* out, float* fragment_out) {
-  using accumulator_type = warpgroup::accumulator<WGMMA_N>;
   const int group = fragment::group_id();
   const int thread = fragment::thread_in_group();
   // The PTX ISA's formula for register d_k of wgmma .m64nNk16 (f32 accumulator).
-  const auto ptx_row = [&](int k) { return warpgroup::warp_row(0) + group + 8 * ((k / 2) % 2); };
+  const auto ptx_row = [&](int k) { return warpgroup::warp_row() + group + 8 * ((k / 2) % 2); };
   const auto ptx_col = [&](int k) { return 8 * (k / 4) + 2 * thread + k % 2; };
 
-  accumulator_type accumulator;
-#pragma unroll
-  for (int k = 0; k < accumulator_type::registers; ++k) accumulator.data[k] = float(ptx_row(k) * WGMMA_N + ptx_col(k));
-  register_tile<float, BASE_TILE, WGMMA_N> tile;
-  warpgroup::copy(tile, accumulator, 0);
-  warp::store(out + warpgroup::warp_row(0) * WGMMA_N, WGMMA_N, tile);
-
-  accumulator_type round_trip;
-  warpgroup::copy(round_trip, tile, 0);
-#pragma unroll
-  for (int k = 0; k < accumulator_type::registers; ++k) fragment_out[ptx_row(k) * WGMMA_N + ptx_col(k)] = round_trip.data[k];
+  // d_k is element k of the accumulator tile's pairs in storage order.
+  warpgroup::accumulator<WGMMA_N> accumulator;
+  for_each_pair<decltype(accumulator)>([&](int, int bc, int q) {
+    const int k = (bc * fragment::QUADRANTS + q) * fragment::PAIR;
+    accumulator.pairs[0][bc][q] = {float(ptx_row(k) * WGMMA_N + ptx_col(k)), float(ptx_row(k + 1) * WGMMA_N + ptx_col(k + 1))};
+  });
+  warp::store(out + warpgroup::warp_row() * WGMMA_N, WGMMA_N, accumulator);
+  for_each_pair<decltype(accumulator)>([&](int, int bc, int q) {
+    const int k = (bc * fragment::QUADRANTS + q) * fragment::PAIR;
+    fragment_out[ptx_row(k) * WGMMA_N + ptx_col(k)] = accumulator.pairs[0][bc][q].x;
+    fragment_out[ptx_row(k + 1) * WGMMA_N + ptx_col(k + 1)] = accumulator.pairs[0][bc][q].y;
+  });
 }
 
 // One m64n16k16 wgmma with A from registers, B (N x K, K-major) from shared memory without swizzle:
@@ -238,9 +251,11 @@ __global__ void wgmma_register_a(const bf16* a, const bf16* bt, float* d) {
       uint64_t(N_NEIGHBOUR_BYTES >> DESCRIPTOR_ADDRESS_SHIFT) << DESCRIPTOR_STRIDE_OFFSET_BIT;
 
   register_tile<bf16, BASE_TILE, PROBE_K> a_regs;
-  warp::load(a_regs, a + warpgroup::warp_row(0) * PROBE_K, PROBE_K);
-  const warpgroup::a_operand_fragment a_fragment = warpgroup::a_operand(a_regs, 0, 0);
-  warpgroup::accumulator<PROBE_N> acc{};
+  warp::load(a_regs, a + warpgroup::warp_row() * PROBE_K, PROBE_K);
+  uint32_t a_fragment[fragment::QUADRANTS];
+  warpgroup::a_operand(a_fragment, a_regs, 0);
+  warpgroup::accumulator<PROBE_N> acc;
+  warp::zero(acc);
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
   asm volatile(
       "{\n"
@@ -249,22 +264,16 @@ __global__ void wgmma_register_a(const bf16* a, const bf16* bt, float* d) {
       "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, "
       "{%8, %9, %10, %11}, %12, accumulate, 1, 1, 0;\n"
       "}\n"
-      : "+f"(acc.data[0]), "+f"(acc.data[1]), "+f"(acc.data[2]), "+f"(acc.data[3]), "+f"(acc.data[4]), "+f"(acc.data[5]),
-        "+f"(acc.data[6]), "+f"(acc.data[7])
-      : "r"(a_fragment.a[0]), "r"(a_fragment.a[1]), "r"(a_fragment.a[2]), "r"(a_fragment.a[3]), "l"(descriptor),
+      : "+f"(acc.pairs[0][0][0].x), "+f"(acc.pairs[0][0][0].y), "+f"(acc.pairs[0][0][1].x), "+f"(acc.pairs[0][0][1].y),
+        "+f"(acc.pairs[0][0][2].x), "+f"(acc.pairs[0][0][2].y), "+f"(acc.pairs[0][0][3].x), "+f"(acc.pairs[0][0][3].y)
+      : "r"(a_fragment[0]), "r"(a_fragment[1]), "r"(a_fragment[2]), "r"(a_fragment[3]), "l"(descriptor),
         "r"(0)
       : "memory");
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
   // The accumulator is read after the wait: tie its registers to it.
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n"
-               : "+f"(acc.data[0]), "+f"(acc.data[1]), "+f"(acc.data[2]), "+f"(acc.data[3]), "+f"(acc.data[4]), "+f"(acc.data[5]),
-                 "+f"(acc.data[6]), "+f"(acc.data[7])
-               :
-               : "memory");
-
-  register_tile<float, BASE_TILE, PROBE_N> d_regs;
-  warpgroup::copy(d_regs, acc, 0);
-  warp::store(d + warpgroup::warp_row(0) * PROBE_N, PROBE_N, d_regs);
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+  warpgroup::pin(acc);
+  warp::store(d + warpgroup::warp_row() * PROBE_N, PROBE_N, acc);
 }
 
 // The same product through the library's wgmma wrapper (ops/warpgroup/wgmma.cuh) and shared tile:
@@ -276,16 +285,13 @@ __global__ void wgmma_register_a_library(const bf16* a, const bf16* bt, float* d
   __syncthreads();
 
   register_tile<bf16, BASE_TILE, PROBE_K> a_regs;
-  warp::load(a_regs, a + warpgroup::warp_row(0) * PROBE_K, PROBE_K);
+  warp::load(a_regs, a + warpgroup::warp_row() * PROBE_K, PROBE_K);
   warpgroup::accumulator<PROBE_N> acc;
   warpgroup::fence();
-  warpgroup::mma<warpgroup::operand_major::k>(acc, warpgroup::a_operand(a_regs, 0, 0).a, b_smem, 0, 0, false);
+  warpgroup::mma<warpgroup::operand_major::k>(acc, a_regs, b_smem, 0, false);
   warpgroup::commit();
-  warpgroup::wait<0>(acc);
-
-  register_tile<float, BASE_TILE, PROBE_N> d_regs;
-  warpgroup::copy(d_regs, acc, 0);
-  warp::store(d + warpgroup::warp_row(0) * PROBE_N, PROBE_N, d_regs);
+  warpgroup::wait<0>(acc, a_regs);
+  warp::store(d + warpgroup::warp_row() * PROBE_N, PROBE_N, acc);
 }
 
 // ---- the case table ------------------------------------------------------------------------------

@@ -23,13 +23,13 @@ namespace {
 
 // What both gradient kernels know about the problem.
 struct gradient_shape {
-  int q_rows, k_rows, q_heads, group;  // group = Hq / Hkv
+  int q_rows, k_rows, q_heads, batch, group;  // group = Hq / Hkv
   int statistics_rows;                 // padded row count of each head's statistics
   float scale;
   float scale_log2;
   bool causal;
 
-  __device__ visibility vis() const { return {q_rows, k_rows, causal}; }
+  __host__ __device__ visibility vis() const { return {q_rows, k_rows, causal}; }
   __device__ int64_t statistics_offset(int batch, int q_head) const {
     return (int64_t(batch) * q_heads + q_head) * statistics_rows;
   }
@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(STATISTICS_THREADS) statistics_kernel(const st
     }
   }
 #pragma unroll
-  for (int mask = 1; mask < STATISTICS_LANES_PER_ROW; mask *= 2) dot += __shfl_xor_sync(0xffffffffu, dot, mask);
+  for (int mask = 1; mask < STATISTICS_LANES_PER_ROW; mask *= 2) dot += __shfl_xor_sync(ALL_LANES, dot, mask);
   if (lane_in_row != 0 || row >= p.total_rows) return;
   if (real) {
     const int64_t source = head_row * p.q_rows + i;
@@ -105,30 +105,36 @@ __global__ void __launch_bounds__(STATISTICS_THREADS) statistics_kernel(const st
 // ------------------------------------------------------------------------------------ dK, dV
 
 template <typename T, int D>
-struct dkdv_kernel {
+struct dkdv_kernel : dkdv_plan<D> {
   using plan = dkdv_plan<D>;
-  using kv_tile = shared_tile<T, CONSUMER_ROWS, D>;  // one consumer's keys, later its dK / dV
+  using kv_tile = shared_tile<T, plan::rows_per_consumer, D>;  // one consumer's keys, later its dK / dV
   using q_tile = shared_tile<T, plan::block_q, D>;
-  static constexpr int stages = plan::stages;
-  static constexpr int threads = block_threads<1 + plan::consumer_warpgroups>;
-  static_assert(fits_register_file<plan>());
+  using scores = warpgroup::accumulator<plan::block_q>;  // S^T and dP^T: a warp's 16 keys x block_q queries
+  using operand = register_tile<T, BASE_TILE, plan::block_q>;
+  using gradient = warpgroup::accumulator<D>;
+  using query_vector = per_col_vector<scores>;
 
-  static constexpr uint32_t stage_bytes = 2 * q_tile::bytes;
-
-  struct storage {
+  struct resident {
     kv_tile k[plan::consumer_warpgroups];
     kv_tile v[plan::consumer_warpgroups];
-    q_tile q[stages];
-    q_tile grad_out[stages];
-    mbarrier kv_full;
-    mbarrier full[stages], empty[stages];
   };
+  static constexpr uint32_t resident_bytes = 2 * plan::consumer_warpgroups * kv_tile::bytes;
+
+  struct stage {
+    q_tile q, grad_out;
+  };
+  static constexpr uint32_t stage_bytes[] = {2 * q_tile::bytes};
 
   struct params {
     CUtensorMap q, k, v, grad_out, grad_k, grad_v;
     const float* lse2;
     const float* delta;
     gradient_shape shape;
+  };
+  using context = pipeline::task_context<dkdv_kernel>;
+
+  struct consumer_state {
+    gradient grad_k, grad_v;
   };
 
   enum class barrier_id : int {
@@ -145,144 +151,115 @@ struct dkdv_kernel {
     __device__ int tile(int step) const { return first_tile + step % tiles_per_head; }
   };
 
-  __device__ static schedule schedule_for(const gradient_shape& g, int k0) {
-    const int first = g.vis().first_query_tile(k0, plan::block_q);
+  __device__ static schedule schedule_for(const gradient_shape& g, pipeline::head_block task) {
+    const int first = g.vis().first_query_tile(task.block * plan::block_kv, plan::block_q);
     return {first, max(0, ceil_div(g.q_rows, plan::block_q) - first)};
   }
 
-  __device__ static void produce(const params& p, storage& smem, int batch, int kv_head, int k0) {
+  __host__ __device__ static pipeline::head_block_order tasks(const params& p) {
+    return {ceil_div(p.shape.k_rows, plan::block_kv), p.shape.q_heads / p.shape.group, p.shape.batch, false};
+  }
+
+  __device__ static int iterations(const params& p, pipeline::head_block task) {
+    return schedule_for(p.shape, task).steps(p.shape.group);
+  }
+
+  __device__ static void prefetch(const params& p) {
     tma::prefetch_descriptor(p.q);
     tma::prefetch_descriptor(p.grad_out);
-    smem.kv_full.arrive_expect_tx(2 * plan::consumer_warpgroups * kv_tile::bytes);
+  }
+
+  __device__ static void load_resident(const params&p, pipeline::head_block task, resident& r, mbarrier& full) {
     for (int c = 0; c < plan::consumer_warpgroups; ++c) {
-      const int index[4] = {batch, kv_head, k0 + c * CONSUMER_ROWS, 0};
-      tma::load(smem.k[c], p.k, smem.kv_full, index);
-      tma::load(smem.v[c], p.v, smem.kv_full, index);
-    }
-    const schedule sched = schedule_for(p.shape, k0);
-    pipeline::ring_position<stages> write;
-    for (int step = 0; step < sched.steps(p.shape.group); ++step, write.advance()) {
-      const int q_head = kv_head * p.shape.group + sched.head_in_group(step);
-      const int q0 = sched.tile(step) * plan::block_q;
-      const int index[4] = {batch, q_head, q0, 0};
-      smem.empty[write.stage].wait(write.phase ^ 1);
-      mbarrier& full = smem.full[write.stage];
-      full.arrive_expect_tx(stage_bytes);
-      tma::load(smem.q[write.stage], p.q, full, index);
-      tma::load(smem.grad_out[write.stage], p.grad_out, full, index);
+      const int index[4] = {task.batch, task.head, task.block * plan::block_kv + c * plan::rows_per_consumer, 0};
+      tma::load(r.k[c], p.k, full, index);
+      tma::load(r.v[c], p.v, full, index);
     }
   }
 
-  __device__ static void consume(const params& p, storage& smem, int consumer, int batch, int kv_head, int k0) {
+  __device__ static int q_head(const params& p, pipeline::head_block task, const schedule& sched, int step) {
+    return task.head * p.shape.group + sched.head_in_group(step);
+  }
+
+  __device__ static void load(const params& p, pipeline::head_block task, int step, int, stage& s, mbarrier& full) {
+    const schedule sched = schedule_for(p.shape, task);
+    const int index[4] = {task.batch, q_head(p, task, sched, step), sched.tile(step) * plan::block_q, 0};
+    tma::load(s.q, p.q, full, index);
+    tma::load(s.grad_out, p.grad_out, full, index);
+  }
+
+  __device__ static void compute(const context& ctx, consumer_state& state, pipeline::stage_inputs<dkdv_kernel>& in) {
+    const params& p = ctx.params;
     const gradient_shape& g = p.shape;
     const visibility vis = g.vis();
-    const kv_tile& k = smem.k[consumer];
-    const kv_tile& v = smem.v[consumer];
-    const int key0 = k0 + consumer * CONSUMER_ROWS;
-    accumulator<D> grad_k, grad_v;
-    fill(grad_k, 0.0f);
-    fill(grad_v, 0.0f);
-    accumulator<plan::block_q> s, grad_p;  // S^T and dP^T: rows are keys, columns queries
-    a_fragments<T, plan::block_q> p_frag, ds_frag;
-    smem.kv_full.wait(0);
+    const kv_tile& k = ctx.resident.k[ctx.consumer];
+    const kv_tile& v = ctx.resident.v[ctx.consumer];
+    const int key0 = ctx.task.block * plan::block_kv + ctx.consumer * plan::rows_per_consumer;
+    warp::zero(state.grad_k);
+    warp::zero(state.grad_v);
+    scores s, grad_p;  // S^T and dP^T: rows are keys, columns queries
+    operand prob, grad_s;
 
-    const schedule sched = schedule_for(g, k0);
-    pipeline::ring_position<stages> read;
-    for (int step = 0; step < sched.steps(g.group); ++step, read.advance()) {
+    const schedule sched = schedule_for(g, ctx.task);
+    auto at = in.first();
+    for (int step = 0; step < ctx.iterations; ++step, at.advance()) {
       const int q0 = sched.tile(step) * plan::block_q;
-      const q_tile& q = smem.q[read.stage];
-      const q_tile& grad_out = smem.grad_out[read.stage];
       // The statistics of this lane's query columns, fetched from global memory (L2) while the
-      // tiles land and the products run: each 8-column block holds the pair first_col + {0, 1}.
-      const int64_t statistics =
-          g.statistics_offset(batch, kv_head * g.group + sched.head_in_group(step)) + q0 + accumulator<plan::block_q>::first_col();
-      float2 lse2[plan::block_q / 8], delta[plan::block_q / 8];
-#pragma unroll
-      for (int b = 0; b < plan::block_q / 8; ++b) {
-        lse2[b] = *reinterpret_cast<const float2*>(p.lse2 + statistics + 8 * b);
-        delta[b] = *reinterpret_cast<const float2*>(p.delta + statistics + 8 * b);
-      }
-      smem.full[read.stage].wait(read.phase);
+      // tiles land and the products run.
+      const int64_t statistics_offset = g.statistics_offset(ctx.task.batch, q_head(p, ctx.task, sched, step)) + q0;
+      query_vector lse2, delta;
+      warp::load(lse2, p.lse2 + statistics_offset);
+      warp::load(delta, p.delta + statistics_offset);
+      const stage& st = in.wait(at);
       // S^T = K Q^T and dP^T = V dO^T
       warpgroup::fence();
-      warpgroup::mma<operand_major::k, operand_major::k>(s, k, 0, q, 0, false);
-      warpgroup::mma<operand_major::k, operand_major::k>(grad_p, v, 0, grad_out, 0, false);
+      warpgroup::mma<operand_major::k, operand_major::k>(s, k, 0, st.q, 0, false);
+      warpgroup::mma<operand_major::k, operand_major::k>(grad_p, v, 0, st.grad_out, 0, false);
       warpgroup::commit();
-      warpgroup::wait<0>(s);
-      warpgroup::pin(grad_p);
+      warpgroup::wait<0>(s, grad_p);
 
       // P^T = exp2(s2 - lse2[query]), 0 where the key is hidden from the query.
-      const bool masked = vis.needs_mask(q0, key0, CONSUMER_ROWS);
-#pragma unroll
-      for (int r = 0; r < accumulator<plan::block_q>::registers; ++r) {
-        const float row_lse2 = r % 2 == 0 ? lse2[r / 4].x : lse2[r / 4].y;
-        s.data[r] = fast_exp2(s.data[r] * g.scale_log2 - row_lse2);
-        if (masked && !vis.visible(q0 + accumulator_col<plan::block_q>(r), key0 + accumulator_row<plan::block_q>(r))) {
-          s.data[r] = 0.0f;
-        }
+      warp::mul(s, s, g.scale_log2);
+      warp::sub_col(s, s, lse2);
+      warp::exp2(s, s);
+      if (vis.needs_mask(q0, key0, plan::rows_per_consumer)) {
+        warp::mask(s, {key0 + warpgroup::warp_row(), q0}, [&](int key, int query) { return vis.visible(query, key); },
+                   0.0f);
       }
-      p_frag.pack(s);
+      warp::copy(prob, s);
       // dV += P^T dO runs while dS^T is formed.
       warpgroup::fence();
-      mma_rs(grad_v, p_frag, grad_out);
+      warpgroup::mma<operand_major::mn>(state.grad_v, prob, st.grad_out, 0, true);
       warpgroup::commit();
-#pragma unroll
-      for (int r = 0; r < accumulator<plan::block_q>::registers; ++r) {
-        const float row_delta = r % 2 == 0 ? delta[r / 4].x : delta[r / 4].y;
-        grad_p.data[r] = s.data[r] * (grad_p.data[r] - row_delta);
-      }
-      ds_frag.pack(grad_p);
+      // dS^T = P^T (dP^T - delta[query])
+      warp::sub_col(grad_p, grad_p, delta);
+      warp::mul(grad_p, grad_p, s);
+      warp::copy(grad_s, grad_p);
       warpgroup::fence();
-      mma_rs(grad_k, ds_frag, q);
+      warpgroup::mma<operand_major::mn>(state.grad_k, grad_s, st.q, 0, true);
       warpgroup::commit();
-      warpgroup::wait<0>(grad_k);
-      warpgroup::pin(grad_v);
-      p_frag.pin();
-      ds_frag.pin();
-      if (lane_id() == 0) smem.empty[read.stage].arrive();
+      warpgroup::wait<0>(state.grad_k, state.grad_v, prob, grad_s);
+      in.release(at);
     }
-#pragma unroll
-    for (int r = 0; r < accumulator<D>::registers; ++r) grad_k.data[r] *= g.scale;
-    store(p, smem, consumer, grad_k, grad_v, batch, kv_head, key0);
   }
 
   // dK and dV through this consumer's K and V tiles (no wgmma reads them any more), TMA stores.
-  __device__ static void store(const params& p, storage& smem, int consumer, const accumulator<D>& grad_k,
-                               const accumulator<D>& grad_v, int batch, int kv_head, int key0) {
-    warpgroup::store<0>(smem.k[consumer], grad_k);
-    warpgroup::store<0>(smem.v[consumer], grad_v);
+  __device__ static void store(const context& ctx, consumer_state& state) {
+    const params& p = ctx.params;
+    warp::mul(state.grad_k, state.grad_k, p.shape.scale);
+    kv_tile& k = ctx.resident.k[ctx.consumer];
+    kv_tile& v = ctx.resident.v[ctx.consumer];
+    warpgroup::store<0>(k, state.grad_k);
+    warpgroup::store<0>(v, state.grad_v);
     fence_async_shared();
-    barrier_sync(barrier_after(barrier_id::consumer_epilogue, consumer), WARPGROUP_THREADS);
+    barrier_sync(barrier_after(barrier_id::consumer_epilogue, ctx.consumer), WARPGROUP_THREADS);
     if (threadIdx.x % WARPGROUP_THREADS == 0) {
-      const int index[4] = {batch, kv_head, key0, 0};
-      tma::store(p.grad_k, smem.k[consumer], index);
-      tma::store(p.grad_v, smem.v[consumer], index);
+      const int index[4] = {ctx.task.batch, ctx.task.head,
+                            ctx.task.block * plan::block_kv + ctx.consumer * plan::rows_per_consumer, 0};
+      tma::store(p.grad_k, k, index);
+      tma::store(p.grad_v, v, index);
       tma::commit_stores();
       tma::wait_stores_read<0>();
-    }
-  }
-
-  __device__ static void run(const params& p) {
-    extern __shared__ uint8_t shared_raw[];
-    storage& smem = aligned_storage<storage>(shared_raw);
-    const int k0 = blockIdx.x * plan::block_kv;
-    const int kv_head = blockIdx.y;
-    const int batch = blockIdx.z;
-    if (threadIdx.x == 0) {
-      smem.kv_full.init(1);
-      for (int s = 0; s < stages; ++s) {
-        smem.full[s].init(1);
-        smem.empty[s].init(plan::consumer_warpgroups * WARPGROUP_WARPS);
-      }
-      fence_barrier_init();
-    }
-    __syncthreads();
-    if (warpgroup_id() == 0) {
-      warpgroup::decrease_registers<plan::producer_registers>();
-      if (warp_in_warpgroup() == 0 && lane_id() == 0) produce(p, smem, batch, kv_head, k0);
-    } else {
-      warpgroup::increase_registers<plan::consumer_registers>();
-      consume(p, smem, warpgroup_id() - 1, batch, kv_head, k0);
     }
   }
 };
@@ -290,28 +267,36 @@ struct dkdv_kernel {
 // ----------------------------------------------------------------------------------------- dQ
 
 template <typename T, int D>
-struct dq_kernel {
+struct dq_kernel : dq_plan<D> {
   using plan = dq_plan<D>;
-  using q_tile = shared_tile<T, CONSUMER_ROWS, D>;  // one consumer's rows of Q / dO, later its dQ
+  using q_tile = shared_tile<T, plan::rows_per_consumer, D>;  // one consumer's rows of Q / dO, later its dQ
   using kv_tile = shared_tile<T, plan::block_kv, D>;
-  static constexpr int stages = plan::stages;
-  static constexpr int threads = block_threads<1 + plan::consumer_warpgroups>;
-  static_assert(fits_register_file<plan>());
+  using scores = warpgroup::accumulator<plan::block_kv>;  // S and dP: a warp's 16 queries x 128 keys
+  using operand = register_tile<T, BASE_TILE, plan::block_kv>;
+  using gradient = warpgroup::accumulator<D>;
+  using row_vector = per_row_vector<scores>;
 
-  struct storage {
+  struct resident {
     q_tile q[plan::consumer_warpgroups];
     q_tile grad_out[plan::consumer_warpgroups];
-    kv_tile k[stages];
-    kv_tile v[stages];
-    mbarrier q_full;
-    mbarrier full[stages], empty[stages];
   };
+  static constexpr uint32_t resident_bytes = 2 * plan::consumer_warpgroups * q_tile::bytes;
+
+  struct stage {
+    kv_tile k, v;
+  };
+  static constexpr uint32_t stage_bytes[] = {2 * kv_tile::bytes};
 
   struct params {
     CUtensorMap q, k, v, grad_out, grad_q;
     const float* lse2;
     const float* delta;
     gradient_shape shape;
+  };
+  using context = pipeline::task_context<dq_kernel>;
+
+  struct consumer_state {
+    gradient grad_q;
   };
 
   enum class barrier_id : int {
@@ -320,125 +305,99 @@ struct dq_kernel {
   };
   static_assert(fits_named_barriers<barrier_id>());
 
-  __device__ static void produce(const params& p, storage& smem, int batch, int head, int q0, int key_blocks) {
+  __host__ __device__ static pipeline::head_block_order tasks(const params& p) {
+    return {ceil_div(p.shape.q_rows, plan::block_q), p.shape.q_heads, p.shape.batch, p.shape.causal};
+  }
+
+  __device__ static int iterations(const params& p, pipeline::head_block task) {
+    return p.shape.vis().key_blocks(task.block * plan::block_q, plan::block_q, plan::block_kv);
+  }
+
+  __device__ static void prefetch(const params& p) {
     tma::prefetch_descriptor(p.k);
     tma::prefetch_descriptor(p.v);
-    smem.q_full.arrive_expect_tx(2 * plan::consumer_warpgroups * q_tile::bytes);
+  }
+
+  __device__ static void load_resident(const params& p, pipeline::head_block task, resident& r, mbarrier& full) {
     for (int c = 0; c < plan::consumer_warpgroups; ++c) {
-      const int index[4] = {batch, head, q0 + c * CONSUMER_ROWS, 0};
-      tma::load(smem.q[c], p.q, smem.q_full, index);
-      tma::load(smem.grad_out[c], p.grad_out, smem.q_full, index);
-    }
-    const int kv_head = head / p.shape.group;
-    pipeline::ring_position<stages> write;
-    for (int j = 0; j < key_blocks; ++j, write.advance()) {
-      const int index[4] = {batch, kv_head, j * plan::block_kv, 0};
-      smem.empty[write.stage].wait(write.phase ^ 1);
-      smem.full[write.stage].arrive_expect_tx(2 * kv_tile::bytes);
-      tma::load(smem.k[write.stage], p.k, smem.full[write.stage], index);
-      tma::load(smem.v[write.stage], p.v, smem.full[write.stage], index);
+      const int index[4] = {task.batch, task.head, task.block * plan::block_q + c * plan::rows_per_consumer, 0};
+      tma::load(r.q[c], p.q, full, index);
+      tma::load(r.grad_out[c], p.grad_out, full, index);
     }
   }
 
-  __device__ static void consume(const params& p, storage& smem, int consumer, int batch, int head, int q0,
-                                 int key_blocks) {
+  __device__ static void load(const params& p, pipeline::head_block task, int j, int, stage& s, mbarrier& full) {
+    const int index[4] = {task.batch, task.head / p.shape.group, j * plan::block_kv, 0};
+    tma::load(s.k, p.k, full, index);
+    tma::load(s.v, p.v, full, index);
+  }
+
+  __device__ static int first_row(const context& ctx) {
+    return ctx.task.block * plan::block_q + ctx.consumer * plan::rows_per_consumer;
+  }
+
+  __device__ static void compute(const context& ctx, consumer_state& state, pipeline::stage_inputs<dq_kernel>& in) {
+    const params& p = ctx.params;
     const gradient_shape& g = p.shape;
     const visibility vis = g.vis();
-    const q_tile& q = smem.q[consumer];
-    const q_tile& grad_out = smem.grad_out[consumer];
-    const int row0 = q0 + consumer * CONSUMER_ROWS;
-    float lse2[2], delta[2];
-    const int64_t statistics = g.statistics_offset(batch, head) + row0;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = accumulator<D>::first_row() + 8 * h;
-      lse2[h] = p.lse2[statistics + row];
-      delta[h] = p.delta[statistics + row];
-    }
-    accumulator<D> grad_q;
-    fill(grad_q, 0.0f);
-    accumulator<plan::block_kv> s, grad_p;
-    a_fragments<T, plan::block_kv> ds_frag;
-    smem.q_full.wait(0);
+    const q_tile& q = ctx.resident.q[ctx.consumer];
+    const q_tile& grad_out = ctx.resident.grad_out[ctx.consumer];
+    const int row0 = first_row(ctx);
+    const int64_t statistics_offset = g.statistics_offset(ctx.task.batch, ctx.task.head) + row0 + warpgroup::warp_row();
+    row_vector lse2, delta;
+    warp::load(lse2, p.lse2 + statistics_offset);
+    warp::load(delta, p.delta + statistics_offset);
+    warp::zero(state.grad_q);
+    scores s, grad_p;
+    operand grad_s;
 
-    pipeline::ring_position<stages> read;
-    for (int j = 0; j < key_blocks; ++j, read.advance()) {
+    auto at = in.first();
+    for (int j = 0; j < ctx.iterations; ++j, at.advance()) {
       const int key0 = j * plan::block_kv;
-      smem.full[read.stage].wait(read.phase);
+      const stage& st = in.wait(at);
       // S = Q K^T and dP = dO V^T
       warpgroup::fence();
-      warpgroup::mma<operand_major::k, operand_major::k>(s, q, 0, smem.k[read.stage], 0, false);
-      warpgroup::mma<operand_major::k, operand_major::k>(grad_p, grad_out, 0, smem.v[read.stage], 0, false);
+      warpgroup::mma<operand_major::k, operand_major::k>(s, q, 0, st.k, 0, false);
+      warpgroup::mma<operand_major::k, operand_major::k>(grad_p, grad_out, 0, st.v, 0, false);
       warpgroup::commit();
-      warpgroup::wait<0>(s);
-      warpgroup::pin(grad_p);
+      warpgroup::wait<0>(s, grad_p);
 
       // dS = P (dP - delta) with P = exp2(s2 - lse2), 0 where hidden (keys >= Nk included: their
       // zero-filled K would give P = exp2(-lse2), which may overflow).
-      const bool masked = vis.needs_mask(row0, key0, plan::block_kv);
-#pragma unroll
-      for (int r = 0; r < accumulator<plan::block_kv>::registers; ++r) {
-        float prob = fast_exp2(s.data[r] * g.scale_log2 - lse2[row_half(r)]);
-        if (masked && !vis.visible(row0 + accumulator_row<plan::block_kv>(r), key0 + accumulator_col<plan::block_kv>(r))) {
-          prob = 0.0f;
-        }
-        grad_p.data[r] = prob * (grad_p.data[r] - delta[row_half(r)]);
+      warp::mul(s, s, g.scale_log2);
+      warp::sub_row(s, s, lse2);
+      warp::exp2(s, s);
+      if (vis.needs_mask(row0, key0, plan::block_kv)) {
+        warp::mask(s, {row0 + warpgroup::warp_row(), key0}, [&](int query, int key) { return vis.visible(query, key); },
+                   0.0f);
       }
-      ds_frag.pack(grad_p);
+      warp::sub_row(grad_p, grad_p, delta);
+      warp::mul(grad_p, grad_p, s);
+      warp::copy(grad_s, grad_p);
       // dQ += dS K
       warpgroup::fence();
-      mma_rs(grad_q, ds_frag, smem.k[read.stage]);
+      warpgroup::mma<operand_major::mn>(state.grad_q, grad_s, st.k, 0, true);
       warpgroup::commit();
-      warpgroup::wait<0>(grad_q);
-      ds_frag.pin();
-      if (lane_id() == 0) smem.empty[read.stage].arrive();
+      warpgroup::wait<0>(state.grad_q, grad_s);
+      in.release(at);
     }
-#pragma unroll
-    for (int r = 0; r < accumulator<D>::registers; ++r) grad_q.data[r] *= g.scale;
+  }
 
-    q_tile& staging = smem.q[consumer];
-    warpgroup::store<0>(staging, grad_q);
+  __device__ static void store(const context& ctx, consumer_state& state) {
+    const params& p = ctx.params;
+    warp::mul(state.grad_q, state.grad_q, p.shape.scale);
+    q_tile& staging = ctx.resident.q[ctx.consumer];
+    warpgroup::store<0>(staging, state.grad_q);
     fence_async_shared();
-    barrier_sync(barrier_after(barrier_id::consumer_epilogue, consumer), WARPGROUP_THREADS);
+    barrier_sync(barrier_after(barrier_id::consumer_epilogue, ctx.consumer), WARPGROUP_THREADS);
     if (threadIdx.x % WARPGROUP_THREADS == 0) {
-      const int index[4] = {batch, head, row0, 0};
+      const int index[4] = {ctx.task.batch, ctx.task.head, first_row(ctx), 0};
       tma::store(p.grad_q, staging, index);
       tma::commit_stores();
       tma::wait_stores_read<0>();
     }
   }
-
-  __device__ static void run(const params& p) {
-    extern __shared__ uint8_t shared_raw[];
-    storage& smem = aligned_storage<storage>(shared_raw);
-    const int q_block = p.shape.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    const int head = blockIdx.y;
-    const int batch = blockIdx.z;
-    const int q0 = q_block * plan::block_q;
-    const int key_blocks = p.shape.vis().key_blocks(q0, plan::block_q, plan::block_kv);
-    if (threadIdx.x == 0) {
-      smem.q_full.init(1);
-      for (int s = 0; s < stages; ++s) {
-        smem.full[s].init(1);
-        smem.empty[s].init(plan::consumer_warpgroups * WARPGROUP_WARPS);
-      }
-      fence_barrier_init();
-    }
-    __syncthreads();
-    if (warpgroup_id() == 0) {
-      warpgroup::decrease_registers<plan::producer_registers>();
-      if (warp_in_warpgroup() == 0 && lane_id() == 0) produce(p, smem, batch, head, q0, key_blocks);
-    } else {
-      warpgroup::increase_registers<plan::consumer_registers>();
-      consume(p, smem, warpgroup_id() - 1, batch, head, q0, key_blocks);
-    }
-  }
 };
-
-template <typename K>
-__global__ void __launch_bounds__(K::threads, 1) gradient_entry(const __grid_constant__ typename K::params p) {
-  K::run(p);
-}
 
 // ------------------------------------------------------------------------------------ host
 
@@ -485,6 +444,7 @@ gradient_shape shape_of(const backward_problem& pr) {
   return {int(pr.q.rows),
           int(pr.k.rows),
           int(pr.q.heads),
+          int(pr.q.batch),
           int(pr.q.heads / pr.k.heads),
           int(padded_statistics_rows(pr.q.rows)),
           pr.scale,
@@ -513,10 +473,9 @@ cudaError_t run_statistics(const backward_problem& pr, const workspace_view& w, 
   p.dim = int(pr.q.dim);
   p.statistics_rows = int(padded_statistics_rows(pr.q.rows));
   p.total_rows = pr.q.batch * pr.q.heads * p.statistics_rows;
-  constexpr int rows_per_block = STATISTICS_THREADS / STATISTICS_LANES_PER_ROW;
-  const unsigned blocks = unsigned((p.total_rows + rows_per_block - 1) / rows_per_block);
-  statistics_kernel<T><<<blocks, STATISTICS_THREADS, 0, stream>>>(p);
-  return cudaGetLastError();
+  constexpr int64_t rows_per_block = STATISTICS_THREADS / STATISTICS_LANES_PER_ROW;
+  const unsigned blocks = unsigned(ceil_div(p.total_rows, rows_per_block));
+  return pipeline::launch(statistics_kernel<T>, blocks, STATISTICS_THREADS, 0, stream, p);
 }
 
 template <typename T, int D>
@@ -532,8 +491,7 @@ cudaError_t run_dkdv(const backward_problem& pr, const workspace_view& w, cudaSt
   p.lse2 = w.lse2;
   p.delta = w.delta;
   p.shape = shape_of(pr);
-  const dim3 grid(ceil_div(p.shape.k_rows, K::plan::block_kv), unsigned(pr.k.heads), unsigned(pr.q.batch));
-  return launch_kernel(gradient_entry<K>, shared_bytes<typename K::storage>, grid, K::threads, p, stream);
+  return pipeline::launch<K>(p, K::tasks(p).count(), stream);
 }
 
 template <typename T, int D>
@@ -548,8 +506,7 @@ cudaError_t run_dq(const backward_problem& pr, const workspace_view& w, cudaStre
   p.lse2 = w.lse2;
   p.delta = w.delta;
   p.shape = shape_of(pr);
-  const dim3 grid(ceil_div(p.shape.q_rows, K::plan::block_q), unsigned(pr.q.heads), unsigned(pr.q.batch));
-  return launch_kernel(gradient_entry<K>, shared_bytes<typename K::storage>, grid, K::threads, p, stream);
+  return pipeline::launch<K>(p, K::tasks(p).count(), stream);
 }
 
 template <typename T, int D>
@@ -560,13 +517,6 @@ cudaError_t run(const backward_problem& pr, cudaStream_t stream) {
   return run_dq<T, D>(pr, w, stream);
 }
 
-template <typename F>
-auto dispatch(const backward_problem& pr, F&& f) {
-  const bool half_precision = pr.dtype == element_type::fp16;
-  if (pr.q.dim == 64) return half_precision ? f.template operator()<half, 64>() : f.template operator()<bf16, 64>();
-  return half_precision ? f.template operator()<half, 128>() : f.template operator()<bf16, 128>();
-}
-
 }  // namespace
 
 int64_t backward_workspace_floats(int64_t batch, int64_t q_heads, int64_t q_rows) {
@@ -574,7 +524,7 @@ int64_t backward_workspace_floats(int64_t batch, int64_t q_heads, int64_t q_rows
 }
 
 std::string unsupported_reason(const backward_problem& p) {
-  if (p.q.dim != 64 && p.q.dim != 128) return "the head dim must be 64 or 128";
+  if (!kernel_head_dims::contains(p.q.dim)) return "the head dim must be one of " + kernel_head_dims::names();
   return dispatch(p, [&]<typename T, int D>() { return reason_for<T, D>(p); });
 }
 

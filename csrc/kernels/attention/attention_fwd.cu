@@ -1,6 +1,7 @@
-// Attention forward: out = softmax(scale * q k^T + mask) v and lse, one 128-row query block per block.
+// Attention forward: out = softmax(scale * q k^T + mask) v and lse, one 128-row query block per task.
 //
-//   producer (warpgroup 0)      TMA: Q once, then K_j and V_j through a ring of stages
+//   producer (warpgroup 0)      TMA: Q once per task (resident), then K_j and V_j into a ring whose
+//                               K and V parts are released separately
 //   consumers (warpgroups 1, 2) 64 query rows each; per key block j, overlapping the softmax of
 //                               block j with the tensor cores working on P_{j-1} V_{j-1}:
 //                                 issue S_j = Q K_j^T;  issue O += P_{j-1} V_{j-1}
@@ -11,39 +12,64 @@
 //   epilogue (consumers)        O /= rowsum, stmatrix into the Q tile, TMA store (tail rows clipped);
 //                               lse = ln(sum) + max in natural log
 //
-// Key blocks past the last one a causal block sees are never loaded; masks run only on blocks that
-// cross the diagonal or the key tail (TMA zero-fills keys >= Nk, whose scores must become -inf).
-#include <utility>
-
+// Key blocks past the last one a causal block sees are never loaded. The blocks every row of a
+// consumer sees whole run first, without mask code; the blocks that cross the diagonal or the key
+// tail (TMA zero-fills keys >= Nk, whose scores must become -inf) run after them, masked.
 #include "attention.cuh"
 
 namespace tk::attention {
 namespace {
 
-template <typename T, int D>
-struct forward_kernel {
-  using plan = forward_plan<D>;
-  using q_tile = shared_tile<T, CONSUMER_ROWS, D>;  // one consumer's query rows, later its output
-  using kv_tile = shared_tile<T, plan::block_kv, D>;
-  static constexpr int stages = plan::stages;
-  static constexpr int threads = block_threads<1 + plan::consumer_warpgroups>;
-  static_assert(fits_register_file<plan>());
+// A row that has seen only hidden keys keeps max = -inf: its exponentials are taken against 0
+// instead (exp2(-inf - -inf) would be NaN).
+struct exponent_offset {
+  __device__ static float apply(float max) { return max == NEG_INF ? 0.0f : max; }
+};
+// sum is 0 exactly when the row saw no key (otherwise its max contributes exp2(0) = 1): out = 0.
+struct reciprocal_or_zero {
+  __device__ static float apply(float sum) { return sum > 0.0f ? 1.0f / sum : 0.0f; }
+};
+struct natural_lse {
+  __device__ static float apply(float max2, float sum) { return sum > 0.0f ? (max2 + __log2f(sum)) * LN_2 : NEG_INF; }
+};
 
-  struct storage {
+template <typename T, int D>
+struct forward_kernel : forward_plan<D> {
+  using plan = forward_plan<D>;
+  using q_tile = shared_tile<T, plan::rows_per_consumer, D>;  // one consumer's query rows, later its output
+  using kv_tile = shared_tile<T, plan::block_kv, D>;
+  using scores = warpgroup::accumulator<plan::block_kv>;      // a warp's 16 query rows x 128 keys
+  using probabilities = register_tile<T, BASE_TILE, plan::block_kv>;
+  using output = warpgroup::accumulator<D>;
+  using row_vector = per_row_vector<scores>;
+
+  struct resident {
     q_tile q[plan::consumer_warpgroups];
-    kv_tile k[stages];
-    kv_tile v[stages];
-    mbarrier q_full;
-    mbarrier k_full[stages], k_empty[stages];
-    mbarrier v_full[stages], v_empty[stages];
   };
+  static constexpr uint32_t resident_bytes = plan::consumer_warpgroups * q_tile::bytes;
+
+  struct stage {
+    kv_tile k, v;
+  };
+  enum part : int { key_part, value_part };
+  static constexpr uint32_t stage_bytes[] = {kv_tile::bytes, kv_tile::bytes};
 
   struct params {
     CUtensorMap q, k, v, out;  // boxes of one panel of q_tile / kv_tile / q_tile
     float* lse;
-    int q_rows, k_rows, q_heads, group;  // group = Hq / Hkv
+    int q_rows, k_rows, q_heads, batch, group;  // group = Hq / Hkv
     float scale_log2;
     bool causal;
+
+    __device__ visibility vis() const { return {q_rows, k_rows, causal}; }
+  };
+  using context = pipeline::task_context<forward_kernel>;
+  using inputs = pipeline::stage_inputs<forward_kernel>;
+
+  // Per row: the running max of the scaled log2 scores and this lane's share of sum exp2(s - max).
+  struct consumer_state {
+    output o;
+    row_vector max, sum;
   };
 
   enum class barrier_id : int {
@@ -52,6 +78,37 @@ struct forward_kernel {
     count = issue_turn + plan::consumer_warpgroups,
   };
   static_assert(fits_named_barriers<barrier_id>());
+
+  // ------------------------------------------------------------------------------ producer
+
+  __host__ __device__ static pipeline::head_block_order tasks(const params& p) {
+    return {ceil_div(p.q_rows, plan::block_q), p.q_heads, p.batch, p.causal};
+  }
+
+  __device__ static int iterations(const params& p, pipeline::head_block task) {
+    return p.vis().key_blocks(task.block * plan::block_q, plan::block_q, plan::block_kv);
+  }
+
+  __device__ static void prefetch(const params& p) {
+    tma::prefetch_descriptor(p.q);
+    tma::prefetch_descriptor(p.k);
+    tma::prefetch_descriptor(p.v);
+    tma::prefetch_descriptor(p.out);
+  }
+
+  __device__ static void load_resident(const params& p, pipeline::head_block task, resident& r, mbarrier& full) {
+    for (int c = 0; c < plan::consumer_warpgroups; ++c) {
+      const int index[4] = {task.batch, task.head, task.block * plan::block_q + c * plan::rows_per_consumer, 0};
+      tma::load(r.q[c], p.q, full, index);
+    }
+  }
+
+  __device__ static void load(const params& p, pipeline::head_block task, int j, int part, stage& s, mbarrier& full) {
+    const int index[4] = {task.batch, task.head / p.group, j * plan::block_kv, 0};
+    tma::load(part == key_part ? s.k : s.v, part == key_part ? p.k : p.v, full, index);
+  }
+
+  // ------------------------------------------------------------------------------ consumers
 
   // The consumers issue their wgmmas in turn: consumer c waits for its turn, issues, and passes
   // the turn to the next. Consumer 0 holds the first turn; the last consumer does not pass its
@@ -68,222 +125,132 @@ struct forward_kernel {
     barrier_arrive(barrier_after(barrier_id::issue_turn, (consumer + 1) % plan::consumer_warpgroups), turn_threads);
   }
 
-  // Per-row running statistics of one lane's two rows (see attention.cuh on accumulator rows).
-  struct online_softmax {
-    float max[2] = {NEG_INF, NEG_INF};  // of the scaled log2 scores seen so far
-    float sum[2] = {0.0f, 0.0f};        // this lane's share of sum exp2(s - max); reduced at the end
-
-    // s (scaled, masked scores) becomes exp2(s - max); rescale[h] is what the output rows scale by.
-    __device__ void update(accumulator<plan::block_kv>& s, float (&rescale)[2]) {
-      float block_max[2] = {max[0], max[1]};
-#pragma unroll
-      for (int k = 0; k < accumulator<plan::block_kv>::registers; ++k) {
-        block_max[row_half(k)] = fmaxf(block_max[row_half(k)], s.data[k]);
-      }
-      float offset[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        block_max[h] = reduce_row_max(block_max[h]);
-        // A row that has seen only hidden keys keeps max = -inf: exponentiate against 0 instead of NaN.
-        offset[h] = block_max[h] == NEG_INF ? 0.0f : block_max[h];
-        rescale[h] = fast_exp2(max[h] - offset[h]);
-        max[h] = block_max[h];
-        sum[h] *= rescale[h];
-      }
-#pragma unroll
-      for (int k = 0; k < accumulator<plan::block_kv>::registers; ++k) {
-        s.data[k] = fast_exp2(s.data[k] - offset[row_half(k)]);
-        sum[row_half(k)] += s.data[k];
-      }
-    }
-  };
-
-  // s = scale * log2(e) * (q.k), and -inf for the keys the rows do not see.
-  __device__ static void scale_and_mask(const params& p, accumulator<plan::block_kv>& s, int row0, int key0) {
-    const visibility vis{p.q_rows, p.k_rows, p.causal};
-#pragma unroll
-    for (int k = 0; k < accumulator<plan::block_kv>::registers; ++k) s.data[k] *= p.scale_log2;
-    if (vis.needs_mask(row0, key0, plan::block_kv)) {
-#pragma unroll
-      for (int k = 0; k < accumulator<plan::block_kv>::registers; ++k) {
-        const int row = row0 + accumulator_row<plan::block_kv>(k);
-        const int key = key0 + accumulator_col<plan::block_kv>(k);
-        if (!vis.visible(row, key)) s.data[k] = NEG_INF;
-      }
-    }
+  __device__ static int first_row(const context& ctx) {
+    return ctx.task.block * plan::block_q + ctx.consumer * plan::rows_per_consumer;
   }
 
-  __device__ static void produce(const params& p, storage& smem, int batch, int head, int q0, int key_blocks) {
-    tma::prefetch_descriptor(p.q);
-    tma::prefetch_descriptor(p.k);
-    tma::prefetch_descriptor(p.v);
-    tma::prefetch_descriptor(p.out);
-    smem.q_full.arrive_expect_tx(plan::consumer_warpgroups * q_tile::bytes);
-    for (int c = 0; c < plan::consumer_warpgroups; ++c) {
-      const int index[4] = {batch, head, q0 + c * CONSUMER_ROWS, 0};
-      tma::load(smem.q[c], p.q, smem.q_full, index);
+  // s = scale * log2(e) * (q.k), -inf where the key is hidden; then the online softmax: s becomes
+  // exp2(s - max) and `rescale` what the output rows must be scaled by for the new max.
+  template <bool MASKED>
+  __device__ static void softmax(const context& ctx, consumer_state& state, scores& s, int j, row_vector& rescale) {
+    const params& p = ctx.params;
+    warp::mul(s, s, p.scale_log2);
+    if constexpr (MASKED) {
+      const visibility vis = p.vis();
+      warp::mask(s, {first_row(ctx) + warpgroup::warp_row(), j * plan::block_kv},
+                 [&](int query, int key) { return vis.visible(query, key); }, NEG_INF);
     }
-    const int kv_head = head / p.group;
-    pipeline::ring_position<stages> write;
-    for (int j = 0; j < key_blocks; ++j, write.advance()) {
-      const int index[4] = {batch, kv_head, j * plan::block_kv, 0};
-      // A fresh barrier counts the phase before its first as complete: the first lap never waits.
-      smem.k_empty[write.stage].wait(write.phase ^ 1);
-      smem.k_full[write.stage].arrive_expect_tx(kv_tile::bytes);
-      tma::load(smem.k[write.stage], p.k, smem.k_full[write.stage], index);
-      smem.v_empty[write.stage].wait(write.phase ^ 1);
-      smem.v_full[write.stage].arrive_expect_tx(kv_tile::bytes);
-      tma::load(smem.v[write.stage], p.v, smem.v_full[write.stage], index);
-    }
+    row_vector max, offset;
+    warp::row_max(max, s, state.max);
+    warp::map<exponent_offset>(offset, max);
+    warp::sub(rescale, state.max, offset);
+    warp::exp2(rescale, rescale);
+    state.max = max;
+    warp::sub_row(s, s, offset);
+    warp::exp2(s, s);
+    warp::mul(state.sum, state.sum, rescale);
+    warp::lane_row_sum(state.sum, s, state.sum);
   }
 
-  __device__ static void release(mbarrier& empty) {
-    if (lane_id() == 0) empty.arrive();
+  // Key block j >= 1: S_j = Q K_j^T and O += P_{j-1} V_{j-1} in flight together, then the softmax
+  // of S_j; `at` is block j's ring position.
+  template <bool MASKED>
+  __device__ static void step(const context& ctx, consumer_state& state, const inputs& in, scores& s,
+                              probabilities& prob, int j, pipeline::ring_position<plan::stages> at) {
+    const q_tile& q = ctx.resident.q[ctx.consumer];
+    const pipeline::ring_position<plan::stages> previous = at.advanced_by(plan::stages - 1);
+    const kv_tile& k = in.wait(at, key_part).k;
+    const kv_tile& v = in.wait(previous, value_part).v;
+    wait_turn(ctx.consumer);
+    warpgroup::fence();
+    warpgroup::mma<operand_major::k, operand_major::k>(s, q, 0, k, 0, false);
+    warpgroup::commit();
+    warpgroup::mma<operand_major::mn>(state.o, prob, v, 0, true);
+    warpgroup::commit();
+    pass_turn(ctx.consumer);
+    warpgroup::wait<1>(s);
+    in.release(at, key_part);
+    row_vector rescale;
+    softmax<MASKED>(ctx, state, s, j, rescale);
+    warpgroup::wait<0>(state.o, prob);
+    in.release(previous, value_part);
+    warp::mul_row(state.o, state.o, rescale);
+    warp::copy(prob, s);
   }
 
-  __device__ static void consume(const params& p, storage& smem, int consumer, int batch, int head, int q0,
-                                 int key_blocks) {
-    const q_tile& q = smem.q[consumer];
-    const int row0 = q0 + consumer * CONSUMER_ROWS;
-    accumulator<D> o;
-    fill(o, 0.0f);
-    online_softmax softmax;
-    accumulator<plan::block_kv> s;
-    a_fragments<T, plan::block_kv> p_frag;
-    float rescale[2];
-    smem.q_full.wait(0);
+  __device__ static void compute(const context& ctx, consumer_state& state, inputs& in) {
+    warp::zero(state.o);
+    warp::neg_infty(state.max);
+    warp::zero(state.sum);
+    const int blocks = ctx.iterations;
+    if (blocks == 0) return;
+    const q_tile& q = ctx.resident.q[ctx.consumer];
+    const int unmasked = min(blocks, ctx.params.vis().unmasked_key_blocks(first_row(ctx), plan::block_kv));
+    scores s;
+    probabilities prob;
+    row_vector unused_rescale;  // the output is still zero
 
-    pipeline::ring_position<stages> read_k;
-    pipeline::ring_position<stages> read_v;
-    if (key_blocks > 0) {
-      // S_0 = Q K_0^T
-      take_first_turn(consumer);
-      smem.k_full[read_k.stage].wait(read_k.phase);
-      wait_turn(consumer);
-      warpgroup::fence();
-      warpgroup::mma<operand_major::k, operand_major::k>(s, q, 0, smem.k[read_k.stage], 0, false);
-      warpgroup::commit();
-      pass_turn(consumer);
-      warpgroup::wait<0>(s);
-      release(smem.k_empty[read_k.stage]);
-      read_k.advance();
-      scale_and_mask(p, s, row0, 0);
-      softmax.update(s, rescale);
-      p_frag.pack(s);
+    // S_0 = Q K_0^T
+    auto at = in.first();
+    take_first_turn(ctx.consumer);
+    const kv_tile& k = in.wait(at, key_part).k;
+    wait_turn(ctx.consumer);
+    warpgroup::fence();
+    warpgroup::mma<operand_major::k, operand_major::k>(s, q, 0, k, 0, false);
+    warpgroup::commit();
+    pass_turn(ctx.consumer);
+    warpgroup::wait<0>(s);
+    in.release(at, key_part);
+    if (unmasked > 0) {
+      softmax<false>(ctx, state, s, 0, unused_rescale);
+    } else {
+      softmax<true>(ctx, state, s, 0, unused_rescale);
     }
-    for (int j = 1; j < key_blocks; ++j) {
-      // S_j = Q K_j^T, then O += P_{j-1} V_{j-1}: both in flight while the softmax of S_j runs.
-      smem.k_full[read_k.stage].wait(read_k.phase);
-      smem.v_full[read_v.stage].wait(read_v.phase);
-      wait_turn(consumer);
-      warpgroup::fence();
-      warpgroup::mma<operand_major::k, operand_major::k>(s, q, 0, smem.k[read_k.stage], 0, false);
-      warpgroup::commit();
-      mma_rs(o, p_frag, smem.v[read_v.stage]);
-      warpgroup::commit();
-      pass_turn(consumer);
-      warpgroup::wait<1>(s);
-      release(smem.k_empty[read_k.stage]);
-      read_k.advance();
-      scale_and_mask(p, s, row0, j * plan::block_kv);
-      softmax.update(s, rescale);
-      warpgroup::wait<0>(o);
-      p_frag.pin();
-      release(smem.v_empty[read_v.stage]);
-      read_v.advance();
-#pragma unroll
-      for (int k = 0; k < accumulator<D>::registers; ++k) o.data[k] *= rescale[row_half(k)];
-      p_frag.pack(s);
-    }
-    if (key_blocks > 0) {
-      smem.v_full[read_v.stage].wait(read_v.phase);
-      wait_turn(consumer);
-      warpgroup::fence();
-      mma_rs(o, p_frag, smem.v[read_v.stage]);
-      warpgroup::commit();
-      pass_turn(consumer, /*last_turn=*/true);
-      warpgroup::wait<0>(o);
-      p_frag.pin();
-      release(smem.v_empty[read_v.stage]);
-    }
-    store(p, smem, consumer, softmax, o, batch, head, row0);
+    warp::copy(prob, s);
+
+    int j = 1;
+    for (at.advance(); j < unmasked; ++j, at.advance()) step<false>(ctx, state, in, s, prob, j, at);
+    for (; j < blocks; ++j, at.advance()) step<true>(ctx, state, in, s, prob, j, at);
+
+    // O += P_{n-1} V_{n-1}
+    const pipeline::ring_position<plan::stages> last = at.advanced_by(plan::stages - 1);
+    const kv_tile& v = in.wait(last, value_part).v;
+    wait_turn(ctx.consumer);
+    warpgroup::fence();
+    warpgroup::mma<operand_major::mn>(state.o, prob, v, 0, true);
+    warpgroup::commit();
+    pass_turn(ctx.consumer, /*last_turn=*/true);
+    warpgroup::wait<0>(state.o, prob);
+    in.release(last, value_part);
   }
 
   // O /= rowsum into this consumer's Q tile (its wgmmas are done), then one TMA store; lse per row.
-  __device__ static void store(const params& p, storage& smem, int consumer, online_softmax& softmax,
-                               accumulator<D>& o, int batch, int head, int row0) {
-    float inverse[2];
-    float lse[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float sum = reduce_row_sum(softmax.sum[h]);
-      // sum is 0 exactly when the row saw no key (otherwise its max contributes exp2(0) = 1).
-      inverse[h] = sum > 0.0f ? 1.0f / sum : 0.0f;
-      lse[h] = sum > 0.0f ? (softmax.max[h] + __log2f(sum)) * LN_2 : NEG_INF;
-    }
-#pragma unroll
-    for (int k = 0; k < accumulator<D>::registers; ++k) o.data[k] *= inverse[row_half(k)];
+  __device__ static void store(const context& ctx, consumer_state& state) {
+    const params& p = ctx.params;
+    row_vector sum = state.sum, inverse, lse;
+    warp::all_lanes_row_sum(sum);
+    warp::map<reciprocal_or_zero>(inverse, sum);
+    warp::map<natural_lse>(lse, state.max, sum);
+    warp::mul_row(state.o, state.o, inverse);
 
-    q_tile& staging = smem.q[consumer];
-    warpgroup::store<0>(staging, o);
+    const int row0 = first_row(ctx);
+    q_tile& staging = ctx.resident.q[ctx.consumer];
+    warpgroup::store<0>(staging, state.o);
     fence_async_shared();  // the stmatrix writes must be visible to the copy engine
-    const barrier_id written = barrier_after(barrier_id::consumer_epilogue, consumer);
-    barrier_sync(written, WARPGROUP_THREADS);
-    if (threadIdx.x % WARPGROUP_THREADS == 0) {
-      const int index[4] = {batch, head, row0, 0};
+    barrier_sync(barrier_after(barrier_id::consumer_epilogue, ctx.consumer), WARPGROUP_THREADS);
+    const bool issuer = threadIdx.x % WARPGROUP_THREADS == 0;
+    if (issuer) {
+      const int index[4] = {ctx.task.batch, ctx.task.head, row0, 0};
       tma::store(p.out, staging, index);
       tma::commit_stores();
     }
-    if (accumulator<D>::first_col() == 0) {
-      float* lse_rows = p.lse + (int64_t(batch) * p.q_heads + head) * p.q_rows;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = row0 + accumulator<D>::first_row() + 8 * h;
-        if (row < p.q_rows) lse_rows[row] = lse[h];
-      }
-    }
-    // The block's shared memory must outlive the store's reads of it.
-    if (threadIdx.x % WARPGROUP_THREADS == 0) tma::wait_stores_read<0>();
-  }
-
-  // Causal blocks run longest first (blockIdx.x 0 takes the last query block) so the tail of the
-  // grid is short work; consecutive blocks share a head, whose K/V stay in L2.
-  __device__ static void run(const params& p) {
-    extern __shared__ uint8_t shared_raw[];
-    storage& smem = aligned_storage<storage>(shared_raw);
-    const int q_block = p.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    const int head = blockIdx.y;
-    const int batch = blockIdx.z;
-    const int q0 = q_block * plan::block_q;
-    const visibility vis{p.q_rows, p.k_rows, p.causal};
-    const int key_blocks = vis.key_blocks(q0, plan::block_q, plan::block_kv);
-
-    if (threadIdx.x == 0) {
-      smem.q_full.init(1);
-      for (int s = 0; s < stages; ++s) {
-        smem.k_full[s].init(1);
-        smem.v_full[s].init(1);
-        smem.k_empty[s].init(plan::consumer_warpgroups * WARPGROUP_WARPS);
-        smem.v_empty[s].init(plan::consumer_warpgroups * WARPGROUP_WARPS);
-      }
-      fence_barrier_init();
-    }
-    __syncthreads();
-
-    if (warpgroup_id() == 0) {
-      warpgroup::decrease_registers<plan::producer_registers>();
-      if (warp_in_warpgroup() == 0 && lane_id() == 0) produce(p, smem, batch, head, q0, key_blocks);
-    } else {
-      warpgroup::increase_registers<plan::consumer_registers>();
-      consume(p, smem, warpgroup_id() - 1, batch, head, q0, key_blocks);
-    }
+    const int warp_row0 = row0 + warpgroup::warp_row();
+    warp::store(p.lse + (int64_t(ctx.task.batch) * p.q_heads + ctx.task.head) * p.q_rows + warp_row0, lse,
+                p.q_rows - warp_row0);
+    // The resident tile must outlive the store's reads of it (the next task reloads it).
+    if (issuer) tma::wait_stores_read<0>();
   }
 };
-
-template <typename K>
-__global__ void __launch_bounds__(K::threads, 1) forward_entry(const __grid_constant__ typename K::params p) {
-  K::run(p);
-}
 
 template <typename T, int D>
 std::string reason_for(const forward_problem& pr) {
@@ -312,24 +279,17 @@ cudaError_t run(const forward_problem& pr, cudaStream_t stream) {
   p.q_rows = int(pr.q.rows);
   p.k_rows = int(pr.k.rows);
   p.q_heads = int(pr.q.heads);
+  p.batch = int(pr.q.batch);
   p.group = int(pr.q.heads / pr.k.heads);
   p.scale_log2 = pr.scale * LOG2_E;
   p.causal = pr.causal;
-  const dim3 grid(ceil_div(p.q_rows, K::plan::block_q), unsigned(pr.q.heads), unsigned(pr.q.batch));
-  return launch_kernel(forward_entry<K>, shared_bytes<typename K::storage>, grid, K::threads, p, stream);
-}
-
-template <typename F>
-auto dispatch(const forward_problem& pr, F&& f) {
-  const bool half_precision = pr.dtype == element_type::fp16;
-  if (pr.q.dim == 64) return half_precision ? f.template operator()<half, 64>() : f.template operator()<bf16, 64>();
-  return half_precision ? f.template operator()<half, 128>() : f.template operator()<bf16, 128>();
+  return pipeline::launch<K>(p, K::tasks(p).count(), stream);
 }
 
 }  // namespace
 
 std::string unsupported_reason(const forward_problem& p) {
-  if (p.q.dim != 64 && p.q.dim != 128) return "the head dim must be 64 or 128";
+  if (!kernel_head_dims::contains(p.q.dim)) return "the head dim must be one of " + kernel_head_dims::names();
   return dispatch(p, [&]<typename T, int D>() { return reason_for<T, D>(p); });
 }
 

@@ -1,42 +1,34 @@
 // GEMM instantiations: every variant of gemm_kernel, and the dispatch of gemm.h onto them.
-#include <array>
-#include <utility>
-
 #include "gemm.cuh"
 
 namespace tk::gemm {
 namespace {
 
-// Every variant axis in one place: element type, A major-ness, B major-ness, bias.
-constexpr int VARIANTS = 16;
+using kernel_dtypes = one_of<element_type::bf16, element_type::fp16>;
+using majors = one_of<major::k, major::mn>;
 
-int variant_index(const problem& p) {
-  return (p.dtype == element_type::fp16 ? 1 : 0) | (p.a_major == major::mn ? 2 : 0) |
-         (p.b_major == major::mn ? 4 : 0) | (p.bias != nullptr ? 8 : 0);
+constexpr operand_major operand_major_of(major m) { return m == major::k ? operand_major::k : operand_major::mn; }
+
+// Runs f.template operator()<K>() for the gemm_kernel variant of the problem (element type, A and
+// B major-ness, bias).
+template <typename F>
+auto with_kernel(const problem& p, F&& f) {
+  return dispatch<kernel_dtypes, majors, majors, flags>(
+      [&]<element_type E, major A, major B, bool BIAS>() {
+        return f.template operator()<gemm_kernel<element_t<E>, operand_major_of(A), operand_major_of(B), BIAS>>();
+      },
+      p.dtype, p.a_major, p.b_major, p.bias != nullptr);
 }
-
-template <int V>
-using variant_kernel = gemm_kernel<std::conditional_t<(V & 1) != 0, half, bf16>,
-                                   (V & 2) != 0 ? operand_major::mn : operand_major::k,
-                                   (V & 4) != 0 ? operand_major::mn : operand_major::k, (V & 8) != 0>;
-
-template <int... V>
-constexpr auto reason_table(std::integer_sequence<int, V...>) {
-  return std::array<std::string (*)(const problem&), VARIANTS>{&unsupported_reason_for<variant_kernel<V>>...};
-}
-
-template <int... V>
-constexpr auto launch_table(std::integer_sequence<int, V...>) {
-  return std::array<cudaError_t (*)(const problem&, cudaStream_t), VARIANTS>{&launch_with<variant_kernel<V>>...};
-}
-
-constexpr auto reasons = reason_table(std::make_integer_sequence<int, VARIANTS>{});
-constexpr auto launchers = launch_table(std::make_integer_sequence<int, VARIANTS>{});
 
 }  // namespace
 
-std::string unsupported_reason(const problem& p) { return reasons[variant_index(p)](p); }
+std::string unsupported_reason(const problem& p) {
+  if (!kernel_dtypes::contains(p.dtype)) return "the element type must be bf16 or fp16";
+  return with_kernel(p, [&]<typename K>() { return unsupported_reason_for<K>(p); });
+}
 
-cudaError_t launch(const problem& p, cudaStream_t stream) { return launchers[variant_index(p)](p, stream); }
+cudaError_t launch(const problem& p, cudaStream_t stream) {
+  return with_kernel(p, [&]<typename K>() { return launch_with<K>(p, stream); });
+}
 
 }  // namespace tk::gemm

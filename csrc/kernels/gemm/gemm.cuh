@@ -55,26 +55,27 @@ struct gemm_kernel {
   static constexpr int producer_registers = Plan::producer_registers;
   static constexpr int consumer_registers = Plan::consumer_registers;
   static constexpr int rows_per_consumer = Plan::block_m / consumer_warpgroups;
-  static_assert(rows_per_consumer == 64, "each consumer warpgroup owns one 64-row wgmma block");
+  static_assert(rows_per_consumer == warpgroup::WGMMA_M, "each consumer warpgroup owns one 64-row wgmma block");
   static_assert(Plan::block_n % Plan::store_cols == 0 && (Plan::block_n / Plan::store_cols) % Plan::store_slots == 0,
                 "store chunks cycle through the staging slots a whole number of times per tile");
 
   using a_tile = operand_tile<T, Plan::block_m, Plan::block_k, A_MAJOR, Plan::box_rows>;
   using b_tile = operand_tile<T, Plan::block_n, Plan::block_k, B_MAJOR, Plan::box_rows>;
   using c_tile = shared_tile<T, rows_per_consumer, Plan::store_cols>;
+  using accumulator = warpgroup::accumulator<Plan::block_n>;
 
-  struct stage_storage {
+  struct stage {
     a_tile a;
     b_tile b;
   };
-  static constexpr uint32_t stage_bytes = a_tile::bytes + b_tile::bytes;
+  static constexpr uint32_t stage_bytes[] = {a_tile::bytes + b_tile::bytes};
 
-  struct store_storage {
-    c_tile c[consumer_warpgroups][Plan::store_slots];
+  struct scratch {
+    c_tile c[consumer_warpgroups][Plan::store_slots];  // epilogue staging
   };
 
   struct consumer_state {
-    warpgroup::accumulator<Plan::block_n> acc;
+    accumulator acc;
   };
 
   struct params {
@@ -85,6 +86,7 @@ struct gemm_kernel {
     int m, n, k;
     pipeline::grouped_tile_order order;
   };
+  using context = pipeline::task_context<gemm_kernel>;
 
   enum class barrier_id : int {
     consumer_store = FIRST_NAMED_BARRIER,  // one per consumer warpgroup: staging free / staging written
@@ -92,23 +94,19 @@ struct gemm_kernel {
   };
   static_assert(fits_named_barriers<barrier_id>());
 
-  __device__ static pipeline::persistent_scheduler<pipeline::grouped_tile_order> scheduler(const params& p) {
-    return {p.order};
-  }
+  __host__ __device__ static pipeline::grouped_tile_order tasks(const params& p) { return p.order; }
 
-  __device__ static int iterations(const params& p, pipeline::output_tile) {
-    return (p.k + Plan::block_k - 1) / Plan::block_k;
-  }
+  __device__ static int iterations(const params& p, pipeline::output_tile) { return ceil_div(p.k, Plan::block_k); }
 
+  // Stage i of a tile: A[m0 : m0 + 128, k0 : k0 + 64] and B[k0 : k0 + 64, n0 : n0 + 256], indexed
+  // as each is stored.
   __device__ static void prefetch(const params& p) {
     tma::prefetch_descriptor(p.a);
     tma::prefetch_descriptor(p.b);
     tma::prefetch_descriptor(p.c);
   }
 
-  // Stage i of a tile: A[m0 : m0 + 128, k0 : k0 + 64] and B[k0 : k0 + 64, n0 : n0 + 256], indexed
-  // as each is stored.
-  __device__ static void load(const params& p, pipeline::output_tile tile, int i, stage_storage& s, mbarrier& full) {
+  __device__ static void load(const params& p, pipeline::output_tile tile, int i, int, stage& s, mbarrier& full) {
     const int m0 = tile.row * Plan::block_m;
     const int n0 = tile.col * Plan::block_n;
     const int k0 = i * Plan::block_k;
@@ -118,26 +116,44 @@ struct gemm_kernel {
     tma::load(s.b, p.b, full, b_index);
   }
 
-  // acc (+)= A[consumer's 64 rows, k0 : k0 + 64] * B[k0 : k0 + 64, :]; the first stage overwrites.
-  __device__ static void compute(consumer_state& state, const stage_storage& s, int i, int consumer) {
-    warpgroup::fence();
-    warpgroup::mma<A_MAJOR, B_MAJOR>(state.acc, s.a, consumer * rows_per_consumer, s.b, 0, i > 0);
-    warpgroup::commit();
+  // acc = sum over K of A[consumer's 64 rows, k0 : k0 + 64] * B[k0 : k0 + 64, :]. Each stage's
+  // products stay in flight while the next stage's are issued, so a stage is released one
+  // iteration late (with a single stage there is nothing to overlap with).
+  __device__ static void compute(const context& ctx, consumer_state& state, pipeline::stage_inputs<gemm_kernel>& inputs) {
+    constexpr int in_flight = stages > 1 ? 1 : 0;
+    auto at = inputs.first();
+    auto in_use = at;
+    for (int i = 0; i < ctx.iterations; ++i, at.advance()) {
+      const stage& s = inputs.wait(at);
+      warpgroup::fence();
+      warpgroup::mma<A_MAJOR, B_MAJOR>(state.acc, s.a, ctx.consumer * rows_per_consumer, s.b, 0, i > 0);
+      warpgroup::commit();
+      warpgroup::wait<in_flight>();
+      if (i >= in_flight) {
+        inputs.release(in_use);
+        in_use.advance();
+      }
+    }
+    warpgroup::wait<0>(state.acc);
+    for (int i = 0; i < in_flight && i < ctx.iterations; ++i, in_use.advance()) inputs.release(in_use);
   }
 
   // C[rows of this consumer, n0 : n0 + 256] = acc (+ bias), in store_cols-wide chunks through the
   // staging slots; a slot is rewritten only after the TMA store that last used it has read it.
-  __device__ static void store(const params& p, consumer_state& state, pipeline::output_tile tile,
-                               store_storage& staging, int consumer) {
-    warpgroup::pin(state.acc);
-    const int row0 = tile.row * Plan::block_m + consumer * rows_per_consumer;
-    const int n0 = tile.col * Plan::block_n;
-    if constexpr (HAS_BIAS) warpgroup::add_column_vector(state.acc, p.bias, n0, p.n);
+  __device__ static void store(const context& ctx, consumer_state& state) {
+    const params& p = ctx.params;
+    const int row0 = ctx.task.row * Plan::block_m + ctx.consumer * rows_per_consumer;
+    const int n0 = ctx.task.col * Plan::block_n;
+    if constexpr (HAS_BIAS) {
+      per_col_vector<accumulator> bias;
+      warp::load(bias, p.bias + n0, p.n - n0);
+      warp::add_col(state.acc, state.acc, bias);
+    }
     const bool issuer = threadIdx.x % WARPGROUP_THREADS == 0;
-    const barrier_id staging_barrier = barrier_after(barrier_id::consumer_store, consumer);
+    const barrier_id staging_barrier = barrier_after(barrier_id::consumer_store, ctx.consumer);
     [&]<int... CHUNK>(std::integer_sequence<int, CHUNK...>) {
       ([&] {
-        c_tile& slot = staging.c[consumer][CHUNK % Plan::store_slots];
+        c_tile& slot = ctx.scratch.c[ctx.consumer][CHUNK % Plan::store_slots];
         if (issuer) tma::wait_stores_read<Plan::store_slots - 1>();
         barrier_sync(staging_barrier, WARPGROUP_THREADS);
         warpgroup::store<CHUNK * Plan::store_cols>(slot, state.acc);
@@ -153,18 +169,15 @@ struct gemm_kernel {
   }
 
   // The last stores must have read shared memory before the block exits and frees it.
-  __device__ static void finish(const params&, store_storage&, int) {
+  __device__ static void finish(const params&, scratch&, int) {
     if (threadIdx.x % WARPGROUP_THREADS == 0) tma::wait_stores<0>();
   }
 };
 
 // ------------------------------------------------------------------------------- host side
 
-// A stored matrix as a TMA layout. A single row has no meaningful stride: give it a legal one.
 template <typename T>
 global_layout<T, 2> layout_of(const void* data, int64_t rows, int64_t cols, int64_t row_stride) {
-  constexpr int64_t elements_per_16_bytes = 16 / int64_t(sizeof(T));
-  if (rows == 1) row_stride = (cols + elements_per_16_bytes - 1) / elements_per_16_bytes * elements_per_16_bytes;
   return matrix_layout(static_cast<T*>(const_cast<void*>(data)), rows, cols, row_stride);
 }
 
@@ -206,8 +219,7 @@ cudaError_t launch_with(const problem& p, cudaStream_t stream) {
   params.m = int(p.m);
   params.n = int(p.n);
   params.k = int(p.k);
-  params.order = {int((p.m + Plan::block_m - 1) / Plan::block_m), int((p.n + Plan::block_n - 1) / Plan::block_n),
-                  Plan::group_rows};
+  params.order = {int(ceil_div<int64_t>(p.m, Plan::block_m)), int(ceil_div<int64_t>(p.n, Plan::block_n)), Plan::group_rows};
   int device = 0;
   if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
   return pipeline::launch<K>(params, pipeline::persistent_grid(params.order.count(), device), stream);

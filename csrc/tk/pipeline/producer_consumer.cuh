@@ -1,172 +1,175 @@
-// The warp-specialised producer/consumer pipeline every tile kernel is written in.
+// The load-compute-store-finish template: a kernel is a plan plus hooks that read like its
+// algorithm; the template supplies shared memory, barriers, the register split, the task loop and
+// the stage bookkeeping (built from block.cuh, stage_ring.cuh and tile_scheduler.cuh, which kernels
+// that do not fit it use directly).
 //
-// Warpgroup 0 is the producer: one thread issues TMA loads into a ring of `stages` shared
-// buffers. Warpgroups 1..consumers compute from them and write the results. Per stage, `full`
-// completes when the loads have landed (arrival + transaction bytes) and `empty` when every
-// consumer warp has finished reading. Both sides walk the same sequence of (tile, iteration), so
-// stage and phase are a ring position each side advances on its own.
+//   producer (warpgroup 0, one thread)   per task: the resident tiles, once; then each iteration's
+//                                        stage, part by part, into a ring of `stages`
+//   consumers (warpgroups 1..n)          per task: compute, the mainloop, which waits for and
+//                                        releases each stage part itself (so it decides how long a
+//                                        stage stays in use); store, the epilogue
 //
-// A kernel K supplies the work; the template supplies shared memory, barriers, register split,
-// the persistent tile loop and the stage bookkeeping:
-//
-//   static constexpr int stages, consumer_warpgroups, producer_registers, consumer_registers;
-//   static constexpr uint32_t stage_bytes;     // bytes the loads of one stage deliver
-//   using params;                               // the __grid_constant__ kernel argument
-//   using stage_storage, store_storage;         // one stage's input tiles; consumers' output staging
-//   using consumer_state;                       // registers a consumer warpgroup keeps over a tile
-//   static scheduler(params) -> persistent_scheduler<...>
-//   static iterations(params, tile) -> int      // pipeline stages a tile consumes (>= 1)
-//   static prefetch(params)                     // producer thread, once
-//   static load(params, tile, iteration, stage_storage&, mbarrier& full)      // producer thread
-//   static compute(consumer_state&, const stage_storage&, iteration, consumer) // issue + commit MMAs
-//   static store(params, consumer_state&, tile, store_storage&, consumer)     // the tile's epilogue
-//   static finish(params, store_storage&, consumer)                            // before exit
+// A kernel K supplies (members in brackets are optional):
+//   plan        stages, consumer_warpgroups, producer_registers, consumer_registers
+//   params      the __grid_constant__ kernel argument
+//   tasks(params) -> task order (tile_scheduler.cuh), __host__ __device__. The grid is one block per
+//               task or persistent (launch's `grid`): kernels are correct for both
+//   iterations(params, task) -> stages the task consumes (>= 0): GEMM's K steps, attention's visible
+//               key blocks, a sequence's chunks
+//   stage, stage_bytes[]   the tiles of one stage, and the bytes each separately released part of
+//               it delivers (one entry, unless consumers release parts at different times)
+//   load(params, task, iteration, part, stage&, mbarrier& full)           producer thread
+//   [prefetch(params)]   producer thread, once (e.g. the TMA descriptors into the cache)
+//   [resident, resident_bytes, load_resident(params, task, resident&, mbarrier& full)]
+//               tiles loaded once per task (attention's Q); store may reuse them as staging, and the
+//               next task's resident load waits until every consumer's store has returned
+//   [scratch]   shared memory the consumers keep across iterations and tasks (running states,
+//               epilogue staging), synchronised by the kernel
+//   [init(params, scratch&, consumer)]   once per consumer warpgroup, before its first task
+//   consumer_state   registers a consumer warpgroup keeps (accumulators), constructed once
+//   compute(const task_context<K>&, consumer_state&, stage_inputs<K>&)   ctx.iterations stages
+//   store(const task_context<K>&, consumer_state&)                         the task's epilogue
+//   [finish(params, scratch&, consumer)]                                   before the block exits
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstddef>
-#include <mutex>
-#include <set>
+#include <cstdint>
+#include <iterator>
 #include <utility>
 
 #include "../common.cuh"
-#include "../ops/warpgroup/registers.cuh"
-#include "../ops/warpgroup/wgmma.cuh"
+#include "../sync/fence.cuh"
 #include "../sync/mbarrier.cuh"
-#include "../types/shared_tile.cuh"
+#include "block.cuh"
+#include "stage_ring.cuh"
 #include "tile_scheduler.cuh"
 
 namespace tk::pipeline {
 
-template <int STAGES>
-struct ring_position {
-  int stage = 0;
-  uint32_t phase = 0;  // parity of the lap; flips each time the ring wraps
+struct none {};
 
-  __device__ void advance() {
-    if (++stage == STAGES) {
-      stage = 0;
-      phase ^= 1;
-    }
+namespace detail {
+template <typename K> struct resident_type { using type = none; };
+template <typename K> requires requires { typename K::resident; } struct resident_type<K> { using type = typename K::resident; };
+template <typename K> struct scratch_type { using type = none; };
+template <typename K> requires requires { typename K::scratch; } struct scratch_type<K> { using type = typename K::scratch; };
+}  // namespace detail
+
+template <typename K> using resident_of = typename detail::resident_type<K>::type;
+template <typename K> using scratch_of = typename detail::scratch_type<K>::type;
+template <typename K> constexpr bool has_resident = !std::is_same_v<resident_of<K>, none>;
+template <typename K> using task_of = typename task_scheduler<decltype(K::tasks(std::declval<typename K::params>()))>::task_type;
+template <typename K> constexpr int stage_parts = int(std::size(K::stage_bytes));
+template <typename K> using ring_of = stage_ring<K::stages, stage_parts<K>>;
+// A constant, so device code never needs the array itself.
+template <typename K, int PART> constexpr uint32_t part_bytes = K::stage_bytes[PART];
+
+template <typename K>
+struct kernel_storage {
+  typename K::stage stages[K::stages];
+  [[no_unique_address]] resident_of<K> resident;
+  [[no_unique_address]] scratch_of<K> scratch;
+  ring_of<K> ring;
+  mbarrier resident_full;  // the task's resident tiles have landed
+  mbarrier resident_free;  // every consumer warp is done with them
+};
+
+// What a consumer hook knows about the task at hand.
+template <typename K>
+struct task_context {
+  const typename K::params& params;
+  task_of<K> task;
+  int iterations;
+  int consumer;  // this consumer warpgroup's index, 0 .. consumer_warpgroups - 1
+  resident_of<K>& resident;
+  scratch_of<K>& scratch;
+};
+
+// The consumers' side of the ring for one task: iteration i's stage is at first().advanced_by(i).
+template <typename K>
+struct stage_inputs {
+  using position = typename ring_of<K>::position;
+
+  typename K::stage* stages;
+  ring_of<K>& ring;
+  position start;
+
+  __device__ position first() const { return start; }
+  __device__ const typename K::stage& wait(position at, int part = 0) const {
+    ring.wait(at, part);
+    return stages[at.stage];
   }
+  __device__ const typename K::stage& stage_at(position at) const { return stages[at.stage]; }
+  __device__ void release(position at, int part = 0) const { ring.release(at, part); }
 };
 
 template <typename K>
-struct shared_storage {
-  typename K::stage_storage stage[K::stages];
-  typename K::store_storage store;
-  mbarrier full[K::stages];
-  mbarrier empty[K::stages];
-};
-
-template <typename K>
-constexpr int threads = (1 + K::consumer_warpgroups) * WARPGROUP_THREADS;
-
-// Dynamic shared memory to request: the storage plus room to align its start to a swizzle period.
-template <typename K>
-constexpr size_t shared_bytes = sizeof(shared_storage<K>) + SWIZZLE_PERIOD_BYTES;
-
-// Dynamic shared memory one Hopper block may opt into (227 KB).
-constexpr size_t MAX_SHARED_BYTES_PER_BLOCK = 227 * 1024;
-
-template <typename K>
-constexpr bool fits_register_file() {
-  return K::producer_registers * WARPGROUP_THREADS +
-             K::consumer_registers * K::consumer_warpgroups * WARPGROUP_THREADS <=
-         warpgroup::REGISTER_FILE;
-}
-
-template <typename K>
-__global__ void __launch_bounds__(threads<K>, 1) producer_consumer_kernel(const __grid_constant__ typename K::params params) {
+__global__ void __launch_bounds__(block_threads<K>, 1) producer_consumer_kernel(const __grid_constant__ typename K::params params) {
   static_assert(K::stages >= 1, "at least one stage");
-  static_assert(fits_register_file<K>(), "the register split exceeds the register file");
-  static_assert(shared_bytes<K> <= MAX_SHARED_BYTES_PER_BLOCK, "the stages and staging exceed shared memory");
-  extern __shared__ uint8_t shared_raw[];
-  const uintptr_t aligned = (reinterpret_cast<uintptr_t>(shared_raw) + SWIZZLE_PERIOD_BYTES - 1) &
-                            ~uintptr_t(SWIZZLE_PERIOD_BYTES - 1);
-  auto& smem = *reinterpret_cast<shared_storage<K>*>(aligned);
+  kernel_storage<K>& smem = block_storage<kernel_storage<K>>();
   constexpr int consumer_warps = K::consumer_warpgroups * WARPGROUP_WARPS;
-
   if (threadIdx.x == 0) {
-    for (int s = 0; s < K::stages; ++s) {
-      smem.full[s].init(1);
-      smem.empty[s].init(consumer_warps);
-    }
+    smem.ring.init(consumer_warps);
+    smem.resident_full.init(1);
+    smem.resident_free.init(consumer_warps);
     fence_barrier_init();
   }
   __syncthreads();
+  const task_scheduler<decltype(K::tasks(params))> scheduler{K::tasks(params)};
 
-  const auto scheduler = K::scheduler(params);
-  if (warpgroup_id() == 0) {
-    warpgroup::decrease_registers<K::producer_registers>();
-    if (warp_in_warpgroup() == 0 && lane_id() == 0) {
-      K::prefetch(params);
-      ring_position<K::stages> write;
-      for (auto work = scheduler.first(); scheduler.valid(work); work = scheduler.next(work)) {
-        const int iterations = K::iterations(params, work.tile);
-        for (int i = 0; i < iterations; ++i, write.advance()) {
-          // A fresh barrier counts the phase before its first as complete: the first lap never waits.
-          smem.empty[write.stage].wait(write.phase ^ 1);
-          smem.full[write.stage].arrive_expect_tx(K::stage_bytes);
-          K::load(params, work.tile, i, smem.stage[write.stage], smem.full[write.stage]);
+  warp_specialized<K>(
+      [&] {
+        if constexpr (requires { K::prefetch(params); }) K::prefetch(params);
+        typename ring_of<K>::position write;
+        uint32_t task_parity = 0;
+        for (auto work = scheduler.first(); scheduler.valid(work); work = scheduler.next(work), task_parity ^= 1) {
+          if constexpr (has_resident<K>) {
+            // The previous task's stores are done with the resident tiles (a fresh barrier lets the first pass).
+            smem.resident_free.wait(task_parity ^ 1);
+            smem.resident_full.arrive_expect_tx(K::resident_bytes);
+            K::load_resident(params, work.task, smem.resident, smem.resident_full);
+          }
+          const int iterations = K::iterations(params, work.task);
+          for (int i = 0; i < iterations; ++i, write.advance()) {
+            [&]<int... PART>(std::integer_sequence<int, PART...>) {
+              ((K::load(params, work.task, i, PART, smem.stages[write.stage],
+                        smem.ring.acquire(write, part_bytes<K, PART>, PART))),
+               ...);
+            }(std::make_integer_sequence<int, stage_parts<K>>{});
+          }
         }
-      }
-    }
-  } else {
-    warpgroup::increase_registers<K::consumer_registers>();
-    const int consumer = warpgroup_id() - 1;
-    // The MMAs of one stage stay in flight while the next stage's are issued, so a stage is
-    // released one iteration late; with a single stage there is nothing to overlap with.
-    constexpr int in_flight = K::stages > 1 ? 1 : 0;
-    typename K::consumer_state state;
-    ring_position<K::stages> read;
-    ring_position<K::stages> release;
-    for (auto work = scheduler.first(); scheduler.valid(work); work = scheduler.next(work)) {
-      const int iterations = K::iterations(params, work.tile);
-      for (int i = 0; i < iterations; ++i, read.advance()) {
-        smem.full[read.stage].wait(read.phase);
-        K::compute(state, smem.stage[read.stage], i, consumer);
-        warpgroup::wait<in_flight>();
-        if (i >= in_flight) {
-          if (lane_id() == 0) smem.empty[release.stage].arrive();
-          release.advance();
+      },
+      [&](int consumer) {
+        if constexpr (requires { K::init(params, smem.scratch, consumer); }) K::init(params, smem.scratch, consumer);
+        typename K::consumer_state state;
+        typename ring_of<K>::position read;
+        uint32_t task_parity = 0;
+        for (auto work = scheduler.first(); scheduler.valid(work); work = scheduler.next(work), task_parity ^= 1) {
+          const task_context<K> ctx{params, work.task, K::iterations(params, work.task), consumer, smem.resident,
+                                    smem.scratch};
+          if constexpr (has_resident<K>) smem.resident_full.wait(task_parity);
+          stage_inputs<K> inputs{smem.stages, smem.ring, read};
+          K::compute(ctx, state, inputs);
+          K::store(ctx, state);
+          read = read.advanced_by(ctx.iterations);
+          if constexpr (has_resident<K>) {
+            __syncwarp();
+            if (lane_id() == 0) smem.resident_free.arrive();
+          }
         }
-      }
-      warpgroup::wait<0>();
-      for (int i = 0; i < in_flight && i < iterations; ++i, release.advance()) {
-        if (lane_id() == 0) smem.empty[release.stage].arrive();
-      }
-      K::store(params, state, work.tile, smem.store, consumer);
-    }
-    K::finish(params, smem.store, consumer);
-  }
+        if constexpr (requires { K::finish(params, smem.scratch, consumer); }) K::finish(params, smem.scratch, consumer);
+      });
 }
 
-// Raise `kernel`'s dynamic shared-memory limit on the current device, once per (kernel, device).
-// Keyed by the kernel's address, so extensions built from the same headers never share an entry.
-inline cudaError_t allow_shared_bytes(const void* kernel, size_t bytes) {
-  static std::mutex mutex;
-  static std::set<std::pair<const void*, int>> configured;
-  int device = 0;
-  if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
-  const std::lock_guard<std::mutex> lock(mutex);
-  if (configured.count({kernel, device}) != 0) return cudaSuccess;
-  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
-  if (err == cudaSuccess) configured.insert({kernel, device});
-  return err;
-}
+template <typename K>
+constexpr size_t kernel_shared_bytes = shared_bytes<kernel_storage<K>>;
 
-// Launch K over a persistent grid of `grid` blocks on `stream`.
+// Launch K on `grid` blocks: K::tasks(params).count() for one block per task, or persistent_grid().
 template <typename K>
 cudaError_t launch(const typename K::params& params, int grid, cudaStream_t stream) {
-  const auto kernel = producer_consumer_kernel<K>;
-  if (const cudaError_t err = allow_shared_bytes(reinterpret_cast<const void*>(kernel), shared_bytes<K>);
-      err != cudaSuccess) {
-    return err;
-  }
-  kernel<<<grid, threads<K>, shared_bytes<K>, stream>>>(params);
-  return cudaGetLastError();
+  return launch(producer_consumer_kernel<K>, dim3(grid), block_threads<K>, kernel_shared_bytes<K>, stream, params);
 }
 
 }  // namespace tk::pipeline

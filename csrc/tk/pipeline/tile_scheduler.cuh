@@ -1,9 +1,15 @@
-// Which output tiles a persistent block works on, and in what order.
+// Which tasks a block works on, and in what order.
 //
-// The grid has one block per SM (read from the device, never assumed); block b takes tiles
-// b, b + grid, b + 2 grid, ... of a grouped order: tile rows are taken `group_rows` at a time and,
-// inside a group, tiles go down a column before moving right. The blocks running together then
-// share a few rows of A and columns of B, which stay in L2.
+// A task order maps an index to a task (count(), at(index)); a block takes tasks b, b + grid,
+// b + 2 grid, ... So a grid of one block per task runs each task on its own block, and a persistent
+// grid (one block per SM, read from the device, never assumed) strides over them; kernels are
+// written once for both.
+//
+//   grouped_tile_order   output tiles of a matrix product: tile rows are taken `group_rows` at a
+//                        time and, inside a group, tiles go down a column before moving right, so
+//                        the blocks running together share a few rows of A and columns of B in L2
+//   head_block_order     blocks of the sequences of a (batch, head) grid: consecutive tasks are
+//                        consecutive blocks of one head, which share its keys and values in L2
 #pragma once
 
 #include <cuda_runtime.h>
@@ -40,13 +46,37 @@ struct grouped_tile_order {
   }
 };
 
+struct head_block {
+  int batch;
+  int head;
+  int block;  // along the sequence
+};
+
+struct head_block_order {
+  int blocks;  // per sequence
+  int heads;
+  int batches;
+  // A head's blocks from the last to the first: under a causal mask the last see the most keys, so
+  // the longest tasks start first and the grid ends on short ones.
+  bool last_block_first;
+
+  __host__ __device__ int count() const { return blocks * heads * batches; }
+
+  __host__ __device__ head_block at(int index) const {
+    const int block = index % blocks;
+    const int sequence = index / blocks;
+    return {sequence / heads, sequence % heads, last_block_first ? blocks - 1 - block : block};
+  }
+};
+
 template <typename Order>
-struct persistent_scheduler {
+struct task_scheduler {
   Order order;
+  using task_type = decltype(order.at(0));
 
   struct work {
     int index;
-    output_tile tile;
+    task_type task;
   };
 
   __device__ bool valid(const work& w) const { return w.index < order.count(); }
@@ -54,9 +84,7 @@ struct persistent_scheduler {
   __device__ work next(const work& w) const { return at(w.index + gridDim.x); }
 
  private:
-  __device__ work at(int index) const {
-    return {index, index < order.count() ? order.at(index) : output_tile{0, 0}};
-  }
+  __device__ work at(int index) const { return {index, index < order.count() ? order.at(index) : task_type{}}; }
 };
 
 constexpr int MAX_CACHED_DEVICES = 64;
@@ -75,7 +103,7 @@ inline int sm_count(int device) {
   return count;
 }
 
-// A persistent grid: one block per SM, fewer when there are fewer tiles.
-inline int persistent_grid(int tiles, int device) { return std::min(tiles, sm_count(device)); }
+// A persistent grid: one block per SM, fewer when there are fewer tasks.
+inline int persistent_grid(int tasks, int device) { return std::min(tasks, sm_count(device)); }
 
 }  // namespace tk::pipeline

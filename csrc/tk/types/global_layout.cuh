@@ -38,10 +38,24 @@ struct global_layout {
   std::array<int64_t, RANK - 1> strides;  // elements, of dimensions 0 .. RANK - 2
 };
 
+// A strided view. A dimension of extent 1 is never stepped over, so whatever stride a framework
+// reports for it (often 1, or the product of the inner extents, which TMA may reject) is replaced by
+// one TMA accepts: the inner dimension's span rounded up to 16 bytes.
+template <typename T, int RANK>
+global_layout<T, RANK> strided_layout(T* data, const std::array<int64_t, RANK>& shape,
+                                      std::array<int64_t, RANK - 1> strides) {
+  constexpr int64_t elements_per_16_bytes = 16 / int64_t(sizeof(T));
+  for (int d = RANK - 2; d >= 0; --d) {
+    const int64_t inner_span = shape[d + 1] * (d + 1 < RANK - 1 ? strides[d + 1] : 1);
+    if (shape[d] == 1) strides[d] = round_up(inner_span, elements_per_16_bytes);
+  }
+  return {data, shape, strides};
+}
+
 // A matrix: `rows` x `cols` with consecutive rows `row_stride` elements apart.
 template <typename T>
 global_layout<T, 2> matrix_layout(T* data, int64_t rows, int64_t cols, int64_t row_stride) {
-  return {data, {rows, cols}, {row_stride}};
+  return strided_layout<T, 2>(data, {rows, cols}, {row_stride});
 }
 
 namespace detail {

@@ -3,9 +3,10 @@
 //   load(t, src, row_stride);    t[i][j] = src[i * row_stride + j]
 //   store(dst, row_stride, t);
 //   load(v, src);  store(dst, v);   v[i] = src[i]
+//   load(v, src, n);  store(dst, v, n);   the same for entries i < n only (v[i] = 0 past n)
 //
-// Element types convert on the way. Row-layout tiles move a pair per access, so src/dst must be
-// aligned to two elements and row_stride even; col-layout tiles move single elements. Vector stores
+// Element types convert on the way. Row-layout tiles (and, on load, vectors of thread_in_group layout)
+// move a pair per access, so src/dst must be aligned to two elements and row_stride even; col-layout tiles move single elements. Vector stores
 // come from one copy of each entry (every lane holds one). Tiles are moved whole: callers that need
 // bounds use TMA or shared memory.
 #pragma once
@@ -59,9 +60,19 @@ __device__ __forceinline__ void store(U* dst, int row_stride, const T& src) {
 template <register_vector_type V, typename U>
   requires is_register_element<U>
 __device__ __forceinline__ void load(V& dst, const U* src) {
-  for_each_slot<V>([&](int b, int s) {
-    dst.values[b][s] = convert<typename V::element>(src[BASE_TILE * b + fragment::vector_entry<V::layout>(s)]);
-  });
+  if constexpr (V::layout == vector_layout::thread_in_group) {
+    // Slots 2h and 2h + 1 hold adjacent entries (a tile column pair): one access for both.
+    for_each_slot<V>([&](int b, int s) {
+      if (s % fragment::PAIR != 0) return;
+      const auto pair = *reinterpret_cast<const packed_pair_t<U>*>(src + BASE_TILE * b + fragment::vector_entry<V::layout>(s));
+      dst.values[b][s] = convert<typename V::element>(pair.x);
+      dst.values[b][s + 1] = convert<typename V::element>(pair.y);
+    });
+  } else {
+    for_each_slot<V>([&](int b, int s) {
+      dst.values[b][s] = convert<typename V::element>(src[BASE_TILE * b + fragment::vector_entry<V::layout>(s)]);
+    });
+  }
 }
 
 template <typename U, register_vector_type V>
@@ -70,6 +81,26 @@ __device__ __forceinline__ void store(U* dst, const V& src) {
   if (!fragment::holds_first_copy<V::layout>()) return;
   for_each_slot<V>([&](int b, int s) {
     dst[BASE_TILE * b + fragment::vector_entry<V::layout>(s)] = convert<U>(src.values[b][s]);
+  });
+}
+
+// Bounded forms, for vectors that run past the end of their data (a tail of rows or columns).
+template <register_vector_type V, typename U>
+  requires is_register_element<U>
+__device__ __forceinline__ void load(V& dst, const U* src, int count) {
+  for_each_slot<V>([&](int b, int s) {
+    const int i = BASE_TILE * b + fragment::vector_entry<V::layout>(s);
+    dst.values[b][s] = i < count ? convert<typename V::element>(src[i]) : numeric<typename V::element>::from_float(0.0f);
+  });
+}
+
+template <typename U, register_vector_type V>
+  requires is_register_element<U>
+__device__ __forceinline__ void store(U* dst, const V& src, int count) {
+  if (!fragment::holds_first_copy<V::layout>()) return;
+  for_each_slot<V>([&](int b, int s) {
+    const int i = BASE_TILE * b + fragment::vector_entry<V::layout>(s);
+    if (i < count) dst[i] = convert<U>(src.values[b][s]);
   });
 }
 

@@ -2,6 +2,8 @@
 //
 //   transpose(t_T, t);     t_T (C x R, other layout) = tᵀ: no data moves, the registers are relabelled
 //   swap_layout(t_c, t);   t_c (R x C, other layout) = t: one movmatrix per core matrix (16-bit types)
+//   columns<C0, C>(t)      the R x C tile of t's columns [C0, C0 + C): a copy the compiler resolves
+//                          to t's own registers (whole base tiles only)
 #pragma once
 
 #include "maps.cuh"
@@ -40,6 +42,15 @@ __device__ __forceinline__ void swap_layout(D& dst, const S& src) {
     const uint32_t moved = detail::movmatrix_trans(pair_bits(src.pairs[br][bc][q]));
     dst.pairs[br][bc][q] = pair_from_bits<typename D::pair_type>(moved);
   });
+}
+
+template <int FIRST_COL, int COLS, register_tile_type S>
+__device__ __forceinline__ register_tile<typename S::element, S::rows, COLS, S::layout> columns(const S& src) {
+  static_assert(FIRST_COL % BASE_TILE == 0 && COLS % BASE_TILE == 0 && FIRST_COL + COLS <= S::cols,
+                "columns: whole base tiles inside the source");
+  register_tile<typename S::element, S::rows, COLS, S::layout> dst;
+  for_each_pair<decltype(dst)>([&](int br, int bc, int q) { dst.pairs[br][bc][q] = src.pairs[br][FIRST_COL / BASE_TILE + bc][q]; });
+  return dst;
 }
 
 }  // namespace tk::warp

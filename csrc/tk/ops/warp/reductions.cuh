@@ -4,6 +4,9 @@
 //   row_max(m, s, m_prev);  m[i] = max(m_prev[i], max_j s[i][j])
 //   row_sum(l, p);  col_sum(c, t);  col_max(c, t);
 //
+//   lane_row_sum(l, p, l);  ...  all_lanes_row_sum(l);   a running sum kept per lane and combined
+//                                                        across lanes once, at the end
+//
 // Each lane first reduces the elements it holds, in float, then the lanes that hold the rest of the
 // same lines exchange partial results by shuffles: the 4 threads of a group when the reduced axis
 // runs along the pairs, the 8 groups otherwise. Every lane ends with the full result.
@@ -14,21 +17,31 @@
 namespace tk::warp {
 namespace detail {
 
-constexpr unsigned ALL_LANES = 0xffffffffu;
+// The lanes whose xor-distances span the axis a vector of layout L reduces: the threads of a group
+// when the reduced axis runs along the pairs, the groups otherwise.
+template <vector_layout L>
+constexpr int FIRST_LANE_MASK = L == vector_layout::group ? 1 : fragment::THREADS_PER_GROUP;
+template <vector_layout L>
+constexpr int LANE_MASK_END = L == vector_layout::group ? fragment::THREADS_PER_GROUP : WARP_THREADS;
 
-// dst[i] = Op over line i (a row when KEPT == rows) of src, combined with init[i] when given.
-template <typename Op, tile_axis KEPT, register_vector_type V, register_tile_type Tile, typename... Init>
+template <typename Op, vector_layout L>
+__device__ __forceinline__ float across_lanes(float value) {
+#pragma unroll
+  for (int mask = FIRST_LANE_MASK<L>; mask < LANE_MASK_END<L>; mask *= 2) {
+    value = Op::apply(value, __shfl_xor_sync(ALL_LANES, value, mask));
+  }
+  return value;
+}
+
+// dst[i] = Op over line i (a row when KEPT == rows) of src, combined with init[i] when given; with
+// ACROSS_LANES false, over this lane's elements only.
+template <typename Op, tile_axis KEPT, bool ACROSS_LANES, register_vector_type V, register_tile_type Tile, typename... Init>
 __device__ __forceinline__ void reduce(V& dst, const Tile& src, const Init&... init) {
   static_assert(V::length == extent<Tile>(KEPT), "a reduction's vector needs one entry per row (per column) of the tile");
   static_assert(V::layout == fragment::vector_layout_along(Tile::layout, KEPT),
                 "a reduction's vector must be laid out like the tile's lines: declare it as "
                 "per_row_vector<Tile> (row_*) or per_col_vector<Tile> (col_*)");
   static_assert(sizeof...(Init) <= 1 && (std::is_same_v<Init, V> && ...), "the initial value is one vector like dst");
-  // The lanes whose xor-distance spans the reduced axis: threadID_in_group bits or groupID bits.
-  constexpr bool along_pairs = V::layout == vector_layout::group;
-  constexpr int first_lane_mask = along_pairs ? 1 : fragment::THREADS_PER_GROUP;
-  constexpr int lane_mask_end = along_pairs ? fragment::THREADS_PER_GROUP : WARP_THREADS;
-
   float partial[V::blocks][V::slots];
   for_each_slot<V>([&](int b, int s) { partial[b][s] = Op::identity; });
   for_each_pair<Tile>([&](int br, int bc, int q) {
@@ -43,10 +56,7 @@ __device__ __forceinline__ void reduce(V& dst, const Tile& src, const Init&... i
   });
   for_each_slot<V>([&](int b, int s) {
     float value = partial[b][s];
-#pragma unroll
-    for (int mask = first_lane_mask; mask < lane_mask_end; mask *= 2) {
-      value = Op::apply(value, __shfl_xor_sync(ALL_LANES, value, mask));
-    }
+    if constexpr (ACROSS_LANES) value = across_lanes<Op, V::layout>(value);
     ((value = Op::apply(value, numeric<typename V::element>::to_float(init.values[b][s]))), ...);
     dst.values[b][s] = numeric<typename V::element>::from_float(value);
   });
@@ -55,12 +65,26 @@ __device__ __forceinline__ void reduce(V& dst, const Tile& src, const Init&... i
 }  // namespace detail
 
 template <register_vector_type V, register_tile_type T, typename... Init>
-__device__ __forceinline__ void row_max(V& dst, const T& src, const Init&... init) { detail::reduce<op::max, tile_axis::rows>(dst, src, init...); }
+__device__ __forceinline__ void row_max(V& dst, const T& src, const Init&... init) { detail::reduce<op::max, tile_axis::rows, true>(dst, src, init...); }
 template <register_vector_type V, register_tile_type T, typename... Init>
-__device__ __forceinline__ void row_sum(V& dst, const T& src, const Init&... init) { detail::reduce<op::add, tile_axis::rows>(dst, src, init...); }
+__device__ __forceinline__ void row_sum(V& dst, const T& src, const Init&... init) { detail::reduce<op::add, tile_axis::rows, true>(dst, src, init...); }
 template <register_vector_type V, register_tile_type T, typename... Init>
-__device__ __forceinline__ void col_max(V& dst, const T& src, const Init&... init) { detail::reduce<op::max, tile_axis::cols>(dst, src, init...); }
+__device__ __forceinline__ void col_max(V& dst, const T& src, const Init&... init) { detail::reduce<op::max, tile_axis::cols, true>(dst, src, init...); }
 template <register_vector_type V, register_tile_type T, typename... Init>
-__device__ __forceinline__ void col_sum(V& dst, const T& src, const Init&... init) { detail::reduce<op::add, tile_axis::cols>(dst, src, init...); }
+__device__ __forceinline__ void col_sum(V& dst, const T& src, const Init&... init) { detail::reduce<op::add, tile_axis::cols, true>(dst, src, init...); }
+
+// This lane's share of each row sum (plus init): no shuffles, so a running sum over many tiles pays
+// for the exchange once. The result is not a valid row vector until all_lanes_row_sum combines it.
+template <register_vector_type V, register_tile_type T, typename... Init>
+__device__ __forceinline__ void lane_row_sum(V& dst, const T& src, const Init&... init) { detail::reduce<op::add, tile_axis::rows, false>(dst, src, init...); }
+
+template <register_vector_type V>
+__device__ __forceinline__ void all_lanes_row_sum(V& partial) {
+  for_each_slot<V>([&](int b, int s) {
+    using E = typename V::element;
+    partial.values[b][s] = numeric<E>::from_float(
+        detail::across_lanes<op::add, V::layout>(numeric<E>::to_float(partial.values[b][s])));
+  });
+}
 
 }  // namespace tk::warp

@@ -5,6 +5,7 @@
 #include "global_memory.cuh"
 #include "layout.cuh"
 #include "maps.cuh"
+#include "masks.cuh"
 #include "mma.cuh"
 #include "reductions.cuh"
 #include "shared_memory.cuh"

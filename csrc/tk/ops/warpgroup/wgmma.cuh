@@ -1,7 +1,9 @@
 // wgmma: the warpgroup's asynchronous tensor-core product D (64 x N, fp32) (+)= A (64 x 16) * B (16 x N).
 //
-// A comes from shared memory (descriptor) or from registers (a 64 x 16 fragment, 4 x b32 per
-// thread); B always from shared memory. Each operand in shared memory may be K-major or MN-major
+// A comes from shared memory (descriptor) or from registers (each warp's 16 rows of a 16-bit
+// row-layout register tile); B always from shared memory. The accumulator is each warp's 16 rows as
+// a float row-layout register tile, so every tile verb (row_max, exp2, sub_row, masks, ...) applies
+// to a wgmma result as it stands. Each operand in shared memory may be K-major or MN-major
 // (the instruction's transpose bits), which is how transposed views reach the tensor cores with
 // no copy. Issue order: fence() once the accumulator registers were touched by other code, then
 // the products, commit(), and wait<n>() before the accumulator is read again.
@@ -13,9 +15,41 @@
 #include <type_traits>
 
 #include "../../common.cuh"
+#include "../../types/register_tile.cuh"
 #include "descriptor.cuh"
 
 namespace tk::warpgroup {
+
+constexpr int WGMMA_M = WARPGROUP_WARPS * BASE_TILE;  // rows of one wgmma: BASE_TILE per warp
+constexpr int WGMMA_K = BASE_TILE;                    // K of one bf16/half wgmma
+constexpr int WGMMA_MAX_N = 256;
+
+// ------------------------------------------------------------------------------ accumulator
+
+// The fp32 accumulator of a warpgroup's 64 x N product, as each warp holds it: its 16 rows
+// (warpgroup rows [16 w, 16 w + 16), see warp_row) as a register tile. Register d_k of the PTX ISA's
+// wgmma fragment is element k of the tile's pairs in storage order (register_fragments.cuh proves it).
+template <int N>
+using accumulator = register_tile<float, BASE_TILE, N>;
+
+// This warp's first row in the warpgroup's tile.
+__device__ __forceinline__ int warp_row() { return BASE_TILE * warp_in_warpgroup(); }
+
+namespace detail {
+
+// Register d_I of the wgmma fragment: element I of the accumulator tile's pairs in storage order.
+template <int I, int N>
+__device__ __forceinline__ float& accumulator_register(accumulator<N>& acc) {
+  constexpr int pair = I / fragment::PAIR;
+  auto& p = acc.pairs[0][pair / fragment::QUADRANTS][pair % fragment::QUADRANTS];
+  if constexpr (I % fragment::PAIR == 0) {
+    return p.x;
+  } else {
+    return p.y;
+  }
+}
+
+}  // namespace detail
 
 // ------------------------------------------------------------------ operand lists for the asm
 // TK_SEQ_<R>(FIRST, NEXT) expands FIRST(0) NEXT(1) ... NEXT(R - 1); TK_DECADE(NEXT, t) covers
@@ -41,8 +75,8 @@ namespace tk::warpgroup {
 
 #define TK_REG_FIRST(i) "%" #i
 #define TK_REG_NEXT(i) ", %" #i
-#define TK_ACC_FIRST(i) "+f"(d[i])
-#define TK_ACC_NEXT(i) , "+f"(d[i])
+#define TK_ACC_FIRST(i) "+f"(detail::accumulator_register<i>(d))
+#define TK_ACC_NEXT(i) , "+f"(detail::accumulator_register<i>(d))
 
 // A and B from shared memory. Operands after the R accumulators: a, b, accumulate, trans-a, trans-b.
 #define TK_WGMMA_SS_ASM(N, SEQ, PTX_TYPE, A, B, ACC, TA, TB)                                               \
@@ -67,7 +101,7 @@ template <int N> struct wgmma_instruction;
 #define TK_DEFINE_WGMMA(N, SEQ, i0, i1, i2, i3, i4, i5, i6)                                                  \
   template <> struct wgmma_instruction<N> {                                                                   \
     template <typename T, int TRANS_A, int TRANS_B>                                                           \
-    __device__ static void ss(float* d, uint64_t a, uint64_t b, int accumulate) {                             \
+    __device__ static void ss(accumulator<N>& d, uint64_t a, uint64_t b, int accumulate) {                             \
       if constexpr (std::is_same_v<T, bf16>) {                                                                \
         TK_WGMMA_SS_ASM(N, SEQ, "bf16", i0, i1, i2, i3, i4);                                                  \
       } else {                                                                                                \
@@ -76,7 +110,7 @@ template <int N> struct wgmma_instruction;
       }                                                                                                       \
     }                                                                                                         \
     template <typename T, int TRANS_B>                                                                        \
-    __device__ static void rs(float* d, const uint32_t (&a)[4], uint64_t b, int accumulate) {                 \
+    __device__ static void rs(accumulator<N>& d, const uint32_t (&a)[4], uint64_t b, int accumulate) {                 \
       if constexpr (std::is_same_v<T, bf16>) {                                                                \
         TK_WGMMA_RS_ASM(N, SEQ, "bf16", i0, i1, i2, i3, i4, i5, i6);                                          \
       } else {                                                                                                \
@@ -111,28 +145,21 @@ TK_DEFINE_WGMMA(256, TK_SEQ_128, "128", "129", "130", "131", "132", "133", "134"
 #undef TK_FIRST_DECADE
 #undef TK_DECADE
 
-// ------------------------------------------------------------------------------ accumulator
-
-// The fp32 accumulator of one warpgroup's 64 x N product. Thread t of the warpgroup (warp w = t / 32,
-// lane l) holds, for each 8-column block j, rows r = 16 w + l / 4 and r + 8 at columns
-// c = 8 j + 2 (l % 4) + {0, 1}:  data[4 j + 0, 1] -> (r, c), (r, c + 1);  data[4 j + 2, 3] -> (r + 8, ...).
-template <int N>
-struct accumulator {
-  static constexpr int rows = 64;
-  static constexpr int cols = N;
-  static constexpr int registers = N / 2;
-  float data[registers];
-
-  __device__ static int first_row() { return 16 * warp_in_warpgroup() + lane_id() / 4; }
-  __device__ static int first_col() { return 2 * (lane_id() % 4); }
-};
-
-// Keep the compiler from moving reads or writes of the accumulator across an asynchronous
-// wgmma boundary (the registers change behind its back between issue and wait).
-template <int N>
-__device__ __forceinline__ void pin(accumulator<N>& acc) {
-#pragma unroll
-  for (int i = 0; i < accumulator<N>::registers; ++i) asm volatile("" : "+f"(acc.data[i])::"memory");
+// Keep the compiler from moving reads or writes of a register tile across an asynchronous wgmma
+// boundary: an accumulator changes behind its back between issue and wait, and a register A operand
+// must keep its registers until the product that reads them is done.
+template <register_tile_type Tile>
+__device__ __forceinline__ void pin(Tile& tile) {
+  for_each_pair<Tile>([&](int br, int bc, int q) {
+    auto& pair = tile.pairs[br][bc][q];
+    if constexpr (std::is_same_v<typename Tile::element, float>) {
+      asm volatile("" : "+f"(pair.x), "+f"(pair.y)::"memory");
+    } else {
+      uint32_t bits = pair_bits(pair);
+      asm volatile("" : "+r"(bits)::"memory");
+      pair = pair_from_bits<typename Tile::pair_type>(bits);
+    }
+  });
 }
 
 // ---------------------------------------------------------------------------- issue and wait
@@ -149,10 +176,10 @@ __device__ __forceinline__ void wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(PENDING) : "memory");
 }
 
-template <int PENDING, int N>
-__device__ __forceinline__ void wait(accumulator<N>& acc) {
+template <int PENDING, register_tile_type... Tiles>
+__device__ __forceinline__ void wait(Tiles&... tiles) {
   wait<PENDING>();
-  pin(acc);
+  (pin(tiles), ...);
 }
 
 // acc (+)= A[a_mn0 : a_mn0 + 64, :] * B[:, b_mn0 : b_mn0 + N] over the whole K extent of the two
@@ -172,21 +199,20 @@ __device__ __forceinline__ void mma(accumulator<N>& acc, const TileA& a, int a_m
   for (int k0 = 0; k0 < k; k0 += 16) {
     const uint64_t a_desc = describe<A_MAJOR>(a, a_mn0, k0).bits;
     const uint64_t b_desc = describe<B_MAJOR>(b, b_mn0, k0).bits;
-    wgmma_instruction<N>::template ss<T, trans_a, trans_b>(acc.data, a_desc, b_desc,
+    wgmma_instruction<N>::template ss<T, trans_a, trans_b>(acc, a_desc, b_desc,
                                                            (accumulate || k0 > 0) ? 1 : 0);
   }
 }
 
-// acc (+)= A * B[k0 : k0 + 16, b_mn0 : b_mn0 + N] with A (64 x 16) in registers, laid out like a
-// 64 x 16 accumulator packed to pairs: a[0] (r, c..c+1), a[1] (r + 8, c..), a[2] (r, c + 8..),
-// a[3] (r + 8, c + 8..) in the notation of `accumulator`.
+// acc (+)= A * B[k0 : k0 + 16, b_mn0 : b_mn0 + N] with A (64 x 16) from registers: one k16 step,
+// its 4 registers in PTX order (register_fragments.cuh makes them from a register tile).
 template <operand_major B_MAJOR, int N, typename TileB>
 __device__ __forceinline__ void mma(accumulator<N>& acc, const uint32_t (&a)[4], const TileB& b, int b_mn0, int k0,
                                     bool accumulate) {
   using T = typename TileB::element;
   constexpr int trans_b = B_MAJOR == operand_major::mn ? 1 : 0;
   const uint64_t b_desc = describe<B_MAJOR>(b, b_mn0, k0).bits;
-  wgmma_instruction<N>::template rs<T, trans_b>(acc.data, a, b_desc, accumulate ? 1 : 0);
+  wgmma_instruction<N>::template rs<T, trans_b>(acc, a, b_desc, accumulate ? 1 : 0);
 }
 
 }  // namespace tk::warpgroup

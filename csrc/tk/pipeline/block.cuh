@@ -1,0 +1,94 @@
+// What every warp-specialised block needs, whether or not its kernel is written on the template
+// (producer_consumer.cuh):
+//
+//   block_storage<Storage>()            the block's dynamic shared memory as a Storage, aligned to
+//                                       the swizzle period every TMA/wgmma tile needs
+//   shared_bytes<Storage>               the dynamic shared memory to request for it
+//   warp_specialized<Plan>(producer, consumer)
+//                                       the role split: warpgroup 0 gives registers back and one of
+//                                       its threads runs producer(); every other warpgroup takes
+//                                       them and runs consumer(index)
+//   launch(kernel, grid, threads, shared bytes, stream, args...)
+//                                       on a stream, the shared-memory limit raised once per kernel
+//
+// A Plan names consumer_warpgroups, producer_registers and consumer_registers.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <mutex>
+#include <set>
+#include <utility>
+
+#include "../common.cuh"
+#include "../ops/warpgroup/registers.cuh"
+#include "../types/shared_tile.cuh"
+
+namespace tk::pipeline {
+
+// Dynamic shared memory one Hopper block may opt into (227 KB).
+constexpr size_t MAX_SHARED_BYTES_PER_BLOCK = 227 * 1024;
+
+// The storage plus room to align its start to a swizzle period.
+template <typename Storage>
+constexpr size_t shared_bytes = sizeof(Storage) + SWIZZLE_PERIOD_BYTES;
+
+template <typename Storage>
+__device__ __forceinline__ Storage& block_storage() {
+  static_assert(shared_bytes<Storage> <= MAX_SHARED_BYTES_PER_BLOCK, "the block's tiles exceed shared memory");
+  extern __shared__ uint8_t shared_raw[];
+  const uintptr_t aligned = (reinterpret_cast<uintptr_t>(shared_raw) + SWIZZLE_PERIOD_BYTES - 1) &
+                            ~uintptr_t(SWIZZLE_PERIOD_BYTES - 1);
+  return *reinterpret_cast<Storage*>(aligned);
+}
+
+template <typename Plan>
+constexpr int block_threads = (1 + Plan::consumer_warpgroups) * WARPGROUP_THREADS;
+
+template <typename Plan>
+constexpr bool fits_register_file() {
+  return Plan::producer_registers * WARPGROUP_THREADS +
+             Plan::consumer_registers * Plan::consumer_warpgroups * WARPGROUP_THREADS <=
+         warpgroup::REGISTER_FILE;
+}
+
+// setmaxnreg needs each role to be one branch of a single if/else, under a register cap at entry
+// (__launch_bounds__(block_threads<Plan>, 1) on the kernel).
+template <typename Plan, typename Producer, typename Consumer>
+__device__ __forceinline__ void warp_specialized(Producer&& producer, Consumer&& consumer) {
+  static_assert(fits_register_file<Plan>(), "the register split exceeds the register file");
+  if (warpgroup_id() == 0) {
+    warpgroup::decrease_registers<Plan::producer_registers>();
+    if (warp_in_warpgroup() == 0 && lane_id() == 0) producer();
+  } else {
+    warpgroup::increase_registers<Plan::consumer_registers>();
+    consumer(warpgroup_id() - 1);
+  }
+}
+
+// Raise `kernel`'s dynamic shared-memory limit on the current device, once per (kernel, device).
+// Keyed by the kernel's address, so extensions built from the same headers never share an entry.
+inline cudaError_t allow_shared_bytes(const void* kernel, size_t bytes) {
+  static std::mutex mutex;
+  static std::set<std::pair<const void*, int>> configured;
+  int device = 0;
+  if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (configured.count({kernel, device}) != 0) return cudaSuccess;
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+  if (err == cudaSuccess) configured.insert({kernel, device});
+  return err;
+}
+
+template <typename... Params, typename... Args>
+cudaError_t launch(void (*kernel)(Params...), dim3 grid, int threads, size_t shared_bytes, cudaStream_t stream,
+                   Args&&... args) {
+  if (const cudaError_t err = allow_shared_bytes(reinterpret_cast<const void*>(kernel), shared_bytes); err != cudaSuccess) {
+    return err;
+  }
+  kernel<<<grid, threads, shared_bytes, stream>>>(std::forward<Args>(args)...);
+  return cudaGetLastError();
+}
+
+}  // namespace tk::pipeline
