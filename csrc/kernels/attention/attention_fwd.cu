@@ -158,7 +158,7 @@ struct forward_kernel : forward_plan<D> {
   __device__ static void step(const context& ctx, consumer_state& state, const inputs& in, scores& s,
                               probabilities& prob, int j, pipeline::ring_position<plan::stages> at) {
     const q_tile& q = ctx.resident.q[ctx.consumer];
-    const pipeline::ring_position<plan::stages> previous = at.advanced_by(plan::stages - 1);
+    const pipeline::ring_position<plan::stages> previous = at.previous();
     const kv_tile& k = in.wait(at, key_part).k;
     const kv_tile& v = in.wait(previous, value_part).v;
     wait_turn(ctx.consumer);
@@ -213,7 +213,7 @@ struct forward_kernel : forward_plan<D> {
     for (; j < blocks; ++j, at.advance()) step<true>(ctx, state, in, s, prob, j, at);
 
     // O += P_{n-1} V_{n-1}
-    const pipeline::ring_position<plan::stages> last = at.advanced_by(plan::stages - 1);
+    const pipeline::ring_position<plan::stages> last = at.previous();
     const kv_tile& v = in.wait(last, value_part).v;
     wait_turn(ctx.consumer);
     warpgroup::fence();

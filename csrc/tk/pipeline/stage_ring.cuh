@@ -21,15 +21,18 @@ struct ring_position {
   int stage = 0;
   uint32_t phase = 0;  // parity of the lap; flips each time the ring wraps
 
-  __device__ void advance() {
+  __host__ __device__ void advance() {
     if (++stage == STAGES) {
       stage = 0;
       phase ^= 1;
     }
   }
 
+  // The position one iteration back (the stage before, on the same lap unless this is stage 0).
+  __host__ __device__ ring_position previous() const { return stage == 0 ? ring_position{STAGES - 1, phase ^ 1} : ring_position{stage - 1, phase}; }
+
   // The position `iterations` further on.
-  __device__ ring_position advanced_by(int iterations) const {
+  __host__ __device__ ring_position advanced_by(int iterations) const {
     const int steps = stage + iterations;
     return {steps % STAGES, phase ^ uint32_t((steps / STAGES) & 1)};
   }
