@@ -11,9 +11,11 @@
 #include <cstdint>
 #include <string>
 
+#include "tk/element_type.h"
+
 namespace tk::attention {
 
-enum class element_type { bf16, fp16 };
+using tk::element_type;
 
 struct heads_view {
   const void* data;

@@ -12,9 +12,11 @@
 #include <cstdint>
 #include <string>
 
+#include "tk/element_type.h"
+
 namespace tk::gemm {
 
-enum class element_type { bf16, fp16 };
+using tk::element_type;
 enum class major { k, mn };
 
 struct stored_matrix {
