@@ -6,10 +6,6 @@
 // 64/128 or differing between q, k and v, another GPU, strides TMA cannot describe) goes to the
 // op's reference twin tk::<op>_ref, which warns once.
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -21,15 +17,11 @@
 
 namespace {
 
-using tk::registration::reference;
+using tk::registration::element_of;
+using tk::registration::fallback;
+using tk::registration::launch_on;
 
 namespace attn = tk::attention;
-
-using forward_signature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                             bool, double);
-using backward_signature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, const at::Tensor&, bool, double);
 
 void check_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   TORCH_CHECK_VALUE(q.dim() == 4, op, ": q must be 4-D (B, Hq, Nq, D), got ", q.sizes());
@@ -60,10 +52,6 @@ bool kernel_device(const at::Tensor& t) {
   return (dtype == at::kBFloat16 || dtype == at::kHalf) && tk::registration::runs_kernels(t);
 }
 
-attn::element_type element_of(const at::Tensor& t) {
-  return t.scalar_type() == at::kHalf ? attn::element_type::fp16 : attn::element_type::bf16;
-}
-
 std::optional<attn::forward_problem> plan_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                   bool causal, double scale) {
   if (!kernel_device(q) || q.numel() == 0 || k.numel() == 0) return std::nullopt;
@@ -78,16 +66,12 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at:
                                                   bool causal, double scale) {
   check_inputs("tk::attention", q, k, v);
   auto plan = plan_forward(q, k, v, causal, scale);
-  if (!plan) {
-    static const auto ref = reference<forward_signature>("tk::attention_ref");
-    return ref.call(q, k, v, causal, scale);
-  }
+  if (!plan) return fallback<&attention_cuda>("tk::attention_ref", q, k, v, causal, scale);
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
   at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   plan->out = out.data_ptr();
   plan->lse = lse.data_ptr<float>();
-  const c10::cuda::CUDAGuard guard(q.device());
-  C10_CUDA_CHECK(attn::launch(*plan, c10::cuda::getCurrentCUDAStream(q.get_device()).stream()));
+  launch_on(q, [&](cudaStream_t stream) { return attn::launch(*plan, stream); });
   return {out, lse};
 }
 
@@ -120,8 +104,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
     }
   }
   if (!plan) {
-    static const auto ref = reference<backward_signature>("tk::attention_bwd_ref");
-    return ref.call(grad_out, grad_lse, q, k, v, out, lse, causal, scale);
+    return fallback<&attention_bwd_cuda>("tk::attention_bwd_ref", grad_out, grad_lse, q, k, v, out, lse, causal, scale);
   }
 
   const at::Tensor lse_rows = lse.contiguous();
@@ -138,8 +121,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
   plan->grad_k = grad_k.data_ptr();
   plan->grad_v = grad_v.data_ptr();
   plan->workspace = workspace.data_ptr<float>();
-  const c10::cuda::CUDAGuard guard(q.device());
-  C10_CUDA_CHECK(attn::launch(*plan, c10::cuda::getCurrentCUDAStream(q.get_device()).stream()));
+  launch_on(q, [&](cudaStream_t stream) { return attn::launch(*plan, stream); });
   return {grad_q, grad_k, grad_v};
 }
 

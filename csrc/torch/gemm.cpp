@@ -5,10 +5,6 @@
 // What the kernel cannot take (fp32/fp64, another GPU, strides TMA cannot describe, empty sizes)
 // goes to the op's reference twin tk::<op>_ref, which warns once.
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <array>
@@ -21,7 +17,9 @@
 
 namespace {
 
-using tk::registration::reference;
+using tk::registration::element_of;
+using tk::registration::fallback;
+using tk::registration::launch_on;
 
 using tk::gemm::major;
 using tk::gemm::problem;
@@ -43,10 +41,6 @@ std::vector<stored_operand> stored_forms(const at::Tensor& t, bool c_is_k) {
   return forms;
 }
 
-tk::gemm::element_type element_of(const at::Tensor& t) {
-  return t.scalar_type() == at::kHalf ? tk::gemm::element_type::fp16 : tk::gemm::element_type::bf16;
-}
-
 // The GEMM a (M x K) * b (K x N) (+ bias) as the kernel would run it, or nothing if it cannot.
 std::optional<problem> plan_gemm(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias) {
   const at::ScalarType dtype = a.scalar_type();
@@ -66,8 +60,7 @@ std::optional<problem> plan_gemm(const at::Tensor& a, const at::Tensor& b, const
 at::Tensor run_gemm(problem p, const at::Tensor& like) {
   at::Tensor c = at::empty({p.m, p.n}, like.options());
   p.c = c.data_ptr();
-  const c10::cuda::CUDAGuard guard(like.device());
-  C10_CUDA_CHECK(tk::gemm::launch(p, c10::cuda::getCurrentCUDAStream(like.get_device()).stream()));
+  launch_on(like, [&](cudaStream_t stream) { return tk::gemm::launch(p, stream); });
   return c;
 }
 
@@ -85,8 +78,7 @@ at::Tensor matmul_cuda(const at::Tensor& a, const at::Tensor& b) {
   TORCH_CHECK_VALUE(b.size(0) == a.size(1), "tk::matmul: b.shape[0] must equal a.shape[1] (K) = ", a.size(1),
                     ", got ", b.sizes());
   if (auto p = plan_gemm(a, b, std::nullopt)) return run_gemm(*p, a);
-  static const auto ref = reference<at::Tensor(const at::Tensor&, const at::Tensor&)>("tk::matmul_ref");
-  return ref.call(a, b);
+  return fallback<&matmul_cuda>("tk::matmul_ref", a, b);
 }
 
 std::tuple<at::Tensor, at::Tensor> matmul_bwd_cuda(const at::Tensor& grad, const at::Tensor& a, const at::Tensor& b,
@@ -100,9 +92,7 @@ std::tuple<at::Tensor, at::Tensor> matmul_bwd_cuda(const at::Tensor& grad, const
   const auto plan_a = output_mask[0] ? plan_gemm(grad, b.t(), std::nullopt) : std::nullopt;
   const auto plan_b = output_mask[1] ? plan_gemm(a.t(), grad, std::nullopt) : std::nullopt;
   if (output_mask[0] != plan_a.has_value() || output_mask[1] != plan_b.has_value()) {
-    static const auto ref = reference<std::tuple<at::Tensor, at::Tensor>(
-        const at::Tensor&, const at::Tensor&, const at::Tensor&, std::array<bool, 2>)>("tk::matmul_bwd_ref");
-    return ref.call(grad, a, b, output_mask);
+    return fallback<&matmul_bwd_cuda>("tk::matmul_bwd_ref", grad, a, b, output_mask);
   }
   return {plan_a ? run_gemm(*plan_a, a) : a.new_empty({0}), plan_b ? run_gemm(*plan_b, b) : b.new_empty({0})};
 }
@@ -119,9 +109,7 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight, const std:
   }
   // x * weight^T: the weight's transpose is a column-major view of it.
   if (auto p = plan_gemm(x, weight.t(), bias)) return run_gemm(*p, x);
-  static const auto ref =
-      reference<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>("tk::linear_ref");
-  return ref.call(x, weight, bias);
+  return fallback<&linear_cuda>("tk::linear_ref", x, weight, bias);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_bwd_cuda(const at::Tensor& grad, const at::Tensor& x,
@@ -136,9 +124,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_bwd_cuda(const at::Tensor&
   const auto plan_x = output_mask[0] ? plan_gemm(grad, weight, std::nullopt) : std::nullopt;
   const auto plan_w = output_mask[1] ? plan_gemm(grad.t(), x, std::nullopt) : std::nullopt;
   if (output_mask[0] != plan_x.has_value() || output_mask[1] != plan_w.has_value()) {
-    static const auto ref = reference<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-        const at::Tensor&, const at::Tensor&, const at::Tensor&, std::array<bool, 3>)>("tk::linear_bwd_ref");
-    return ref.call(grad, x, weight, output_mask);
+    return fallback<&linear_bwd_cuda>("tk::linear_bwd_ref", grad, x, weight, output_mask);
   }
   at::Tensor grad_bias =
       output_mask[2] ? grad.sum(0, /*keepdim=*/false, at::kFloat).to(grad.scalar_type()) : grad.new_empty({0});

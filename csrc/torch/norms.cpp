@@ -7,10 +7,6 @@
 // rows that are 16-byte aligned, 2048 otherwise), empty tensors. The dropout seed is read by the
 // kernels from device memory, so a launch never synchronises and can be captured in a CUDA graph.
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <array>
@@ -22,7 +18,9 @@
 
 namespace {
 
-using tk::registration::reference;
+using tk::registration::element_of;
+using tk::registration::fallback;
+using tk::registration::launch_on;
 
 using tk::norms::element_type;
 using tk::norms::norm_kind;
@@ -33,15 +31,6 @@ using tk::norms::row_matrix;
 using optional_tensor = std::optional<at::Tensor>;
 using layer_norm_outputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 using rms_norm_outputs = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
-
-std::optional<element_type> element_of(at::ScalarType t) {
-  switch (t) {
-    case at::kBFloat16: return element_type::bf16;
-    case at::kHalf: return element_type::fp16;
-    case at::kFloat: return element_type::fp32;
-    default: return std::nullopt;
-  }
-}
 
 bool is_16bit(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf; }
 
@@ -61,7 +50,7 @@ at::Tensor as_rows(const at::Tensor& t, int64_t hidden) {
 row_matrix rows_of(const at::Tensor& rows) {
   // A single row has no meaningful stride: give it one that keeps it aligned when it can be.
   const int64_t stride = rows.size(0) == 1 ? rows.size(1) : rows.stride(0);
-  return {rows.data_ptr(), stride, *element_of(rows.scalar_type())};
+  return {rows.data_ptr(), stride, element_of(rows)};
 }
 
 row_matrix rows_of(const optional_tensor& rows) {
@@ -69,11 +58,11 @@ row_matrix rows_of(const optional_tensor& rows) {
 }
 
 parameter parameter_of(const optional_tensor& t) {
-  return t.has_value() ? parameter{t->data_ptr(), *element_of(t->scalar_type())} : parameter{nullptr, element_type::bf16};
+  return t.has_value() ? parameter{t->data_ptr(), element_of(*t)} : parameter{nullptr, element_type::bf16};
 }
 
 output_matrix output_of(const at::Tensor& t, bool wanted) {
-  return wanted ? output_matrix{t.data_ptr(), *element_of(t.scalar_type())} : output_matrix{nullptr, element_type::bf16};
+  return wanted ? output_matrix{t.data_ptr(), element_of(t)} : output_matrix{nullptr, element_type::bf16};
 }
 
 std::optional<at::Tensor> contiguous(const optional_tensor& t) {
@@ -150,8 +139,7 @@ bool run_forward(norm_kind kind, const at::Tensor& x, const optional_tensor& wei
   p.mean = mean.has_value() ? mean->data_ptr<float>() : nullptr;
   p.rstd = rstd.data_ptr<float>();
   if (!tk::norms::unsupported_reason(kind, p).empty()) return false;
-  const c10::cuda::CUDAGuard guard(x.device());
-  C10_CUDA_CHECK(tk::norms::launch_forward(kind, p, c10::cuda::getCurrentCUDAStream(x.get_device()).stream()));
+  launch_on(x, [&](cudaStream_t stream) { return tk::norms::launch_forward(kind, p, stream); });
   return true;
 }
 
@@ -180,10 +168,7 @@ layer_norm_outputs layer_norm_cuda(const at::Tensor& x, const optional_tensor& w
       return {out, h, mean, rstd};
     }
   }
-  static const auto ref =
-      reference<layer_norm_outputs(const at::Tensor&, const optional_tensor&, const optional_tensor&,
-                                   const optional_tensor&, const optional_tensor&, double, double)>("tk::layer_norm_ref");
-  return ref.call(x, weight, bias, residual, dropout_seed, eps, dropout_p);
+  return fallback<&layer_norm_cuda>("tk::layer_norm_ref", x, weight, bias, residual, dropout_seed, eps, dropout_p);
 }
 
 rms_norm_outputs rms_norm_cuda(const at::Tensor& x, const optional_tensor& weight, const optional_tensor& residual,
@@ -202,10 +187,7 @@ rms_norm_outputs rms_norm_cuda(const at::Tensor& x, const optional_tensor& weigh
       return {out, h, rstd};
     }
   }
-  static const auto ref =
-      reference<rms_norm_outputs(const at::Tensor&, const optional_tensor&, const optional_tensor&, double)>(
-          "tk::rms_norm_ref");
-  return ref.call(x, weight, residual, eps);
+  return fallback<&rms_norm_cuda>("tk::rms_norm_ref", x, weight, residual, eps);
 }
 
 // ------------------------------------------------------------------------------------ backward
@@ -240,11 +222,13 @@ bool run_backward(norm_kind kind, const at::Tensor& grad_out, const optional_ten
   p.grad_weight = output_of(out.grad_weight, wanted[2]);
   p.grad_bias = output_of(out.grad_bias, wanted[3]);
   if (!tk::norms::unsupported_reason(kind, p).empty()) return false;
-  const c10::cuda::CUDAGuard guard(h.device());
-  const int64_t workspace_floats = tk::norms::backward_workspace_floats(kind, p, h.get_device());
-  const at::Tensor workspace = at::empty({workspace_floats}, h.options().dtype(at::kFloat));
-  p.workspace = workspace.data_ptr<float>();
-  C10_CUDA_CHECK(tk::norms::launch_backward(kind, p, c10::cuda::getCurrentCUDAStream(h.get_device()).stream()));
+  launch_on(h, [&](cudaStream_t stream) {
+    // One partial row per block of the backward's grid on h's device: counted with that device current.
+    const int64_t workspace_floats = tk::norms::backward_workspace_floats(kind, p, h.get_device());
+    const at::Tensor workspace = at::empty({workspace_floats}, h.options().dtype(at::kFloat));
+    p.workspace = workspace.data_ptr<float>();
+    return tk::norms::launch_backward(kind, p, stream);
+  });
   return true;
 }
 
@@ -295,11 +279,8 @@ layer_norm_outputs layer_norm_bwd_cuda(const at::Tensor& grad_out, const optiona
       return {out.grad_x, out.grad_residual, out.grad_weight, out.grad_bias};
     }
   }
-  static const auto ref = reference<layer_norm_outputs(
-      const at::Tensor&, const optional_tensor&, const at::Tensor&, const optional_tensor&, const optional_tensor&,
-      const at::Tensor&, const at::Tensor&, const optional_tensor&, double, std::array<bool, 4>)>(
-      "tk::layer_norm_bwd_ref");
-  return ref.call(grad_out, grad_h, h, weight, bias, mean, rstd, dropout_seed, dropout_p, output_mask);
+  return fallback<&layer_norm_bwd_cuda>("tk::layer_norm_bwd_ref", grad_out, grad_h, h, weight, bias, mean, rstd,
+                                        dropout_seed, dropout_p, output_mask);
 }
 
 rms_norm_outputs rms_norm_bwd_cuda(const at::Tensor& grad_out, const optional_tensor& grad_h, const at::Tensor& h,
@@ -317,10 +298,7 @@ rms_norm_outputs rms_norm_bwd_cuda(const at::Tensor& grad_out, const optional_te
       return {out.grad_x, out.grad_residual, out.grad_weight};
     }
   }
-  static const auto ref =
-      reference<rms_norm_outputs(const at::Tensor&, const optional_tensor&, const at::Tensor&, const optional_tensor&,
-                                 const at::Tensor&, std::array<bool, 3>)>("tk::rms_norm_bwd_ref");
-  return ref.call(grad_out, grad_h, h, weight, rstd, output_mask);
+  return fallback<&rms_norm_bwd_cuda>("tk::rms_norm_bwd_ref", grad_out, grad_h, h, weight, rstd, output_mask);
 }
 
 }  // namespace

@@ -6,10 +6,6 @@
 // another GPU, a non-unit channel stride) goes to the op's reference twin tk::<op>_ref, which warns
 // once.
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -21,13 +17,11 @@
 
 namespace {
 
-using tk::registration::reference;
+using tk::registration::element_of;
+using tk::registration::fallback;
+using tk::registration::launch_on;
 
 namespace rope = tk::rope;
-
-using single_signature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool);
-using pair_signature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                          const at::Tensor&, bool);
 
 struct named_tensor {
   const char* name;
@@ -69,15 +63,6 @@ void check_inputs(const char* op, const std::vector<named_tensor>& xs, const at:
                     (interleaved ? "" : ", or D when D is even"), ", got ", cos.sizes());
 }
 
-std::optional<rope::element_type> element_of(at::ScalarType dtype) {
-  switch (dtype) {
-    case at::kBFloat16: return rope::element_type::bf16;
-    case at::kHalf: return rope::element_type::fp16;
-    case at::kFloat: return rope::element_type::fp32;
-    default: return std::nullopt;
-  }
-}
-
 bool unit_channel_stride(const at::Tensor& t) { return t.size(-1) <= 1 || t.stride(-1) == 1; }
 
 rope::table table_of(const at::Tensor& t) {
@@ -89,13 +74,12 @@ std::optional<rope::problem> plan_rope(const std::vector<at::Tensor>& xs, const 
                                        const at::Tensor& cos, const at::Tensor& sin, bool interleaved,
                                        bool backward) {
   const at::Tensor& first = xs.front();
-  const auto x_type = element_of(first.scalar_type());
-  const auto table_type = element_of(cos.scalar_type());
-  if (!x_type || !table_type || !tk::registration::runs_kernels(first)) return std::nullopt;
+  // cos and sin have x's dtype or fp32 (check_inputs), so a kernel takes them when it takes x.
+  if (!tk::registration::has_element_type(first) || !tk::registration::runs_kernels(first)) return std::nullopt;
   if (!unit_channel_stride(cos) || !unit_channel_stride(sin)) return std::nullopt;
   rope::problem p{};
-  p.x_type = *x_type;
-  p.table_type = *table_type;
+  p.x_type = element_of(first);
+  p.table_type = element_of(cos);
   p.tensor_count = int(xs.size());
   for (size_t t = 0; t < xs.size(); ++t) {
     const at::Tensor& x = xs[t];
@@ -126,47 +110,34 @@ std::optional<std::vector<at::Tensor>> rotate(const std::vector<at::Tensor>& xs,
   if (all_empty) return outputs;  // nothing to rotate, and no empty grid to launch
   const auto plan = plan_rope(xs, outputs, cos, sin, interleaved, backward);
   if (!plan) return std::nullopt;
-  const c10::cuda::CUDAGuard guard(xs.front().device());
-  C10_CUDA_CHECK(rope::launch(*plan, c10::cuda::getCurrentCUDAStream(xs.front().get_device()).stream()));
+  launch_on(xs.front(), [&](cudaStream_t stream) { return rope::launch(*plan, stream); });
   return outputs;
 }
 
-at::Tensor single(const char* op, const char* name, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                  bool interleaved, bool backward, const c10::TypedOperatorHandle<single_signature>& ref) {
-  check_inputs(op, {{name, x}}, cos, sin, interleaved);
-  if (auto outputs = rotate({x}, cos, sin, interleaved, backward)) return (*outputs)[0];
-  return ref.call(x, cos, sin, interleaved);
-}
-
-std::tuple<at::Tensor, at::Tensor> pair(const char* op, const char* q_name, const at::Tensor& q, const char* k_name,
-                                        const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin,
-                                        bool interleaved, bool backward,
-                                        const c10::TypedOperatorHandle<pair_signature>& ref) {
-  check_inputs(op, {{q_name, q}, {k_name, k}}, cos, sin, interleaved);
-  if (auto outputs = rotate({q, k}, cos, sin, interleaved, backward)) return {(*outputs)[0], (*outputs)[1]};
-  return ref.call(q, k, cos, sin, interleaved);
-}
-
 at::Tensor rope_cuda(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved) {
-  static const auto ref = reference<single_signature>("tk::rope_ref");
-  return single("tk::rope", "x", x, cos, sin, interleaved, /*backward=*/false, ref);
+  check_inputs("tk::rope", {{"x", x}}, cos, sin, interleaved);
+  if (auto out = rotate({x}, cos, sin, interleaved, /*backward=*/false)) return (*out)[0];
+  return fallback<&rope_cuda>("tk::rope_ref", x, cos, sin, interleaved);
 }
 
 at::Tensor rope_bwd_cuda(const at::Tensor& grad, const at::Tensor& cos, const at::Tensor& sin, bool interleaved) {
-  static const auto ref = reference<single_signature>("tk::rope_bwd_ref");
-  return single("tk::rope_bwd", "grad", grad, cos, sin, interleaved, /*backward=*/true, ref);
+  check_inputs("tk::rope_bwd", {{"grad", grad}}, cos, sin, interleaved);
+  if (auto out = rotate({grad}, cos, sin, interleaved, /*backward=*/true)) return (*out)[0];
+  return fallback<&rope_bwd_cuda>("tk::rope_bwd_ref", grad, cos, sin, interleaved);
 }
 
 std::tuple<at::Tensor, at::Tensor> rope_qk_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
                                                 const at::Tensor& sin, bool interleaved) {
-  static const auto ref = reference<pair_signature>("tk::rope_qk_ref");
-  return pair("tk::rope_qk", "q", q, "k", k, cos, sin, interleaved, /*backward=*/false, ref);
+  check_inputs("tk::rope_qk", {{"q", q}, {"k", k}}, cos, sin, interleaved);
+  if (auto out = rotate({q, k}, cos, sin, interleaved, /*backward=*/false)) return {(*out)[0], (*out)[1]};
+  return fallback<&rope_qk_cuda>("tk::rope_qk_ref", q, k, cos, sin, interleaved);
 }
 
 std::tuple<at::Tensor, at::Tensor> rope_qk_bwd_cuda(const at::Tensor& grad_q, const at::Tensor& grad_k,
                                                     const at::Tensor& cos, const at::Tensor& sin, bool interleaved) {
-  static const auto ref = reference<pair_signature>("tk::rope_qk_bwd_ref");
-  return pair("tk::rope_qk_bwd", "grad_q", grad_q, "grad_k", grad_k, cos, sin, interleaved, /*backward=*/true, ref);
+  check_inputs("tk::rope_qk_bwd", {{"grad_q", grad_q}, {"grad_k", grad_k}}, cos, sin, interleaved);
+  if (auto out = rotate({grad_q, grad_k}, cos, sin, interleaved, /*backward=*/true)) return {(*out)[0], (*out)[1]};
+  return fallback<&rope_qk_bwd_cuda>("tk::rope_qk_bwd_ref", grad_q, grad_k, cos, sin, interleaved);
 }
 
 }  // namespace

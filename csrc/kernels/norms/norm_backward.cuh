@@ -10,10 +10,6 @@
 // sums the partial rows column by column.
 #pragma once
 
-#include <array>
-#include <type_traits>
-#include <utility>
-
 #include "norms.cuh"
 
 namespace tk::norms {
@@ -248,7 +244,7 @@ __global__ void __launch_bounds__(REDUCE_COLUMNS* REDUCE_STRIPES) sum_partial_ro
   if (t.out_fp32) {
     static_cast<float*>(t.out)[column] = total;
   } else {
-    static_cast<T*>(t.out)[column] = from_float<T>(total);
+    static_cast<T*>(t.out)[column] = numeric<T>::from_float(total);
   }
 }
 
@@ -315,35 +311,23 @@ cudaError_t run_backward(const backward_problem& p, const row_plan& plan, cudaSt
   if (sum_bias) sums.target[targets++] = {a.partial_bias, p.grad_bias.data, p.grad_bias.dtype == element_type::fp32};
   sums.partial_rows = int(blocks);
   sums.hidden = int(p.hidden);
-  const dim3 grid(unsigned((p.hidden + REDUCE_COLUMNS - 1) / REDUCE_COLUMNS), unsigned(targets));
+  const dim3 grid(unsigned(ceil_div<int64_t>(p.hidden, REDUCE_COLUMNS)), unsigned(targets));
   sum_partial_rows_kernel<T><<<grid, dim3(REDUCE_COLUMNS, REDUCE_STRIPES), 0, stream>>>(sums);
   return cudaGetLastError();
 }
 
-template <norm_kind Kind, int... V>
-constexpr auto backward_launch_table(std::integer_sequence<int, V...>) {
-  using launcher = cudaError_t (*)(const backward_problem&, const row_plan&, cudaStream_t);
-  return std::array<launcher, VARIANTS>{
-      &run_backward<Kind, typename variant<V>::x_type, typename variant<V>::stream_type, variant<V>::access>...};
-}
-
-template <norm_kind Kind, int... V>
-constexpr auto backward_blocks_table(std::integer_sequence<int, V...>) {
-  using counter = int64_t (*)(const backward_problem&, const row_plan&, int);
-  return std::array<counter, VARIANTS>{
-      &backward_blocks<Kind, typename variant<V>::x_type, typename variant<V>::stream_type, variant<V>::access>...};
-}
-
 template <norm_kind Kind>
 cudaError_t launch_backward_of(const backward_problem& p, const row_plan& plan, cudaStream_t stream) {
-  static constexpr auto launchers = backward_launch_table<Kind>(std::make_integer_sequence<int, VARIANTS>{});
-  return launchers[variant_index(p.grad_out.dtype, p.h.dtype, plan.access)](p, plan, stream);
+  return with_variant(p.grad_out.dtype, p.h.dtype, plan.access, [&]<typename T, typename S, row_access A>() {
+    return run_backward<Kind, T, S, A>(p, plan, stream);
+  });
 }
 
 template <norm_kind Kind>
 int64_t backward_blocks_of(const backward_problem& p, const row_plan& plan, int device) {
-  static constexpr auto counters = backward_blocks_table<Kind>(std::make_integer_sequence<int, VARIANTS>{});
-  return counters[variant_index(p.grad_out.dtype, p.h.dtype, plan.access)](p, plan, device);
+  return with_variant(p.grad_out.dtype, p.h.dtype, plan.access, [&]<typename T, typename S, row_access A>() {
+    return backward_blocks<Kind, T, S, A>(p, plan, device);
+  });
 }
 
 }  // namespace tk::norms

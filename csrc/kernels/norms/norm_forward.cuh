@@ -6,10 +6,6 @@
 // statistics (mean first, then the variance about it), and written once (out, and h when asked).
 #pragma once
 
-#include <array>
-#include <type_traits>
-#include <utility>
-
 #include "norms.cuh"
 
 namespace tk::norms {
@@ -182,18 +178,12 @@ cudaError_t run_forward(const forward_problem& p, const row_plan& plan, cudaStre
   return cudaGetLastError();
 }
 
-template <norm_kind Kind, int... V>
-constexpr auto forward_table(std::integer_sequence<int, V...>) {
-  using launcher = cudaError_t (*)(const forward_problem&, const row_plan&, cudaStream_t);
-  return std::array<launcher, VARIANTS>{
-      &run_forward<Kind, typename variant<V>::x_type, typename variant<V>::stream_type, variant<V>::access>...};
-}
-
 template <norm_kind Kind>
 cudaError_t launch_forward_of(const forward_problem& p, const row_plan& plan, cudaStream_t stream) {
-  static constexpr auto launchers = forward_table<Kind>(std::make_integer_sequence<int, VARIANTS>{});
   const element_type stream_dtype = p.residual.data != nullptr ? p.residual.dtype : p.x.dtype;
-  return launchers[variant_index(p.x.dtype, stream_dtype, plan.access)](p, plan, stream);
+  return with_variant(p.x.dtype, stream_dtype, plan.access, [&]<typename T, typename S, row_access A>() {
+    return run_forward<Kind, T, S, A>(p, plan, stream);
+  });
 }
 
 }  // namespace tk::norms

@@ -17,7 +17,9 @@
 #include <type_traits>
 
 #include "norms.h"
-#include "tk/common.cuh"
+#include "tk/dispatch.h"
+#include "tk/ops/warp/reductions.cuh"
+#include "tk/types/register_numeric.cuh"
 
 namespace tk::norms {
 
@@ -38,7 +40,6 @@ constexpr int SCALAR_ACCESSES_PER_THREAD = 8;
 
 // The compile-time buckets: 16-byte accesses per thread (1, 2, 4), or single elements.
 enum class row_access { vector1, vector2, vector4, scalar };
-constexpr int ROW_ACCESS_KINDS = 4;
 constexpr row_access VECTOR_BUCKETS[] = {row_access::vector1, row_access::vector2, row_access::vector4};
 
 constexpr int accesses_per_thread(row_access a) {
@@ -61,7 +62,7 @@ struct row_plan {
   int rows_per_block;
 
   int block_threads() const { return threads_per_row * rows_per_block; }
-  int64_t blocks_for(int64_t rows) const { return (rows + rows_per_block - 1) / rows_per_block; }
+  int64_t blocks_for(int64_t rows) const { return ceil_div<int64_t>(rows, rows_per_block); }
 };
 
 inline bool aligned_rows(const void* data, int64_t row_stride, element_type dtype) {
@@ -87,12 +88,12 @@ inline row_plan plan_rows(int64_t hidden, element_type x_dtype, bool vectorisabl
       if (hidden / plan.elements_per_access <= WARP_THREADS * accesses_per_thread(bucket)) break;
     }
   }
-  const int64_t accesses = (hidden + plan.elements_per_access - 1) / plan.elements_per_access;
-  const int64_t threads = (accesses + accesses_per_thread(plan.access) - 1) / accesses_per_thread(plan.access);
-  const int64_t warps = (threads + WARP_THREADS - 1) / WARP_THREADS;
-  if (warps * WARP_THREADS > MAX_THREADS_PER_ROW) return plan;
+  const int64_t accesses = ceil_div<int64_t>(hidden, plan.elements_per_access);
+  const int64_t threads = round_up<int64_t>(ceil_div<int64_t>(accesses, accesses_per_thread(plan.access)),
+                                            WARP_THREADS);  // whole warps
+  if (threads > MAX_THREADS_PER_ROW) return plan;
   plan.accesses_per_row = int(accesses);
-  plan.threads_per_row = int(warps * WARP_THREADS);
+  plan.threads_per_row = int(threads);
   plan.rows_per_block = MAX_BLOCK_THREADS / plan.threads_per_row;
   return plan;
 }
@@ -108,19 +109,19 @@ inline int64_t max_hidden(element_type x_dtype, bool vectorisable) {
 inline uint64_t keep_threshold(double dropout_p) { return uint64_t(std::floor(dropout_p * 4294967296.0 + 0.5)); }
 inline float dropout_scale(double dropout_p) { return float(1.0 / (1.0 - dropout_p)); }
 
-// The compiled variants of each kernel: bit 0 x fp16 (else bf16), bit 1 h fp32 (else x's dtype),
-// then the row access.
-constexpr int VARIANTS = 4 * ROW_ACCESS_KINDS;
+// The compiled variants of each kernel: x bf16 or fp16, the residual stream x's dtype or fp32 (the
+// flag), every row access. f.template operator()<T, S, A>() runs the variant of the problem.
+using x_dtypes = one_of<element_type::bf16, element_type::fp16>;
+using row_accesses = one_of<row_access::vector1, row_access::vector2, row_access::vector4, row_access::scalar>;
 
-template <int V>
-struct variant {
-  using x_type = std::conditional_t<(V & 1) != 0, half, bf16>;
-  using stream_type = std::conditional_t<(V & 2) != 0, float, x_type>;
-  static constexpr row_access access = row_access(V / 4);
-};
-
-inline int variant_index(element_type x, element_type stream, row_access access) {
-  return (x == element_type::fp16 ? 1 : 0) | (stream == element_type::fp32 ? 2 : 0) | (int(access) * 4);
+template <typename F>
+auto with_variant(element_type x_dtype, element_type stream_dtype, row_access access, F&& f) {
+  return dispatch<x_dtypes, flags, row_accesses>(
+      [&]<element_type X, bool FP32_STREAM, row_access A>() {
+        using T = element_t<X>;
+        return f.template operator()<T, std::conditional_t<FP32_STREAM, float, T>, A>();
+      },
+      x_dtype, stream_dtype == element_type::fp32, access);
 }
 
 // Kernels of one norm kind, instantiated in <kind>_fwd.cu and <kind>_bwd.cu.
@@ -133,27 +134,9 @@ int64_t backward_blocks_of(const backward_problem& p, const row_plan& plan, int 
 
 // ------------------------------------------------------------------------------ element access
 
+// v rounded to U (nearest even, as torch's casts do) and read back as a float.
 template <typename U>
-__device__ __forceinline__ float to_float(U v);
-template <>
-__device__ __forceinline__ float to_float<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ float to_float<bf16>(bf16 v) { return __bfloat162float(v); }
-template <>
-__device__ __forceinline__ float to_float<half>(half v) { return __half2float(v); }
-
-// Round to nearest even, as torch's casts do.
-template <typename U>
-__device__ __forceinline__ U from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ bf16 from_float<bf16>(float v) { return __float2bfloat16_rn(v); }
-template <>
-__device__ __forceinline__ half from_float<half>(float v) { return __float2half_rn(v); }
-
-template <typename U>
-__device__ __forceinline__ float round_to(float v) { return to_float(from_float<U>(v)); }
+__device__ __forceinline__ float round_to(float v) { return numeric<U>::to_float(numeric<U>::from_float(v)); }
 
 // N consecutive elements of U, kept as 32-bit words (two 16-bit elements share one register; an
 // array of 16-bit values would take a register each) and moved in 16-byte (or narrower) accesses.
@@ -228,7 +211,7 @@ __device__ __forceinline__ float element(const pack<U, N>& p, int e) {
     if constexpr (std::is_same_v<U, bf16>) {
       return __uint_as_float(uint32_t(bits) << 16);
     } else {
-      return __half2float(__ushort_as_half(bits));
+      return numeric<half>::to_float(__ushort_as_half(bits));
     }
   }
 }
@@ -303,7 +286,9 @@ __device__ __forceinline__ void row_allreduce(float (&v)[K], float* scratch, int
 #pragma unroll
   for (int k = 0; k < K; ++k) {
 #pragma unroll
-    for (int offset = WARP_THREADS / 2; offset > 0; offset /= 2) v[k] += __shfl_xor_sync(0xffffffffu, v[k], offset);
+    for (int offset = WARP_THREADS / 2; offset > 0; offset /= 2) {
+      v[k] += __shfl_xor_sync(warp::detail::ALL_LANES, v[k], offset);
+    }
   }
   if (threads_per_row == WARP_THREADS) return;  // uniform over the block
   const int warp = int(threadIdx.x) / WARP_THREADS;

@@ -13,9 +13,11 @@
 #include <cstdint>
 #include <string>
 
+#include "tk/element_type.h"
+
 namespace tk::norms {
 
-enum class element_type { bf16, fp16, fp32 };
+using tk::element_type;
 enum class norm_kind { layer, rms };
 
 struct row_matrix {

@@ -4,31 +4,11 @@
 #include <type_traits>
 
 #include "rope.cuh"
+#include "tk/dispatch.h"
 #include "tk/pipeline/tile_scheduler.cuh"
 
 namespace tk::rope {
 namespace {
-
-template <typename T> struct type_tag { using type = T; };
-
-template <typename F>
-cudaError_t with_element(element_type e, F&& f) {
-  switch (e) {
-    case element_type::bf16: return f(type_tag<bf16>{});
-    case element_type::fp16: return f(type_tag<half>{});
-    case element_type::fp32: return f(type_tag<float>{});
-  }
-  return cudaErrorInvalidValue;
-}
-
-template <typename F>
-cudaError_t with_flag(bool flag, F&& f) {
-  return flag ? f(std::true_type{}) : f(std::false_type{});
-}
-
-// The value of a with_flag tag (lambda captures see the tags as references).
-template <typename Tag>
-constexpr bool flag_of = std::remove_cvref_t<Tag>::value;
 
 bool full_table(const problem& p) { return !p.interleaved && p.table_width == p.head_dim; }
 int64_t half_rotary(const problem& p) { return full_table(p) ? p.head_dim / 2 : p.table_width; }
@@ -92,37 +72,16 @@ cudaError_t run(const problem& p, cudaStream_t stream) {
     return err;
   }
   const int64_t resident_blocks = int64_t(std::max(1, blocks_per_sm)) * pipeline::sm_count(device);
-  const int64_t position_groups = (k.positions + block.y - 1) / block.y;
+  const int64_t position_groups = ceil_div<int64_t>(k.positions, block.y);
   // Split the heads only as far as balance needs, in whole batches of rows in flight.
-  const int64_t wanted_chunks = (plan::items_per_block * resident_blocks + position_groups - 1) / position_groups;
-  const int64_t heads_per_chunk = (k.heads_total + wanted_chunks - 1) / wanted_chunks;
-  const int64_t whole_batches = (heads_per_chunk + plan::heads_in_flight - 1) / plan::heads_in_flight;
-  k.heads_per_item = int(std::min<int64_t>(k.heads_total, whole_batches * plan::heads_in_flight));
-  k.head_chunks = (k.heads_total + k.heads_per_item - 1) / k.heads_per_item;
+  const int64_t wanted_chunks = ceil_div<int64_t>(plan::items_per_block * resident_blocks, position_groups);
+  const int64_t heads_per_chunk = ceil_div<int64_t>(k.heads_total, wanted_chunks);
+  k.heads_per_item = int(std::min<int64_t>(k.heads_total, round_up<int64_t>(heads_per_chunk, plan::heads_in_flight)));
+  k.head_chunks = ceil_div(k.heads_total, k.heads_per_item);
   k.items = position_groups * k.head_chunks;
   const int grid = int(std::min(k.items, resident_blocks));
   kernel<<<grid, block, 0, stream>>>(k);
   return cudaGetLastError();
-}
-
-template <typename T, typename Table>
-cudaError_t run_with_tables(const problem& p, cudaStream_t stream) {
-  const bool vectorised = vector_elements(p) > 1;
-  return with_flag(vectorised, [&](auto vectorised_tag) {
-    constexpr int vec = flag_of<decltype(vectorised_tag)> ? plan::access_bytes / int(sizeof(T)) : 1;
-    return with_flag(p.interleaved, [&](auto interleaved) {
-      return with_flag(full_table(p), [&](auto full) {
-        return with_flag(p.backward, [&](auto backward) {
-          if constexpr (flag_of<decltype(interleaved)> && flag_of<decltype(full)>) {
-            return cudaErrorInvalidValue;  // full tables are rotate_half only (full_table() is false when interleaved)
-          } else {
-            return run<T, Table, vec, flag_of<decltype(interleaved)>, flag_of<decltype(full)>,
-                       flag_of<decltype(backward)>>(p, stream);
-          }
-        });
-      });
-    });
-  });
 }
 
 }  // namespace
@@ -145,13 +104,19 @@ std::string unsupported_reason(const problem& p) {
 
 cudaError_t launch(const problem& p, cudaStream_t stream) {
   if (!unsupported_reason(p).empty()) return cudaErrorInvalidValue;
-  return with_element(p.x_type, [&](auto x_tag) {
-    using T = typename std::remove_cvref_t<decltype(x_tag)>::type;
-    return with_flag(p.table_type == element_type::fp32, [&](auto fp32_tables) {
-      using Table = std::conditional_t<flag_of<decltype(fp32_tables)>, float, T>;
-      return run_with_tables<T, Table>(p, stream);
-    });
-  });
+  using x_dtypes = one_of<element_type::bf16, element_type::fp16, element_type::fp32>;
+  return dispatch<x_dtypes, flags, flags, flags, flags, flags>(
+      [&]<element_type X, bool FP32_TABLES, bool VECTORISED, bool INTERLEAVED, bool FULL_TABLE, bool BACKWARD>() {
+        using T = element_t<X>;
+        using Table = std::conditional_t<FP32_TABLES, float, T>;
+        constexpr int vec = VECTORISED ? plan::access_bytes / int(sizeof(T)) : 1;
+        if constexpr (INTERLEAVED && FULL_TABLE) {
+          return cudaErrorInvalidValue;  // full tables are rotate_half only (full_table() is false when interleaved)
+        } else {
+          return run<T, Table, vec, INTERLEAVED, FULL_TABLE, BACKWARD>(p, stream);
+        }
+      },
+      p.x_type, p.table_type == element_type::fp32, vector_elements(p) > 1, p.interleaved, full_table(p), p.backward);
 }
 
 }  // namespace tk::rope

@@ -15,9 +15,11 @@
 #include <cstdint>
 #include <string>
 
+#include "tk/element_type.h"
+
 namespace tk::rope {
 
-enum class element_type { bf16, fp16, fp32 };
+using tk::element_type;
 
 // One tensor to rotate: (B, heads, N, D) at `input` with the given element strides, and where its
 // contiguous (B, heads, N, D) result goes.
