@@ -7,10 +7,10 @@
 #   build          cold in-place build of tk_ops._C with every core (prints the time)
 #   build:warm     incremental build (after an edit, on a machine that is still warm)
 #   tests[=ARGS]   pytest -m gpu over tests/ (or over ARGS, e.g. tests=tests/test_matmul.py)
-#   sanitize[=F,..] memcheck, racecheck and synccheck over a small run of each registered kernel
-#                  family (or of the families named: matmul, attention, rope, layer_norm)
+#   sanitize[=F,..] memcheck, racecheck and synccheck over each kernel family's `bench_* --check` run
+#                  (benchmarks/families.py): those with kernels in this build, or those named
+#   profile[=F,..] Nsight Compute sections of each family's profile cases (benchmarks/profile_kernels.py)
 #   apply:PATCH    apply the patch file PATCH to this copy only, to measure a variant (then build:warm)
-#   profile        Nsight Compute sections of the GEMM, attention and norm kernels (benchmarks/profile_kernels.py)
 #   bench:NAME     python3 -m benchmarks.bench_NAME --out OUT_DIR
 #   tune:NAME      python3 -m benchmarks.tune_NAME (compares candidate tile plans)
 #   sass           HGMMA / UTMALDG / spill counts of the built kernels
@@ -34,6 +34,14 @@ fi
 status=0
 
 section() { printf '\n===== %s =====\n' "$*"; }
+
+# family_lines checks|profiles PART: benchmarks/families.py's lines for the families named after
+# '=' in PART (comma-separated), or for those with kernels in this build.
+family_lines() {
+  local -a names=()
+  [[ "$2" == *=* ]] && IFS=, read -r -a names <<< "${2#*=}"
+  python3 -m benchmarks.families "$1" "${names[@]}"
+}
 
 {
   section environment
@@ -64,38 +72,30 @@ for part in "${parts[@]}"; do
         tee -a "$OUT/tests.log" || status=1
       ;;
     sanitize | sanitize=*)
-      # One small correctness run per registered kernel family (each checks its results against
-      # float64), under each tool; families whose kernels are not registered are skipped.
-      declare -A sanitize_runs=(
-        [matmul]="benchmarks.sanitize gemm"
-        [attention]="benchmarks.bench_attention --sanitize"
-        [rope]="benchmarks.bench_rope --smoke"
-        [layer_norm]="benchmarks.bench_norms --check"
-      )
-      registered=$(python3 -c "import tk_ops; b = tk_ops.backends(); print(*[o for o in ('matmul', 'attention', 'rope', 'layer_norm') if b[o] == 'cuda kernel'])")
-      [[ "$part" == sanitize=* ]] && registered=${part#sanitize=} && registered=${registered//,/ }
+      # Each family's correctness run (its results against float64) under each tool.
+      checks=$(family_lines checks "$part" 2>> "$OUT/sanitize.log") || status=1
       for tool in memcheck racecheck synccheck; do
-        for family in $registered; do
-          { section "compute-sanitizer $tool: $family"
-            compute-sanitizer --tool "$tool" --error-exitcode 1 python3 -m ${sanitize_runs[$family]}; } 2>&1 |
+        while read -r -u 3 -a check; do
+          [ ${#check[@]} -gt 0 ] || continue
+          { section "compute-sanitizer $tool: ${check[0]}"
+            compute-sanitizer --tool "$tool" --error-exitcode 1 python3 -m "${check[@]:1}"; } 2>&1 |
             tee -a "$OUT/sanitize.log" || status=1
-        done
+        done 3<<< "$checks"
       done
       ;;
-    profile)
-      # Nsight Compute on one call after warm-up (benchmarks/profile_kernels.py makes 2 warm-up
-      # calls): case, kernel-name regex, kernels per call.
-      for spec in "gemm_k64 producer_consumer 1" "linear_llama_row_major_weight producer_consumer 1" \
-                  "attention_fwd_d128_n8192 forward_entry 1" "attention_bwd_d128_n8192 statistics_kernel|gradient_entry 3" \
-                  "layer_norm_bwd_h1024 norm_backward_kernel|sum_partial_rows_kernel 2" \
-                  "layer_norm_bwd_h4096 norm_backward_kernel|sum_partial_rows_kernel 2"; do
-        read -r profile_case kernels per_call <<< "$spec"
-        { section "ncu $profile_case"
-          ncu --clock-control none --launch-skip $((2 * per_call)) --launch-count "$per_call" -k "regex:$kernels" \
+    profile | profile=*)
+      # Nsight Compute on one call of each case after its warm-up calls; the kernel regexes name the
+      # kernel structs, which are template arguments: only the demangled name holds them.
+      profiles=$(family_lines profiles "$part" 2>> "$OUT/profile.log") || status=1
+      while read -r -u 3 profile_case kernels launch_skip launch_count; do
+        [ -n "$profile_case" ] || continue
+        { section "ncu $profile_case: $kernels"
+          ncu --clock-control none --kernel-name-base demangled -k "regex:$kernels" \
+            --launch-skip "$launch_skip" --launch-count "$launch_count" \
             --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
             --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
             python3 -m benchmarks.profile_kernels "$profile_case"; } 2>&1 | tee -a "$OUT/profile.log" || status=1
-      done
+      done 3<<< "$profiles"
       ;;
     apply:*)
       patch_file=${part#apply:}
