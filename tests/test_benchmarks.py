@@ -1,15 +1,16 @@
-"""The device-session plumbing, on the CPU: the kernel-family registry and the one `--check` flag of
-every bench."""
+"""The device-session plumbing, on the CPU: the kernel-family registry, the one `--check` flag of
+every bench, and the commit in results files."""
 
 import importlib
 import pathlib
+import shutil
 import subprocess
 import sys
 
 import pytest
 
 import tk_ops
-from benchmarks import families, profile_kernels
+from benchmarks import common, families, profile_kernels
 
 BENCHMARKS = pathlib.Path(families.__file__).parent
 
@@ -56,3 +57,21 @@ def test_families_default_to_those_with_kernels():
 
 def test_gpu_session_parses():
     subprocess.run(["bash", "-n", str(BENCHMARKS / "gpu_session.sh")], check=True)
+
+
+def test_commit_from_environment_outside_a_checkout(monkeypatch, tmp_path):
+    monkeypatch.setattr(common, "ROOT", tmp_path)
+    monkeypatch.setenv("TK_OPS_COMMIT", "0123abc")
+    monkeypatch.setenv("TK_OPS_DIRTY", "1")
+    assert common.source_commit() == {"commit": "0123abc", "dirty": True}
+    monkeypatch.delenv("TK_OPS_COMMIT")
+    monkeypatch.delenv("TK_OPS_DIRTY")
+    assert common.source_commit() == {"commit": None, "dirty": None}
+
+
+@pytest.mark.skipif(shutil.which("git") is None or not (common.ROOT / ".git").exists(), reason="not a git checkout")
+def test_commit_from_git_in_a_checkout(monkeypatch):
+    monkeypatch.setenv("TK_OPS_COMMIT", "ignored when git knows")
+    found = common.source_commit()
+    head = subprocess.run(["git", "-C", str(common.ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert found["commit"] == head and isinstance(found["dirty"], bool)
