@@ -7,7 +7,7 @@ that for the backward. Each row names its pass (fwd, bwd) and its baseline (sdpa
 sdpa_flash); writes benchmarks/results/attention.json and attention.png.
 
 Run from the repository root: python3 -m benchmarks.bench_attention [--out DIR] [--only grid gqa odd]
-A small correctness pass for compute-sanitizer: python3 -m benchmarks.bench_attention --sanitize
+A small correctness pass (what compute-sanitizer runs): python3 -m benchmarks.bench_attention --check
 """
 
 from __future__ import annotations
@@ -197,9 +197,9 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
     fig.savefig(path, dpi=100)
 
 
-# ------------------------------------------------------------------------- sanitizer pass
+# ---------------------------------------------------------------------------- correctness
 
-SANITIZE_SHAPES = [  # (B, Hq, Hkv, Nq, Nk, D, causal): tails, Nq != Nk, GQA, rows that see no key
+CHECK_SHAPES = [  # (B, Hq, Hkv, Nq, Nk, D, causal): tails, Nq != Nk, GQA, rows that see no key
     (1, 2, 1, 1, 1, 64, False),
     (1, 2, 2, 17, 33, 128, True),
     (2, 4, 2, 130, 70, 64, True),
@@ -207,8 +207,10 @@ SANITIZE_SHAPES = [  # (B, Hq, Hkv, Nq, Nk, D, causal): tails, Nq != Nk, GQA, ro
 ]
 
 
-def sanitize() -> None:
-    for batch, q_heads, kv_heads, q_len, k_len, head_dim, causal in SANITIZE_SHAPES:
+def check() -> None:
+    """The forward against float64 SDPA (rows that see no key left out) and finite gradients, on tails,
+    Nq != Nk and GQA; exits non-zero on a wrong result."""
+    for batch, q_heads, kv_heads, q_len, k_len, head_dim, causal in CHECK_SHAPES:
         q = torch.randn(batch, q_heads, q_len, head_dim, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(batch, kv_heads, k_len, head_dim, device="cuda", dtype=torch.bfloat16)
         v = torch.randn_like(k)
@@ -225,7 +227,7 @@ def sanitize() -> None:
         status = "ok" if err < 1e-2 and all(torch.isfinite(g).all() for g in grads) else "WRONG"
         print(f"attention {batch}x{q_heads}/{kv_heads}x{q_len}x{k_len}x{head_dim} causal={causal}: rel err {err:.2e} {status}")
         if status != "ok":
-            raise SystemExit("attention sanitizer pass: wrong result")
+            raise SystemExit("attention check: wrong result")
     torch.cuda.synchronize()
 
 
@@ -233,12 +235,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=pathlib.Path, help="also write the results and plot into this folder")
     parser.add_argument("--only", nargs="*", default=["grid", "gqa", "odd"])
-    parser.add_argument("--sanitize", action="store_true", help="run the small correctness pass and exit")
+    parser.add_argument("--check", action="store_true", help="only the small correctness pass against float64")
     args = parser.parse_args()
 
     assert tk_ops.backends()["attention"] == "cuda kernel", f"tk_ops extension: {tk_ops.extension_status()}"
-    if args.sanitize:
-        sanitize()
+    if args.check:
+        check()
         return
     rows = []
     print(f"{'shape':40} {'pass':4} {'ours TF/s':>9} {'cuDNN':>7} {'x cuDNN':>7} {'flash':>7} {'x flash':>7}")

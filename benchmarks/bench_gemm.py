@@ -10,6 +10,7 @@ benchmarks/results/gemm.json and gemm.png.
 
 Run from the repository root: python3 -m benchmarks.bench_gemm [--out DIR] [--only square ...];
 redraw the plot from a results file: python3 -m benchmarks.bench_gemm --plot-from benchmarks/results/gemm.json
+A small correctness pass (what compute-sanitizer runs): python3 -m benchmarks.bench_gemm --check
 """
 
 from __future__ import annotations
@@ -173,11 +174,50 @@ def plot(rows: list[dict], ceiling: float, path: pathlib.Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+# ---------------------------------------------------------------------------------- correctness
+
+# (M, K, N) with tails everywhere and K = 1; the last has several tiles per dimension.
+CHECK_SHAPES = [(1, 8, 8), (97, 1, 136), (131, 72, 264), (200, 136, 520), (520, 64, 1040)]
+
+
+def check() -> None:
+    """Every operand layout, the linear with bias and both backward products on awkward shapes,
+    against float64; exits non-zero on a wrong result."""
+
+    def expect(name: str, out: torch.Tensor, expected: torch.Tensor) -> None:
+        err = rel_err(out, expected)
+        print(f"{name:50} rel err {err:.2e} {'ok' if err < 1e-2 else 'WRONG'}")
+        if not err < 1e-2:
+            raise SystemExit(f"{name}: relative error {err:.2e}")
+
+    def column_major(t: torch.Tensor) -> torch.Tensor:
+        return t.mT.contiguous().mT
+
+    for dtype in (torch.bfloat16, torch.float16):
+        for m, k, n in CHECK_SHAPES:
+            a = torch.randn(m, k, device="cuda", dtype=dtype)
+            b = torch.randn(k, n, device="cuda", dtype=dtype)
+            for layout, (x, y) in {
+                "nn": (a, b), "nt": (a, column_major(b)), "tn": (column_major(a), b), "tt": (column_major(a), column_major(b))
+            }.items():
+                expect(f"matmul {m}x{k}x{n} {layout} {dtype}", tk_ops.matmul(x, y), a.double() @ b.double())
+            weight = torch.randn(n, k, device="cuda", dtype=dtype)
+            bias = torch.randn(n, device="cuda", dtype=dtype)
+            expect(f"linear+bias {m}x{k}x{n} {dtype}", tk_ops.linear(a, weight, bias),
+                   a.double() @ weight.double().T + bias.double())
+            grad = torch.randn(m, n, device="cuda", dtype=dtype)
+            grad_x, grad_w, _ = torch.ops.tk.linear_bwd(grad, a, weight, [True, True, True])
+            expect(f"linear_bwd dx {m}x{k}x{n} {dtype}", grad_x, grad.double() @ weight.double())
+            expect(f"linear_bwd dw {m}x{k}x{n} {dtype}", grad_w, grad.double().T @ a.double())
+    torch.cuda.synchronize()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=pathlib.Path, help="also write the results and plot into this folder")
     parser.add_argument("--only", nargs="*", default=["square", "k_sweep", "layouts", "llama"])
     parser.add_argument("--plot-from", type=pathlib.Path, help="only redraw gemm.png next to this results file")
+    parser.add_argument("--check", action="store_true", help="only the small correctness pass against float64")
     args = parser.parse_args()
     if args.plot_from:
         document = json.loads(args.plot_from.read_text())
@@ -185,6 +225,9 @@ def main() -> None:
         return
 
     assert tk_ops.backends()["matmul"] == "cuda kernel", f"tk_ops extension: {tk_ops.extension_status()}"
+    if args.check:
+        check()
+        return
     ceiling_case = Case("ceiling", "matmul", 8192, 8192, 8192, "nn", "bf16")
     ceiling_sets = [make_inputs(ceiling_case) for _ in range(2)]
     ceiling = ceiling_case.flops / common.time_ms(torch.matmul, ceiling_sets) / 1e9

@@ -11,8 +11,8 @@ GB/s counts the bytes that must cross HBM: q and k read once, the outputs writte
 read once (fwd+bwd: the gradients too, twice in all); "of copy" is that rate over the
 device-to-device copy bandwidth measured in this run. Writes benchmarks/results/rope.json and rope.png.
 
-Run from the repository root: python3 -m benchmarks.bench_rope [--out DIR] [--smoke]
---smoke checks awkward shapes of every kernel path against float64 and times nothing (the run that
+Run from the repository root: python3 -m benchmarks.bench_rope [--out DIR] [--check]
+--check checks awkward shapes of every kernel path against float64 and times nothing (the run that
 compute-sanitizer watches).
 """
 
@@ -277,12 +277,12 @@ def report(rows: list[dict]) -> None:
                   f"{r.get(f'{mode}_vs_compiled', float('nan')):7.3f} {r.get(f'{mode}_vs_best', float('nan')):7.3f}")
 
 
-# -------------------------------------------------------------------------------------- smoke
+# -------------------------------------------------------------------------------- correctness
 
 
-def smoke() -> None:
+def check() -> None:
     """Every kernel path on small awkward shapes against float64; raises on a wrong result."""
-    def check(label, got, want):
+    def expect(label, got, want):
         err = ((got.double() - want).norm() / want.norm()).item()
         print(f"{label:60} rel err {err:.2e}")
         if not err < 1e-2:
@@ -303,21 +303,21 @@ def smoke() -> None:
         for name, op, reference in (("rope_qk", torch.ops.tk.rope_qk, torch.ops.tk.rope_ref),
                                     ("rope_qk_bwd", torch.ops.tk.rope_qk_bwd, torch.ops.tk.rope_bwd_ref)):
             for x, out in zip((q, k), op(q, k, cos, sin, interleaved)):
-                check(f"{name} H={x.shape[1]} {shape}", out.cpu(), reference(x.cpu().double(), *exact, interleaved))
-        check(f"rope H={hk} {shape}", torch.ops.tk.rope(k, cos, sin, interleaved).cpu(),
+                expect(f"{name} H={x.shape[1]} {shape}", out.cpu(), reference(x.cpu().double(), *exact, interleaved))
+        expect(f"rope H={hk} {shape}", torch.ops.tk.rope(k, cos, sin, interleaved).cpu(),
               torch.ops.tk.rope_ref(k.cpu().double(), *exact, interleaved))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=pathlib.Path, help="also write the results and plot into this folder")
-    parser.add_argument("--smoke", action="store_true", help="check every kernel path against float64, time nothing")
+    parser.add_argument("--check", action="store_true", help="check every kernel path against float64, time nothing")
     parser.add_argument("--only", nargs="*", help="case names (default: all)")
     args = parser.parse_args()
 
     assert tk_ops.backends()["rope_qk"] == "cuda kernel", f"tk_ops extension: {tk_ops.extension_status()}"
-    if args.smoke:
-        smoke()
+    if args.check:
+        check()
         return
     copy_gbps = copy_bandwidth_gbps()
     print(f"device-to-device copy in this run: {copy_gbps / 1e3:.3f} TB/s")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import os
 import pathlib
 import platform
 import statistics
@@ -20,7 +21,8 @@ from typing import Callable, Sequence
 
 import torch
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
 
 
 def l2_bytes() -> int:
@@ -88,6 +90,24 @@ def host_us_per_call(fn: Callable, inputs: tuple, calls: int = 300) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
+def source_commit() -> dict:
+    """The commit of the tree these benchmarks run from, and whether the tree differs from it (results
+    files aside): from git when the tree is a checkout of its own, otherwise (a device copy has no
+    .git) from the environment variables TK_OPS_COMMIT and TK_OPS_DIRTY (0 or 1); None if unknown."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        if pathlib.Path(git("rev-parse", "--show-toplevel")).resolve() == ROOT:
+            changes = git("status", "--porcelain", "--", ".", ":(exclude)benchmarks/results")
+            return {"commit": git("rev-parse", "HEAD"), "dirty": bool(changes)}
+    except (OSError, subprocess.CalledProcessError):  # no git, or not a checkout
+        pass
+    dirty = {"0": False, "1": True}.get(os.environ.get("TK_OPS_DIRTY", ""))
+    return {"commit": os.environ.get("TK_OPS_COMMIT") or None, "dirty": dirty}
+
+
 def environment() -> dict:
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     try:
@@ -107,6 +127,7 @@ def environment() -> dict:
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
         "command": " ".join([pathlib.Path(sys.executable).name, *sys.argv]),
+        **source_commit(),
     }
 
 

@@ -1,24 +1,41 @@
 #!/usr/bin/env bash
 # The one device script: build, GPU tests, compute-sanitizer, benchmarks; logs into OUT_DIR.
 #
-#   benchmarks/gpu_session.sh OUT_DIR [PART ...]
+#   [TK_OPS_COMMIT=SHA TK_OPS_DIRTY=0|1] benchmarks/gpu_session.sh OUT_DIR [PART ...]
 #
 # PARTS (default: build tests sanitize bench:gemm), run in the order given:
 #   build          cold in-place build of tk_ops._C with every core (prints the time)
 #   build:warm     incremental build (after an edit, on a machine that is still warm)
+#   build:baseline cold in-place build of the baseline tree .ab/baseline (made by benchmarks/ab_prepare.sh)
 #   tests[=ARGS]   pytest -m gpu over tests/ (or over ARGS, e.g. tests=tests/test_matmul.py)
-#   sanitize[=F,..] memcheck, racecheck and synccheck over a small run of each registered kernel
-#                  family (or of the families named: matmul, attention, rope, layer_norm)
+#   sanitize[=F,..] memcheck, racecheck and synccheck over each kernel family's `bench_* --check` run
+#                  (benchmarks/families.py): those with kernels in this build, or those named
+#   profile[=F,..] Nsight Compute sections of each family's profile cases (benchmarks/profile_kernels.py)
 #   apply:PATCH    apply the patch file PATCH to this copy only, to measure a variant (then build:warm)
-#   profile        Nsight Compute sections of the GEMM, attention and norm kernels (benchmarks/profile_kernels.py)
-#   bench:NAME     python3 -m benchmarks.bench_NAME --out OUT_DIR
+#   bench:NAME[@baseline][=A,B]  python3 -m benchmarks.bench_NAME --out results/TREE-K [A B], TREE new
+#                  or baseline (the baseline tree's own bench_NAME on its own tk_ops), K the how-many-th
+#                  run of NAME on that tree in this call
+#   compare:NAME   benchmarks/compare_results.py over the pairs (results/baseline-K, results/new-K) of
+#                  NAME.json so far in this call: new/old time per row, and each side's run-to-run spread
 #   tune:NAME      python3 -m benchmarks.tune_NAME (compares candidate tile plans)
 #   sass           HGMMA / UTMALDG / spill counts of the built kernels
-# Run from the repository root. At most 8 files come back from OUT_DIR: one log per part.
+# Run from the repository root. At most 8 files come back from OUT_DIR: one log per part, and
+# OUT_DIR/results.tar.gz, the folder results/ of every JSON and plot the benches wrote, packed again
+# after each bench (the folder itself lies outside OUT_DIR, so a call cut short still brings it back).
+# The device copy has no .git: pass the tree's commit and dirty flag as TK_OPS_COMMIT / TK_OPS_DIRTY
+# for the results files (benchmarks/common.py environment()); the baseline's comes from .ab/baseline/COMMIT.
+#
+# A/B against a commit (run `benchmarks/ab_prepare.sh REV` first, carry .ab): baseline and new runs
+# alternate, so that each side's spread shows the noise, e.g.
+#   build build:baseline bench:gemm@baseline bench:gemm bench:gemm@baseline bench:gemm compare:gemm
 set -o pipefail
 OUT=${1:?usage: benchmarks/gpu_session.sh OUT_DIR [PART ...]}
 shift
-mkdir -p "$OUT"
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # absolute: the baseline's parts run from .ab/baseline
+REPO=$PWD
+BASELINE=$REPO/.ab/baseline
+RESULTS_ROOT=$(mktemp -d)  # holds results/
+trap 'rm -rf "$RESULTS_ROOT"' EXIT
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(build tests sanitize bench:gemm)
 
@@ -32,8 +49,36 @@ if [ -d .baselines ]; then
   export PYTHONPATH=/tmp/site:$PWD/.baselines/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 status=0
+declare -A runs=()  # TREE-NAME -> how many runs of bench_NAME on that tree so far
 
 section() { printf '\n===== %s =====\n' "$*"; }
+
+# build_tree DIR cold|warm: build tk_ops._C in place in DIR with every core (cold: from scratch).
+build_tree() {
+  (
+    cd "$1" || exit 1
+    [ "$2" = cold ] && rm -rf build tk_ops/_C*.so
+    start=$(date +%s)
+    MAX_JOBS=$(nproc) python3 setup.py build_ext --inplace
+    rc=$?
+    echo "build of $1 took $(( $(date +%s) - start )) s, exit $rc"
+    exit $rc
+  )
+}
+
+# family_lines checks|profiles PART: benchmarks/families.py's lines for the families named after
+# '=' in PART (comma-separated), or for those with kernels in this build.
+family_lines() {
+  local -a names=()
+  [[ "$2" == *=* ]] && IFS=, read -r -a names <<< "${2#*=}"
+  python3 -m benchmarks.families "$1" "${names[@]}"
+}
+
+pack_results() {
+  tar -czf "$OUT/results.tar.gz.part" -C "$RESULTS_ROOT" results && mv "$OUT/results.tar.gz.part" "$OUT/results.tar.gz"
+}
+
+baseline_commit() { cat "$BASELINE/COMMIT" 2> /dev/null || echo "missing: run benchmarks/ab_prepare.sh REV and carry .ab"; }
 
 {
   section environment
@@ -41,21 +86,20 @@ section() { printf '\n===== %s =====\n' "$*"; }
   nvidia-smi
   nvcc --version | tail -2
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+  echo "commit: ${TK_OPS_COMMIT:-unknown} dirty: ${TK_OPS_DIRTY:-unknown}"
+  [ -d "$BASELINE" ] && echo "baseline (.ab/baseline): $(baseline_commit)"
   echo "parts: ${parts[*]}"
 } 2>&1 | tee "$OUT/env.log"
 
 for part in "${parts[@]}"; do
   case "$part" in
     build | build:warm)
-      {
-        section "$part"
-        [ "$part" = build ] && rm -rf build tk_ops/_C*.so
-        start=$(date +%s)
-        MAX_JOBS=16 python3 setup.py build_ext --inplace
-        rc=$?
-        echo "build ($part) took $(( $(date +%s) - start )) s, exit $rc"
-        exit $rc
-      } 2>&1 | tee -a "$OUT/build.log" || status=1
+      mode=warm
+      [ "$part" = build ] && mode=cold
+      { section "$part"; build_tree "$REPO" "$mode"; } 2>&1 | tee -a "$OUT/build.log" || status=1
+      ;;
+    build:baseline)
+      { section "$part: $(baseline_commit)"; build_tree "$BASELINE" cold; } 2>&1 | tee -a "$OUT/build.log" || status=1
       ;;
     tests*)
       selection=tests
@@ -64,38 +108,30 @@ for part in "${parts[@]}"; do
         tee -a "$OUT/tests.log" || status=1
       ;;
     sanitize | sanitize=*)
-      # One small correctness run per registered kernel family (each checks its results against
-      # float64), under each tool; families whose kernels are not registered are skipped.
-      declare -A sanitize_runs=(
-        [matmul]="benchmarks.sanitize gemm"
-        [attention]="benchmarks.bench_attention --sanitize"
-        [rope]="benchmarks.bench_rope --smoke"
-        [layer_norm]="benchmarks.bench_norms --check"
-      )
-      registered=$(python3 -c "import tk_ops; b = tk_ops.backends(); print(*[o for o in ('matmul', 'attention', 'rope', 'layer_norm') if b[o] == 'cuda kernel'])")
-      [[ "$part" == sanitize=* ]] && registered=${part#sanitize=} && registered=${registered//,/ }
+      # Each family's correctness run (its results against float64) under each tool.
+      checks=$(family_lines checks "$part" 2>> "$OUT/sanitize.log") || status=1
       for tool in memcheck racecheck synccheck; do
-        for family in $registered; do
-          { section "compute-sanitizer $tool: $family"
-            compute-sanitizer --tool "$tool" --error-exitcode 1 python3 -m ${sanitize_runs[$family]}; } 2>&1 |
+        while read -r -u 3 -a check; do
+          [ ${#check[@]} -gt 0 ] || continue
+          { section "compute-sanitizer $tool: ${check[0]}"
+            compute-sanitizer --tool "$tool" --error-exitcode 1 python3 -m "${check[@]:1}"; } 2>&1 |
             tee -a "$OUT/sanitize.log" || status=1
-        done
+        done 3<<< "$checks"
       done
       ;;
-    profile)
-      # Nsight Compute on one call after warm-up (benchmarks/profile_kernels.py makes 2 warm-up
-      # calls): case, kernel-name regex, kernels per call.
-      for spec in "gemm_k64 producer_consumer 1" "linear_llama_row_major_weight producer_consumer 1" \
-                  "attention_fwd_d128_n8192 forward_entry 1" "attention_bwd_d128_n8192 statistics_kernel|gradient_entry 3" \
-                  "layer_norm_bwd_h1024 norm_backward_kernel|sum_partial_rows_kernel 2" \
-                  "layer_norm_bwd_h4096 norm_backward_kernel|sum_partial_rows_kernel 2"; do
-        read -r profile_case kernels per_call <<< "$spec"
-        { section "ncu $profile_case"
-          ncu --clock-control none --launch-skip $((2 * per_call)) --launch-count "$per_call" -k "regex:$kernels" \
+    profile | profile=*)
+      # Nsight Compute on one call of each case after its warm-up calls; the kernel regexes name the
+      # kernel structs, which are template arguments: only the demangled name holds them.
+      profiles=$(family_lines profiles "$part" 2>> "$OUT/profile.log") || status=1
+      while read -r -u 3 profile_case kernels launch_skip launch_count; do
+        [ -n "$profile_case" ] || continue
+        { section "ncu $profile_case: $kernels"
+          ncu --clock-control none --kernel-name-base demangled -k "regex:$kernels" \
+            --launch-skip "$launch_skip" --launch-count "$launch_count" \
             --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
             --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
             python3 -m benchmarks.profile_kernels "$profile_case"; } 2>&1 | tee -a "$OUT/profile.log" || status=1
-      done
+      done 3<<< "$profiles"
       ;;
     apply:*)
       patch_file=${part#apply:}
@@ -103,9 +139,33 @@ for part in "${parts[@]}"; do
         tee -a "$OUT/env.log" || status=1
       ;;
     bench:*)
-      name=${part#bench:}
-      { section "benchmark $name"; python3 -m benchmarks.bench_"$name" --out "$OUT"; } 2>&1 |
+      spec=${part#bench:}
+      extra=()
+      [[ "$spec" == *=* ]] && IFS=, read -r -a extra <<< "${spec#*=}" && spec=${spec%%=*}
+      name=${spec%@baseline}
+      tree=new root=$REPO commit=${TK_OPS_COMMIT:-} dirty=${TK_OPS_DIRTY:-}
+      [ "$spec" != "$name" ] && tree=baseline root=$BASELINE commit=$(baseline_commit) dirty=0
+      runs[$tree-$name]=$(( ${runs[$tree-$name]:-0} + 1 ))
+      results="results/$tree-${runs[$tree-$name]}"
+      mkdir -p "$RESULTS_ROOT/$results"
+      { section "benchmark $name, $tree run ${runs[$tree-$name]} (${commit:-commit unknown}) -> $results"
+        (cd "$root" &&
+          PYTHONPATH=$root${PYTHONPATH:+:$PYTHONPATH} TK_OPS_COMMIT=$commit TK_OPS_DIRTY=$dirty \
+            python3 -m benchmarks.bench_"$name" --out "$RESULTS_ROOT/$results" "${extra[@]}"); } 2>&1 |
         tee -a "$OUT/bench_$name.log" || status=1
+      pack_results || status=1
+      ;;
+    compare:*)
+      name=${part#compare:}
+      pairs=()
+      for (( k = 1; ; k++ )); do
+        [ -f "$RESULTS_ROOT/results/baseline-$k/$name.json" ] && [ -f "$RESULTS_ROOT/results/new-$k/$name.json" ] || break
+        pairs+=("results/baseline-$k/$name.json" "results/new-$k/$name.json")
+      done
+      { section "compare $name: baseline $(baseline_commit) (old) vs this tree ${TK_OPS_COMMIT:-} (new)"
+        [ ${#pairs[@]} -gt 0 ] || { echo "no pair of runs of bench:$name@baseline and bench:$name in this call"; exit 1; }
+        (cd "$RESULTS_ROOT" && PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH} python3 -m benchmarks.compare_results "${pairs[@]}"); } 2>&1 |
+        tee -a "$OUT/compare.log" || status=1
       ;;
     tune:*)
       name=${part#tune:}

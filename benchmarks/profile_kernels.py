@@ -1,10 +1,12 @@
 """One profiled call of a kernel for Nsight Compute, after warm-up calls.
 
-    ncu --clock-control none --launch-skip S --launch-count C -k regex:NAME --set full \\
-        python3 -m benchmarks.profile_kernels CASE
+    ncu --clock-control none --kernel-name-base demangled -k regex:KERNELS --launch-skip S --launch-count C \\
+        --set full python3 -m benchmarks.profile_kernels CASE
 
 Each case makes ``WARMUP_CALLS`` calls before the one that is meant to be profiled, so
-``--launch-skip`` is WARMUP_CALLS times the number of kernels per call (printed by the script).
+``--launch-skip`` is WARMUP_CALLS times the kernels per call. Both, and the KERNELS regex, come from
+the case's entry in benchmarks/families.py (the script prints them); gpu_session.sh's `profile`
+part runs every case there.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import math
 import torch
 
 import tk_ops
+from benchmarks import families
 
 WARMUP_CALLS = 2
 
@@ -23,20 +26,19 @@ def gemm(m: int, n: int, k: int, weight_row_major: bool):
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     if weight_row_major:
         weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        return lambda: tk_ops.linear(a, weight), 1
+        return lambda: tk_ops.linear(a, weight)
     b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
-    return lambda: tk_ops.matmul(a, b), 1
+    return lambda: tk_ops.matmul(a, b)
 
 
 def attention(batch: int, heads: int, n: int, d: int, backward: bool):
     q, k, v = (torch.randn(batch, heads, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     scale = 1.0 / math.sqrt(d)
     if not backward:
-        return lambda: torch.ops.tk.attention.default(q, k, v, False, scale), 1
+        return lambda: torch.ops.tk.attention.default(q, k, v, False, scale)
     out, lse = torch.ops.tk.attention.default(q, k, v, False, scale)
     grad = torch.randn_like(out)
-    # statistics, dK/dV and dQ kernels
-    return lambda: torch.ops.tk.attention_bwd.default(grad, None, q, k, v, out, lse, False, scale), 3
+    return lambda: torch.ops.tk.attention_bwd.default(grad, None, q, k, v, out, lse, False, scale)
 
 
 def layer_norm_backward(rows: int, hidden: int):
@@ -45,10 +47,9 @@ def layer_norm_backward(rows: int, hidden: int):
     _, _, mean, rstd = torch.ops.tk.layer_norm.default(x, weight, bias, None, None, 1e-5, 0.0)
     grad = torch.randn_like(x)
     h = x  # without residual or dropout the backward reads x as the stream
-    # the row kernel, then the sum of its per-block partial rows of dweight and dbias
     return lambda: torch.ops.tk.layer_norm_bwd.default(
         grad, None, h, weight, bias, mean, rstd, None, 0.0, [True, False, True, True]
-    ), 2
+    )
 
 
 CASES = {
@@ -67,13 +68,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("case", choices=sorted(CASES))
     args = parser.parse_args()
-    call, kernels_per_call = CASES[args.case]()
+    call = CASES[args.case]()
+    kernels = families.profile(args.case)
     for _ in range(WARMUP_CALLS):
         call()
     torch.cuda.synchronize()
     call()
     torch.cuda.synchronize()
-    print(f"{args.case}: profile with --launch-skip {WARMUP_CALLS * kernels_per_call} --launch-count {kernels_per_call}")
+    print(f"{args.case}: profile with --kernel-name-base demangled -k 'regex:{kernels.kernels}' "
+          f"--launch-skip {WARMUP_CALLS * kernels.per_call} --launch-count {kernels.per_call}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,103 @@
+"""The kernel families that gpu_session.sh checks and profiles: adding a family is one entry here.
+
+Per family: the tk op whose kernel it is (as ``tk_ops.backends()`` names it), the bench whose
+``--check`` is its small GPU correctness run (every kernel path against float64, non-zero exit on a
+wrong result; what compute-sanitizer watches), and its Nsight Compute cases: the case in
+benchmarks/profile_kernels.py, a regex over the kernels' demangled names, kernels per call.
+
+The regexes name the kernel structs (gemm_kernel, forward_kernel, ...), which are the template
+arguments of a shared __global__ entry (``ENTRY<tk::gemm::gemm_kernel<...>>(...)``): ncu must match
+them with ``--kernel-name-base demangled``, since its default base, ``function``, is the entry's
+name without its template arguments. A case makes only its own launches, and
+``--launch-skip`` counts only matching launches, so a regex need not exclude other families.
+
+    python3 -m benchmarks.families checks [FAMILY ...]    FAMILY MODULE ARGS...  (python3 -m MODULE ARGS)
+    python3 -m benchmarks.families profiles [FAMILY ...]  CASE REGEX LAUNCH_SKIP LAUNCH_COUNT  (ncu's)
+
+one line each, for the families named, or by default for those whose op is served by a CUDA kernel
+(the others are listed on stderr as skipped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    case: str  # a key of profile_kernels.CASES
+    kernels: str  # regex over the demangled kernel names
+    per_call: int  # matching launches per call of the case
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    name: str
+    op: str  # key of tk_ops.backends()
+    bench: str  # benchmarks.bench_<bench> --check is the correctness run
+    profiles: tuple[Profile, ...] = ()
+
+    @property
+    def check(self) -> list[str]:
+        return [f"benchmarks.bench_{self.bench}", "--check"]
+
+
+FAMILIES = (
+    Family("matmul", op="matmul", bench="gemm", profiles=(
+        Profile("gemm_k64", "gemm_kernel", 1),
+        Profile("gemm_4096", "gemm_kernel", 1),
+        Profile("linear_llama_row_major_weight", "gemm_kernel", 1),
+    )),
+    Family("attention", op="attention", bench="attention", profiles=(
+        Profile("attention_fwd_d128_n8192", "forward_kernel", 1),
+        Profile("attention_bwd_d128_n8192", "statistics_kernel|dkdv_kernel|dq_kernel", 3),
+    )),
+    Family("rope", op="rope_qk", bench="rope"),
+    Family("layer_norm", op="layer_norm", bench="norms", profiles=(
+        # the row kernel, then the sum of its per-block partial rows of dweight and dbias
+        Profile("layer_norm_bwd_h1024", "norm_backward_kernel|sum_partial_rows_kernel", 2),
+        Profile("layer_norm_bwd_h4096", "norm_backward_kernel|sum_partial_rows_kernel", 2),
+    )),
+)
+BY_NAME = {family.name: family for family in FAMILIES}
+
+
+def profile(case: str) -> Profile:
+    return next(p for family in FAMILIES for p in family.profiles if p.case == case)
+
+
+def selected(names: list[str]) -> list[Family]:
+    """The families named, or every family whose op has a CUDA kernel in this build."""
+    if names:
+        unknown = sorted(set(names) - set(BY_NAME))
+        if unknown:
+            raise SystemExit(f"unknown kernel families {unknown}; known: {', '.join(BY_NAME)}")
+        return [BY_NAME[name] for name in names]
+    import tk_ops
+
+    backends = tk_ops.backends()
+    skipped = [f.name for f in FAMILIES if backends[f.op] != "cuda kernel"]
+    if skipped:
+        print(f"no CUDA kernel in this build for: {', '.join(skipped)} (skipped; {tk_ops.extension_status()})", file=sys.stderr)
+    return [f for f in FAMILIES if f.name not in skipped]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=("checks", "profiles"))
+    parser.add_argument("families", nargs="*", help=f"default: those with kernels; known: {', '.join(BY_NAME)}")
+    args = parser.parse_args()
+    for family in selected(args.families):
+        if args.what == "checks":
+            print(family.name, *family.check)
+        else:
+            from benchmarks.profile_kernels import WARMUP_CALLS
+
+            for p in family.profiles:
+                print(p.case, p.kernels, WARMUP_CALLS * p.per_call, p.per_call)
+
+
+if __name__ == "__main__":
+    main()
