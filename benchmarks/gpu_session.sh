@@ -7,7 +7,8 @@
 #   build          cold in-place build of tk_ops._C with every core (prints the time)
 #   build:warm     incremental build (after an edit, on a machine that is still warm)
 #   build:baseline cold in-place build of the baseline tree .ab/baseline (made by benchmarks/ab_prepare.sh)
-#   tests[=ARGS]   pytest -m gpu over tests/ (or over ARGS, e.g. tests=tests/test_matmul.py)
+#   tests[=ARGS]   pytest -m gpu over tests/ (or over ARGS, e.g. tests=tests/test_matmul.py); stopped
+#                  after TESTS_TIMEOUT seconds (default 420)
 #   sanitize[=F,..] memcheck, racecheck and synccheck over each kernel family's `bench_* --check` run
 #                  (benchmarks/families.py): those with kernels in this build, or those named
 #   profile[=F,..] Nsight Compute sections of each family's profile cases (benchmarks/profile_kernels.py)
@@ -104,8 +105,11 @@ for part in "${parts[@]}"; do
     tests*)
       selection=tests
       [[ "$part" == tests=* ]] && selection=${part#tests=}
-      { section "pytest -m gpu $selection"; python3 -m pytest $selection -m gpu -q --maxfail=10 -p no:cacheprovider; } 2>&1 |
-        tee -a "$OUT/tests.log" || status=1
+      # Verbose, so the log names the test that was running if a kernel hangs; TESTS_TIMEOUT (seconds,
+      # default 420) stops a hang before it takes the whole device call.
+      { section "pytest -m gpu $selection"
+        timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest $selection -m gpu -v --maxfail=10 -p no:cacheprovider |
+          grep -v " PASSED" ; } 2>&1 | tee -a "$OUT/tests.log" || status=1
       ;;
     sanitize | sanitize=*)
       # Each family's correctness run (its results against float64) under each tool.

@@ -18,7 +18,7 @@
 
 #include "norms.h"
 #include "tk/dispatch.h"
-#include "tk/ops/warp/reductions.cuh"
+#include "tk/common.cuh"
 #include "tk/types/register_numeric.cuh"
 
 namespace tk::norms {
@@ -287,7 +287,7 @@ __device__ __forceinline__ void row_allreduce(float (&v)[K], float* scratch, int
   for (int k = 0; k < K; ++k) {
 #pragma unroll
     for (int offset = WARP_THREADS / 2; offset > 0; offset /= 2) {
-      v[k] += __shfl_xor_sync(warp::detail::ALL_LANES, v[k], offset);
+      v[k] += __shfl_xor_sync(ALL_LANES, v[k], offset);
     }
   }
   if (threads_per_row == WARP_THREADS) return;  // uniform over the block
