@@ -167,7 +167,7 @@ ROW_CASES = [
     ("vector_round_trip", lambda x, y, u, w: u, True),
     ("vector_exp2", lambda x, y, u, w: 2**u, False),
     ("vector_sub", lambda x, y, u, w: x.amax(dim=1) - u, False),
-    ("lane_row_sum", lambda x, y, u, w: x.sum(dim=1) + u, False),
+    ("lane_row_sum", lambda x, y, u, w: x.sum(dim=1) + y.sum(dim=1), False),
     ("bounded_load", lambda x, y, u, w: torch.where(torch.arange(ROWS, device=u.device) < ROWS - 11, u, 0.0), True),
 ]
 COL_CASES = [

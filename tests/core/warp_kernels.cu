@@ -171,8 +171,9 @@ __global__ void elementwise_suite(const float* x_in, const float* y_in, const fl
   warp::exp2(m, u); emit_row(m);                       // vector_exp2
   warp::row_max(m, x);
   warp::sub(m, m, u); emit_row(m);                     // vector_sub (row_max - u)
-  warp::lane_row_sum(m, x, u);
-  warp::all_lanes_row_sum(m); emit_row(m);             // lane_row_sum (+ u), combined across lanes
+  warp::lane_row_sum(m, x);
+  warp::lane_row_sum(m, y, m);
+  warp::all_lanes_row_sum(m); emit_row(m);             // lane_row_sum: x's, then y's onto the partials
   warp::load(m, u_in, ROWS - 11); emit_row(m);         // bounded_load: u, zeros from ROWS - 11 on
 
   warp::col_max(c, x); emit_col(c);                    // col_max

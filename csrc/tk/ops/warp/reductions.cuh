@@ -73,8 +73,9 @@ __device__ __forceinline__ void col_max(V& dst, const T& src, const Init&... ini
 template <register_vector_type V, register_tile_type T, typename... Init>
 __device__ __forceinline__ void col_sum(V& dst, const T& src, const Init&... init) { detail::reduce<op::add, tile_axis::cols, true>(dst, src, init...); }
 
-// This lane's share of each row sum (plus init): no shuffles, so a running sum over many tiles pays
-// for the exchange once. The result is not a valid row vector until all_lanes_row_sum combines it.
+// This lane's share of each row sum, plus init, which is itself such a share (an earlier
+// lane_row_sum): no shuffles, so a running sum over many tiles pays for the exchange once. The
+// result is not a valid row vector until all_lanes_row_sum combines the lanes' shares.
 template <register_vector_type V, register_tile_type T, typename... Init>
 __device__ __forceinline__ void lane_row_sum(V& dst, const T& src, const Init&... init) { detail::reduce<op::add, tile_axis::rows, false>(dst, src, init...); }
 
