@@ -55,15 +55,19 @@ constexpr bool fits_register_file() {
 
 // setmaxnreg needs each role to be one branch of a single if/else, under a register cap at entry
 // (__launch_bounds__(block_threads<Plan>, 1) on the kernel).
+// The consumer index is broadcast from lane 0 so the compiler knows it is warp-uniform: loops whose
+// trip counts depend on it (rows that need masks) then keep their ring positions and wgmma
+// descriptors in uniform registers instead of moving them there before every wgmma.
 template <typename Plan, typename Producer, typename Consumer>
 __device__ __forceinline__ void warp_specialized(Producer&& producer, Consumer&& consumer) {
   static_assert(fits_register_file<Plan>(), "the register split exceeds the register file");
-  if (warpgroup_id() == 0) {
+  const int warpgroup = __shfl_sync(ALL_LANES, warpgroup_id(), 0);
+  if (warpgroup == 0) {
     warpgroup::decrease_registers<Plan::producer_registers>();
     if (warp_in_warpgroup() == 0 && lane_id() == 0) producer();
   } else {
     warpgroup::increase_registers<Plan::consumer_registers>();
-    consumer(warpgroup_id() - 1);
+    consumer(warpgroup - 1);
   }
 }
 
