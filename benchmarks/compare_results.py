@@ -33,6 +33,7 @@ ROW_NAMES = {
     "norms": (("norm", "hidden"), "case"),
     "rope": (("case",), None),
     "compile": (("shape",), "pass"),
+    "overhead": (("op",), "pass"),
 }
 PASS_IN_KEY = re.compile(r"(.+?)_(fwd_bwd|fwd|bwd)")
 
