@@ -31,9 +31,7 @@ struct round_trip_shared {
 template <typename Tile>
 __global__ void tma_round_trip_kernel(const __grid_constant__ CUtensorMap in, const __grid_constant__ CUtensorMap out,
                                       typename Tile::element* dense, int row0, int col0) {
-  extern __shared__ uint8_t raw[];
-  auto& s = *reinterpret_cast<round_trip_shared<Tile>*>(
-      (reinterpret_cast<uintptr_t>(raw) + SWIZZLE_PERIOD_BYTES - 1) & ~uintptr_t(SWIZZLE_PERIOD_BYTES - 1));
+  auto& s = pipeline::block_storage<round_trip_shared<Tile>>();
   const int index[2] = {row0, col0};
   if (threadIdx.x == 0) {
     s.loaded.init(1);
@@ -62,14 +60,8 @@ cudaError_t run_round_trip(const round_trip_args& a, cudaStream_t stream) {
   using Tile = shared_tile<T, 64, COLS, widest_swizzle(COLS * int(sizeof(T))), BOX_ROWS>;
   const CUtensorMap in = make_tma_map<Tile>(matrix_layout(static_cast<T*>(const_cast<void*>(a.in)), a.rows, a.cols, a.in_row_stride));
   const CUtensorMap out = make_tma_map<Tile>(matrix_layout(static_cast<T*>(a.out), a.rows, a.cols, a.out_row_stride));
-  const size_t bytes = sizeof(round_trip_shared<Tile>) + SWIZZLE_PERIOD_BYTES;
-  if (cudaError_t err = cudaFuncSetAttribute(tma_round_trip_kernel<Tile>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             int(bytes));
-      err != cudaSuccess) {
-    return err;
-  }
-  tma_round_trip_kernel<Tile><<<1, 128, bytes, stream>>>(in, out, static_cast<T*>(a.dense), a.row0, a.col0);
-  return cudaGetLastError();
+  return pipeline::launch(tma_round_trip_kernel<Tile>, 1, WARPGROUP_THREADS, pipeline::shared_bytes<round_trip_shared<Tile>>,
+                          stream, in, out, static_cast<T*>(a.dense), a.row0, a.col0);
 }
 
 // ---------------------------------------------------------------------------------- wgmma
@@ -90,9 +82,7 @@ __global__ void wgmma_kernel(const __grid_constant__ CUtensorMap a_map, const __
                              const __grid_constant__ CUtensorMap c_map, const T* a_dense, const T* bias,
                              float* out32) {
   using S = product_shared<T, N, A_MAJOR, B_MAJOR>;
-  extern __shared__ uint8_t raw[];
-  S& s = *reinterpret_cast<S*>((reinterpret_cast<uintptr_t>(raw) + SWIZZLE_PERIOD_BYTES - 1) &
-                               ~uintptr_t(SWIZZLE_PERIOD_BYTES - 1));
+  S& s = pipeline::block_storage<S>();
   const int origin[2] = {0, 0};
   if (threadIdx.x == 0) {
     s.loaded.init(1);
@@ -149,14 +139,8 @@ cudaError_t run_product(const product_args& p, cudaStream_t stream) {
   const CUtensorMap b_map = make_tma_map<decltype(S::b)>(
       b_k ? matrix_layout(b, N, PRODUCT_K, PRODUCT_K) : matrix_layout(b, PRODUCT_K, N, N));
   const CUtensorMap c_map = make_tma_map<decltype(S::c)>(matrix_layout(static_cast<T*>(p.out16), PRODUCT_M, N, N));
-  const size_t bytes = sizeof(S) + SWIZZLE_PERIOD_BYTES;
-  const auto kernel = wgmma_kernel<T, N, A_MAJOR, B_MAJOR, A_IN_REGISTERS>;
-  if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
-      err != cudaSuccess) {
-    return err;
-  }
-  kernel<<<1, WARPGROUP_THREADS, bytes, stream>>>(a_map, b_map, c_map, a, static_cast<const T*>(p.bias), p.out32);
-  return cudaGetLastError();
+  return pipeline::launch(wgmma_kernel<T, N, A_MAJOR, B_MAJOR, A_IN_REGISTERS>, 1, WARPGROUP_THREADS, pipeline::shared_bytes<S>,
+                          stream, a_map, b_map, c_map, a, static_cast<const T*>(p.bias), p.out32);
 }
 
 template <typename T, int N>

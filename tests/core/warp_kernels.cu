@@ -12,6 +12,7 @@
 
 #include "tk/ops/warp/warp.cuh"
 #include "tk/ops/warpgroup/register_fragments.cuh"
+#include "tk/pipeline/block.cuh"
 #include "tk/sync/fence.cuh"
 #include "tk/types/shared_tile.cuh"
 
@@ -301,10 +302,9 @@ using runner = cudaError_t (*)(void* const* args, cudaStream_t stream);
 
 template <int THREADS, typename... P>
 cudaError_t launch_kernel(void (*kernel)(P...), void* const* args, cudaStream_t stream) {
-  [&]<size_t... I>(std::index_sequence<I...>) {
-    kernel<<<1, THREADS, 0, stream>>>(static_cast<P>(args[I])...);
+  return [&]<size_t... I>(std::index_sequence<I...>) {
+    return pipeline::launch(kernel, 1, THREADS, 0, stream, static_cast<P>(args[I])...);
   }(std::index_sequence_for<P...>{});
-  return cudaGetLastError();
 }
 
 template <auto KERNEL, int THREADS = WARP_THREADS>

@@ -261,13 +261,12 @@ template <norm_kind Kind, typename T, typename S, row_access A>
 int64_t backward_blocks(const backward_problem& p, const row_plan& plan, int device) {
   const auto kernel = norm_backward_kernel<Kind, T, S, A>;
   const size_t shared_bytes = accumulator_bytes<T, A>(p, plan);
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared_bytes)) != cudaSuccess) return 0;
-  int per_sm = 0, sms = 0;
+  if (pipeline::allow_shared_bytes(reinterpret_cast<const void*>(kernel), shared_bytes) != cudaSuccess) return 0;
+  int per_sm = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, plan.block_threads(), shared_bytes) != cudaSuccess) {
     return 0;
   }
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 0;
-  return std::min<int64_t>(plan.blocks_for(p.rows), int64_t(per_sm) * sms);
+  return std::min<int64_t>(plan.blocks_for(p.rows), int64_t(per_sm) * pipeline::sm_count(device));
 }
 
 template <norm_kind Kind, typename T, typename S, row_access A>
@@ -301,9 +300,11 @@ cudaError_t run_backward(const backward_problem& p, const row_plan& plan, cudaSt
   a.grad_residual = static_cast<S*>(p.grad_residual.data);
   a.partial_weight = sum_weight ? p.workspace : nullptr;
   a.partial_bias = sum_bias ? p.workspace + (sum_weight ? blocks * p.hidden : 0) : nullptr;
-  norm_backward_kernel<Kind, T, S, A>
-      <<<unsigned(blocks), plan.block_threads(), accumulator_bytes<T, A>(p, plan), stream>>>(a);
-  if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess || (!sum_weight && !sum_bias)) return err;
+  if (const cudaError_t err = pipeline::launch(norm_backward_kernel<Kind, T, S, A>, unsigned(blocks), plan.block_threads(),
+                                               accumulator_bytes<T, A>(p, plan), stream, a);
+      err != cudaSuccess || (!sum_weight && !sum_bias)) {
+    return err;
+  }
 
   column_sum_args sums{};
   int targets = 0;
@@ -312,8 +313,7 @@ cudaError_t run_backward(const backward_problem& p, const row_plan& plan, cudaSt
   sums.partial_rows = int(blocks);
   sums.hidden = int(p.hidden);
   const dim3 grid(unsigned(ceil_div<int64_t>(p.hidden, REDUCE_COLUMNS)), unsigned(targets));
-  sum_partial_rows_kernel<T><<<grid, dim3(REDUCE_COLUMNS, REDUCE_STRIPES), 0, stream>>>(sums);
-  return cudaGetLastError();
+  return pipeline::launch(sum_partial_rows_kernel<T>, grid, dim3(REDUCE_COLUMNS, REDUCE_STRIPES), 0, stream, sums);
 }
 
 template <norm_kind Kind>

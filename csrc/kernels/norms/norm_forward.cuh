@@ -174,8 +174,8 @@ cudaError_t run_forward(const forward_problem& p, const row_plan& plan, cudaStre
   a.h = static_cast<S*>(p.h.data);
   a.mean = p.mean;
   a.rstd = p.rstd;
-  norm_forward_kernel<Kind, T, S, A><<<unsigned(plan.blocks_for(p.rows)), plan.block_threads(), 0, stream>>>(a);
-  return cudaGetLastError();
+  return pipeline::launch(norm_forward_kernel<Kind, T, S, A>, unsigned(plan.blocks_for(p.rows)), plan.block_threads(), 0,
+                          stream, a);
 }
 
 template <norm_kind Kind>

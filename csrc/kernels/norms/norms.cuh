@@ -19,6 +19,8 @@
 #include "norms.h"
 #include "tk/dispatch.h"
 #include "tk/common.cuh"
+#include "tk/pipeline/block.cuh"
+#include "tk/pipeline/tile_scheduler.cuh"
 #include "tk/types/register_numeric.cuh"
 
 namespace tk::norms {

@@ -5,6 +5,7 @@
 
 #include "rope.cuh"
 #include "tk/dispatch.h"
+#include "tk/pipeline/block.cuh"
 #include "tk/pipeline/tile_scheduler.cuh"
 
 namespace tk::rope {
@@ -80,8 +81,7 @@ cudaError_t run(const problem& p, cudaStream_t stream) {
   k.head_chunks = ceil_div(k.heads_total, k.heads_per_item);
   k.items = position_groups * k.head_chunks;
   const int grid = int(std::min(k.items, resident_blocks));
-  kernel<<<grid, block, 0, stream>>>(k);
-  return cudaGetLastError();
+  return pipeline::launch(kernel, grid, block, 0, stream, k);
 }
 
 }  // namespace

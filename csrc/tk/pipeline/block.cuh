@@ -8,7 +8,7 @@
 //                                       the role split: warpgroup 0 gives registers back and one of
 //                                       its threads runs producer(); every other warpgroup takes
 //                                       them and runs consumer(index)
-//   launch(kernel, grid, threads, shared bytes, stream, args...)
+//   launch(kernel, grid, block, shared bytes, stream, args...)
 //                                       on a stream, the shared-memory limit raised once per kernel
 //
 // A Plan names consumer_warpgroups, producer_registers and consumer_registers.
@@ -86,12 +86,12 @@ inline cudaError_t allow_shared_bytes(const void* kernel, size_t bytes) {
 }
 
 template <typename... Params, typename... Args>
-cudaError_t launch(void (*kernel)(Params...), dim3 grid, int threads, size_t shared_bytes, cudaStream_t stream,
+cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream,
                    Args&&... args) {
   if (const cudaError_t err = allow_shared_bytes(reinterpret_cast<const void*>(kernel), shared_bytes); err != cudaSuccess) {
     return err;
   }
-  kernel<<<grid, threads, shared_bytes, stream>>>(std::forward<Args>(args)...);
+  kernel<<<grid, block, shared_bytes, stream>>>(std::forward<Args>(args)...);
   return cudaGetLastError();
 }
 
