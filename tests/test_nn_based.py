@@ -21,6 +21,7 @@ import tk_ops
 import tk_testing
 from tk_ops.nn import based as based_module
 from tk_ops.ops import based_attention as based_attention_module
+from test_nn_normalization import assert_same_forward_and_backward
 from tk_testing import TOLERANCE, assert_rel_close
 
 HIDDEN, HEADS, FEATURES = 48, 3, 16  # value head dim 16
@@ -54,26 +55,21 @@ def fla_math_forward(layer, x, eps):
     return torch.nn.functional.linear(o.flatten(-2), layer.o_proj.weight.double())
 
 
-def assert_same_forward_and_gradients(layer, twin, reference, x, tol):
-    """layer(x) and reference(x) agree, and so do their gradients w.r.t. x and every weight; ``reference``
-    computes with the weights of ``twin``, a module with the layer's parameter names. (Gradients through
-    backward(), not autograd.grad: fla's feature map runs under a reentrant checkpoint.)"""
-    x, x_ref = x.detach().requires_grad_(), x.detach().requires_grad_()
-    out, ref = layer(x), reference(x_ref)
-    assert out.shape == x.shape and out.dtype == x.dtype
-    assert_rel_close(out, ref, tol)
-    grad = torch.randn_like(out)
-    out.backward(grad)
-    ref.backward(grad.to(ref.dtype))
-    assert_rel_close(x.grad, x_ref.grad, tol, "grad x")
-    twin_parameters = dict(twin.named_parameters())
-    for name, parameter in layer.named_parameters():
-        assert_rel_close(parameter.grad, twin_parameters[name].grad, tol, f"grad {name}")
+class Reference(torch.nn.Module):
+    """``forward`` as a module whose parameters are those of ``weights`` (in their order), for
+    assert_same_forward_and_backward: fla's math on a copy of our layer, or fla's forward_reference."""
+
+    def __init__(self, weights: torch.nn.Module, forward) -> None:
+        super().__init__()
+        self.weights, self.reference = weights, forward
+
+    def forward(self, x):
+        return self.reference(x)
 
 
 def assert_matches_fla_math(layer, x, eps, tol=1e-10):
     twin = copy.deepcopy(layer)
-    assert_same_forward_and_gradients(layer, twin, lambda x: fla_math_forward(twin, x, eps), x, tol)
+    assert_same_forward_and_backward(layer, Reference(twin, lambda x: fla_math_forward(twin, x, eps)), x, tol)
 
 
 # --------------------------------------------------------------------------------- the fla contract
@@ -259,7 +255,7 @@ def test_parallel_mode_matches_flas_forward(monkeypatch, fla_based, seq_len):
     monkeypatch.setattr(fla_based, "parallel_based", parallel_based)
     theirs, ours = fla_and_ours(fla_based, "parallel", True)
     x = torch.randn(2, seq_len, HIDDEN, dtype=torch.float64)
-    assert_same_forward_and_gradients(ours, theirs, theirs, x, 1e-10)
+    assert_same_forward_and_backward(ours, theirs, x, 1e-10)
 
 
 @pytest.mark.parametrize("mode, causal", [("parallel", True), ("chunk", True), ("fused_chunk", True),
@@ -271,4 +267,4 @@ def test_matches_flas_reference_forward(fla_based, mode, causal):
     if causal:
         theirs.eps = CAUSAL_EPS[mode]
     x = torch.randn(2, 37, HIDDEN, dtype=torch.float64)
-    assert_same_forward_and_gradients(ours, theirs, theirs.forward_reference if causal else theirs, x, 1e-10)
+    assert_same_forward_and_backward(ours, Reference(theirs, theirs.forward_reference) if causal else theirs, x, 1e-10)
