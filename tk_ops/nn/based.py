@@ -18,10 +18,11 @@ the fixed epsilon of the fla kernel that ``mode`` names: 1e-6 for ``'parallel'``
 ``use_norm``), 1e-10 for ``'chunk'`` and ``'fused_chunk'`` (fla's layer runs chunk_linear_attn /
 fused_chunk_linear_attn on its Taylor features with scale 1 and normalize=True, which divide by
 the denominator + 1e-10). The mode picks nothing else here: every causal mode runs
-``tk.based_attention``, which accepts any F (fla's parallel kernel stops at 128, its fused
-chunk kernel at 16). In fp32 and fp64 the outputs are fla's up to rounding; in bf16/fp16 they
-differ at that precision's rounding level (fla rounds the numerator, and in parallel_based the
-denominator, to the input dtype before dividing; tk.based_attention divides in fp32).
+``tk.based_attention``, which accepts any F (fla's layer stops at 128 in parallel mode). In fp32
+and fp64 the outputs are fla's up to rounding; in bf16/fp16 they differ at that precision's
+rounding level (fla rounds intermediates to the input dtype: the Taylor features in the chunk
+modes, the numerator and in parallel_based the denominator before dividing; tk.based_attention
+accumulates and divides in fp32).
 
 ``causal=False`` is fla's PyTorch reference, here in PyTorch too (no tk op covers it): the
 Taylor features ``feature_map`` of fla's ``TaylorFeatureMap`` (same features, same order), then
