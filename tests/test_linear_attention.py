@@ -203,7 +203,11 @@ def test_kernel_matches_float64(dtype, normalize, n, f, dv):
     ref = naive_linear_attention(q64 * scale, k64, v64, normalize, 1e-12)
     assert out.dtype == dtype
     assert_rel_close(out, ref, 2 * TOLERANCE[dtype])
-    tk_testing.assert_gradients_close(out, (q, k, v), ref, (q64, k64, v64), 3 * TOLERANCE[dtype], "qkv")
+    # One position, normalised: out = v whatever q and k, so their exact gradients are of order eps and
+    # what the output's rounding leaves in them (as in the reference) cannot be compared relatively.
+    names = "v" if normalize and n == 1 else "qkv"
+    inputs, reference_inputs = ((q, k, v), (q64, k64, v64)) if names == "qkv" else ((v,), (v64,))
+    tk_testing.assert_gradients_close(out, inputs, ref, reference_inputs, 3 * TOLERANCE[dtype], names)
 
 
 @tk_testing.requires_kernel("linear_attention")

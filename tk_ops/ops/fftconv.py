@@ -17,9 +17,10 @@ Dtypes: u is fp16, bf16, fp32 or fp64; k and D each have u's dtype, or fp32 when
 (filters kept in fp32, as FlashFFTConv takes them). The output has u's dtype. Arithmetic is fp32
 (fp64 for fp64 inputs).
 
-The CUDA kernel computes the convolution as FFTs of size 2N (u and k zero-padded, which makes the
-circular convolution causal) for fp16/bf16 u and N a power of two from 256 to 16384; other N are
-zero-padded at the end to a supported size (exact: the convolution is causal) or run the reference.
+Planned kernel (not built yet): the convolution as FFTs of size 2N (u and k zero-padded, which
+makes the circular convolution causal) for fp16/bf16 u and N a power of two from 256 to 16384;
+other N zero-padded at the end to a supported size (exact: the convolution is causal) or run the
+reference. Until it lands every input runs the reference (on a GPU with a one-time warning).
 The reference uses the smallest FFT size of the form 2^a 3^b 5^c that is >= N + L - 1, the least
 padding with which no output of the circular convolution wraps around (2N when L == N is a power
 of two).

@@ -32,8 +32,9 @@ across chunks a running state sum_j phi(k_j) v_j^T (forward, grad_q) or sum_i ph
 (grad_k, grad_v, a reverse sweep), so memory stays O(N) for any N. The same engine serves
 tk.based_attention with its Taylor feature map phi; here phi is the identity.
 
-Kernels: bf16/fp16 with F a multiple of 16 from 16 to 256 and Dv in {64, 128}; other inputs run
-the reference (CPU, fp32/fp64, other sizes).
+Planned kernel (not built yet): bf16/fp16 with F a multiple of 16 from 16 to 256 and Dv in
+{64, 128}. Until it lands every input runs the reference (on a GPU with a one-time warning); after,
+the reference keeps the other inputs (CPU, fp32/fp64, other sizes).
 
 flash-linear-attention computes the same thing in the (B, N, H, F) layout with a fixed eps and
 an output scale that defaults to F**-0.5; to get our numbers (eps=1e-10):

@@ -52,9 +52,10 @@ Backward, with gy = grad_y * silu(z) (grad_z = grad_y * y_pre * silu'(z), y_pre 
     + exp(cum_{Q-1}) <dS_next, S>                                 (decay of the whole chunk)
   grad_A = sum da dt ; d(dt) = du . x + da A, then through the clamp, softplus and dt_bias.
 
-Kernels (CUDA key, csrc/kernels/mamba2_ssd): x, B, C, z in bf16/fp16, P = 64, N in {64, 128},
-chunk_size in {64, 128, 256}, any L. The reference accepts any positive chunk_size, P, N and
-fp16/bf16/fp32/fp64 inputs; elsewhere it serves the kernel's unsupported inputs (warning once).
+Planned kernel (not built yet; CUDA key, csrc/kernels/mamba2_ssd): x, B, C, z in bf16/fp16, P = 64,
+N in {64, 128}, chunk_size in {64, 128, 256}, any L. Until it lands every input runs the reference
+(on a GPU with a one-time warning), which accepts any positive chunk_size, P, N and
+fp16/bf16/fp32/fp64 inputs; after, it serves the kernel's unsupported inputs.
 
 Comparing against mamba_ssm (benchmarks):
   from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined

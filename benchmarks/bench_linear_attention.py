@@ -1,0 +1,418 @@
+"""tk_ops.based_attention / tk_ops.linear_attention against flash-linear-attention (fla-core 0.6.0) in the same run.
+
+Based (Taylor feature map inside, normalised, causal): B·N = 32768, H = 16, F = 16, Dv = 64,
+N = 1024 ... 16384, against fla's parallel_based and fused_chunk_based. Generic causal linear
+attention on feature-mapped q, k (unnormalised): B = 8, H = 16, N = 4096, (F, Dv) = (16, 64),
+(32, 64), (64, 64), (128, 128), (256, 64), against fla's chunk_linear_attn and
+fused_chunk_linear_attn. bf16; forward, and forward + backward (the gradients of q, k, v for a
+given output gradient). Ours reads (B, H, N, F) tensors, fla (B, N, H, F): each is timed on
+contiguous tensors in its own layout, holding the same values.
+
+Conventions, so that both compute the same numbers (peers.md section 2):
+  Based    fla: parallel_based(q, k, v, scale=F**-0.5, use_norm=True), which divides by z + 1e-6;
+           ours: based_attention(q, k, v, eps=1e-6) (1/sqrt(F) is inside our feature map).
+  generic  fla: chunk_linear_attn(q, k, v, scale=1.0, normalize=False)[0] (its default scale
+           F**-0.5 would scale the output); ours: linear_attention(q, k, v, normalize=False).
+Each row also has the relative difference of the baseline's forward output from ours.
+
+HBM floor: the bytes that must cross HBM once (forward: q, k, v read and out written; forward +
+backward adds q, k, v and the output gradient read and their gradients written) over the
+device-to-device copy bandwidth measured in this run. Rows: shape, pass, baseline, ours_ms,
+baseline_ms, ratio (baseline_ms / ours_ms: above 1 we are faster), floor_ms, the fraction of the
+floor each reaches, and the error of a baseline that could not run. Writes
+benchmarks/results/linear_attention.json and linear_attention.png (and into --out).
+
+  python3 -m benchmarks.bench_linear_attention [--out DIR] [--only based|generic]
+                                  benchmark (after the correctness sweep)
+  python3 -m benchmarks.bench_linear_attention --check
+                                  only the correctness sweep: small odd shapes, strided views,
+                                  bf16/fp16, normalised or not, forward and gradients against a
+                                  float64 quadratic form; exits non-zero on a failure
+  python3 -m benchmarks.bench_linear_attention --dry-run [--out DIR]
+                                  CPU, tiny shapes, nothing timed: builds and prints the rows
+                                  (and the plot into --out), to check the script without a GPU
+fla comes from the carried wheels (.baselines, see gpu_session.sh); without it, or where one of
+its kernels fails, the baseline's row says why and ours is still measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import pathlib
+from typing import Callable, Optional
+
+import torch
+
+import tk_ops
+from benchmarks import common
+from benchmarks.bench_rope import copy_bandwidth_gbps
+
+DTYPE = torch.bfloat16
+PASSES = ("fwd", "fwd+bwd")
+FLA_BASED_EPS = 1e-6  # the epsilon parallel_based / fused_chunk_based add to the denominator
+GENERIC_NORMALIZE = False
+BASELINES = {
+    "based": ("parallel_based", "fused_chunk_based"),
+    "generic": ("chunk_linear_attn", "fused_chunk_linear_attn"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    kind: str  # "based" or "generic"
+    batch: int
+    heads: int
+    seq_len: int
+    features: int
+    value_dim: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind} B={self.batch} H={self.heads} N={self.seq_len} F={self.features} Dv={self.value_dim}"
+
+    def hbm_bytes(self, pass_: str, element: int) -> int:
+        """q, k, v read and out written once; forward + backward adds q, k, v, grad_out read and
+        grad_q, grad_k, grad_v written."""
+        rows = self.batch * self.heads * self.seq_len
+        qk, v = 2 * rows * self.features, rows * self.value_dim
+        forward = qk + 2 * v
+        return element * (forward if pass_ == "fwd" else forward + 2 * qk + 3 * v)
+
+
+BASED_SHAPES = tuple(Shape("based", 32768 // n, 16, n, 16, 64) for n in (1024, 2048, 4096, 8192, 16384))
+GENERIC_SHAPES = tuple(Shape("generic", 8, 16, 4096, f, dv) for f, dv in ((16, 64), (32, 64), (64, 64), (128, 128), (256, 64)))
+# --dry-run: the same kinds and feature dims at sizes a CPU runs in a moment.
+DRY_RUN_SHAPES = tuple(Shape("based", 64 // n, 2, n, 16, 64) for n in (16, 32)) + tuple(
+    dataclasses.replace(s, batch=1, heads=2, seq_len=33) for s in GENERIC_SHAPES
+)
+
+
+# ---------------------------------------------------------------------------------- the callables
+
+
+def ours(kind: str) -> Callable:
+    """Our op on (B, H, N, F) q, k and (B, H, N, Dv) v."""
+    if kind == "based":
+        return lambda q, k, v: tk_ops.based_attention(q, k, v, eps=FLA_BASED_EPS)
+    return lambda q, k, v: tk_ops.linear_attention(q, k, v, normalize=GENERIC_NORMALIZE)
+
+
+def fla_baselines(kind: str) -> tuple[dict[str, Callable], str]:
+    """(name -> fla's op on (B, N, H, F) q, k and (B, N, H, Dv) v, fla's version or why it is missing)."""
+    try:
+        import fla
+        from fla.ops.based import fused_chunk_based, parallel_based
+        from fla.ops.linear_attn import chunk_linear_attn, fused_chunk_linear_attn
+    except Exception as error:  # not carried, or triton missing: the baselines are skipped
+        return {}, f"fla not importable ({type(error).__name__}: {error})"
+    if kind == "based":
+        functions = {
+            "parallel_based": lambda q, k, v: parallel_based(q, k, v, scale=q.shape[-1] ** -0.5, use_norm=True),
+            "fused_chunk_based": lambda q, k, v: fused_chunk_based(q, k, v, scale=q.shape[-1] ** -0.5, use_norm=True),
+        }
+    else:
+        functions = {
+            "chunk_linear_attn": lambda q, k, v: chunk_linear_attn(q, k, v, scale=1.0, normalize=GENERIC_NORMALIZE)[0],
+            "fused_chunk_linear_attn": lambda q, k, v: fused_chunk_linear_attn(
+                q, k, v, scale=1.0, normalize=GENERIC_NORMALIZE)[0],
+        }
+    return functions, f"fla-core {getattr(fla, '__version__', '?')}"
+
+
+# ---------------------------------------------------------------------------------------- inputs
+
+
+def input_set(shape: Shape, device, dtype, backward: bool) -> tuple[tuple, tuple]:
+    """(ours, fla's) (q, k, v, grad_out): the same values, (B, H, N, .) and (B, N, H, .) contiguous.
+    Generic q, k are scaled by F**-0.25 so that q . k is of order 1 (unnormalised outputs stay in range)."""
+    b, h, n = shape.batch, shape.heads, shape.seq_len
+    scale = 1.0 if shape.kind == "based" else shape.features**-0.25
+    q, k = (scale * torch.randn(b, h, n, shape.features, device=device) for _ in range(2))
+    v, grad_out = (torch.randn(b, h, n, shape.value_dim, device=device) for _ in range(2))
+    bhnd = [t.to(dtype) for t in (q, k, v, grad_out)]
+    bnhd = [t.transpose(1, 2).contiguous() for t in bhnd]
+    for tensors in (bhnd, bnhd):
+        for t in tensors[:3]:
+            t.requires_grad_(backward)
+    return tuple(bhnd), tuple(bnhd)
+
+
+def step(fn: Callable, backward: bool) -> Callable:
+    """fn's forward on (q, k, v, grad_out), and with backward its gradients w.r.t. q, k, v."""
+
+    def run(q, k, v, grad_out):
+        out = fn(q, k, v)
+        if backward:
+            torch.autograd.grad(out, (q, k, v), grad_out)
+
+    return run
+
+
+def run_once(fn: Callable, input_sets) -> None:
+    """The --dry-run stand-in for common.time_ms: one call on every set, no time."""
+    for inputs in input_sets:
+        fn(*inputs)
+    return None
+
+
+# ------------------------------------------------------------------------------------------- rows
+
+
+def relative_difference(got: torch.Tensor, reference: torch.Tensor) -> float:
+    got, reference = got.detach().double(), reference.detach().double()
+    if not torch.isfinite(got).all():
+        return math.inf
+    return ((got - reference).norm() / reference.norm().clamp_min(1e-30)).item()
+
+
+def _rounded(value: Optional[float], digits: int = 5) -> Optional[float]:
+    return None if value is None else round(value, digits)
+
+
+def _ratio(numerator: Optional[float], denominator: Optional[float]) -> Optional[float]:
+    return None if numerator is None or not denominator else round(numerator / denominator, 3)
+
+
+def make_row(shape: Shape, pass_: str, baseline: str, ours_ms: Optional[float], baseline_ms: Optional[float],
+             copy_gbps: Optional[float], rel_diff: Optional[float] = None, error: Optional[str] = None) -> dict:
+    """One result row; times None when not measured (a dry run, a baseline that could not run)."""
+    moved = shape.hbm_bytes(pass_, DTYPE.itemsize)
+    floor_ms = moved / copy_gbps / 1e6 if copy_gbps else None
+    row = {
+        "shape": shape.label, "pass": pass_, "baseline": baseline,
+        "ours_ms": _rounded(ours_ms), "baseline_ms": _rounded(baseline_ms), "ratio": _ratio(baseline_ms, ours_ms),
+        "floor_ms": _rounded(floor_ms), "ours_of_floor": _ratio(floor_ms, ours_ms),
+        "baseline_of_floor": _ratio(floor_ms, baseline_ms), "hbm_bytes": moved,
+        "rel_diff_vs_ours": None if rel_diff is None else float(f"{rel_diff:.2e}"),
+        **dataclasses.asdict(shape),
+    }
+    if error:
+        row["error"] = error
+    return row
+
+
+def measure(shape: Shape, device, timer: Callable, copy_gbps: Optional[float]) -> list[dict]:
+    """The rows of one shape: per pass, ours against each baseline (ours timed once per pass)."""
+    baselines, missing = fla_baselines(shape.kind)
+    ours_fn = ours(shape.kind)
+    first_ours, first_fla = input_set(shape, device, DTYPE, backward=False)
+    with torch.no_grad():
+        ours_out = ours_fn(*first_ours[:3])
+    rel_diffs, errors = {}, {}
+    for name in BASELINES[shape.kind]:
+        if name not in baselines:
+            errors[name] = missing
+            continue
+        try:
+            with torch.no_grad():
+                rel_diffs[name] = relative_difference(baselines[name](*first_fla[:3]).transpose(1, 2), ours_out)
+        except Exception as error:  # a baseline that cannot run this shape is reported, not fatal
+            errors[name] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    del first_ours, first_fla, ours_out
+
+    rows = []
+    for pass_ in PASSES:
+        backward = pass_ == "fwd+bwd"
+        bytes_per_set = shape.hbm_bytes(pass_, DTYPE.itemsize)
+        sets = [input_set(shape, device, DTYPE, backward) for _ in range(rotation_count(bytes_per_set, device))]
+        ours_ms = timer(step(ours_fn, backward), [s[0] for s in sets])
+        for name in BASELINES[shape.kind]:
+            baseline_ms, error = None, errors.get(name)
+            if error is None:
+                try:
+                    baseline_ms = timer(step(baselines[name], backward), [s[1] for s in sets])
+                except Exception as failure:
+                    error = f"{type(failure).__name__}: {str(failure).splitlines()[0] if str(failure) else ''}"
+            rows.append(make_row(shape, pass_, name, ours_ms, baseline_ms, copy_gbps, rel_diffs.get(name), error))
+        del sets
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def rotation_count(bytes_per_set: int, device) -> int:
+    return common.rotation_count(bytes_per_set) if device == "cuda" else 1
+
+
+def report(rows: list[dict]) -> None:
+    for row in rows:
+        cells = [f"{row[key]:9.4f}" if row[key] is not None else f"{'-':>9}" for key in ("ours_ms", "baseline_ms", "floor_ms")]
+        ratio = f"{row['ratio']:6.2f}" if row["ratio"] is not None else f"{'-':>6}"
+        note = f"  ({row['error']})" if "error" in row else ""
+        print(f"{row['shape']:44} {row['pass']:7} {row['baseline']:24} {cells[0]} {cells[1]} {ratio} {cells[2]}{note}")
+
+
+def plot(rows: list[dict], path: pathlib.Path, device_name: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = [kind for kind in BASELINES if any(row["kind"] == kind for row in rows)]
+    fig, axes = plt.subplots(len(kinds), len(PASSES), figsize=(16, 4.5 * len(kinds)), squeeze=False)
+    colors = {"tk_ops": "tab:red", BASELINES["based"][0]: "tab:blue", BASELINES["based"][1]: "tab:green",
+              BASELINES["generic"][0]: "tab:blue", BASELINES["generic"][1]: "tab:green"}
+    for r, kind in enumerate(kinds):
+        names = ("tk_ops", *BASELINES[kind])
+        for c, pass_ in enumerate(PASSES):
+            ax = axes[r][c]
+            selected = [row for row in rows if row["kind"] == kind and row["pass"] == pass_]
+            shapes = list(dict.fromkeys(row["shape"] for row in selected))
+            width = 0.8 / len(names)
+            for i, name in enumerate(names):
+                times = []
+                for shape in shapes:
+                    of_shape = [row for row in selected if row["shape"] == shape]
+                    matching = [row for row in of_shape if row["baseline"] == name]
+                    times.append(of_shape[0]["ours_ms"] if name == "tk_ops" else matching[0]["baseline_ms"])
+                xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(shapes))]
+                ax.bar(xs, [math.nan if t is None else t for t in times], width, color=colors[name], label=name)
+            floors = [next(row["floor_ms"] for row in selected if row["shape"] == shape) for shape in shapes]
+            if all(f is not None for f in floors):
+                ax.plot(range(len(shapes)), floors, "k_", markersize=30, label="HBM floor (copy bandwidth)")
+            ticks = [shape.split(" ", 1)[1] for shape in shapes]
+            ax.set_xticks(range(len(shapes)), ticks, rotation=15, fontsize=7, ha="right")
+            if any(row["ours_ms"] or row["baseline_ms"] for row in selected):  # a dry run has no times
+                ax.set_yscale("log")
+            ax.set_ylabel("ms")
+            ax.set_title(f"{'Based' if kind == 'based' else 'generic linear attention'}, {pass_}")
+            ax.grid(axis="y", alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.suptitle(f"Linear attention on {device_name}: tk_ops vs flash-linear-attention (same run, bf16)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# ---------------------------------------------------------------------------------- correctness
+
+# (kind, B, H, N, F, Dv, strided): kernel sizes (F = 16, Dv = 64 for Based) and others, odd N
+CHECK_SHAPES = (
+    ("based", 2, 3, 77, 16, 64, False), ("based", 1, 2, 333, 16, 64, True), ("based", 3, 1, 1, 16, 64, False),
+    ("based", 2, 2, 129, 8, 32, False),
+    ("generic", 2, 3, 77, 16, 64, False), ("generic", 1, 2, 200, 64, 64, True), ("generic", 2, 1, 129, 128, 128, False),
+    ("generic", 1, 2, 65, 256, 64, False), ("generic", 2, 2, 33, 32, 40, True),
+)
+CHECK_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2}  # forward; gradients 1.5x
+CHECK_EPS = 1e-6
+
+
+def quadratic_reference(kind: str, q, k, v, normalize: bool, eps: float) -> torch.Tensor:
+    """out_i = sum_{j<=i} A_ij v_j (/ (sum_{j<=i} A_ij + eps)), A the full N x N scores, float64."""
+    dots = torch.einsum("bhif,bhjf->bhij", q.double(), k.double())
+    if kind == "based":
+        s = dots / math.sqrt(q.shape[-1])
+        dots = 1 + s + s * s / 2
+    scores = dots.tril()
+    numerator = torch.einsum("bhij,bhjd->bhid", scores, v.double())
+    return numerator / (scores.sum(-1, keepdim=True) + eps) if normalize else numerator
+
+
+def check_inputs(kind, b, h, n, f, dv, strided, normalize, device, dtype) -> tuple:
+    """q, k, v as (B, H, N, .) tensors (views of (B, N, H, .) storage when strided); positive generic
+    features when normalising, so that the denominator stays away from zero."""
+    positive = kind == "generic" and normalize
+
+    def make(width, scale=1.0, features=False):
+        shape = (b, n, h, width)
+        values = torch.rand(shape, device=device) + 0.1 if features and positive else torch.randn(shape, device=device)
+        bnhd = (scale * values).to(dtype)
+        return (bnhd.transpose(1, 2) if strided else bnhd.transpose(1, 2).contiguous()).requires_grad_()
+
+    scale = 1.0 if kind == "based" or positive else f**-0.25
+    return make(f, scale, True), make(f, scale, True), make(dv)
+
+
+def run_check(device) -> None:
+    failures = []
+    cases = 0
+    for kind, b, h, n, f, dv, strided in CHECK_SHAPES:
+        op = tk_ops.based_attention if kind == "based" else tk_ops.linear_attention
+        for dtype in CHECK_TOLERANCE:
+            for normalize in (True, False):
+                cases += 1
+                q, k, v = check_inputs(kind, b, h, n, f, dv, strided, normalize, device, dtype)
+                out = op(q, k, v, normalize=normalize, eps=CHECK_EPS)
+                exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
+                reference = quadratic_reference(kind, *exact, normalize, CHECK_EPS)
+                grad_out = torch.randn_like(out)
+                grads = torch.autograd.grad(out, (q, k, v), grad_out)
+                reference_grads = torch.autograd.grad(reference, exact, grad_out.double())
+                name = f"{kind} B={b} H={h} N={n} F={f} Dv={dv} {str(dtype)[6:]} normalize={normalize} strided={strided}"
+                tolerance = CHECK_TOLERANCE[dtype]
+                compared = [("out", out, reference, tolerance)] + [
+                    (f"grad_{x}", g, r, 1.5 * tolerance) for x, g, r in zip("qkv", grads, reference_grads)]
+                if normalize and n == 1:  # out = v for any q, k: their exact gradients are O(eps), below rounding
+                    del compared[1:3]
+                for label, got, want, tol in compared:
+                    error = relative_difference(got, want)
+                    if not error <= tol or got.dtype != dtype:
+                        failures.append(f"{name} {label}: rel err {error:.2e} (tol {tol:.0e}), {got.dtype}")
+    print(f"correctness sweep on {device} (based_attention: {tk_ops.backends()['based_attention']}, "
+          f"linear_attention: {tk_ops.backends()['linear_attention']}): {cases} cases (out and the gradients of q, k, v), "
+          f"{len(failures)} failures")
+    for failure in failures:
+        print("  FAIL", failure)
+    if failures:
+        raise SystemExit(1)
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=pathlib.Path, help="also write the results and plot into this folder")
+    parser.add_argument("--check", action="store_true", help="only the correctness sweep")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, no timing: build and print the rows")
+    parser.add_argument("--only", choices=tuple(BASELINES), help="only the Based or only the generic shapes")
+    return parser.parse_args(argv)
+
+
+def selected_shapes(args: argparse.Namespace) -> tuple[Shape, ...]:
+    shapes = DRY_RUN_SHAPES if args.dry_run else BASED_SHAPES + GENERIC_SHAPES
+    return tuple(shape for shape in shapes if args.only in (None, shape.kind))
+
+
+def dry_run(args: argparse.Namespace) -> list[dict]:
+    rows = [row for shape in selected_shapes(args) for row in measure(shape, "cpu", run_once, None)]
+    report(rows)
+    print(json.dumps(rows, indent=1))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        plot(rows, args.out / "linear_attention.png", "CPU (dry run, nothing timed)")
+    return rows
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.manual_seed(0)
+    if args.dry_run:
+        dry_run(args)
+        return
+    run_check("cuda")
+    if args.check:
+        return
+    copy = copy_bandwidth_gbps()
+    print(f"device-to-device copy in this run: {copy:.0f} GB/s")
+    out_dirs = [common.RESULTS] + ([args.out] if args.out else [])
+    header = dict(
+        copy_gbps=round(copy, 1), ceiling="torch copy_ of 1 GiB fp32, device to device, read + write, this run",
+        dtype="bf16", fla=fla_baselines("based")[1], based_eps=FLA_BASED_EPS, generic_normalize=GENERIC_NORMALIZE,
+        ours_backends={op: tk_ops.backends()[op] for op in ("based_attention", "linear_attention")},
+    )
+    rows = []
+    for shape in selected_shapes(args):
+        shape_rows = measure(shape, "cuda", common.time_ms, copy)
+        report(shape_rows)
+        rows += shape_rows
+        # written after every shape, so a run cut short keeps what it measured
+        common.write_results("linear_attention", rows, out_dirs, **header)
+    for directory in out_dirs:
+        plot(rows, directory / "linear_attention.png", torch.cuda.get_device_name())
+
+
+if __name__ == "__main__":
+    main()
