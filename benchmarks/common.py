@@ -92,8 +92,11 @@ def host_us_per_call(fn: Callable, inputs: tuple, calls: int = 300) -> float:
 
 def source_commit() -> dict:
     """The commit of the tree these benchmarks run from, and whether the tree differs from it (results
-    files aside): from git when the tree is a checkout of its own, otherwise (a device copy has no
-    .git) from the environment variables TK_OPS_COMMIT and TK_OPS_DIRTY (0 or 1); None if unknown."""
+    files aside): from the environment variables TK_OPS_COMMIT and TK_OPS_DIRTY (0 or 1) when set --
+    the device copy of a tree carries a .git frozen at the session's first commit, so git there names
+    the wrong commit -- otherwise from git when the tree is a checkout of its own; None if unknown."""
+    if commit := os.environ.get("TK_OPS_COMMIT"):
+        return {"commit": commit, "dirty": {"0": False, "1": True}.get(os.environ.get("TK_OPS_DIRTY", ""))}
 
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True).stdout.strip()
@@ -104,8 +107,7 @@ def source_commit() -> dict:
             return {"commit": git("rev-parse", "HEAD"), "dirty": bool(changes)}
     except (OSError, subprocess.CalledProcessError):  # no git, or not a checkout
         pass
-    dirty = {"0": False, "1": True}.get(os.environ.get("TK_OPS_DIRTY", ""))
-    return {"commit": os.environ.get("TK_OPS_COMMIT") or None, "dirty": dirty}
+    return {"commit": None, "dirty": None}
 
 
 def environment() -> dict:

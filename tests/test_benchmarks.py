@@ -75,10 +75,17 @@ def test_commit_from_environment_outside_a_checkout(monkeypatch, tmp_path):
 
 @pytest.mark.skipif(shutil.which("git") is None or not (common.ROOT / ".git").exists(), reason="not a git checkout")
 def test_commit_from_git_in_a_checkout(monkeypatch):
-    monkeypatch.setenv("TK_OPS_COMMIT", "ignored when git knows")
+    monkeypatch.delenv("TK_OPS_COMMIT", raising=False)
     found = common.source_commit()
     head = subprocess.run(["git", "-C", str(common.ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     assert found["commit"] == head and isinstance(found["dirty"], bool)
+
+
+def test_the_environment_wins_over_git(monkeypatch):
+    """A device copy's .git names the session's first commit, not the tree's: an explicit commit wins."""
+    monkeypatch.setenv("TK_OPS_COMMIT", "0123abc")
+    monkeypatch.setenv("TK_OPS_DIRTY", "0")
+    assert common.source_commit() == {"commit": "0123abc", "dirty": False}
 
 
 def load(name: str) -> dict:
