@@ -3,8 +3,8 @@ small that the GPU is idle and the call costs what the host spends on it (the Py
 argument checks, tensor-map encoding, the launch).
 
 Run from the repository root on the GPU machine: python3 -m benchmarks.bench_overhead [--out DIR]
-Rows: op, pass (fwd, or fwd_bwd through autograd), tk_ops_us_ms / torch_us_ms hold microseconds per
-call (the _ms suffix lets compare_results read them; the unit is us).
+Rows: op, pass (fwd, or fwd_bwd through autograd), tk_ops_ms / torch_ms: milliseconds of host time
+per call (the table prints microseconds).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def main() -> None:
         for pass_name, wrap in (("fwd", lambda f: f), ("fwd_bwd", fwd_bwd)):
             ours_us = common.host_us_per_call(wrap(ours), inputs)
             torch_us = common.host_us_per_call(wrap(theirs), inputs)
-            rows.append({"op": op, "pass": pass_name, "tk_ops_us_ms": ours_us, "torch_us_ms": torch_us})
+            rows.append({"op": op, "pass": pass_name, "tk_ops_ms": ours_us / 1e3, "torch_ms": torch_us / 1e3})
             print(f"{op:12} {pass_name:8} {ours_us:10.1f} {torch_us:10.1f} {ours_us - torch_us:9.1f}")
     common.write_results("overhead", rows, [args.out] if args.out else [common.RESULTS])
 

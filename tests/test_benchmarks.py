@@ -141,7 +141,7 @@ def test_comparison_refuses_timings_it_cannot_tell_apart(monkeypatch):
 
 def test_compare_results_cli(tmp_path, capsys, monkeypatch):
     old, new = tmp_path / "old.json", tmp_path / "new.json"
-    old.write_text(json.dumps(load("gemm")))
+    old.write_text(json.dumps({**load("gemm"), "commit": None}))
     new.write_text(json.dumps({**scaled(load("gemm"), 0.9, OURS), "commit": "f" * 40, "dirty": False}))
     monkeypatch.setattr(sys, "argv", ["compare_results", str(old), str(new), str(old), str(new)])
     compare_results.main()
