@@ -108,6 +108,49 @@ struct visibility {
   __device__ int first_query_tile(int k0, int block_q) const { return causal ? max(0, k0 - diagonal()) / block_q : 0; }
 };
 
+// -------------------------------------------------------------- resident tiles and epilogues
+
+// Each consumer's rows of the task's (batch, head) sequence, from row0 on, into its own tile: the
+// resident tiles of every attention kernel (Q; K and V; Q and dO).
+template <typename Tile, int CONSUMERS>
+__device__ __forceinline__ void load_consumer_rows(Tile (&tiles)[CONSUMERS], const CUtensorMap& map, mbarrier& full,
+                                                   pipeline::head_block task, int row0) {
+  for (int c = 0; c < CONSUMERS; ++c) {
+    const int index[4] = {task.batch, task.head, row0 + c * Tile::rows, 0};
+    tma::load(tiles[c], map, full, index);
+  }
+}
+
+// One output of a consumer's epilogue: its accumulator, the shared tile that stages it, and the
+// tensor map it is stored through.
+template <typename Tile, typename Accumulator>
+struct tile_output {
+  const CUtensorMap& map;
+  Tile& staging;
+  const Accumulator& acc;
+};
+
+template <typename Tile, typename Accumulator>
+__device__ __forceinline__ tile_output<Tile, Accumulator> staged(const CUtensorMap& map, Tile& staging,
+                                                                 const Accumulator& acc) {
+  return {map, staging, acc};
+}
+
+// The end of a consumer's task: each accumulator through stmatrix into its staging tile (no wgmma
+// reads those any more), then one thread TMA-stores them all at `index` and waits until the copies
+// have read shared memory (the next task's resident load, or the block's exit, reuses it).
+template <typename Id, typename... Outputs>
+__device__ __forceinline__ void store_outputs(Id written, const int (&index)[4], const Outputs&... outputs) {
+  (warpgroup::store<0>(outputs.staging, outputs.acc), ...);
+  fence_async_shared();  // the stmatrix writes must be visible to the copy engine
+  barrier_sync(written, WARPGROUP_THREADS);
+  if (threadIdx.x % WARPGROUP_THREADS == 0) {
+    (tma::store(outputs.map, outputs.staging, index), ...);
+    tma::commit_stores();
+    tma::wait_stores_read<0>();
+  }
+}
+
 // --------------------------------------------------------------------------- host: layouts
 
 template <typename T>

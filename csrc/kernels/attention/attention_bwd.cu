@@ -169,12 +169,9 @@ struct dkdv_kernel : dkdv_plan<D> {
     tma::prefetch_descriptor(p.grad_out);
   }
 
-  __device__ static void load_resident(const params&p, pipeline::head_block task, resident& r, mbarrier& full) {
-    for (int c = 0; c < plan::consumer_warpgroups; ++c) {
-      const int index[4] = {task.batch, task.head, task.block * plan::block_kv + c * plan::rows_per_consumer, 0};
-      tma::load(r.k[c], p.k, full, index);
-      tma::load(r.v[c], p.v, full, index);
-    }
+  __device__ static void load_resident(const params& p, pipeline::head_block task, resident& r, mbarrier& full) {
+    load_consumer_rows(r.k, p.k, full, task, task.block * plan::block_kv);
+    load_consumer_rows(r.v, p.v, full, task, task.block * plan::block_kv);
   }
 
   __device__ static int q_head(const params& p, pipeline::head_block task, const schedule& sched, int step) {
@@ -243,24 +240,15 @@ struct dkdv_kernel : dkdv_plan<D> {
     }
   }
 
-  // dK and dV through this consumer's K and V tiles (no wgmma reads them any more), TMA stores.
+  // dK and dV, staged in this consumer's K and V tiles.
   __device__ static void store(const context& ctx, consumer_state& state) {
     const params& p = ctx.params;
     warp::mul(state.grad_k, state.grad_k, p.shape.scale);
-    kv_tile& k = ctx.resident.k[ctx.consumer];
-    kv_tile& v = ctx.resident.v[ctx.consumer];
-    warpgroup::store<0>(k, state.grad_k);
-    warpgroup::store<0>(v, state.grad_v);
-    fence_async_shared();
-    barrier_sync(barrier_after(barrier_id::consumer_epilogue, ctx.consumer), WARPGROUP_THREADS);
-    if (threadIdx.x % WARPGROUP_THREADS == 0) {
-      const int index[4] = {ctx.task.batch, ctx.task.head,
-                            ctx.task.block * plan::block_kv + ctx.consumer * plan::rows_per_consumer, 0};
-      tma::store(p.grad_k, k, index);
-      tma::store(p.grad_v, v, index);
-      tma::commit_stores();
-      tma::wait_stores_read<0>();
-    }
+    const int index[4] = {ctx.task.batch, ctx.task.head,
+                          ctx.task.block * plan::block_kv + ctx.consumer * plan::rows_per_consumer, 0};
+    store_outputs(barrier_after(barrier_id::consumer_epilogue, ctx.consumer), index,
+                  staged(p.grad_k, ctx.resident.k[ctx.consumer], state.grad_k),
+                  staged(p.grad_v, ctx.resident.v[ctx.consumer], state.grad_v));
   }
 };
 
@@ -319,11 +307,8 @@ struct dq_kernel : dq_plan<D> {
   }
 
   __device__ static void load_resident(const params& p, pipeline::head_block task, resident& r, mbarrier& full) {
-    for (int c = 0; c < plan::consumer_warpgroups; ++c) {
-      const int index[4] = {task.batch, task.head, task.block * plan::block_q + c * plan::rows_per_consumer, 0};
-      tma::load(r.q[c], p.q, full, index);
-      tma::load(r.grad_out[c], p.grad_out, full, index);
-    }
+    load_consumer_rows(r.q, p.q, full, task, task.block * plan::block_q);
+    load_consumer_rows(r.grad_out, p.grad_out, full, task, task.block * plan::block_q);
   }
 
   __device__ static void load(const params& p, pipeline::head_block task, int j, int, stage& s, mbarrier& full) {
@@ -386,16 +371,9 @@ struct dq_kernel : dq_plan<D> {
   __device__ static void store(const context& ctx, consumer_state& state) {
     const params& p = ctx.params;
     warp::mul(state.grad_q, state.grad_q, p.shape.scale);
-    q_tile& staging = ctx.resident.q[ctx.consumer];
-    warpgroup::store<0>(staging, state.grad_q);
-    fence_async_shared();
-    barrier_sync(barrier_after(barrier_id::consumer_epilogue, ctx.consumer), WARPGROUP_THREADS);
-    if (threadIdx.x % WARPGROUP_THREADS == 0) {
-      const int index[4] = {ctx.task.batch, ctx.task.head, first_row(ctx), 0};
-      tma::store(p.grad_q, staging, index);
-      tma::commit_stores();
-      tma::wait_stores_read<0>();
-    }
+    const int index[4] = {ctx.task.batch, ctx.task.head, first_row(ctx), 0};
+    store_outputs(barrier_after(barrier_id::consumer_epilogue, ctx.consumer), index,
+                  staged(p.grad_q, ctx.resident.q[ctx.consumer], state.grad_q));
   }
 };
 
@@ -419,7 +397,6 @@ template <typename T, int D>
 std::string reason_for(const backward_problem& pr) {
   using KV = dkdv_kernel<T, D>;
   using Q = dq_kernel<T, D>;
-  if (std::string r = shape_reason(pr.q, pr.k, pr.v); !r.empty()) return r;
   if (pr.out.batch != pr.q.batch || pr.out.heads != pr.q.heads || pr.out.rows != pr.q.rows || pr.out.dim != pr.q.dim ||
       pr.grad_out.batch != pr.q.batch || pr.grad_out.heads != pr.q.heads || pr.grad_out.rows != pr.q.rows ||
       pr.grad_out.dim != pr.q.dim) {
@@ -524,7 +501,7 @@ int64_t backward_workspace_floats(int64_t batch, int64_t q_heads, int64_t q_rows
 }
 
 std::string unsupported_reason(const backward_problem& p) {
-  if (!kernel_head_dims::contains(p.q.dim)) return "the head dim must be one of " + kernel_head_dims::names();
+  if (std::string r = shape_reason(p.q, p.k, p.v); !r.empty()) return r;
   return dispatch(p, [&]<typename T, int D>() { return reason_for<T, D>(p); });
 }
 

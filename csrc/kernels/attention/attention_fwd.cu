@@ -97,10 +97,7 @@ struct forward_kernel : forward_plan<D> {
   }
 
   __device__ static void load_resident(const params& p, pipeline::head_block task, resident& r, mbarrier& full) {
-    for (int c = 0; c < plan::consumer_warpgroups; ++c) {
-      const int index[4] = {task.batch, task.head, task.block * plan::block_q + c * plan::rows_per_consumer, 0};
-      tma::load(r.q[c], p.q, full, index);
-    }
+    load_consumer_rows(r.q, p.q, full, task, task.block * plan::block_q);
   }
 
   __device__ static void load(const params& p, pipeline::head_block task, int j, int part, stage& s, mbarrier& full) {
@@ -224,7 +221,7 @@ struct forward_kernel : forward_plan<D> {
     in.release(last, value_part);
   }
 
-  // O /= rowsum into this consumer's Q tile (its wgmmas are done), then one TMA store; lse per row.
+  // lse per row; O /= rowsum, staged in this consumer's Q tile (its wgmmas are done), one TMA store.
   __device__ static void store(const context& ctx, consumer_state& state) {
     const params& p = ctx.params;
     row_vector sum = state.sum, inverse, lse;
@@ -234,28 +231,19 @@ struct forward_kernel : forward_plan<D> {
     warp::mul_row(state.o, state.o, inverse);
 
     const int row0 = first_row(ctx);
-    q_tile& staging = ctx.resident.q[ctx.consumer];
-    warpgroup::store<0>(staging, state.o);
-    fence_async_shared();  // the stmatrix writes must be visible to the copy engine
-    barrier_sync(barrier_after(barrier_id::consumer_epilogue, ctx.consumer), WARPGROUP_THREADS);
-    const bool issuer = threadIdx.x % WARPGROUP_THREADS == 0;
-    if (issuer) {
-      const int index[4] = {ctx.task.batch, ctx.task.head, row0, 0};
-      tma::store(p.out, staging, index);
-      tma::commit_stores();
-    }
     const int warp_row0 = row0 + warpgroup::warp_row();
     warp::store(p.lse + (int64_t(ctx.task.batch) * p.q_heads + ctx.task.head) * p.q_rows + warp_row0, lse,
                 p.q_rows - warp_row0);
-    // The resident tile must outlive the store's reads of it (the next task reloads it).
-    if (issuer) tma::wait_stores_read<0>();
+    const int index[4] = {ctx.task.batch, ctx.task.head, row0, 0};
+    store_outputs(barrier_after(barrier_id::consumer_epilogue, ctx.consumer), index,
+                  staged(p.out, ctx.resident.q[ctx.consumer], state.o));
   }
 };
 
+// Layout rules (shape rules: shape_reason, checked before).
 template <typename T, int D>
 std::string reason_for(const forward_problem& pr) {
   using K = forward_kernel<T, D>;
-  if (std::string r = shape_reason(pr.q, pr.k, pr.v); !r.empty()) return r;
   const heads_view out = contiguous_view(pr.out, pr.q.batch, pr.q.heads, pr.q.rows, pr.q.dim);
   for (const auto& [name, view] : {std::pair{"q", pr.q}, std::pair{"out", out}}) {
     if (std::string r = layout_reason<typename K::q_tile, T>(name, view); !r.empty()) return r;
@@ -289,7 +277,7 @@ cudaError_t run(const forward_problem& pr, cudaStream_t stream) {
 }  // namespace
 
 std::string unsupported_reason(const forward_problem& p) {
-  if (!kernel_head_dims::contains(p.q.dim)) return "the head dim must be one of " + kernel_head_dims::names();
+  if (std::string r = shape_reason(p.q, p.k, p.v); !r.empty()) return r;
   return dispatch(p, [&]<typename T, int D>() { return reason_for<T, D>(p); });
 }
 

@@ -101,7 +101,6 @@ struct stage_inputs {
     ring.wait(at, part);
     return stages[at.stage];
   }
-  __device__ const typename K::stage& stage_at(position at) const { return stages[at.stage]; }
   __device__ void release(position at, int part = 0) const { ring.release(at, part); }
 };
 
