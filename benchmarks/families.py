@@ -54,6 +54,9 @@ FAMILIES = (
         Profile("attention_fwd_d128_n8192", "forward_kernel", 1),
         Profile("attention_bwd_d128_n8192", "statistics_kernel|dkdv_kernel|dq_kernel", 3),
     )),
+    Family("based_attention", op="based_attention", bench="linear_attention", profiles=(
+        Profile("based_fwd_n4096", "based::.*forward_kernel", 1),
+    )),
     Family("rope", op="rope_qk", bench="rope"),
     Family("layer_norm", op="layer_norm", bench="norms", profiles=(
         # the row kernel, then the sum of its per-block partial rows of dweight and dbias

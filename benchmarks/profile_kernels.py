@@ -41,6 +41,12 @@ def attention(batch: int, heads: int, n: int, d: int, backward: bool):
     return lambda: torch.ops.tk.attention_bwd.default(grad, None, q, k, v, out, lse, False, scale)
 
 
+def based_attention(batch: int, heads: int, n: int):
+    q, k = (torch.randn(batch, heads, n, 16, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(batch, heads, n, 64, device="cuda", dtype=torch.bfloat16)
+    return lambda: torch.ops.tk.based_attention.default(q, k, v, 1e-6, True)
+
+
 def layer_norm_backward(rows: int, hidden: int):
     x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
     weight, bias = (torch.randn(hidden, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -58,6 +64,7 @@ CASES = {
     "linear_llama_row_major_weight": lambda: gemm(16384, 11008, 4096, weight_row_major=True),
     "attention_fwd_d128_n8192": lambda: attention(2, 16, 8192, 128, backward=False),
     "attention_bwd_d128_n8192": lambda: attention(2, 16, 8192, 128, backward=True),
+    "based_fwd_n4096": lambda: based_attention(8, 16, 4096),
     # one warp per row at 1024, four at 4096 (norms_notes.md compares the two)
     "layer_norm_bwd_h1024": lambda: layer_norm_backward(32768, 1024),
     "layer_norm_bwd_h4096": lambda: layer_norm_backward(32768, 4096),

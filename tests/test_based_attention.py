@@ -191,8 +191,18 @@ def test_device_mismatch():
 # ------------------------------------------------------------------------------------ GPU kernel
 
 
+def reference_based_attention(q, k, v, normalize, eps):
+    """The op's chunked reference in float64 (checked against the naive form above), for long N."""
+    return based_attention_module.based_attention_op.default(q.double(), k.double(), v.double(), eps, normalize)
+
+
+def poisoned_allocations(nbytes: int) -> None:
+    """Leave NaN in the caching allocator's free blocks, so outputs a kernel forgets to write stay NaN."""
+    torch.full((nbytes // 4 + 1,), float("nan"), device="cuda")
+
+
 @tk_testing.requires_kernel("based_attention")
-@pytest.mark.parametrize("n", [1, 77, 333, 1000])
+@pytest.mark.parametrize("n", [1, 17, 64, 77, 333, 1000])
 @pytest.mark.parametrize("normalize", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_kernel_matches_float64(dtype, normalize, n):
@@ -210,7 +220,68 @@ def test_kernel_matches_float64(dtype, normalize, n):
 
 
 @tk_testing.requires_kernel("based_attention")
-@pytest.mark.parametrize("dtype, f, dv", [(torch.float32, 16, 64), (torch.bfloat16, 8, 64), (torch.bfloat16, 16, 128)])
+@pytest.mark.parametrize("n, dv", [(4097, 64), (1000, 32), (333, 128), (200, 256)])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_kernel_value_dims_and_long_sequences(normalize, n, dv):
+    q, k, v = make_inputs(n, f=16, dv=dv, dtype=torch.bfloat16, device="cuda")
+    poisoned_allocations(v.numel() * 2 + q[..., 0].numel() * 4)
+    out, denominator = based_attention_module.based_attention_op(q, k, v, 1e-12, normalize)
+    ref_out, ref_denominator = reference_based_attention(q, k, v, normalize, 1e-12)
+    assert_rel_close(out, ref_out, 2 * TOLERANCE[torch.bfloat16])
+    if normalize:
+        assert_rel_close(denominator, ref_denominator, 1e-3, "denominator")
+    else:
+        assert denominator.numel() == 0
+
+
+@tk_testing.requires_kernel("based_attention")
+def test_kernel_denominator_output():
+    q, k, v = make_inputs(1000, f=16, dv=64, dtype=torch.float16, device="cuda")
+    poisoned_allocations(q[..., 0].numel() * 4 * 2)
+    _, denominator = based_attention_module.based_attention_op(q, k, v, 1e-12, True)
+    scores_sum = naive_based_attention(q, k, torch.ones_like(v[..., :1]), False, 0.0)[..., 0]
+    assert denominator.dtype == torch.float32
+    assert_rel_close(denominator, scores_sum, 1e-3, "denominator")
+
+
+@tk_testing.requires_kernel("based_attention")
+@pytest.mark.parametrize("normalize", [False, True])
+def test_kernel_strided_views(normalize):
+    """(B, N, H, F) tensors transposed to (B, H, N, F), and v a column slice: no copies, same numbers."""
+    b, n, h = 2, 300, 3
+    q, k = (torch.randn(b, n, h, 16, dtype=torch.bfloat16, device="cuda").transpose(1, 2) for _ in range(2))
+    v = torch.randn(b, h, n, 96, dtype=torch.bfloat16, device="cuda")[..., 16:80]
+    assert not q.is_contiguous() and not v.is_contiguous()
+    with tk_testing.RecordTkCalls() as calls:
+        out = tk_ops.based_attention(q, k, v, normalize=normalize)
+    assert calls.calls["based_attention"][0][0].data_ptr() == q.data_ptr()
+    expected = tk_ops.based_attention(q.contiguous(), k.contiguous(), v.contiguous(), normalize=normalize)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+@tk_testing.requires_kernel("based_attention")
+def test_kernel_cuda_graph_capture_and_replay():
+    q, k, v = make_inputs(500, f=16, dv=64, dtype=torch.bfloat16, device="cuda")
+    expected = tk_ops.based_attention(q, k, v)
+    static = [t.clone() for t in (q, k, v)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        tk_ops.based_attention(*static)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tk_ops.based_attention(*static)
+    q2, k2, v2 = make_inputs(500, f=16, dv=64, dtype=torch.bfloat16, device="cuda")
+    for dst, src in zip(static, (q2, k2, v2)):
+        dst.copy_(src)
+    graph.replay()
+    torch.testing.assert_close(out, tk_ops.based_attention(q2, k2, v2), rtol=0, atol=0)
+    assert not torch.equal(out, expected)
+
+
+@tk_testing.requires_kernel("based_attention")
+@pytest.mark.parametrize("dtype, f, dv", [(torch.float32, 16, 64), (torch.bfloat16, 8, 64), (torch.bfloat16, 16, 48)])
 def test_unsupported_inputs_fall_back_to_reference(dtype, f, dv):
     q, k, v = make_inputs(77, f=f, dv=dv, dtype=dtype, device="cuda")
     out = tk_ops.based_attention(q, k, v)

@@ -24,6 +24,7 @@
 #include <string>
 
 #include "attention.h"
+#include "kernels/common/heads_layout.cuh"
 #include "tk/tk.cuh"
 
 namespace tk::attention {
@@ -153,16 +154,6 @@ __device__ __forceinline__ void store_outputs(Id written, const int (&index)[4],
 
 // --------------------------------------------------------------------------- host: layouts
 
-template <typename T>
-global_layout<T, 4> heads_layout(const heads_view& t) {
-  return strided_layout<T, 4>(static_cast<T*>(const_cast<void*>(t.data)), {t.batch, t.heads, t.rows, t.dim},
-                              {t.batch_stride, t.head_stride, t.row_stride});
-}
-
-inline heads_view contiguous_view(const void* data, int64_t batch, int64_t heads, int64_t rows, int64_t dim) {
-  return {data, batch, heads, rows, dim, heads * rows * dim, rows * dim, dim};
-}
-
 inline int64_t padded_statistics_rows(int64_t q_rows) { return round_up<int64_t>(q_rows, STATISTICS_ROW_MULTIPLE); }
 
 // Task counts and sequence lengths must fit the kernels' int indices and TMA's 32-bit coordinates.
@@ -182,11 +173,6 @@ inline std::string shape_reason(const heads_view& q, const heads_view& k, const 
   return {};
 }
 
-template <typename Tile, typename T>
-std::string layout_reason(const char* name, const heads_view& t) {
-  const std::string r = tma_unsupported_reason<Tile>(heads_layout<T>(t));
-  return r.empty() ? r : std::string(name) + ": " + r;
-}
 
 // Runs f.template operator()<T, D>() for the problem's element type and head dim.
 template <typename Problem, typename F>

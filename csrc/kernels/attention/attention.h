@@ -11,17 +11,14 @@
 #include <cstdint>
 #include <string>
 
+#include "kernels/common/heads_view.h"
 #include "tk/element_type.h"
 
 namespace tk::attention {
 
 using tk::element_type;
 
-struct heads_view {
-  const void* data;
-  int64_t batch, heads, rows, dim;
-  int64_t batch_stride, head_stride, row_stride;  // elements; the last dimension is contiguous
-};
+using tk::heads_view;
 
 struct forward_problem {
   element_type dtype;

@@ -11,7 +11,8 @@
 //   launch(kernel, grid, block, shared bytes, stream, args...)
 //                                       on a stream, the shared-memory limit raised once per kernel
 //
-// A Plan names consumer_warpgroups, producer_registers and consumer_registers.
+// A Plan names consumer_warpgroups, producer_registers and consumer_registers, and optionally
+// blocks_per_sm (default 1): how many of its blocks must fit one SM's register file together.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -47,14 +48,24 @@ template <typename Plan>
 constexpr int block_threads = (1 + Plan::consumer_warpgroups) * WARPGROUP_THREADS;
 
 template <typename Plan>
+constexpr int blocks_per_sm() {
+  if constexpr (requires { Plan::blocks_per_sm; }) {
+    return Plan::blocks_per_sm;
+  } else {
+    return 1;
+  }
+}
+
+template <typename Plan>
 constexpr bool fits_register_file() {
-  return Plan::producer_registers * WARPGROUP_THREADS +
-             Plan::consumer_registers * Plan::consumer_warpgroups * WARPGROUP_THREADS <=
+  return (Plan::producer_registers * WARPGROUP_THREADS +
+          Plan::consumer_registers * Plan::consumer_warpgroups * WARPGROUP_THREADS) *
+             blocks_per_sm<Plan>() <=
          warpgroup::REGISTER_FILE;
 }
 
 // setmaxnreg needs each role to be one branch of a single if/else, under a register cap at entry
-// (__launch_bounds__(block_threads<Plan>, 1) on the kernel).
+// (__launch_bounds__(block_threads<Plan>, blocks_per_sm<Plan>()) on the kernel).
 // The consumer index is broadcast from lane 0 so the compiler knows it is warp-uniform: loops whose
 // trip counts depend on it (rows that need masks) then keep their ring positions and wgmma
 // descriptors in uniform registers instead of moving them there before every wgmma.

@@ -10,7 +10,7 @@
 //                                        stage stays in use); store, the epilogue
 //
 // A kernel K supplies (members in brackets are optional):
-//   plan        stages, consumer_warpgroups, producer_registers, consumer_registers
+//   plan        stages, consumer_warpgroups, producer_registers, consumer_registers, [blocks_per_sm]
 //   params      the __grid_constant__ kernel argument
 //   tasks(params) -> task order (tile_scheduler.cuh), __host__ __device__. The grid is one block per
 //               task or persistent (launch's `grid`): kernels are correct for both
@@ -105,7 +105,7 @@ struct stage_inputs {
 };
 
 template <typename K>
-__global__ void __launch_bounds__(block_threads<K>, 1) producer_consumer_kernel(const __grid_constant__ typename K::params params) {
+__global__ void __launch_bounds__(block_threads<K>, blocks_per_sm<K>()) producer_consumer_kernel(const __grid_constant__ typename K::params params) {
   static_assert(K::stages >= 1, "at least one stage");
   kernel_storage<K>& smem = block_storage<kernel_storage<K>>();
   constexpr int consumer_warps = K::consumer_warpgroups * WARPGROUP_WARPS;

@@ -4,6 +4,8 @@
 //   swap_layout(t_c, t);   t_c (R x C, other layout) = t: one movmatrix per core matrix (16-bit types)
 //   columns<C0, C>(t)      the R x C tile of t's columns [C0, C0 + C): a copy the compiler resolves
 //                          to t's own registers (whole base tiles only)
+//   set_columns<C0>(t, s)  t's columns [C0, C0 + s.cols) = s (whole base tiles), e.g. one k16 block
+//                          of an operand assembled from parts
 #pragma once
 
 #include "maps.cuh"
@@ -51,6 +53,15 @@ __device__ __forceinline__ register_tile<typename S::element, S::rows, COLS, S::
   register_tile<typename S::element, S::rows, COLS, S::layout> dst;
   for_each_pair<decltype(dst)>([&](int br, int bc, int q) { dst.pairs[br][bc][q] = src.pairs[br][FIRST_COL / BASE_TILE + bc][q]; });
   return dst;
+}
+
+template <int FIRST_COL, register_tile_type D, register_tile_type S>
+__device__ __forceinline__ void set_columns(D& dst, const S& src) {
+  static_assert(FIRST_COL % BASE_TILE == 0 && FIRST_COL + S::cols <= D::cols && S::rows == D::rows && S::layout == D::layout,
+                "set_columns: whole base tiles of the destination's rows and layout");
+  for_each_pair<S>([&](int br, int bc, int q) {
+    dst.pairs[br][FIRST_COL / BASE_TILE + bc][q] = convert_pair<typename D::pair_type>(src.pairs[br][bc][q]);
+  });
 }
 
 }  // namespace tk::warp

@@ -4,6 +4,7 @@
 #include "broadcast.cuh"
 #include "global_memory.cuh"
 #include "layout.cuh"
+#include "lines.cuh"
 #include "maps.cuh"
 #include "masks.cuh"
 #include "mma.cuh"
