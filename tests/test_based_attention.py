@@ -193,7 +193,7 @@ def test_device_mismatch():
 
 def reference_based_attention(q, k, v, normalize, eps):
     """The op's chunked reference in float64 (checked against the naive form above), for long N."""
-    return based_attention_module.based_attention_op.default(q.double(), k.double(), v.double(), eps, normalize)
+    return based_attention_module.based_attention_op(q.double(), k.double(), v.double(), eps, normalize)
 
 
 def poisoned_allocations(nbytes: int) -> None:

@@ -26,9 +26,11 @@ f(s) = 1 + s + s^2/2, s_ij = q_i . k_j / sqrt(F). A kernel working on scores use
 the chunked reference carries the same sums through the moment state sum_j phi(k_j) v_j^T of
 size (1 + F + F^2) x Dv (its 0th, 1st and 2nd-order blocks) and differentiates phi directly.
 
-Planned kernel (not built yet): bf16/fp16 with F = 16 and Dv = 64. Until it lands every input runs
-the reference, which accepts any F and Dv (on a GPU with a one-time warning); after, the
-reference keeps everything else (CPU, fp32/fp64, other F or Dv).
+Kernels: the forward runs a Hopper kernel (csrc/kernels/based_attention) for bf16/fp16 on a
+GPU of compute capability 9.0 with F = 16 and Dv a multiple of 32 up to 256 (strided views with a
+unit last stride and 16-byte aligned strides, any N >= 1). The backward has no kernel yet: its
+reference runs on every device. Everything else (CPU, fp32/fp64, other F or Dv) runs the
+reference, which accepts any F and Dv (on a GPU with a one-time warning).
 
 flash-linear-attention computes the same thing: its parallel_based / fused_chunk_based apply
 the Taylor map inside as s = (q * scale) . k, 1 + s + s^2/2, with scale defaulting to F**-0.5,
