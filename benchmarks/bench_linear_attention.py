@@ -22,7 +22,7 @@ baseline_ms, ratio (baseline_ms / ours_ms: above 1 we are faster), floor_ms, the
 floor each reaches, and the error of a baseline that could not run. Writes
 benchmarks/results/linear_attention.json and linear_attention.png (and into --out).
 
-  python3 -m benchmarks.bench_linear_attention [--out DIR] [--only based|generic]
+  python3 -m benchmarks.bench_linear_attention [--out DIR] [--only based|generic] [--pass fwd|fwd+bwd]
                                   benchmark (after the correctness sweep)
   python3 -m benchmarks.bench_linear_attention --check
                                   only the correctness sweep: small odd shapes, strided views,
@@ -194,7 +194,7 @@ def make_row(shape: Shape, pass_: str, baseline: str, ours_ms: Optional[float], 
     return row
 
 
-def measure(shape: Shape, device, timer: Callable, copy_gbps: Optional[float]) -> list[dict]:
+def measure(shape: Shape, device, timer: Callable, copy_gbps: Optional[float], passes=PASSES) -> list[dict]:
     """The rows of one shape: per pass, ours against each baseline (ours timed once per pass)."""
     baselines, missing = fla_baselines(shape.kind)
     ours_fn = ours(shape.kind)
@@ -214,7 +214,7 @@ def measure(shape: Shape, device, timer: Callable, copy_gbps: Optional[float]) -
     del first_ours, first_fla, ours_out
 
     rows = []
-    for pass_ in PASSES:
+    for pass_ in passes:
         backward = pass_ == "fwd+bwd"
         bytes_per_set = shape.hbm_bytes(pass_, DTYPE.itemsize)
         sets = [input_set(shape, device, DTYPE, backward) for _ in range(rotation_count(bytes_per_set, device))]
@@ -368,6 +368,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--check", action="store_true", help="only the correctness sweep")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, no timing: build and print the rows")
     parser.add_argument("--only", choices=tuple(BASELINES), help="only the Based or only the generic shapes")
+    parser.add_argument("--pass", dest="passes", choices=PASSES, action="append",
+                        help="only this pass (repeatable; default: both)")
     return parser.parse_args(argv)
 
 
@@ -405,7 +407,7 @@ def main(argv=None) -> None:
     )
     rows = []
     for shape in selected_shapes(args):
-        shape_rows = measure(shape, "cuda", common.time_ms, copy)
+        shape_rows = measure(shape, "cuda", common.time_ms, copy, tuple(args.passes or PASSES))
         report(shape_rows)
         rows += shape_rows
         # written after every shape, so a run cut short keeps what it measured

@@ -82,7 +82,7 @@ struct forward_kernel : based_plan {
   using feature_rows = register_tile<T, BASE_TILE, SLAB_FEATURES>;  // a warp's rows of a phi(.) operand
   using small_tile = register_tile<float, FEATURES, FEATURES>;
   using row_vector = per_row_vector<output, float>;
-  using position_vector = per_col_vector<feature_rows, float>;
+  using position_vector = per_col_vector<feature_rows>;  // 16-bit: the products run packed
 
   struct stage {
     qk_tile q, k;
@@ -168,7 +168,7 @@ struct forward_kernel : based_plan {
     if (slab < SECOND_ORDER_SLABS) {
 #pragma unroll
       for (int kb = 0; kb < WARPGROUP_WARPS; ++kb) {
-        per_row_vector<query_rows, float> q_a;
+        per_row_vector<query_rows> q_a;
         warp::column(q_a, q, slab * WARPGROUP_WARPS + kb);
         query_rows block;
         warp::mul_row(block, q, q_a);

@@ -35,11 +35,11 @@ __device__ __forceinline__ typename Tile::pair_type line_pair(const Tile& src, i
 }
 
 template <typename Pair>
-__device__ __forceinline__ float2 shuffle_pair(Pair pair, int lane) {
+__device__ __forceinline__ Pair shuffle_pair(Pair pair, int lane) {
   if constexpr (std::is_same_v<Pair, float2>) {
     return {__shfl_sync(ALL_LANES, pair.x, lane), __shfl_sync(ALL_LANES, pair.y, lane)};
   } else {
-    return to_float2(pair_from_bits<Pair>(__shfl_sync(ALL_LANES, pair_bits(pair), lane)));
+    return pair_from_bits<Pair>(__shfl_sync(ALL_LANES, pair_bits(pair), lane));
   }
 }
 
@@ -61,9 +61,9 @@ __device__ __forceinline__ void line(V& dst, const Tile& src, int index) {
     for_each_slot<V>([&](int vb, int s) {
       if (s % fragment::PAIR != 0) return;
       const int h = s / fragment::PAIR;
-      const float2 pair = shuffle_pair(line_pair<FIXED>(src, block, fixed_half, vb, h), source);
-      dst.values[vb][s] = numeric<typename V::element>::from_float(pair.x);
-      dst.values[vb][s + 1] = numeric<typename V::element>::from_float(pair.y);
+      const auto pair = shuffle_pair(line_pair<FIXED>(src, block, fixed_half, vb, h), source);
+      dst.values[vb][s] = convert<typename V::element>(pair.x);
+      dst.values[vb][s + 1] = convert<typename V::element>(pair.y);
     });
   } else {
     // The line crosses the pairs: element within % PAIR of thread (within % CORE) / PAIR of this
@@ -71,9 +71,8 @@ __device__ __forceinline__ void line(V& dst, const Tile& src, int index) {
     const int source = fragment::group_id() * fragment::THREADS_PER_GROUP + (within % fragment::CORE) / fragment::PAIR;
     const bool second = within % fragment::PAIR != 0;
     for_each_slot<V>([&](int vb, int h) {
-      const float2 pair = to_float2(line_pair<FIXED>(src, block, fixed_half, vb, h));
-      const float value = __shfl_sync(ALL_LANES, second ? pair.y : pair.x, source);
-      dst.values[vb][h] = numeric<typename V::element>::from_float(value);
+      const auto pair = shuffle_pair(line_pair<FIXED>(src, block, fixed_half, vb, h), source);
+      dst.values[vb][h] = convert<typename V::element>(second ? pair.y : pair.x);
     });
   }
 }
