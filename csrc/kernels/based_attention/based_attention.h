@@ -3,7 +3,7 @@
 // denominators. Plain C++ (no torch): csrc/torch/based_attention.cpp calls it.
 //
 // q, k are (B, H, N, F) and v (B, H, N, Dv) views with a unit last stride and any other strides
-// (in elements); the kernels take F = 16 and Dv a multiple of 32 up to 256.
+// (in elements); the kernels take F = 16 and Dv a multiple of 32 up to 256, forward and backward.
 #pragma once
 
 #include <cuda_runtime.h>
