@@ -56,6 +56,7 @@ FAMILIES = (
     )),
     Family("based_attention", op="based_attention", bench="linear_attention", profiles=(
         Profile("based_fwd_n4096", "based::.*forward_kernel", 1),
+        Profile("based_bwd_n4096", "based::.*(statistics_kernel|dq_kernel|dkdv_kernel|reduce_kernel)", 4),
     )),
     Family("rope", op="rope_qk", bench="rope"),
     Family("layer_norm", op="layer_norm", bench="norms", profiles=(

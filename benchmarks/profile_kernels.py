@@ -41,10 +41,14 @@ def attention(batch: int, heads: int, n: int, d: int, backward: bool):
     return lambda: torch.ops.tk.attention_bwd.default(grad, None, q, k, v, out, lse, False, scale)
 
 
-def based_attention(batch: int, heads: int, n: int):
+def based_attention(batch: int, heads: int, n: int, backward: bool = False):
     q, k = (torch.randn(batch, heads, n, 16, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     v = torch.randn(batch, heads, n, 64, device="cuda", dtype=torch.bfloat16)
-    return lambda: torch.ops.tk.based_attention.default(q, k, v, 1e-6, True)
+    if not backward:
+        return lambda: torch.ops.tk.based_attention.default(q, k, v, 1e-6, True)
+    out, denominator = torch.ops.tk.based_attention.default(q, k, v, 1e-6, True)
+    grad = torch.randn_like(out)
+    return lambda: torch.ops.tk.based_attention_bwd.default(grad, q, k, v, out, denominator, 1e-6, True)
 
 
 def layer_norm_backward(rows: int, hidden: int):
@@ -65,6 +69,7 @@ CASES = {
     "attention_fwd_d128_n8192": lambda: attention(2, 16, 8192, 128, backward=False),
     "attention_bwd_d128_n8192": lambda: attention(2, 16, 8192, 128, backward=True),
     "based_fwd_n4096": lambda: based_attention(8, 16, 4096),
+    "based_bwd_n4096": lambda: based_attention(8, 16, 4096, backward=True),
     # one warp per row at 1024, four at 4096 (norms_notes.md compares the two)
     "layer_norm_bwd_h1024": lambda: layer_norm_backward(32768, 1024),
     "layer_norm_bwd_h4096": lambda: layer_norm_backward(32768, 4096),

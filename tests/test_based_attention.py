@@ -286,3 +286,104 @@ def test_unsupported_inputs_fall_back_to_reference(dtype, f, dv):
     q, k, v = make_inputs(77, f=f, dv=dv, dtype=dtype, device="cuda")
     out = tk_ops.based_attention(q, k, v)
     assert_rel_close(out, naive_based_attention(q, k, v, True, 1e-12), TOLERANCE[dtype])
+
+
+# ------------------------------------------------------------------------------- GPU backward kernel
+
+
+def reference_based_attention_bwd(grad_out, q, k, v, out, denominator, normalize, eps):
+    """The op's chunked reference backward in float64 (checked against autograd of the naive form above)."""
+    as64 = [t.double() for t in (grad_out, q, k, v, out, denominator)]
+    return based_attention_module._based_attention_bwd_reference(*as64, eps, normalize)
+
+
+@tk_testing.requires_kernel("based_attention_bwd")
+@pytest.mark.parametrize("dv", [32, 64, 128])
+@pytest.mark.parametrize("n", [1, 17, 64, 77, 1000])
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_backward_kernel_matches_float64(dtype, normalize, n, dv):
+    q, k, v = make_inputs(n, f=16, dv=dv, dtype=dtype, device="cuda", requires_grad=True)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out = tk_ops.based_attention(q, k, v, normalize=normalize)
+    ref = naive_based_attention(q64, k64, v64, normalize, 1e-12)
+    # One position, normalised: out = v whatever q and k (see test_kernel_matches_float64).
+    names = "v" if normalize and n == 1 else "qkv"
+    inputs, reference_inputs = ((q, k, v), (q64, k64, v64)) if names == "qkv" else ((v,), (v64,))
+    tk_testing.assert_gradients_close(out, inputs, ref, reference_inputs, 3 * TOLERANCE[dtype], names)
+
+
+@tk_testing.requires_kernel("based_attention_bwd")
+@pytest.mark.parametrize("n, dv", [(4097, 64), (300, 256)])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_backward_kernel_long_sequences_and_poisoned_allocations(normalize, n, dv):
+    """The backward op against the reference backward on the same forward outputs; NaN left in free memory
+    shows any output (or workspace row) the kernels forget to write."""
+    q, k, v = make_inputs(n, f=16, dv=dv, dtype=torch.bfloat16, device="cuda")
+    out, denominator = based_attention_module.based_attention_op(q, k, v, 1e-12, normalize)
+    grad_out = torch.randn_like(out)
+    poisoned_allocations(4 * (q.numel() + k.numel()) * (dv // 32 + 1) + 2 * v.numel())
+    grads = based_attention_module.based_attention_bwd_op(grad_out, q, k, v, out, denominator, 1e-12, normalize)
+    expected = reference_based_attention_bwd(grad_out, q, k, v, out, denominator, normalize, 1e-12)
+    for name, got, want in zip("qkv", grads, expected):
+        assert got.dtype == torch.bfloat16 and got.is_contiguous()
+        assert_rel_close(got, want, 3 * TOLERANCE[torch.bfloat16], f"grad_{name}")
+
+
+@tk_testing.requires_kernel("based_attention_bwd")
+@pytest.mark.parametrize("normalize", [False, True])
+def test_backward_kernel_strided_views(normalize):
+    """(B, N, H, *) views of q, k, grad_out and a column slice of v reach the kernels as they are and give
+    the gradients of contiguous copies, bit for bit."""
+    b, n, h = 2, 300, 3
+    q, k = (torch.randn(b, n, h, 16, dtype=torch.bfloat16, device="cuda").transpose(1, 2) for _ in range(2))
+    v = torch.randn(b, h, n, 96, dtype=torch.bfloat16, device="cuda")[..., 16:80]
+    grad_out = torch.randn(b, n, h, 64, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+    out, denominator = based_attention_module.based_attention_op(q, k, v, 1e-12, normalize)
+    with tk_testing.RecordTkCalls() as calls:
+        grads = based_attention_module.based_attention_bwd_op(grad_out, q, k, v, out, denominator, 1e-12, normalize)
+    assert calls.calls["based_attention_bwd"][0][0].data_ptr() == grad_out.data_ptr()
+    contiguous = [t.contiguous() for t in (grad_out, q, k, v)]
+    expected = based_attention_module.based_attention_bwd_op(*contiguous, out, denominator, 1e-12, normalize)
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@tk_testing.requires_kernel("based_attention_bwd")
+def test_backward_kernel_cuda_graph_capture_and_replay():
+    """Forward and backward captured in one graph replay the eager numbers on new inputs."""
+    shape_inputs = lambda: make_inputs(500, f=16, dv=64, dtype=torch.bfloat16, device="cuda")  # noqa: E731
+    static = [t.clone() for t in shape_inputs()]
+    static_grad = torch.randn(B, H, 500, 64, dtype=torch.bfloat16, device="cuda")
+
+    def forward_backward():
+        out, denominator = based_attention_module.based_attention_op(*static, 1e-12, True)
+        return based_attention_module.based_attention_bwd_op(static_grad, *static, out, denominator, 1e-12, True)
+
+    expected = [t.clone() for t in forward_backward()]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        forward_backward()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        grads = forward_backward()
+    for dst, src in zip(static, shape_inputs()):
+        dst.copy_(src)
+    static_grad.copy_(torch.randn_like(static_grad))
+    graph.replay()
+    eager = forward_backward()
+    for got, want, before in zip(grads, eager, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert not torch.equal(got, before)
+
+
+@tk_testing.requires_kernel("based_attention_bwd")
+@pytest.mark.parametrize("dtype, f, dv", [(torch.float32, 16, 64), (torch.bfloat16, 8, 64), (torch.bfloat16, 16, 48)])
+def test_backward_unsupported_inputs_fall_back_to_reference(dtype, f, dv):
+    q, k, v = make_inputs(77, f=f, dv=dv, dtype=dtype, device="cuda", requires_grad=True)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out = tk_ops.based_attention(q, k, v)
+    ref = naive_based_attention(q64, k64, v64, True, 1e-12)
+    tk_testing.assert_gradients_close(out, (q, k, v), ref, (q64, k64, v64), 3 * TOLERANCE[dtype], "qkv")

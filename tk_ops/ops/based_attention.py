@@ -28,9 +28,14 @@ size (1 + F + F^2) x Dv (its 0th, 1st and 2nd-order blocks) and differentiates p
 
 Kernels: the forward runs a Hopper kernel (csrc/kernels/based_attention) for bf16/fp16 on a
 GPU of compute capability 9.0 with F = 16 and Dv a multiple of 32 up to 256 (strided views with a
-unit last stride and 16-byte aligned strides, any N >= 1). The backward has no kernel yet: its
-reference runs on every device. Everything else (CPU, fp32/fp64, other F or Dv) runs the
-reference, which accepts any F and Dv (on a GPU with a one-time warning).
+unit last stride and 16-byte aligned strides, any N >= 1). The backward runs Hopper kernels on the
+same inputs (grad_out, and out when normalising, under v's layout rules; denominator fp32 and
+contiguous): a per-row statistics kernel (normalised only: 1/d and -(g . out)/d), a forward
+sweep for grad_q, a reverse sweep for grad_k and grad_v (both per 32 value columns, phi only in
+registers) and a kernel that adds the per-value-block fp32 partials of grad_q and grad_k; the
+gradients come back contiguous in the input dtype. Everything else (CPU, fp32/fp64, other F or
+Dv, other layouts) runs the reference, which accepts any F and Dv (on a GPU with a one-time
+warning).
 
 flash-linear-attention computes the same thing: its parallel_based / fused_chunk_based apply
 the Taylor map inside as s = (q * scale) . k, 1 + s + s^2/2, with scale defaulting to F**-0.5,

@@ -24,6 +24,7 @@
 // q_b k_b / sqrt(F). Positions past N arrive as zeros from TMA and only reach rows that are never
 // stored, or the moments after the last chunk, which nothing reads.
 #include "based_attention.h"
+#include "based_attention.cuh"
 #include "kernels/common/heads_layout.cuh"
 #include "tk/tk.cuh"
 
@@ -33,32 +34,6 @@ namespace {
 using warpgroup::operand_major;
 
 using kernel_dtypes = one_of<element_type::bf16, element_type::fp16>;
-
-constexpr int FEATURES = 16;               // F: the kernel's q/k feature dim
-constexpr int CHUNK = warpgroup::WGMMA_M;  // positions per chunk: the rows of one wgmma
-constexpr int VALUE_BLOCK = 32;            // value columns per task (two tasks per head at Dv = 64)
-constexpr int SLAB_FEATURES = warpgroup::WGMMA_M;  // features per slab: the rows of one wgmma
-constexpr int SECOND_ORDER_SLABS = FEATURES * FEATURES / SLAB_FEATURES;
-constexpr int SLABS = SECOND_ORDER_SLABS + 1;  // and the lower-order slab last
-constexpr int FEATURES_PER_WARP = FEATURES * FEATURES / (SECOND_ORDER_SLABS * WARPGROUP_WARPS);
-static_assert(FEATURES_PER_WARP == BASE_TILE && FEATURES == BASE_TILE,
-              "a warp's slab rows are one first feature a times the 16 second features b");
-
-// The lower-order slab's warps: first-order features k_b, then the constant feature in row 0.
-constexpr int FIRST_ORDER_WARP = 0;
-constexpr int ZEROTH_ORDER_WARP = 1;
-
-// s = q.k / sqrt(F); phi(q).phi(k) = 1 + s + s^2 / 2.
-constexpr float SCORE_SCALE = 0.25f;
-static_assert(SCORE_SCALE * SCORE_SCALE * FEATURES == 1.0f, "SCORE_SCALE is 1 / sqrt(F)");
-constexpr float SECOND_ORDER_SCALE = 0.5f * SCORE_SCALE * SCORE_SCALE;  // of q_a q_b k_a k_b
-
-struct taylor_score {
-  __device__ static float apply(float qk) {
-    const float s = qk * SCORE_SCALE;
-    return 1.0f + s + 0.5f * s * s;
-  }
-};
 
 struct based_plan {
   static constexpr int consumer_warpgroups = 1;
@@ -77,12 +52,12 @@ struct forward_kernel : based_plan {
   using weights = register_tile<T, BASE_TILE, CHUNK>;           // A = taylor(S) as a wgmma operand
   using output = warpgroup::accumulator<VALUE_BLOCK>;
   using moments = warpgroup::accumulator<VALUE_BLOCK>;
-  using query_rows = register_tile<T, BASE_TILE, FEATURES>;     // the warp's 16 queries
-  using key_cols = register_tile<T, CHUNK, FEATURES, register_layout::col>;  // the chunk's keys, K x F
-  using feature_rows = register_tile<T, BASE_TILE, SLAB_FEATURES>;  // a warp's rows of a phi(.) operand
-  using small_tile = register_tile<float, FEATURES, FEATURES>;
+  using slabs = taylor_slabs<T>;
+  using query_rows = typename slabs::position_rows;  // the warp's 16 queries
+  using key_cols = typename slabs::position_cols;    // the chunk's keys, K x F
+  using feature_rows = typename slabs::slab_rows;    // a warp's rows of a phi(.) operand
+  using small_tile = typename slabs::small_tile;
   using row_vector = per_row_vector<output, float>;
-  using position_vector = per_col_vector<feature_rows>;  // 16-bit: the products run packed
 
   struct stage {
     qk_tile q, k;
@@ -144,75 +119,11 @@ struct forward_kernel : based_plan {
 
   // ------------------------------------------------------------------------------ consumers
 
-  // Warp rows of slab t's phi(K)^T: features (a, b), b = 0..15, over the chunk's positions j:
-  // K^T with column j scaled by k_ja (a = 4 t + warp); for the lower-order slab k_jb (first-order
-  // warp), 1 in row 0 (zeroth-order warp) or nothing.
-  __device__ static void key_features(feature_rows& dst, const key_cols& k, int slab) {
-    const int warp = warp_in_warpgroup();
-    if (slab < SECOND_ORDER_SLABS) {
-      position_vector k_a;
-      warp::column(k_a, k, slab * WARPGROUP_WARPS + warp);
-      warp::transpose(dst, k);
-      warp::mul_col(dst, dst, k_a);
-    } else if (warp == FIRST_ORDER_WARP) {
-      warp::transpose(dst, k);
-    } else {
-      warp::fill(dst, warp == ZEROTH_ORDER_WARP ? 1.0f : 0.0f);
-      warp::mask(dst, {0, 0}, [](int row, int) { return row == 0; }, 0.0f);
-    }
-  }
-
-  // The warp's queries' phi_t(q) over slab t's features: k16 block kb is q scaled by q_a
-  // (a = 4 t + kb); for the lower-order slab q itself, then the constant 1 in the first column.
-  __device__ static void query_features(feature_rows& dst, const query_rows& q, int slab) {
-    if (slab < SECOND_ORDER_SLABS) {
-#pragma unroll
-      for (int kb = 0; kb < WARPGROUP_WARPS; ++kb) {
-        per_row_vector<query_rows> q_a;
-        warp::column(q_a, q, slab * WARPGROUP_WARPS + kb);
-        query_rows block;
-        warp::mul_row(block, q, q_a);
-        set_block(dst, block, kb);
-      }
-    } else {
-      query_rows constant;
-      warp::fill(constant, 1.0f);
-      warp::mask(constant, {0, 0}, [](int, int col) { return col == 0; }, 0.0f);
-      warp::zero(dst);
-      warp::set_columns<0>(dst, q);
-      warp::set_columns<BASE_TILE>(dst, constant);
-    }
-  }
-
-  __device__ static void set_block(feature_rows& dst, const query_rows& block, int kb) {
-    switch (kb) {
-      case 0: warp::set_columns<0 * BASE_TILE>(dst, block); break;
-      case 1: warp::set_columns<1 * BASE_TILE>(dst, block); break;
-      case 2: warp::set_columns<2 * BASE_TILE>(dst, block); break;
-      default: warp::set_columns<3 * BASE_TILE>(dst, block); break;
-    }
-  }
-
-  // What a slab's copy is scaled by so that raw q products give phi(q) . phi(k) terms.
-  __device__ static float copy_scale(int slab) {
-    if (slab < SECOND_ORDER_SLABS) return SECOND_ORDER_SCALE;
-    return warp_in_warpgroup() == FIRST_ORDER_WARP ? SCORE_SCALE : 1.0f;
-  }
-
   // den_i += (earlier positions) + q_i . (key_sum / sqrt(F) + key_gram q_i / (2 F)).
   __device__ static void add_earlier_denominator(row_vector& den, const consumer_state& st, const query_rows& q,
                                                  int earlier) {
-    small_tile scaled;
-    warp::mul(scaled, st.key_gram, float(SECOND_ORDER_SCALE));
-    register_tile<T, FEATURES, FEATURES, register_layout::col> gram;
-    warp::transpose(gram, scaled);  // key_gram is symmetric: its transpose is itself, as a B operand
     small_tile t;
-    warp::zero(t);
-    warp::mma_AB(t, q, gram, t);
-    per_col_vector<small_tile> first_order;
-    warp::row(first_order, st.key_sum, 0);
-    warp::mul(first_order, first_order, float(SCORE_SCALE));
-    warp::add_col(t, t, first_order);
+    slabs::moment_rows(t, st.key_gram, st.key_sum, q, SECOND_ORDER_SCALE, SCORE_SCALE);
     warp::mul(t, t, q);
     row_vector quadratic;
     warp::row_sum(quadratic, t);
@@ -274,14 +185,14 @@ struct forward_kernel : based_plan {
       if (has_earlier) {
 #pragma unroll
         for (int t = 0; t < SLABS; ++t) {
-          query_features(operand[t % 2], q, t);
+          slabs::rows(operand[t % 2], q, t);
           issue(o, operand[t % 2], ctx.scratch.moments[t]);
           warpgroup::wait<1>(operand[(t + 1) % 2], a);
         }
       }
 #pragma unroll
       for (int t = 0; t < SLABS; ++t) {
-        key_features(operand[(t + 1) % 2], k, t);
+        slabs::transposed(operand[(t + 1) % 2], k, t);
         issue(st.m[t], operand[(t + 1) % 2], s.v);
         warpgroup::wait<1>(operand[t % 2], a);
       }
@@ -314,7 +225,7 @@ struct forward_kernel : based_plan {
 #pragma unroll
       for (int t = 0; t < SLABS; ++t) {
         moments scaled;
-        warp::mul(scaled, st.m[t], copy_scale(t));
+        warp::mul(scaled, st.m[t], slabs::copy_scale(t));
         warpgroup::store<0>(ctx.scratch.moments[t], scaled);
       }
     }
@@ -337,26 +248,6 @@ struct forward_kernel : based_plan {
 };
 
 // ----------------------------------------------------------------------------------- host
-
-constexpr int64_t MAX_GRID_TASKS = (int64_t(1) << 31) - 1;
-constexpr int64_t MAX_SEQUENCE = int64_t(1) << 30;  // TMA's 32-bit coordinates, with room
-constexpr int MAX_VALUE_DIM = 256;
-
-std::string shape_reason(const forward_problem& p) {
-  if (p.q.dim != FEATURES) return "the feature dim must be " + std::to_string(FEATURES);
-  if (p.v.dim % VALUE_BLOCK != 0 || p.v.dim > MAX_VALUE_DIM) {
-    return "the value dim must be a multiple of " + std::to_string(VALUE_BLOCK) + " up to " +
-           std::to_string(MAX_VALUE_DIM);
-  }
-  for (const heads_view* t : {&p.k, &p.v}) {
-    if (t->batch != p.q.batch || t->heads != p.q.heads || t->rows != p.q.rows) return "q, k and v must match";
-  }
-  if (p.k.dim != p.q.dim) return "q and k must share the feature dim";
-  if (p.q.batch < 1 || p.q.heads < 1 || p.q.rows < 1) return "every size must be at least 1";
-  if (p.q.rows > MAX_SEQUENCE) return "the sequence must fit TMA coordinates";
-  if (p.q.batch * p.q.heads * (p.v.dim / VALUE_BLOCK) > MAX_GRID_TASKS) return "B * H * Dv / 32 must fit one grid";
-  return {};
-}
 
 template <typename T>
 std::string layout_reasons(const forward_problem& pr) {
@@ -399,7 +290,7 @@ auto dispatch(const forward_problem& p, F&& f) {
 
 std::string unsupported_reason(const forward_problem& p) {
   if (!kernel_dtypes::contains(p.dtype)) return "the kernels take bf16 and fp16";
-  if (std::string r = shape_reason(p); !r.empty()) return r;
+  if (std::string r = shape_reason(p.q, p.k, p.v); !r.empty()) return r;
   return dispatch(p, [&]<typename T>() { return layout_reasons<T>(p); });
 }
 

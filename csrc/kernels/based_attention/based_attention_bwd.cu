@@ -1,0 +1,807 @@
+// Based attention backward: grad_q, grad_k, grad_v of the causal Taylor linear attention.
+//
+// With s_ij = q_i . k_j / 4, A_ij = 1 + s + s^2 / 2 (j <= i), g = grad_out and, normalised,
+// d_i = denominator_i + eps:
+//   g~_i = g_i / d_i,  c_i = -(g_i . out_i) / d_i       (unnormalised: g~ = g, c = 0)
+//   dA_ij = g~_i . v_j + c_i,   dS_ij = dA_ij (1 + s_ij) / 4
+//   grad_q = dS K,  grad_k = dS^T Q,  grad_v = A^T G~
+// (c is the gradient of the denominator, i.e. of a value column of ones.)
+//
+// Four launches on one stream, no atomics (bitwise reproducible):
+//   statistics_kernel   (normalised only) per row: 1 / d_i and c_i, over all Dv columns
+//   dq_kernel           one task = one (batch, head) and a 32-column value block; walks the chunks
+//                       first to last like the forward, keeping the forward's moments of phi(k) v^T
+//                       (five slabs of wgmma accumulators) and, for c, sum k k^T and sum k:
+//                         S = Q K^T, dP = G V^T;  dS = tril(dP / d + c) (1 + S/4) / 4
+//                         grad_q = dS K  +  VJP_phi(q)[(moments^T g~)  +  c (moments of phi(k))]
+//                       where moments^T g~ is G times each slab's copy (one 64 x 64 wgmma per slab)
+//                       contracted with q per row
+//   dkdv_kernel         its mirror: walks the chunks last to first keeping R = sum_{i later}
+//                       phi(q_i) g~_i^T (five slabs) and, for c, sum c q q^T and sum c q:
+//                         S^T = K Q^T, dP^T = V G^T;  keys j are rows, queries i >= j columns
+//                         grad_v = triu(A^T) G~  +  phi(K) R
+//                         grad_k = triu(dS^T) Q  +  VJP_phi(k)[R v + (moments of c phi(q))]
+//   reduce_kernel       grad_q and grad_k: the sum over value blocks of the fp32 partials that
+//                       dq_kernel and dkdv_kernel write (grad_q and grad_k contract over all of Dv),
+//                       converted to the input dtype
+// The c terms belong to value block 0 alone. grad_v needs no reduction: its columns are the block's.
+//
+// VJP of phi at x applied to u (the slab copies fold phi's constants in, see based_attention.cuh):
+// d/dx_a [sum_bc x_b x_c U_(b,c) + sum_b x_b U_b] = 2 sum_b x_b U_(a,b) + U_a, U being symmetric in
+// (a, b) (a moment of y y^T). Positions past N arrive as zeros from TMA with zero statistics, so they
+// add nothing to the states, and reach only rows that are never stored.
+#include "based_attention.h"
+#include "based_attention.cuh"
+#include "kernels/common/heads_layout.cuh"
+#include "tk/tk.cuh"
+
+namespace tk::based {
+namespace {
+
+using warpgroup::operand_major;
+
+using kernel_dtypes = one_of<element_type::bf16, element_type::fp16>;
+
+// Rows of the workspace's per-row arrays: whole chunks, so kernels read and write them unbounded.
+__host__ __device__ inline int64_t padded_rows(int64_t rows) { return round_up<int64_t>(rows, CHUNK); }
+
+// ds / d(q.k) per unit dA: f'(s) / sqrt(F) with f(s) = 1 + s + s^2 / 2.
+struct taylor_slope_times {
+  __device__ static float apply(float grad, float qk) { return grad * (1.0f + qk * SCORE_SCALE) * SCORE_SCALE; }
+};
+
+// What both gradient kernels read: the partial gradients' and statistics' places in the workspace.
+struct gradient_shape {
+  int rows, heads, batch, value_blocks;
+  int padded;  // padded_rows(rows)
+  bool normalize;
+  float* partial_q;            // [value block][batch * heads][padded][F]
+  float* partial_k;
+  const float* inverse_denominator;  // [batch * heads][padded]: 1 / d_i (0 past N); normalised only
+  const float* denominator_grad;     // [batch * heads][padded]: c_i (0 past N); normalised only
+
+  __device__ int64_t row_offset(const pipeline::head_block& task) const {
+    return (int64_t(task.batch) * heads + task.head) * padded;
+  }
+  __device__ float* partial(float* base, const pipeline::head_block& task, int row) const {
+    return base + ((int64_t(task.block) * batch * heads) * padded + row_offset(task) + row) * FEATURES;
+  }
+};
+
+struct backward_plan {
+  static constexpr int consumer_warpgroups = 1;
+  static constexpr int stages = 3;
+  static constexpr int blocks_per_sm = 2;  // one warpgroup per task: two tasks share an SM
+  static constexpr int producer_registers = 24;
+  static constexpr int consumer_registers = 232;
+};
+
+// The parts the two gradient kernels share.
+template <typename T>
+struct gradient_common : backward_plan {
+  using qk_tile = shared_tile<T, CHUNK, FEATURES>;
+  using value_tile = shared_tile<T, CHUNK, VALUE_BLOCK>;           // v, grad_out (and grad_v's staging)
+  using state_tile = shared_tile<T, SLAB_FEATURES, VALUE_BLOCK>;   // a slab's scaled copy
+  using scores = warpgroup::accumulator<CHUNK>;                    // a warp's 16 rows x 64 columns
+  using slab_products = warpgroup::accumulator<SLAB_FEATURES>;     // 16 positions x a slab's features
+  using weights = register_tile<T, BASE_TILE, CHUNK>;              // a scores tile as a wgmma operand
+  using value_accumulator = warpgroup::accumulator<VALUE_BLOCK>;
+  using slabs = taylor_slabs<T>;
+  using position_rows = typename slabs::position_rows;
+  using position_cols = typename slabs::position_cols;
+  using slab_rows = typename slabs::slab_rows;
+  using small_tile = typename slabs::small_tile;                   // also a warp's 16 x F gradient
+  using row_vector = per_row_vector<scores, float>;                // the warp's 16 rows
+  using chunk_vector = per_col_vector<scores, float>;              // the chunk's 64 positions
+  static_assert(std::is_same_v<chunk_vector, typename slabs::template position_vector<true>> &&
+                    std::is_same_v<chunk_vector, per_row_vector<position_cols, float>>,
+                "one vector type serves every per-position use");
+  using gradient = warpgroup::accumulator<FEATURES>;
+  static_assert(std::is_same_v<gradient, small_tile>, "the F-wide gradient accumulator is the small tile");
+
+  struct stage {
+    qk_tile q, k;
+    value_tile v, g;
+  };
+  static constexpr uint32_t stage_bytes[] = {2 * qk_tile::bytes + 2 * value_tile::bytes};
+
+  enum class barrier_id : int {
+    chunk_done = FIRST_NAMED_BARRIER,  // the warpgroup's products of a chunk are done
+    copies_written,                    // the states' copies (and grad_v's tile) are written
+    count,
+  };
+  static_assert(fits_named_barriers<barrier_id>());
+
+  __device__ static void load_chunk(const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& v,
+                                    const CUtensorMap& g, pipeline::head_block task, int chunk, stage& s,
+                                    mbarrier& full) {
+    const int qk_index[4] = {task.batch, task.head, chunk * CHUNK, 0};
+    const int v_index[4] = {task.batch, task.head, chunk * CHUNK, task.block * VALUE_BLOCK};
+    tma::load(s.q, q, full, qk_index);
+    tma::load(s.k, k, full, qk_index);
+    tma::load(s.v, v, full, v_index);
+    tma::load(s.g, g, full, v_index);
+  }
+
+  // dst[:, col] += scale * column, for a column index the same on every lane.
+  __device__ static void add_column(small_tile& dst, const per_row_vector<small_tile, float>& column, int col,
+                                    float scale) {
+    for_each_pair<small_tile>([&](int br, int bc, int q) {
+      const float value = scale * column.values[br][fragment::row_half(q)];
+      auto& pair = dst.pairs[br][bc][q];
+      if (fragment::pair_element_coord<register_layout::row>(q, 0).col + BASE_TILE * bc == col) pair.x += value;
+      if (fragment::pair_element_coord<register_layout::row>(q, 1).col + BASE_TILE * bc == col) pair.y += value;
+    });
+  }
+
+  // dst += the VJP of phi at the warp's positions x applied to slab t's part of u (products: x's
+  // positions times the slab's features, the copies' scales included): 2 sum_b x_b u_(a,b) into
+  // column a = 4 t + kb for each k16 block kb; the first-order block as it stands.
+  __device__ static void add_feature_gradient(small_tile& dst, const slab_products& u, const position_rows& x,
+                                              int slab) {
+    if (slab < SECOND_ORDER_SLABS) {
+      const auto block_gradient = [&](const small_tile& block, int kb) {
+        small_tile weighted;
+        warp::mul(weighted, block, x);
+        per_row_vector<small_tile, float> sum;
+        warp::row_sum(sum, weighted);
+        add_column(dst, sum, slab * WARPGROUP_WARPS + kb, 2.0f);  // x_a x_b and x_b x_a: one term twice
+      };
+      block_gradient(warp::columns<0 * BASE_TILE, BASE_TILE>(u), 0);
+      block_gradient(warp::columns<1 * BASE_TILE, BASE_TILE>(u), 1);
+      block_gradient(warp::columns<2 * BASE_TILE, BASE_TILE>(u), 2);
+      block_gradient(warp::columns<3 * BASE_TILE, BASE_TILE>(u), 3);
+    } else {
+      static_assert(FIRST_ORDER_WARP == 0, "the first-order features are the lower-order slab's first block");
+      warp::add(dst, dst, warp::columns<0, FEATURES>(u));  // the constant feature has no gradient
+    }
+  }
+
+  // The chunk's statistics: 1 / d and c (1 and 0 unnormalised or, for c, outside value block 0).
+  template <typename V>
+  __device__ static void load_statistics(V& inverse_denominator, V& denominator_grad, const gradient_shape& sh,
+                                         const pipeline::head_block& task, int first_row, bool carries_delta) {
+    if (sh.normalize) {
+      warp::load(inverse_denominator, sh.inverse_denominator + sh.row_offset(task) + first_row);
+    } else {
+      warp::fill(inverse_denominator, 1.0f);
+    }
+    if (carries_delta) {
+      warp::load(denominator_grad, sh.denominator_grad + sh.row_offset(task) + first_row);
+    } else {
+      warp::zero(denominator_grad);
+    }
+  }
+
+  // Writes the states' scaled copies for the next chunk (not after the last) once every warp's
+  // products of this chunk are done reading the old ones.
+  template <typename States>
+  __device__ static void write_copies(state_tile (&copies)[SLABS], const States& states, bool more) {
+    if (!more) return;
+#pragma unroll
+    for (int t = 0; t < SLABS; ++t) {
+      value_accumulator scaled;
+      warp::mul(scaled, states[t], slabs::copy_scale(t));
+      warpgroup::store<0>(copies[t], scaled);
+    }
+  }
+};
+
+// ------------------------------------------------------------------------------------ grad_q
+
+template <typename T>
+struct dq_kernel : gradient_common<T> {
+  using base = gradient_common<T>;
+  using typename base::stage;
+  using typename base::state_tile;
+  using typename base::scores;
+  using typename base::slab_products;
+  using typename base::weights;
+  using typename base::value_accumulator;
+  using typename base::slabs;
+  using typename base::position_rows;
+  using typename base::position_cols;
+  using typename base::slab_rows;
+  using typename base::small_tile;
+  using typename base::row_vector;
+  using typename base::gradient;
+  using typename base::barrier_id;
+
+  struct scratch {
+    state_tile moments[SLABS];
+  };
+
+  struct params {
+    CUtensorMap q, k, v, grad_out;
+    gradient_shape shape;
+  };
+  using context = pipeline::task_context<dq_kernel>;
+  using inputs = pipeline::stage_inputs<dq_kernel>;
+
+  struct consumer_state {
+    value_accumulator m[SLABS];  // sum_j phi(k_j) v_j^T over the earlier chunks
+    small_tile key_gram;         // sum_j k_j k_j^T (value block 0, normalised)
+    small_tile key_sum;          // every row: sum_j k_j
+  };
+
+  __host__ __device__ static pipeline::head_block_order tasks(const params& p) {
+    return {p.shape.value_blocks, p.shape.heads, p.shape.batch, false};
+  }
+  __device__ static int iterations(const params& p, pipeline::head_block) { return ceil_div(p.shape.rows, CHUNK); }
+
+  __device__ static void prefetch(const params& p) {
+    tma::prefetch_descriptor(p.q);
+    tma::prefetch_descriptor(p.k);
+    tma::prefetch_descriptor(p.v);
+    tma::prefetch_descriptor(p.grad_out);
+  }
+
+  __device__ static void load(const params& p, pipeline::head_block task, int chunk, int, stage& s, mbarrier& full) {
+    base::load_chunk(p.q, p.k, p.v, p.grad_out, task, chunk, s, full);
+  }
+
+  __device__ static void compute(const context& ctx, consumer_state& st, inputs& in) {
+    const gradient_shape& sh = ctx.params.shape;
+    const int warp_row0 = warpgroup::warp_row();
+    const bool carries_delta = sh.normalize && ctx.task.block == 0;
+    for (int t = 0; t < SLABS; ++t) warp::zero(st.m[t]);
+    warp::zero(st.key_gram);
+    warp::zero(st.key_sum);
+
+    auto at = in.first();
+    for (int chunk = 0; chunk < ctx.iterations; ++chunk, at.advance()) {
+      const stage& s = in.wait(at);
+      const bool has_earlier = chunk > 0;
+
+      scores sc, dp;
+      warpgroup::fence();
+      warpgroup::mma<operand_major::k, operand_major::k>(sc, s.q, 0, s.k, 0, false);
+      warpgroup::mma<operand_major::k, operand_major::k>(dp, s.g, 0, s.v, 0, false);
+      warpgroup::commit();
+      row_vector inverse_denominator, denominator_grad;
+      base::load_statistics(inverse_denominator, denominator_grad, sh, ctx.task, chunk * CHUNK + warp_row0,
+                            carries_delta);
+      position_rows q;
+      warp::load(q, s.q, warp_row0, 0);
+      position_cols k;
+      warp::load(k, s.k);
+      warpgroup::wait<0>(sc, dp);
+
+      // Inside the chunk: dS = tril(dP / d + c) (1 + S/4) / 4, grad_q = dS K.
+      warp::mul_row(dp, dp, inverse_denominator);
+      warp::add_row(dp, dp, denominator_grad);
+      warp::map<taylor_slope_times>(dp, dp, sc);
+      warp::tril(dp, {warp_row0, 0}, 0, 0.0f);
+      weights ds;
+      warp::copy(ds, dp);
+      gradient grad;
+      warpgroup::fence();
+      warpgroup::mma<operand_major::mn>(grad, ds, s.k, 0, false);
+      warpgroup::commit();
+
+      // Earlier chunks: u = moments^T g per slab (G times the slab's copy), then its VJP.
+      small_tile earlier;
+      warp::zero(earlier);
+      if (has_earlier) {
+#pragma unroll
+        for (int t = 0; t < SLABS; ++t) {
+          slab_products u;
+          warpgroup::fence();
+          warpgroup::mma<operand_major::k, operand_major::k>(u, s.g, 0, ctx.scratch.moments[t], 0, false);
+          warpgroup::commit();
+          warpgroup::wait<0>(u, ds, grad);
+          base::add_feature_gradient(earlier, u, q, t);
+        }
+        warp::mul_row(earlier, earlier, inverse_denominator);
+        if (carries_delta) {
+          // c_i times the VJP of phi(q_i) . sum_j phi(k_j): key_sum / 4 + key_gram q_i / 16.
+          small_tile moment;
+          slabs::moment_rows(moment, st.key_gram, st.key_sum, q, 2.0f * SECOND_ORDER_SCALE, SCORE_SCALE);
+          warp::mul_row(moment, moment, denominator_grad);
+          warp::add(earlier, earlier, moment);
+        }
+      }
+
+      // This chunk into the moments. Each product's register operand stays pinned until the
+      // product after the next is issued.
+      slab_rows operand[2];
+#pragma unroll
+      for (int t = 0; t < SLABS; ++t) {
+        slabs::transposed(operand[t % 2], k, t);
+        warpgroup::fence();
+        warpgroup::mma<operand_major::mn>(st.m[t], operand[t % 2], s.v, 0, true);
+        warpgroup::commit();
+        warpgroup::wait<1>(operand[(t + 1) % 2], ds);
+      }
+      if (carries_delta) {
+        position_cols ones;
+        warp::fill(ones, 1.0f);
+        warp::mma_AtB(st.key_gram, k, k, st.key_gram);
+        warp::mma_AtB(st.key_sum, ones, k, st.key_sum);
+      }
+      warpgroup::wait<0>(grad, operand[0], operand[1]);
+#pragma unroll
+      for (int t = 0; t < SLABS; ++t) warpgroup::pin(st.m[t]);
+      in.release(at);
+
+      warp::add(grad, grad, earlier);
+      warp::store(sh.partial(sh.partial_q, ctx.task, chunk * CHUNK + warp_row0), FEATURES, grad);
+
+      barrier_sync(barrier_id::chunk_done, WARPGROUP_THREADS);
+      base::write_copies(ctx.scratch.moments, st.m, chunk + 1 < ctx.iterations);
+      fence_async_shared();  // the stmatrix writes must be visible to wgmma
+      barrier_sync(barrier_id::copies_written, WARPGROUP_THREADS);
+    }
+  }
+
+  __device__ static void store(const context&, consumer_state&) {}
+};
+
+// ------------------------------------------------------------------------------- grad_k, grad_v
+
+template <typename T>
+struct dkdv_kernel : gradient_common<T> {
+  using base = gradient_common<T>;
+  using typename base::stage;
+  using typename base::value_tile;
+  using typename base::state_tile;
+  using typename base::scores;
+  using typename base::slab_products;
+  using typename base::weights;
+  using typename base::value_accumulator;
+  using typename base::slabs;
+  using typename base::position_rows;
+  using typename base::position_cols;
+  using typename base::slab_rows;
+  using typename base::small_tile;
+  using typename base::chunk_vector;
+  using typename base::gradient;
+  using typename base::barrier_id;
+  // R and the products of the later chunks outgrow a 128-register share: one task per SM.
+  static constexpr int blocks_per_sm = 1;
+  static constexpr int consumer_registers = 256;
+
+  struct scratch {
+    state_tile states[SLABS];
+    value_tile staging[2];  // grad_v of alternate chunks, while TMA stores the other
+  };
+
+  struct params {
+    CUtensorMap q, k, v, grad_out, grad_v;
+    gradient_shape shape;
+  };
+  using context = pipeline::task_context<dkdv_kernel>;
+  using inputs = pipeline::stage_inputs<dkdv_kernel>;
+
+  struct consumer_state {
+    value_accumulator r[SLABS];  // sum_i phi(q_i) g~_i^T over the later chunks
+    small_tile query_gram;       // sum_i c_i q_i q_i^T (value block 0, normalised)
+    small_tile query_sum;        // every row: sum_i c_i q_i
+    int stores;                  // grad_v chunks stored so far (picks the staging tile)
+  };
+
+  __host__ __device__ static pipeline::head_block_order tasks(const params& p) {
+    return {p.shape.value_blocks, p.shape.heads, p.shape.batch, false};
+  }
+  __device__ static int iterations(const params& p, pipeline::head_block) { return ceil_div(p.shape.rows, CHUNK); }
+  // Iteration i works on chunk last - i.
+  __device__ static int chunk_of(const params& p, int iteration) {
+    return iterations(p, {}) - 1 - iteration;
+  }
+
+  __device__ static void prefetch(const params& p) {
+    tma::prefetch_descriptor(p.q);
+    tma::prefetch_descriptor(p.k);
+    tma::prefetch_descriptor(p.v);
+    tma::prefetch_descriptor(p.grad_out);
+    tma::prefetch_descriptor(p.grad_v);
+  }
+
+  __device__ static void load(const params& p, pipeline::head_block task, int iteration, int, stage& s,
+                              mbarrier& full) {
+    base::load_chunk(p.q, p.k, p.v, p.grad_out, task, chunk_of(p, iteration), s, full);
+  }
+
+  __device__ static void compute(const context& ctx, consumer_state& st, inputs& in) {
+    const gradient_shape& sh = ctx.params.shape;
+    const int warp_row0 = warpgroup::warp_row();
+    const bool leader = threadIdx.x % WARPGROUP_THREADS == 0;
+    const bool carries_delta = sh.normalize && ctx.task.block == 0;
+    for (int t = 0; t < SLABS; ++t) warp::zero(st.r[t]);
+    warp::zero(st.query_gram);
+    warp::zero(st.query_sum);
+
+    auto at = in.first();
+    for (int iteration = 0; iteration < ctx.iterations; ++iteration, at.advance()) {
+      const int chunk = chunk_of(ctx.params, iteration);
+      const stage& s = in.wait(at);
+      const bool has_later = iteration > 0;
+
+      // Keys j are the warp's rows, the chunk's queries i the columns.
+      scores sc, dp;
+      warpgroup::fence();
+      warpgroup::mma<operand_major::k, operand_major::k>(sc, s.k, 0, s.q, 0, false);
+      warpgroup::mma<operand_major::k, operand_major::k>(dp, s.v, 0, s.g, 0, false);
+      warpgroup::commit();
+      position_rows k;
+      warp::load(k, s.k, warp_row0, 0);
+      value_accumulator grad_v;
+      gradient grad_k;
+      {
+        // The statistics are read again (from L1) where R needs them: registers are short.
+        chunk_vector inverse_denominator, denominator_grad;
+        base::load_statistics(inverse_denominator, denominator_grad, sh, ctx.task, chunk * CHUNK, carries_delta);
+        warpgroup::wait<0>(sc, dp);
+
+        // Inside the chunk (queries i >= keys j): dS^T = (dP^T / d + c)(1 + S^T/4) / 4, A^T / d.
+        const auto later_query = [](int key, int query) { return query >= key; };
+        warp::mul_col(dp, dp, inverse_denominator);
+        warp::add_col(dp, dp, denominator_grad);
+        warp::map<taylor_slope_times>(dp, dp, sc);
+        warp::mask(dp, {warp_row0, 0}, later_query, 0.0f);
+        weights ds;
+        warp::copy(ds, dp);
+        warp::map<taylor_score>(sc, sc);
+        warp::mul_col(sc, sc, inverse_denominator);
+        warp::mask(sc, {warp_row0, 0}, later_query, 0.0f);
+        weights a;
+        warp::copy(a, sc);
+        warpgroup::fence();
+        warpgroup::mma<operand_major::mn>(grad_v, a, s.g, 0, false);
+        warpgroup::mma<operand_major::mn>(grad_k, ds, s.q, 0, false);
+        warpgroup::commit();
+        warpgroup::wait<0>(grad_v, grad_k, a, ds);
+      }
+
+      // Later chunks: grad_v += phi_t(K) R_t; w = V R_t^T per slab, then its VJP.
+      small_tile later;
+      warp::zero(later);
+      if (has_later) {
+        slab_rows features;
+#pragma unroll
+        for (int t = 0; t < SLABS; ++t) {
+          slabs::rows(features, k, t);
+          slab_products w;
+          warpgroup::fence();
+          warpgroup::mma<operand_major::mn>(grad_v, features, ctx.scratch.states[t], 0, true);
+          warpgroup::mma<operand_major::k, operand_major::k>(w, s.v, 0, ctx.scratch.states[t], 0, false);
+          warpgroup::commit();
+          warpgroup::wait<0>(w, features, grad_v);
+          base::add_feature_gradient(later, w, k, t);
+        }
+        if (carries_delta) {
+          // The VJP of phi(k_j) . sum_i c_i phi(q_i): query_sum / 4 + query_gram k_j / 16.
+          small_tile moment;
+          slabs::moment_rows(moment, st.query_gram, st.query_sum, k, 2.0f * SECOND_ORDER_SCALE, SCORE_SCALE);
+          warp::add(later, later, moment);
+        }
+      }
+
+      // This chunk into R: phi_t(Q)^T with each query's column scaled by 1 / d, times G.
+      chunk_vector inverse_denominator, denominator_grad;
+      base::load_statistics(inverse_denominator, denominator_grad, sh, ctx.task, chunk * CHUNK, carries_delta);
+      position_cols q;
+      warp::load(q, s.q);
+      slab_rows operand[2];
+#pragma unroll
+      for (int t = 0; t < SLABS; ++t) {
+        slabs::transposed(operand[t % 2], q, t, inverse_denominator);
+        warpgroup::fence();
+        warpgroup::mma<operand_major::mn>(st.r[t], operand[t % 2], s.g, 0, true);
+        warpgroup::commit();
+        warpgroup::wait<1>(operand[(t + 1) % 2]);
+      }
+      if (carries_delta) {
+        position_cols weighted;
+        warp::mul_row(weighted, q, denominator_grad);
+        warp::mma_AtB(st.query_gram, weighted, q, st.query_gram);
+        warp::fill(weighted, 1.0f);
+        warp::mul_row(weighted, weighted, denominator_grad);
+        warp::mma_AtB(st.query_sum, weighted, q, st.query_sum);
+      }
+      warpgroup::wait<0>(operand[0], operand[1]);
+#pragma unroll
+      for (int t = 0; t < SLABS; ++t) warpgroup::pin(st.r[t]);
+      in.release(at);
+
+      warp::add(grad_k, grad_k, later);
+      warp::store(sh.partial(sh.partial_k, ctx.task, chunk * CHUNK + warp_row0), FEATURES, grad_k);
+      store_chunk(ctx, st, grad_v, chunk, iteration + 1 < ctx.iterations, leader);
+    }
+  }
+
+  // Hands R to the next chunk (scaled copies) and grad_v's tile to TMA.
+  __device__ static void store_chunk(const context& ctx, consumer_state& st, const value_accumulator& grad_v,
+                                     int chunk, bool more, bool leader) {
+    value_tile& staging = ctx.scratch.staging[st.stores % 2];
+    if (leader) tma::wait_stores_read<1>();  // the store that last used this staging tile has read it
+    barrier_sync(barrier_id::chunk_done, WARPGROUP_THREADS);
+    base::write_copies(ctx.scratch.states, st.r, more);
+    warpgroup::store<0>(staging, grad_v);
+    fence_async_shared();  // the stmatrix writes must be visible to wgmma and to the copy engine
+    barrier_sync(barrier_id::copies_written, WARPGROUP_THREADS);
+    if (leader) {
+      const int index[4] = {ctx.task.batch, ctx.task.head, chunk * CHUNK, ctx.task.block * VALUE_BLOCK};
+      tma::store(ctx.params.grad_v, staging, index);
+      tma::commit_stores();
+    }
+    ++st.stores;
+  }
+
+  __device__ static void store(const context&, consumer_state&) {}
+
+  __device__ static void finish(const typename dkdv_kernel::params&, typename dkdv_kernel::scratch&, int) {
+    if (threadIdx.x % WARPGROUP_THREADS == 0) tma::wait_stores_read<0>();
+  }
+};
+
+// --------------------------------------------------------------------------------- statistics
+
+constexpr int STATISTICS_THREADS = 256;
+constexpr int STATISTICS_LANES_PER_ROW = 8;
+constexpr int CHUNK_ELEMENTS = 8;  // one 16-byte load of 16-bit elements
+
+template <typename T>
+struct statistics_params {
+  const T* out;
+  const T* grad_out;
+  int64_t out_strides[3];  // batch, head, row (elements)
+  int64_t grad_out_strides[3];
+  const float* denominator;  // (B, H, N)
+  float* inverse_denominator;
+  float* denominator_grad;
+  float eps;
+  int rows, heads, dim, padded;
+  int64_t total_rows;  // B * H * padded
+};
+
+template <typename T>
+__device__ __forceinline__ float chunk_dot(const T* a, const T* b) {
+  const uint4 x = *reinterpret_cast<const uint4*>(a);
+  const uint4 y = *reinterpret_cast<const uint4*>(b);
+  const uint32_t xs[4] = {x.x, x.y, x.z, x.w};
+  const uint32_t ys[4] = {y.x, y.y, y.z, y.w};
+  float dot = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 u = to_float2(pair_from_bits<packed_pair_t<T>>(xs[i]));
+    const float2 w = to_float2(pair_from_bits<packed_pair_t<T>>(ys[i]));
+    dot = fmaf(u.x, w.x, fmaf(u.y, w.y, dot));
+  }
+  return dot;
+}
+
+// Per row: 1 / d and c = -(g . out) / d; zeros on the padding rows.
+template <typename T>
+__global__ void __launch_bounds__(STATISTICS_THREADS) statistics_kernel(const statistics_params<T> p) {
+  const int64_t row = int64_t(blockIdx.x) * (STATISTICS_THREADS / STATISTICS_LANES_PER_ROW) +
+                      threadIdx.x / STATISTICS_LANES_PER_ROW;
+  const int lane_in_row = threadIdx.x % STATISTICS_LANES_PER_ROW;
+  const int64_t head_row = row / p.padded;  // batch * H + head
+  const int i = int(row % p.padded);
+  const bool real = row < p.total_rows && i < p.rows;
+  float dot = 0.0f;
+  if (real) {
+    const int64_t batch = head_row / p.heads, head = head_row % p.heads;
+    const T* o = p.out + batch * p.out_strides[0] + head * p.out_strides[1] + i * p.out_strides[2];
+    const T* g = p.grad_out + batch * p.grad_out_strides[0] + head * p.grad_out_strides[1] + i * p.grad_out_strides[2];
+    for (int c = lane_in_row * CHUNK_ELEMENTS; c < p.dim; c += STATISTICS_LANES_PER_ROW * CHUNK_ELEMENTS) {
+      dot += chunk_dot(o + c, g + c);
+    }
+  }
+#pragma unroll
+  for (int mask = 1; mask < STATISTICS_LANES_PER_ROW; mask *= 2) dot += __shfl_xor_sync(ALL_LANES, dot, mask);
+  if (lane_in_row != 0 || row >= p.total_rows) return;
+  float inverse = 0.0f;
+  if (real) inverse = 1.0f / (p.denominator[head_row * p.rows + i] + p.eps);
+  p.inverse_denominator[row] = inverse;
+  p.denominator_grad[row] = -dot * inverse;
+}
+
+// ------------------------------------------------------------------------------------- reduce
+
+constexpr int REDUCE_THREADS = 256;
+constexpr int REDUCE_FEATURES_PER_THREAD = 4;  // one float4 of a partial row
+constexpr int REDUCE_THREADS_PER_ROW = FEATURES / REDUCE_FEATURES_PER_THREAD;
+
+template <typename T>
+struct reduce_params {
+  const float* partial_q;  // [value block][B * H][padded][F]
+  const float* partial_k;
+  T* grad_q;  // (B * H * N, F)
+  T* grad_k;
+  int rows, padded, value_blocks;
+  int64_t head_rows;  // B * H
+};
+
+// grad_q and grad_k: the sum over value blocks of the partials, in the input dtype.
+template <typename T>
+__global__ void __launch_bounds__(REDUCE_THREADS) reduce_kernel(const reduce_params<T> p) {
+  const int64_t item = int64_t(blockIdx.x) * REDUCE_THREADS + threadIdx.x;
+  const int64_t per_gradient = p.head_rows * p.rows * REDUCE_THREADS_PER_ROW;
+  if (item >= 2 * per_gradient) return;
+  const bool is_k = item >= per_gradient;
+  const int64_t within = is_k ? item - per_gradient : item;
+  const int64_t out_row = within / REDUCE_THREADS_PER_ROW;  // (batch * H + head) * N + i
+  const int part = int(within % REDUCE_THREADS_PER_ROW);
+  const int64_t head_row = out_row / p.rows;
+  const int64_t padded_row = head_row * p.padded + out_row % p.rows;
+  const int64_t block_stride = p.head_rows * p.padded * FEATURES;
+  const float* src = (is_k ? p.partial_k : p.partial_q) + padded_row * FEATURES + part * REDUCE_FEATURES_PER_THREAD;
+  float4 sum = *reinterpret_cast<const float4*>(src);
+  for (int b = 1; b < p.value_blocks; ++b) {
+    const float4 x = *reinterpret_cast<const float4*>(src + b * block_stride);
+    sum.x += x.x;
+    sum.y += x.y;
+    sum.z += x.z;
+    sum.w += x.w;
+  }
+  using pair = packed_pair_t<T>;
+  pair* dst = reinterpret_cast<pair*>((is_k ? p.grad_k : p.grad_q) + out_row * FEATURES + part * REDUCE_FEATURES_PER_THREAD);
+  dst[0] = numeric<T>::pair_from_float2({sum.x, sum.y});
+  dst[1] = numeric<T>::pair_from_float2({sum.z, sum.w});
+}
+
+// ----------------------------------------------------------------------------------- host
+
+struct workspace_view {
+  float* partial_q;
+  float* partial_k;
+  float* inverse_denominator;  // normalised only
+  float* denominator_grad;
+};
+
+int64_t partial_floats(int64_t head_rows, int64_t rows, int64_t value_dim) {
+  return (value_dim / VALUE_BLOCK) * head_rows * padded_rows(rows) * FEATURES;
+}
+
+workspace_view split_workspace(const backward_problem& pr) {
+  const int64_t head_rows = pr.q.batch * pr.q.heads;
+  const int64_t partial = partial_floats(head_rows, pr.q.rows, pr.v.dim);
+  const int64_t statistics = head_rows * padded_rows(pr.q.rows);
+  float* w = pr.workspace;
+  return {w, w + partial, pr.normalize ? w + 2 * partial : nullptr,
+          pr.normalize ? w + 2 * partial + statistics : nullptr};
+}
+
+gradient_shape shape_of(const backward_problem& pr, const workspace_view& w) {
+  gradient_shape s;
+  s.rows = int(pr.q.rows);
+  s.heads = int(pr.q.heads);
+  s.batch = int(pr.q.batch);
+  s.value_blocks = int(pr.v.dim / VALUE_BLOCK);
+  s.padded = int(padded_rows(pr.q.rows));
+  s.normalize = pr.normalize;
+  s.partial_q = w.partial_q;
+  s.partial_k = w.partial_k;
+  s.inverse_denominator = w.inverse_denominator;
+  s.denominator_grad = w.denominator_grad;
+  return s;
+}
+
+template <typename T>
+std::string layout_reasons(const backward_problem& pr) {
+  using K = dkdv_kernel<T>;
+  const heads_view grad_v = contiguous_view(pr.grad_v, pr.v.batch, pr.v.heads, pr.v.rows, pr.v.dim);
+  for (const auto& [name, view] : {std::pair{"q", pr.q}, std::pair{"k", pr.k}}) {
+    if (std::string r = layout_reason<typename K::qk_tile, T>(name, view); !r.empty()) return r;
+  }
+  // out is read with 16-byte loads: the same alignment rules as a TMA source.
+  for (const auto& [name, view] : {std::pair{"v", pr.v}, std::pair{"grad_out", pr.grad_out}, std::pair{"grad_v", grad_v}}) {
+    if (std::string r = layout_reason<typename K::value_tile, T>(name, view); !r.empty()) return r;
+  }
+  // out is read (normalised only) with 16-byte loads: the alignment rules of a TMA source.
+  if (pr.normalize) return layout_reason<typename K::value_tile, T>("out", pr.out);
+  return {};
+}
+
+template <typename T>
+cudaError_t run_statistics(const backward_problem& pr, const workspace_view& w, cudaStream_t stream) {
+  statistics_params<T> p;
+  p.out = static_cast<const T*>(pr.out.data);
+  p.grad_out = static_cast<const T*>(pr.grad_out.data);
+  const heads_view* views[2] = {&pr.out, &pr.grad_out};
+  int64_t* strides[2] = {p.out_strides, p.grad_out_strides};
+  for (int t = 0; t < 2; ++t) {
+    strides[t][0] = views[t]->batch_stride;
+    strides[t][1] = views[t]->head_stride;
+    strides[t][2] = views[t]->row_stride;
+  }
+  p.denominator = pr.denominator;
+  p.inverse_denominator = w.inverse_denominator;
+  p.denominator_grad = w.denominator_grad;
+  p.eps = pr.eps;
+  p.rows = int(pr.q.rows);
+  p.heads = int(pr.q.heads);
+  p.dim = int(pr.v.dim);
+  p.padded = int(padded_rows(pr.q.rows));
+  p.total_rows = pr.q.batch * pr.q.heads * p.padded;
+  constexpr int64_t rows_per_block = STATISTICS_THREADS / STATISTICS_LANES_PER_ROW;
+  const unsigned blocks = unsigned(ceil_div(p.total_rows, rows_per_block));
+  return pipeline::launch(statistics_kernel<T>, blocks, STATISTICS_THREADS, 0, stream, p);
+}
+
+template <typename T>
+cudaError_t run_dq(const backward_problem& pr, const workspace_view& w, cudaStream_t stream) {
+  using K = dq_kernel<T>;
+  typename K::params p;
+  p.q = make_tma_map<typename K::qk_tile>(heads_layout<T>(pr.q));
+  p.k = make_tma_map<typename K::qk_tile>(heads_layout<T>(pr.k));
+  p.v = make_tma_map<typename K::value_tile>(heads_layout<T>(pr.v));
+  p.grad_out = make_tma_map<typename K::value_tile>(heads_layout<T>(pr.grad_out));
+  p.shape = shape_of(pr, w);
+  return pipeline::launch<K>(p, K::tasks(p).count(), stream);
+}
+
+template <typename T>
+cudaError_t run_dkdv(const backward_problem& pr, const workspace_view& w, cudaStream_t stream) {
+  using K = dkdv_kernel<T>;
+  typename K::params p;
+  p.q = make_tma_map<typename K::qk_tile>(heads_layout<T>(pr.q));
+  p.k = make_tma_map<typename K::qk_tile>(heads_layout<T>(pr.k));
+  p.v = make_tma_map<typename K::value_tile>(heads_layout<T>(pr.v));
+  p.grad_out = make_tma_map<typename K::value_tile>(heads_layout<T>(pr.grad_out));
+  p.grad_v = make_tma_map<typename K::value_tile>(
+      heads_layout<T>(contiguous_view(pr.grad_v, pr.v.batch, pr.v.heads, pr.v.rows, pr.v.dim)));
+  p.shape = shape_of(pr, w);
+  return pipeline::launch<K>(p, K::tasks(p).count(), stream);
+}
+
+template <typename T>
+cudaError_t run_reduce(const backward_problem& pr, const workspace_view& w, cudaStream_t stream) {
+  reduce_params<T> p;
+  p.partial_q = w.partial_q;
+  p.partial_k = w.partial_k;
+  p.grad_q = static_cast<T*>(pr.grad_q);
+  p.grad_k = static_cast<T*>(pr.grad_k);
+  p.rows = int(pr.q.rows);
+  p.padded = int(padded_rows(pr.q.rows));
+  p.value_blocks = int(pr.v.dim / VALUE_BLOCK);
+  p.head_rows = pr.q.batch * pr.q.heads;
+  const int64_t items = 2 * p.head_rows * p.rows * REDUCE_THREADS_PER_ROW;
+  const unsigned blocks = unsigned(ceil_div<int64_t>(items, REDUCE_THREADS));
+  return pipeline::launch(reduce_kernel<T>, blocks, REDUCE_THREADS, 0, stream, p);
+}
+
+template <typename T>
+cudaError_t run(const backward_problem& pr, cudaStream_t stream) {
+  const workspace_view w = split_workspace(pr);
+  if (pr.normalize) {
+    if (const cudaError_t err = run_statistics<T>(pr, w, stream); err != cudaSuccess) return err;
+  }
+  if (const cudaError_t err = run_dq<T>(pr, w, stream); err != cudaSuccess) return err;
+  if (const cudaError_t err = run_dkdv<T>(pr, w, stream); err != cudaSuccess) return err;
+  return run_reduce<T>(pr, w, stream);
+}
+
+template <typename F>
+auto dispatch(const backward_problem& p, F&& f) {
+  return tk::dispatch<kernel_dtypes>([&]<element_type E>() { return f.template operator()<element_t<E>>(); }, p.dtype);
+}
+
+}  // namespace
+
+int64_t backward_workspace_floats(int64_t batch, int64_t heads, int64_t rows, int64_t value_dim, bool normalize) {
+  const int64_t head_rows = batch * heads;
+  const int64_t statistics = normalize ? 2 * head_rows * padded_rows(rows) : 0;
+  return 2 * partial_floats(head_rows, rows, value_dim) + statistics;
+}
+
+std::string unsupported_reason(const backward_problem& p) {
+  if (!kernel_dtypes::contains(p.dtype)) return "the kernels take bf16 and fp16";
+  if (std::string r = shape_reason(p.q, p.k, p.v); !r.empty()) return r;
+  for (const heads_view* t : {&p.grad_out, &p.out}) {
+    if (t == &p.out && !p.normalize) continue;
+    if (t->batch != p.v.batch || t->heads != p.v.heads || t->rows != p.v.rows || t->dim != p.v.dim) {
+      return "grad_out and out must have v's shape";
+    }
+  }
+  if (p.normalize && p.denominator == nullptr) return "the normalised backward needs the denominator";
+  return dispatch(p, [&]<typename T>() { return layout_reasons<T>(p); });
+}
+
+cudaError_t launch(const backward_problem& p, cudaStream_t stream) {
+  return dispatch(p, [&]<typename T>() { return run<T>(p, stream); });
+}
+
+}  // namespace tk::based
