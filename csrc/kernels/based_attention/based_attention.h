@@ -10,19 +10,11 @@
 
 #include <string>
 
-#include "kernels/common/heads_view.h"
-#include "tk/element_type.h"
+#include "kernels/common/causal_problem.h"
 
 namespace tk::based {
 
-struct forward_problem {
-  element_type dtype;
-  bool normalize;
-  float eps;
-  heads_view q, k, v;
-  void* out;           // (B, H, N, Dv) contiguous
-  float* denominator;  // (B, H, N) contiguous; written (without eps) only when normalize
-};
+using forward_problem = causal_forward_problem;
 
 // Empty when the kernel can run the problem; otherwise why not.
 std::string unsupported_reason(const forward_problem& p);
