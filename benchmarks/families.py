@@ -58,6 +58,10 @@ FAMILIES = (
         Profile("based_fwd_n4096", "based::.*forward_kernel", 1),
         Profile("based_bwd_n4096", "based::.*(statistics_kernel|dq_kernel|dkdv_kernel|reduce_kernel)", 4),
     )),
+    Family("linear_attention", op="linear_attention", bench="linear_attention", profiles=(
+        Profile("linear_attention_fwd_f64_n4096", "linear::.*forward_kernel", 1),
+        Profile("linear_attention_fwd_f256_n4096", "linear::.*forward_kernel", 1),
+    )),
     Family("rope", op="rope_qk", bench="rope"),
     Family("layer_norm", op="layer_norm", bench="norms", profiles=(
         # the row kernel, then the sum of its per-block partial rows of dweight and dbias

@@ -51,6 +51,14 @@ def based_attention(batch: int, heads: int, n: int, backward: bool = False):
     return lambda: torch.ops.tk.based_attention_bwd.default(grad, q, k, v, out, denominator, 1e-6, True)
 
 
+def linear_attention(batch: int, heads: int, n: int, features: int, value_dim: int):
+    """Unit-scale scores (q scaled by F**-0.5), normalised: the forward with its denominator."""
+    q = torch.randn(batch, heads, n, features, device="cuda", dtype=torch.bfloat16) * features**-0.5
+    k = torch.randn(batch, heads, n, features, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(batch, heads, n, value_dim, device="cuda", dtype=torch.bfloat16)
+    return lambda: torch.ops.tk.linear_attention.default(q, k, v, 1e-6, True)
+
+
 def layer_norm_backward(rows: int, hidden: int):
     x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
     weight, bias = (torch.randn(hidden, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -70,6 +78,9 @@ CASES = {
     "attention_bwd_d128_n8192": lambda: attention(2, 16, 8192, 128, backward=True),
     "based_fwd_n4096": lambda: based_attention(8, 16, 4096),
     "based_bwd_n4096": lambda: based_attention(8, 16, 4096, backward=True),
+    # three stages and two blocks an SM at F = 64; two stages and one block at F = 256
+    "linear_attention_fwd_f64_n4096": lambda: linear_attention(8, 16, 4096, 64, 64),
+    "linear_attention_fwd_f256_n4096": lambda: linear_attention(8, 16, 4096, 256, 64),
     # one warp per row at 1024, four at 4096 (norms_notes.md compares the two)
     "layer_norm_bwd_h1024": lambda: layer_norm_backward(32768, 1024),
     "layer_norm_bwd_h4096": lambda: layer_norm_backward(32768, 4096),

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+
 import pytest
 import torch
 
 import tk_ops
 import tk_testing
+from tk_ops import _library
 from tk_ops.ops import linear_attention as linear_attention_module
 from tk_testing import TOLERANCE, assert_rel_close
 
@@ -188,19 +192,60 @@ def test_device_mismatch():
 
 # ------------------------------------------------------------------------------------ GPU kernel
 
+# Each kernel feature dim once, each value dim of the benchmarks at least twice.
+KERNEL_SIZES = [(16, 64), (32, 128), (64, 64), (128, 128), (256, 64)]
+
+
+def scaled_inputs(n, *, normalize, f, dv, dtype, b=B, h=H, requires_grad=False):
+    """make_inputs on the GPU with q scaled by F**-0.5: unit-scale scores keep fp16 (the state's copy,
+    the unnormalised output) in range at every F."""
+    q, k, v = make_inputs(n, normalize=normalize, f=f, dv=dv, dtype=dtype, device="cuda")
+    q = (q.float() * f**-0.5).to(dtype)
+    return tuple(t.requires_grad_(requires_grad) for t in (q, k, v))
+
+
+def reference_linear_attention(q, k, v, normalize, eps):
+    """The op's chunked reference in float64 (checked against the naive form above), for long N."""
+    return linear_attention_module.linear_attention_op(q.double(), k.double(), v.double(), eps, normalize)
+
+
+def poisoned_allocations(nbytes: int) -> None:
+    """Leave NaN in the caching allocator's free blocks, so outputs a kernel forgets to write stay NaN."""
+    torch.full((nbytes // 4 + 1,), float("nan"), device="cuda")
+
+
+REFERENCE_WARNING = "running the PyTorch reference path"
+
+
+@contextlib.contextmanager
+def on_kernel():
+    """The forward must run on the kernel: its reference would warn (once per op, so forget earlier warnings)."""
+    _library._REFERENCE_WARNED.discard("linear_attention")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=f".*{REFERENCE_WARNING}")
+        yield
+
+
+@contextlib.contextmanager
+def on_reference():
+    """The forward must fall back to the reference."""
+    _library._REFERENCE_WARNED.discard("linear_attention")
+    with pytest.warns(UserWarning, match=REFERENCE_WARNING):
+        yield
+
 
 @tk_testing.requires_kernel("linear_attention")
-@pytest.mark.parametrize("f, dv", [(16, 64), (64, 64), (128, 128), (256, 64)])
-@pytest.mark.parametrize("n", [1, 77, 333])
+@pytest.mark.parametrize("f, dv", KERNEL_SIZES)
+@pytest.mark.parametrize("n", [1, 17, 64, 77, 1000])
 @pytest.mark.parametrize("normalize", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_kernel_matches_float64(dtype, normalize, n, f, dv):
-    q, k, v = make_inputs(n, normalize=normalize, f=f, dv=dv, dtype=dtype, device="cuda", requires_grad=True)
-    # unit-scale scores keep the unnormalised fp16 output in range
+    q, k, v = scaled_inputs(n, normalize=normalize, f=f, dv=dv, dtype=dtype, requires_grad=True)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    scale = f**-0.5
-    out = tk_ops.linear_attention(q * scale, k, v, normalize=normalize)
-    ref = naive_linear_attention(q64 * scale, k64, v64, normalize, 1e-12)
+    poisoned_allocations(v.numel() * 2 + q[..., 0].numel() * 4)
+    with on_kernel():
+        out = tk_ops.linear_attention(q, k, v, normalize=normalize)
+    ref = naive_linear_attention(q64, k64, v64, normalize, 1e-12)
     assert out.dtype == dtype
     assert_rel_close(out, ref, 2 * TOLERANCE[dtype])
     # One position, normalised: out = v whatever q and k, so their exact gradients are of order eps and
@@ -211,8 +256,106 @@ def test_kernel_matches_float64(dtype, normalize, n, f, dv):
 
 
 @tk_testing.requires_kernel("linear_attention")
-@pytest.mark.parametrize("dtype, f, dv", [(torch.float32, 16, 64), (torch.bfloat16, 8, 64), (torch.bfloat16, 16, 40)])
+@pytest.mark.parametrize("f, dv", [(16, 64), (64, 128), (256, 64)])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_kernel_long_sequence(normalize, f, dv):
+    n = 4097
+    q, k, v = scaled_inputs(n, normalize=normalize, f=f, dv=dv, dtype=torch.bfloat16)
+    poisoned_allocations(v.numel() * 2 + q[..., 0].numel() * 4)
+    with on_kernel():
+        out, denominator = linear_attention_module.linear_attention_op(q, k, v, 1e-12, normalize)
+    ref_out, ref_denominator = reference_linear_attention(q, k, v, normalize, 1e-12)
+    assert_rel_close(out, ref_out, 2 * TOLERANCE[torch.bfloat16])
+    if normalize:
+        assert denominator.dtype == torch.float32 and denominator.shape == (B, H, n)
+        assert_rel_close(denominator, ref_denominator, 1e-4, "denominator")
+    else:
+        assert denominator.numel() == 0
+
+
+@tk_testing.requires_kernel("linear_attention")
+@pytest.mark.parametrize("f, dv, n", [(32, 32, 333), (128, 96, 200), (64, 256, 130), (256, 160, 65)])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_kernel_value_dims(normalize, f, dv, n):
+    q, k, v = scaled_inputs(n, normalize=normalize, f=f, dv=dv, dtype=torch.float16)
+    poisoned_allocations(v.numel() * 2 + q[..., 0].numel() * 4)
+    with on_kernel():
+        out, denominator = linear_attention_module.linear_attention_op(q, k, v, 1e-12, normalize)
+    ref_out, ref_denominator = reference_linear_attention(q, k, v, normalize, 1e-12)
+    assert_rel_close(out, ref_out, 2 * TOLERANCE[torch.float16])
+    if normalize:
+        assert_rel_close(denominator, ref_denominator, 1e-4, "denominator")
+
+
+@tk_testing.requires_kernel("linear_attention")
+@pytest.mark.parametrize("f", [16, 32, 64, 128, 256])
+def test_kernel_denominator_output(f):
+    q, k, v = scaled_inputs(1000, normalize=True, f=f, dv=64, dtype=torch.bfloat16)
+    poisoned_allocations(q[..., 0].numel() * 4 * 2)
+    with on_kernel():
+        _, denominator = linear_attention_module.linear_attention_op(q, k, v, 1e-12, True)
+    scores_sum = naive_linear_attention(q, k, torch.ones_like(v[..., :1]), False, 0.0)[..., 0]
+    assert denominator.dtype == torch.float32
+    assert_rel_close(denominator, scores_sum, 1e-4, "denominator")
+
+
+@tk_testing.requires_kernel("linear_attention")
+@pytest.mark.parametrize("f", [16, 128])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_kernel_strided_views(normalize, f):
+    """(B, N, H, F) tensors transposed to (B, H, N, F), and v a column slice: no copies, same numbers."""
+    b, n, h = 2, 300, 3
+    q, k = (
+        (torch.rand(b, n, h, f, device="cuda") * f**-0.5).to(torch.bfloat16).transpose(1, 2) for _ in range(2)
+    )
+    v = torch.randn(b, h, n, 96, dtype=torch.bfloat16, device="cuda")[..., 16:80]
+    assert not q.is_contiguous() and not v.is_contiguous()
+    with on_kernel(), tk_testing.RecordTkCalls() as calls:
+        out = tk_ops.linear_attention(q, k, v, normalize=normalize)
+    assert calls.calls["linear_attention"][0][0].data_ptr() == q.data_ptr()
+    expected = tk_ops.linear_attention(q.contiguous(), k.contiguous(), v.contiguous(), normalize=normalize)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+@tk_testing.requires_kernel("linear_attention")
+def test_kernel_cuda_graph_capture_and_replay():
+    q, k, v = scaled_inputs(500, normalize=True, f=64, dv=64, dtype=torch.bfloat16)
+    expected = tk_ops.linear_attention(q, k, v, normalize=True)
+    static = [t.clone() for t in (q, k, v)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        tk_ops.linear_attention(*static, normalize=True)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tk_ops.linear_attention(*static, normalize=True)
+    q2, k2, v2 = scaled_inputs(500, normalize=True, f=64, dv=64, dtype=torch.bfloat16)
+    for dst, src in zip(static, (q2, k2, v2)):
+        dst.copy_(src)
+    graph.replay()
+    torch.testing.assert_close(out, tk_ops.linear_attention(q2, k2, v2, normalize=True), rtol=0, atol=0)
+    assert not torch.equal(out, expected)
+
+
+@tk_testing.requires_kernel("linear_attention")
+@pytest.mark.parametrize(
+    "dtype, f, dv",
+    [(torch.float32, 16, 64), (torch.bfloat16, 8, 64), (torch.bfloat16, 48, 64), (torch.bfloat16, 16, 40)],
+)
 def test_unsupported_inputs_fall_back_to_reference(dtype, f, dv):
     q, k, v = make_inputs(77, normalize=True, f=f, dv=dv, dtype=dtype, device="cuda")
-    out = tk_ops.linear_attention(q, k, v, normalize=True)
+    with on_reference():
+        out = tk_ops.linear_attention(q, k, v, normalize=True)
     assert_rel_close(out, naive_linear_attention(q, k, v, True, 1e-12), TOLERANCE[dtype])
+
+
+@tk_testing.requires_kernel("linear_attention")
+def test_rows_tma_cannot_describe_fall_back_to_reference():
+    """Rows F + 1 elements apart (not a multiple of 16 bytes): the reference answers."""
+    q_rows, k_rows = (torch.rand(B, H, 77, 17, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    q, k = q_rows[..., :16], k_rows[..., :16]
+    v = torch.randn(B, H, 77, 64, dtype=torch.bfloat16, device="cuda")
+    with on_reference():
+        out = tk_ops.linear_attention(q, k, v, normalize=True)
+    assert_rel_close(out, naive_linear_attention(q, k, v, True, 1e-12), TOLERANCE[torch.bfloat16])

@@ -10,72 +10,34 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include <cmath>
-#include <optional>
 #include <tuple>
-#include <utility>
 
+#include "causal_linear.h"
 #include "kernels/based_attention/based_attention.h"
 #include "registration.h"
 
 namespace {
 
-using tk::registration::element_of;
-using tk::registration::fallback;
-using tk::registration::launch_on;
-
 namespace based = tk::based;
-
-void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double eps) {
-  constexpr const char* op = "tk::based_attention";
-  for (const auto& [name, t] : {std::pair{"q", &q}, std::pair{"k", &k}, std::pair{"v", &v}}) {
-    TORCH_CHECK_VALUE(t->dim() == 4, op, ": ", name, " must be 4-D (B, H, N, ", name[0] == 'v' ? "Dv" : "F",
-                      "), got ", t->sizes());
-    TORCH_CHECK_VALUE(t->device() == q.device(), op, ": ", name, " must be on q's device ", q.device());
-    TORCH_CHECK_TYPE(t->scalar_type() == q.scalar_type(), op, ": ", name, " must have q's dtype ", q.scalar_type());
-  }
-  TORCH_CHECK_VALUE(k.sizes() == q.sizes(), op, ": k must have q's shape ", q.sizes(), ", got ", k.sizes());
-  TORCH_CHECK_VALUE(v.size(0) == q.size(0) && v.size(1) == q.size(1) && v.size(2) == q.size(2), op,
-                    ": v must be (B, H, N, Dv) with q's B, H, N, got ", v.sizes());
-  TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0, op, ": eps must be a finite number >= 0, got ", eps);
-}
-
-// The kernel's view of a (B, H, N, D) tensor, or nothing if its last stride is not unit.
-std::optional<tk::heads_view> view_of(const at::Tensor& t) {
-  if (t.stride(3) != 1 && t.size(3) > 1) return std::nullopt;
-  return tk::heads_view{t.data_ptr(), t.size(0), t.size(1), t.size(2), t.size(3), t.stride(0), t.stride(1), t.stride(2)};
-}
-
-std::optional<based::forward_problem> plan_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                   double eps, bool normalize) {
-  const at::ScalarType dtype = q.scalar_type();
-  if (dtype != at::kBFloat16 && dtype != at::kHalf) return std::nullopt;
-  if (!tk::registration::runs_kernels(q) || q.numel() == 0 || v.numel() == 0) return std::nullopt;
-  const auto qv = view_of(q), kv = view_of(k), vv = view_of(v);
-  if (!qv || !kv || !vv) return std::nullopt;
-  based::forward_problem p{element_of(q), normalize, float(eps), *qv, *kv, *vv, nullptr, nullptr};
-  if (!based::unsupported_reason(p).empty()) return std::nullopt;
-  return p;
-}
+namespace causal_linear = tk::causal_linear;
 
 std::tuple<at::Tensor, at::Tensor> based_attention_cuda(const at::Tensor& q, const at::Tensor& k,
                                                         const at::Tensor& v, double eps, bool normalize) {
-  check_inputs(q, k, v, eps);
-  auto plan = plan_forward(q, k, v, eps, normalize);
-  if (!plan) return fallback<&based_attention_cuda>("tk::based_attention_ref", q, k, v, eps, normalize);
-  at::Tensor out = at::empty(v.sizes(), v.options().memory_format(at::MemoryFormat::Contiguous));
-  at::Tensor denominator = normalize ? at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat))
-                                     : at::empty({0}, q.options().dtype(at::kFloat));
-  plan->out = out.data_ptr();
-  plan->denominator = normalize ? denominator.data_ptr<float>() : nullptr;
-  launch_on(q, [&](cudaStream_t stream) { return based::launch(*plan, stream); });
-  return {out, denominator};
+  causal_linear::check_inputs("tk::based_attention", q, k, v, eps);
+  auto plan = causal_linear::plan_forward(q, k, v, eps, normalize,
+                                          [](const based::forward_problem& p) { return based::unsupported_reason(p); });
+  if (!plan) {
+    return tk::registration::fallback<&based_attention_cuda>("tk::based_attention_ref", q, k, v, eps, normalize);
+  }
+  return causal_linear::run_forward(*plan, q, v, normalize, [](const based::forward_problem& p, cudaStream_t stream) {
+    return based::launch(p, stream);
+  });
 }
 
 void check_backward_inputs(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            const at::Tensor& out, const at::Tensor& denominator, double eps, bool normalize) {
   constexpr const char* op = "tk::based_attention_bwd";
-  check_inputs(q, k, v, eps);
+  causal_linear::check_inputs(op, q, k, v, eps);
   TORCH_CHECK_VALUE(grad_out.sizes() == v.sizes(), op, ": grad_out must have v's shape ", v.sizes(), ", got ",
                     grad_out.sizes());
   TORCH_CHECK_VALUE(grad_out.device() == q.device(), op, ": grad_out must be on q's device ", q.device());
@@ -96,12 +58,13 @@ std::optional<based::backward_problem> plan_backward(const at::Tensor& grad_out,
   if (grad_out.scalar_type() != dtype || (normalize && out.scalar_type() != dtype)) return std::nullopt;
   if (normalize && (denominator.scalar_type() != at::kFloat || !denominator.is_contiguous())) return std::nullopt;
   if (!tk::registration::runs_kernels(q) || q.numel() == 0 || v.numel() == 0) return std::nullopt;
-  const auto qv = view_of(q), kv = view_of(k), vv = view_of(v), gv = view_of(grad_out);
+  const auto qv = causal_linear::view_of(q), kv = causal_linear::view_of(k), vv = causal_linear::view_of(v),
+             gv = causal_linear::view_of(grad_out);
   if (!qv || !kv || !vv || !gv) return std::nullopt;
   // Unnormalised, out is not read: v's view stands in for it.
-  const auto ov = normalize ? view_of(out) : vv;
+  const auto ov = normalize ? causal_linear::view_of(out) : vv;
   if (!ov) return std::nullopt;
-  based::backward_problem p{element_of(q), normalize, float(eps), *qv, *kv, *vv, *gv, *ov,
+  based::backward_problem p{tk::registration::element_of(q), normalize, float(eps), *qv, *kv, *vv, *gv, *ov,
                             normalize ? denominator.data_ptr<float>() : nullptr,
                             nullptr, nullptr, nullptr, nullptr};
   if (!based::unsupported_reason(p).empty()) return std::nullopt;
@@ -116,7 +79,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> based_attention_bwd_cuda(const at
   check_backward_inputs(grad_out, q, k, v, out, denominator, eps, normalize);
   auto plan = plan_backward(grad_out, q, k, v, out, denominator, eps, normalize);
   if (!plan) {
-    return fallback<&based_attention_bwd_cuda>("tk::based_attention_bwd_ref", grad_out, q, k, v, out, denominator, eps,
+    return tk::registration::fallback<&based_attention_bwd_cuda>("tk::based_attention_bwd_ref", grad_out, q, k, v, out, denominator, eps,
                                                normalize);
   }
   const auto contiguous = [](const at::Tensor& like) {
@@ -130,7 +93,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> based_attention_bwd_cuda(const at
   plan->grad_k = grad_k.data_ptr();
   plan->grad_v = grad_v.data_ptr();
   plan->workspace = workspace.data_ptr<float>();
-  launch_on(q, [&](cudaStream_t stream) { return based::launch(*plan, stream); });
+  tk::registration::launch_on(q, [&](cudaStream_t stream) { return based::launch(*plan, stream); });
   return {grad_q, grad_k, grad_v};
 }
 

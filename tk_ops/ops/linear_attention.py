@@ -32,9 +32,15 @@ across chunks a running state sum_j phi(k_j) v_j^T (forward, grad_q) or sum_i ph
 (grad_k, grad_v, a reverse sweep), so memory stays O(N) for any N. The same engine serves
 tk.based_attention with its Taylor feature map phi; here phi is the identity.
 
-Planned kernel (not built yet): bf16/fp16 with F a multiple of 16 from 16 to 256 and Dv in
-{64, 128}. Until it lands every input runs the reference (on a GPU with a one-time warning); after,
-the reference keeps the other inputs (CPU, fp32/fp64, other sizes).
+Kernel (csrc/kernels/linear_attention, Hopper sm_90a): the forward op only, for bf16/fp16 q, k, v
+with F in {16, 32, 64, 128, 256}, Dv a multiple of 32 up to 256, any B, H and N >= 1, and strided
+views with a unit last stride that TMA can describe (e.g. (B, N, H, F) storage transposed to
+(B, H, N, F), or a column slice of v): no copies. It walks each sequence in chunks of 64 positions
+with the running state sum_j k_j v_j^T in fp32 tensor-core accumulators (read back through a
+bf16/fp16 copy, so in fp16 the state's entries must stay below 65504) and the denominator's key sum
+in fp32. Everything else runs the reference (on a GPU with a one-time warning): CPU, fp32/fp64,
+other F or Dv, strides TMA cannot take. The backward op tk::linear_attention_bwd is always the
+reference, so gradients work on every input.
 
 flash-linear-attention computes the same thing in the (B, N, H, F) layout with a fixed eps and
 an output scale that defaults to F**-0.5; to get our numbers (eps=1e-10):

@@ -12,6 +12,7 @@
 
 #include <string>
 
+#include "kernels/common/chunked_causal.cuh"
 #include "kernels/common/heads_view.h"
 #include "tk/tk.cuh"
 
@@ -36,9 +37,6 @@ constexpr float SCORE_SCALE = 0.25f;
 static_assert(SCORE_SCALE * SCORE_SCALE * FEATURES == 1.0f, "SCORE_SCALE is 1 / sqrt(F)");
 constexpr float SECOND_ORDER_SCALE = 0.5f * SCORE_SCALE * SCORE_SCALE;  // of q_a q_b k_a k_b
 
-constexpr int MAX_VALUE_DIM = 256;
-constexpr int64_t MAX_GRID_TASKS = (int64_t(1) << 31) - 1;
-constexpr int64_t MAX_SEQUENCE = int64_t(1) << 30;  // TMA's 32-bit coordinates, with room
 
 struct taylor_score {
   __device__ static float apply(float qk) {
@@ -140,18 +138,7 @@ struct taylor_slabs {
 // Empty when q, k and v have the shapes the kernels take; otherwise why not.
 inline std::string shape_reason(const heads_view& q, const heads_view& k, const heads_view& v) {
   if (q.dim != FEATURES) return "the feature dim must be " + std::to_string(FEATURES);
-  if (v.dim % VALUE_BLOCK != 0 || v.dim > MAX_VALUE_DIM) {
-    return "the value dim must be a multiple of " + std::to_string(VALUE_BLOCK) + " up to " +
-           std::to_string(MAX_VALUE_DIM);
-  }
-  for (const heads_view* t : {&k, &v}) {
-    if (t->batch != q.batch || t->heads != q.heads || t->rows != q.rows) return "q, k and v must match";
-  }
-  if (k.dim != q.dim) return "q and k must share the feature dim";
-  if (q.batch < 1 || q.heads < 1 || q.rows < 1) return "every size must be at least 1";
-  if (q.rows > MAX_SEQUENCE) return "the sequence must fit TMA coordinates";
-  if (q.batch * q.heads * (v.dim / VALUE_BLOCK) > MAX_GRID_TASKS) return "B * H * Dv / 32 must fit one grid";
-  return {};
+  return chunked_causal::sequence_shape_reason(q, k, v, VALUE_BLOCK);
 }
 
 }  // namespace tk::based

@@ -11,19 +11,11 @@
 #include <cstdint>
 #include <string>
 
-#include "kernels/common/heads_view.h"
-#include "tk/element_type.h"
+#include "kernels/common/causal_problem.h"
 
 namespace tk::based {
 
-struct forward_problem {
-  element_type dtype;
-  bool normalize;
-  float eps;
-  heads_view q, k, v;
-  void* out;           // (B, H, N, Dv) contiguous
-  float* denominator;  // (B, H, N) contiguous; written (without eps) only when normalize
-};
+using forward_problem = causal_forward_problem;
 
 // The backward: grad_out, q, k, v as the forward's views; out and denominator (the forward's
 // outputs) are read only when normalize. The gradients come back contiguous in the input dtype.

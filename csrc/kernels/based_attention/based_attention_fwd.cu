@@ -25,7 +25,7 @@
 // stored, or the moments after the last chunk, which nothing reads.
 #include "based_attention.h"
 #include "based_attention.cuh"
-#include "kernels/common/heads_layout.cuh"
+#include "kernels/common/chunked_causal.cuh"
 #include "tk/tk.cuh"
 
 namespace tk::based {
@@ -44,39 +44,30 @@ struct based_plan {
 };
 
 template <typename T>
-struct forward_kernel : based_plan {
-  using qk_tile = shared_tile<T, CHUNK, FEATURES>;
-  using value_tile = shared_tile<T, CHUNK, VALUE_BLOCK>;        // also the output's staging
+struct forward_kernel : based_plan, chunked_causal::kernel_base<T, FEATURES, CHUNK, VALUE_BLOCK> {
+  using base = chunked_causal::kernel_base<T, FEATURES, CHUNK, VALUE_BLOCK>;
+  using typename base::barrier_id;
+  using typename base::output;
+  using typename base::params;
+  using typename base::qk_tile;
+  using typename base::row_vector;
+  using typename base::stage;
+  using typename base::value_tile;
   using moment_tile = shared_tile<T, SLAB_FEATURES, VALUE_BLOCK>;  // a slab's scaled copy
   using scores = warpgroup::accumulator<CHUNK>;                 // a warp's 16 queries x 64 keys
   using weights = register_tile<T, BASE_TILE, CHUNK>;           // A = taylor(S) as a wgmma operand
-  using output = warpgroup::accumulator<VALUE_BLOCK>;
   using moments = warpgroup::accumulator<VALUE_BLOCK>;
   using slabs = taylor_slabs<T>;
   using query_rows = typename slabs::position_rows;  // the warp's 16 queries
   using key_cols = typename slabs::position_cols;    // the chunk's keys, K x F
   using feature_rows = typename slabs::slab_rows;    // a warp's rows of a phi(.) operand
   using small_tile = typename slabs::small_tile;
-  using row_vector = per_row_vector<output, float>;
-
-  struct stage {
-    qk_tile q, k;
-    value_tile v;
-  };
-  static constexpr uint32_t stage_bytes[] = {2 * qk_tile::bytes + value_tile::bytes};
 
   struct scratch {
     moment_tile moments[SLABS];
     value_tile staging[2];  // the output of alternate chunks, while TMA stores the other
   };
 
-  struct params {
-    CUtensorMap q, k, v, out;
-    float* denominator;
-    int rows, heads, batch, value_blocks;
-    float eps;
-    bool normalize;
-  };
   using context = pipeline::task_context<forward_kernel>;
   using inputs = pipeline::stage_inputs<forward_kernel>;
 
@@ -86,36 +77,6 @@ struct forward_kernel : based_plan {
     small_tile key_sum;   // every row: sum_j k_j
     int stores;           // output chunks stored so far (picks the staging tile)
   };
-
-  enum class barrier_id : int {
-    chunk_done = FIRST_NAMED_BARRIER,  // the warpgroup's products of a chunk are done
-    copies_written,                    // the moments' copies and the output tile are written
-    count,
-  };
-  static_assert(fits_named_barriers<barrier_id>());
-
-  // ------------------------------------------------------------------------------ producer
-
-  __host__ __device__ static pipeline::head_block_order tasks(const params& p) {
-    return {p.value_blocks, p.heads, p.batch, false};
-  }
-
-  __device__ static int iterations(const params& p, pipeline::head_block) { return ceil_div(p.rows, CHUNK); }
-
-  __device__ static void prefetch(const params& p) {
-    tma::prefetch_descriptor(p.q);
-    tma::prefetch_descriptor(p.k);
-    tma::prefetch_descriptor(p.v);
-    tma::prefetch_descriptor(p.out);
-  }
-
-  __device__ static void load(const params& p, pipeline::head_block task, int chunk, int, stage& s, mbarrier& full) {
-    const int qk_index[4] = {task.batch, task.head, chunk * CHUNK, 0};
-    const int v_index[4] = {task.batch, task.head, chunk * CHUNK, task.block * VALUE_BLOCK};
-    tma::load(s.q, p.q, full, qk_index);
-    tma::load(s.k, p.k, full, qk_index);
-    tma::load(s.v, p.v, full, v_index);
-  }
 
   // ------------------------------------------------------------------------------ consumers
 
@@ -204,11 +165,7 @@ struct forward_kernel : based_plan {
       in.release(at);
 
       if (p.normalize) {
-        if (ctx.task.block == 0) {
-          const int row = chunk * CHUNK + warp_row0;
-          warp::store(p.denominator + (int64_t(ctx.task.batch) * p.heads + ctx.task.head) * p.rows + row, den,
-                      p.rows - row);
-        }
+        base::store_denominator(ctx, den, chunk);
         warp::add(den, den, p.eps);
         warp::div_row(o, o, den);
       }
@@ -218,66 +175,25 @@ struct forward_kernel : based_plan {
 
   // Hands the moments to the next chunk (scaled copies) and the output tile to TMA.
   __device__ static void store_chunk(const context& ctx, consumer_state& st, const output& o, int chunk, bool leader) {
-    value_tile& staging = ctx.scratch.staging[st.stores % 2];
-    if (leader) tma::wait_stores_read<1>();  // the store that last used this staging tile has read it
-    barrier_sync(barrier_id::chunk_done, WARPGROUP_THREADS);
-    if (chunk + 1 < ctx.iterations) {
+    base::store_chunk(ctx, ctx.scratch.staging, st.stores, o, chunk, leader, [&] {
 #pragma unroll
       for (int t = 0; t < SLABS; ++t) {
         moments scaled;
         warp::mul(scaled, st.m[t], slabs::copy_scale(t));
         warpgroup::store<0>(ctx.scratch.moments[t], scaled);
       }
-    }
-    warpgroup::store<0>(staging, o);
-    fence_async_shared();  // the stmatrix writes must be visible to wgmma and to the copy engine
-    barrier_sync(barrier_id::copies_written, WARPGROUP_THREADS);
-    if (leader) {
-      const int index[4] = {ctx.task.batch, ctx.task.head, chunk * CHUNK, ctx.task.block * VALUE_BLOCK};
-      tma::store(ctx.params.out, staging, index);
-      tma::commit_stores();
-    }
-    ++st.stores;
+    });
   }
 
   __device__ static void store(const context&, consumer_state&) {}
-
-  __device__ static void finish(const params&, scratch&, int) {
-    if (threadIdx.x % WARPGROUP_THREADS == 0) tma::wait_stores_read<0>();
-  }
 };
 
 // ----------------------------------------------------------------------------------- host
 
 template <typename T>
-std::string layout_reasons(const forward_problem& pr) {
-  using K = forward_kernel<T>;
-  const heads_view out = contiguous_view(pr.out, pr.v.batch, pr.v.heads, pr.v.rows, pr.v.dim);
-  for (const auto& [name, view] : {std::pair{"q", pr.q}, std::pair{"k", pr.k}}) {
-    if (std::string r = layout_reason<typename K::qk_tile, T>(name, view); !r.empty()) return r;
-  }
-  for (const auto& [name, view] : {std::pair{"v", pr.v}, std::pair{"out", out}}) {
-    if (std::string r = layout_reason<typename K::value_tile, T>(name, view); !r.empty()) return r;
-  }
-  return {};
-}
-
-template <typename T>
 cudaError_t run(const forward_problem& pr, cudaStream_t stream) {
   using K = forward_kernel<T>;
-  typename K::params p;
-  p.q = make_tma_map<typename K::qk_tile>(heads_layout<T>(pr.q));
-  p.k = make_tma_map<typename K::qk_tile>(heads_layout<T>(pr.k));
-  p.v = make_tma_map<typename K::value_tile>(heads_layout<T>(pr.v));
-  p.out = make_tma_map<typename K::value_tile>(
-      heads_layout<T>(contiguous_view(pr.out, pr.v.batch, pr.v.heads, pr.v.rows, pr.v.dim)));
-  p.denominator = pr.denominator;
-  p.rows = int(pr.q.rows);
-  p.heads = int(pr.q.heads);
-  p.batch = int(pr.q.batch);
-  p.value_blocks = int(pr.v.dim / VALUE_BLOCK);
-  p.eps = pr.eps;
-  p.normalize = pr.normalize;
+  const typename K::params p = K::make_params(pr);
   return pipeline::launch<K>(p, K::tasks(p).count(), stream);
 }
 
@@ -291,7 +207,7 @@ auto dispatch(const forward_problem& p, F&& f) {
 std::string unsupported_reason(const forward_problem& p) {
   if (!kernel_dtypes::contains(p.dtype)) return "the kernels take bf16 and fp16";
   if (std::string r = shape_reason(p.q, p.k, p.v); !r.empty()) return r;
-  return dispatch(p, [&]<typename T>() { return layout_reasons<T>(p); });
+  return dispatch(p, [&]<typename T>() { return forward_kernel<T>::layout_reasons(p); });
 }
 
 cudaError_t launch(const forward_problem& p, cudaStream_t stream) {

@@ -1,0 +1,25 @@
+// The generic causal linear attention launcher: out_i = sum_{j<=i} (q_i . k_j) v_j, divided by
+// (sum_{j<=i} q_i . k_j + eps) when normalising, on already feature-mapped q and k; bf16 or fp16 in
+// and out, fp32 denominators. Plain C++ (no torch): csrc/torch/linear_attention.cpp calls it.
+//
+// q, k are (B, H, N, F) and v (B, H, N, Dv) views with a unit last stride and any other strides
+// (in elements); the kernels take F in {16, 32, 64, 128, 256} and Dv a multiple of 32 up to 256.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "kernels/common/causal_problem.h"
+
+namespace tk::linear {
+
+using forward_problem = causal_forward_problem;
+
+// Empty when the kernel can run the problem; otherwise why not.
+std::string unsupported_reason(const forward_problem& p);
+
+// Launch on `stream`; return the launch error.
+cudaError_t launch(const forward_problem& p, cudaStream_t stream);
+
+}  // namespace tk::linear

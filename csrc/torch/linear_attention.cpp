@@ -1,0 +1,35 @@
+// CUDA kernel of tk::linear_attention (the forward) on the Hopper linear attention kernel.
+//
+// The entry re-checks its arguments, describes q, k, v to the kernel as they are stored (any
+// strides with a unit last stride, so (B, N, H, F) views need no copy) and launches on the current
+// stream. What the kernel cannot take (fp32/fp64, F outside {16, 32, 64, 128, 256}, Dv not a
+// multiple of 32 up to 256, another GPU, strides TMA cannot describe) goes to the reference twin
+// tk::linear_attention_ref, which warns once. tk::linear_attention_bwd has no kernel: its reference
+// serves every device.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <tuple>
+
+#include "causal_linear.h"
+#include "kernels/linear_attention/linear_attention.h"
+#include "registration.h"
+
+namespace {
+
+namespace linear = tk::linear;
+namespace causal_linear = tk::causal_linear;
+
+std::tuple<at::Tensor, at::Tensor> linear_attention_cuda(const at::Tensor& q, const at::Tensor& k,
+                                                         const at::Tensor& v, double eps, bool normalize) {
+  causal_linear::check_inputs("tk::linear_attention", q, k, v, eps);
+  auto plan = causal_linear::plan_forward(q, k, v, eps, normalize, linear::unsupported_reason);
+  if (!plan) {
+    return tk::registration::fallback<&linear_attention_cuda>("tk::linear_attention_ref", q, k, v, eps, normalize);
+  }
+  return causal_linear::run_forward(*plan, q, v, normalize, linear::launch);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(tk, CUDA, m) { m.impl("linear_attention", &linear_attention_cuda); }
