@@ -377,7 +377,7 @@ struct dkdv_kernel : gradient_common<T> {
     value_accumulator r[SLABS];  // sum_i phi(q_i) g~_i^T over the later chunks
     small_tile query_gram;       // sum_i c_i q_i q_i^T (value block 0, normalised)
     small_tile query_sum;        // every row: sum_i c_i q_i
-    int stores;                  // grad_v chunks stored so far (picks the staging tile)
+    int stores = 0;              // grad_v chunks stored so far (picks the staging tile)
   };
 
   __host__ __device__ static pipeline::head_block_order tasks(const params& p) {

@@ -75,7 +75,7 @@ struct forward_kernel : based_plan, chunked_causal::kernel_base<T, FEATURES, CHU
     moments m[SLABS];
     small_tile key_gram;  // sum_j k_j k_j^T
     small_tile key_sum;   // every row: sum_j k_j
-    int stores;           // output chunks stored so far (picks the staging tile)
+    int stores = 0;       // output chunks stored so far (picks the staging tile)
   };
 
   // ------------------------------------------------------------------------------ consumers

@@ -97,7 +97,7 @@ struct forward_kernel : linear_plan<FEATURES>, chunked_causal::kernel_base<T, FE
   struct consumer_state {
     state s[SLABS];
     feature_sums key_sum[SLABS];
-    int stores;  // output chunks stored so far (picks the staging tile)
+    int stores = 0;  // output chunks stored so far (picks the staging tile)
   };
 
   // The warp's first feature row of slab t; the warp owns none when it is F or more.
