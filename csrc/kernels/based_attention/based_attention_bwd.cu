@@ -137,6 +137,13 @@ struct gradient_common : backward_plan {
   // dst += the VJP of phi at the warp's positions x applied to slab t's part of u (products: x's
   // positions times the slab's features, the copies' scales included): 2 sum_b x_b u_(a,b) into
   // column a = 4 t + kb for each k16 block kb; the first-order block as it stands.
+  //
+  // Callers run the second-order slabs in a loop that is NOT unrolled. Unrolled, the per-lane
+  // select chains of column a and column a + 8 (even a < 8: same lane predicates, same u registers,
+  // as every slab's u reuses them) were PTX expressions that differ only by the wgmma redefining u
+  // between them, and ptxas (CUDA 13.0) merged them: columns 0, 2, 4, 6 received the sums of
+  // columns 8, 10, 12, 14 and lost their own (the SASS never read u's even k16 blocks of slabs 0
+  // and 1), so grad_q and grad_k were wrong past the first chunk. One loop body has one chain.
   __device__ static void add_feature_gradient(small_tile& dst, const slab_products& u, const position_rows& x,
                                               int slab) {
     if (slab < SECOND_ORDER_SLABS) {
@@ -283,15 +290,18 @@ struct dq_kernel : gradient_common<T> {
       small_tile earlier;
       warp::zero(earlier);
       if (has_earlier) {
-#pragma unroll
-        for (int t = 0; t < SLABS; ++t) {
+        const auto slab_gradient = [&](int t) {
           slab_products u;
           warpgroup::fence();
           warpgroup::mma<operand_major::k, operand_major::k>(u, s.g, 0, ctx.scratch.moments[t], 0, false);
           warpgroup::commit();
           warpgroup::wait<0>(u, ds, grad);
           base::add_feature_gradient(earlier, u, q, t);
-        }
+        };
+        // Not unrolled: see add_feature_gradient.
+#pragma unroll 1
+        for (int t = 0; t < SECOND_ORDER_SLABS; ++t) slab_gradient(t);
+        slab_gradient(SECOND_ORDER_SLABS);
         warp::mul_row(earlier, earlier, inverse_denominator);
         if (carries_delta) {
           // c_i times the VJP of phi(q_i) . sum_j phi(k_j): key_sum / 4 + key_gram q_i / 16.
@@ -457,9 +467,8 @@ struct dkdv_kernel : gradient_common<T> {
       small_tile later;
       warp::zero(later);
       if (has_later) {
-        slab_rows features;
-#pragma unroll
-        for (int t = 0; t < SLABS; ++t) {
+        const auto slab_gradient = [&](int t) {
+          slab_rows features;
           slabs::rows(features, k, t);
           slab_products w;
           warpgroup::fence();
@@ -468,7 +477,11 @@ struct dkdv_kernel : gradient_common<T> {
           warpgroup::commit();
           warpgroup::wait<0>(w, features, grad_v);
           base::add_feature_gradient(later, w, k, t);
-        }
+        };
+        // Not unrolled: see add_feature_gradient.
+#pragma unroll 1
+        for (int t = 0; t < SECOND_ORDER_SLABS; ++t) slab_gradient(t);
+        slab_gradient(SECOND_ORDER_SLABS);
         if (carries_delta) {
           // The VJP of phi(k_j) . sum_i c_i phi(q_i): query_sum / 4 + query_gram k_j / 16.
           small_tile moment;
