@@ -23,6 +23,7 @@ floor each reaches, and the error of a baseline that could not run. Writes
 benchmarks/results/linear_attention.json and linear_attention.png (and into --out).
 
   python3 -m benchmarks.bench_linear_attention [--out DIR] [--only based|generic] [--pass fwd|fwd+bwd]
+                                  [--isolate-baselines]
                                   benchmark (after the correctness sweep)
   python3 -m benchmarks.bench_linear_attention --check
                                   only the correctness sweep: small odd shapes, strided views,
@@ -42,6 +43,8 @@ import dataclasses
 import json
 import math
 import pathlib
+import subprocess
+import sys
 from typing import Callable, Optional
 
 import torch
@@ -194,8 +197,10 @@ def make_row(shape: Shape, pass_: str, baseline: str, ours_ms: Optional[float], 
     return row
 
 
-def measure(shape: Shape, device, timer: Callable, copy_gbps: Optional[float], passes=PASSES) -> list[dict]:
-    """The rows of one shape: per pass, ours against each baseline (ours timed once per pass)."""
+def measure(shape: Shape, device, timer: Callable, copy_gbps: Optional[float], passes=PASSES,
+            isolate: bool = False) -> list[dict]:
+    """The rows of one shape: per pass, ours against each baseline (ours timed once per pass). With
+    `isolate`, each baseline runs in a process of its own (time_baseline_in_subprocess)."""
     baselines, missing = fla_baselines(shape.kind)
     ours_fn = ours(shape.kind)
     first_ours, first_fla = input_set(shape, device, DTYPE, backward=False)
@@ -206,6 +211,8 @@ def measure(shape: Shape, device, timer: Callable, copy_gbps: Optional[float], p
         if name not in baselines:
             errors[name] = missing
             continue
+        if isolate:
+            continue  # measured in the baseline's own process, with its timing
         try:
             with torch.no_grad():
                 rel_diffs[name] = relative_difference(baselines[name](*first_fla[:3]).transpose(1, 2), ours_out)
@@ -221,7 +228,11 @@ def measure(shape: Shape, device, timer: Callable, copy_gbps: Optional[float], p
         ours_ms = timer(step(ours_fn, backward), [s[0] for s in sets])
         for name in BASELINES[shape.kind]:
             baseline_ms, error = None, errors.get(name)
-            if error is None:
+            if error is None and isolate:
+                baseline_ms, diff, error = time_baseline_in_subprocess(shape, pass_, name)
+                if diff is not None:
+                    rel_diffs[name] = diff
+            elif error is None:
                 try:
                     baseline_ms = timer(step(baselines[name], backward), [s[1] for s in sets])
                 except Exception as failure:
@@ -231,6 +242,40 @@ def measure(shape: Shape, device, timer: Callable, copy_gbps: Optional[float], p
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def time_baseline_in_subprocess(shape: Shape, pass_: str, name: str) -> tuple[Optional[float], Optional[float], Optional[str]]:
+    """(ms, relative difference from ours, error) of one fla baseline, timed in a fresh process, so
+    that a fault in it (fla 0.6.0's linear-attention kernels hit an illegal address on the H100 when
+    timed in the same process as ours) costs only its own row."""
+    fields = [shape.kind, shape.batch, shape.heads, shape.seq_len, shape.features, shape.value_dim, pass_, name]
+    command = [sys.executable, "-m", "benchmarks.bench_linear_attention", "--time-baseline", *map(str, fields)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    for line in done.stdout.splitlines():
+        if line.startswith("BASELINE "):
+            _, ms, diff = line.split()
+            return float(ms), float(diff), None
+    tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+    return None, None, f"subprocess exit {done.returncode}: {tail}"
+
+
+def time_one_baseline(fields: list[str]) -> None:
+    """--time-baseline: fla's output against ours once, then fla alone timed; prints one line."""
+    kind, b, h, n, f, dv, pass_, name = fields
+    shape = Shape(kind, int(b), int(h), int(n), int(f), int(dv))
+    baselines, missing = fla_baselines(kind)
+    if name not in baselines:
+        raise SystemExit(missing)
+    backward = pass_ == "fwd+bwd"
+    first_ours, first_fla = input_set(shape, "cuda", DTYPE, backward=False)
+    with torch.no_grad():
+        theirs = baselines[name](*first_fla[:3]).transpose(1, 2)
+        diff = relative_difference(theirs, ours(kind)(*first_ours[:3]))
+    del first_ours, first_fla, theirs
+    bytes_per_set = shape.hbm_bytes(pass_, DTYPE.itemsize)
+    sets = [input_set(shape, "cuda", DTYPE, backward) for _ in range(rotation_count(bytes_per_set, "cuda"))]
+    ms = common.time_ms(step(baselines[name], backward), [s[1] for s in sets])
+    print(f"BASELINE {ms} {diff}")
 
 
 def rotation_count(bytes_per_set: int, device) -> int:
@@ -368,6 +413,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--check", action="store_true", help="only the correctness sweep")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, no timing: build and print the rows")
     parser.add_argument("--only", choices=tuple(BASELINES), help="only the Based or only the generic shapes")
+    parser.add_argument("--isolate-baselines", action="store_true",
+                        help="time each fla baseline in a process of its own (a fault costs only its row)")
+    parser.add_argument("--time-baseline", nargs=8, metavar="FIELD", help=argparse.SUPPRESS)
     parser.add_argument("--pass", dest="passes", choices=PASSES, action="append",
                         help="only this pass (repeatable; default: both)")
     return parser.parse_args(argv)
@@ -391,6 +439,9 @@ def dry_run(args: argparse.Namespace) -> list[dict]:
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.manual_seed(0)
+    if args.time_baseline:
+        time_one_baseline(args.time_baseline)
+        return
     if args.dry_run:
         dry_run(args)
         return
@@ -407,7 +458,7 @@ def main(argv=None) -> None:
     )
     rows = []
     for shape in selected_shapes(args):
-        shape_rows = measure(shape, "cuda", common.time_ms, copy, tuple(args.passes or PASSES))
+        shape_rows = measure(shape, "cuda", common.time_ms, copy, tuple(args.passes or PASSES), args.isolate_baselines)
         report(shape_rows)
         rows += shape_rows
         # written after every shape, so a run cut short keeps what it measured
