@@ -38,6 +38,16 @@ static_assert(SCORE_SCALE * SCORE_SCALE * FEATURES == 1.0f, "SCORE_SCALE is 1 / 
 constexpr float SECOND_ORDER_SCALE = 0.5f * SCORE_SCALE * SCORE_SCALE;  // of q_a q_b k_a k_b
 
 
+// Every Based kernel on the template: one consumer warpgroup per task (32 value columns), two tasks
+// sharing an SM (232 consumer registers), three stages.
+struct based_plan {
+  static constexpr int consumer_warpgroups = 1;
+  static constexpr int stages = 3;
+  static constexpr int blocks_per_sm = 2;
+  static constexpr int producer_registers = 24;
+  static constexpr int consumer_registers = 232;
+};
+
 struct taylor_score {
   __device__ static float apply(float qk) {
     const float s = qk * SCORE_SCALE;

@@ -68,17 +68,9 @@ struct gradient_shape {
   }
 };
 
-struct backward_plan {
-  static constexpr int consumer_warpgroups = 1;
-  static constexpr int stages = 3;
-  static constexpr int blocks_per_sm = 2;  // one warpgroup per task: two tasks share an SM
-  static constexpr int producer_registers = 24;
-  static constexpr int consumer_registers = 232;
-};
-
 // The parts the two gradient kernels share.
 template <typename T>
-struct gradient_common : backward_plan {
+struct gradient_common : based_plan {
   using qk_tile = shared_tile<T, CHUNK, FEATURES>;
   using value_tile = shared_tile<T, CHUNK, VALUE_BLOCK>;           // v, grad_out (and grad_v's staging)
   using state_tile = shared_tile<T, SLAB_FEATURES, VALUE_BLOCK>;   // a slab's scaled copy

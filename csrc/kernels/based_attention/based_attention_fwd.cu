@@ -35,14 +35,6 @@ using warpgroup::operand_major;
 
 using kernel_dtypes = one_of<element_type::bf16, element_type::fp16>;
 
-struct based_plan {
-  static constexpr int consumer_warpgroups = 1;
-  static constexpr int stages = 3;
-  static constexpr int blocks_per_sm = 2;  // one warpgroup per task: two tasks share an SM
-  static constexpr int producer_registers = 24;
-  static constexpr int consumer_registers = 232;
-};
-
 template <typename T>
 struct forward_kernel : based_plan, chunked_causal::kernel_base<T, FEATURES, CHUNK, VALUE_BLOCK> {
   using base = chunked_causal::kernel_base<T, FEATURES, CHUNK, VALUE_BLOCK>;
@@ -164,11 +156,7 @@ struct forward_kernel : based_plan, chunked_causal::kernel_base<T, FEATURES, CHU
       for (int t = 0; t < SLABS; ++t) warpgroup::pin(st.m[t]);
       in.release(at);
 
-      if (p.normalize) {
-        base::store_denominator(ctx, den, chunk);
-        warp::add(den, den, p.eps);
-        warp::div_row(o, o, den);
-      }
+      base::normalize(ctx, o, den, chunk);
       store_chunk(ctx, st, o, chunk, leader);
     }
   }

@@ -94,6 +94,16 @@ struct kernel_base {
 
   // ------------------------------------------------------------------------------ consumers
 
+  // Normalising: the chunk's denominators out (one value block writes them, rows past N dropped),
+  // then O /= denominator + eps.
+  template <typename Context>
+  __device__ static void normalize(const Context& ctx, output& o, row_vector& den, int chunk) {
+    if (!ctx.params.normalize) return;
+    store_denominator(ctx, den, chunk);
+    warp::add(den, den, ctx.params.eps);
+    warp::div_row(o, o, den);
+  }
+
   // The chunk's denominators (one value block writes them), rows past N dropped.
   template <typename Context>
   __device__ static void store_denominator(const Context& ctx, const row_vector& den, int chunk) {

@@ -195,11 +195,7 @@ struct forward_kernel : linear_plan<FEATURES>, chunked_causal::kernel_base<T, FE
       for (int t = 0; t < SLABS; ++t) warpgroup::pin(st.s[t]);
       in.release(at);
 
-      if (p.normalize) {
-        base::store_denominator(ctx, den, chunk);
-        warp::add(den, den, p.eps);
-        warp::div_row(o, o, den);
-      }
+      base::normalize(ctx, o, den, chunk);
       base::store_chunk(ctx, ctx.scratch.staging, st.stores, o, chunk, leader, [&] { write_copies(ctx, st); });
     }
   }
