@@ -25,6 +25,7 @@ CONTRACT = {
     "linear_attention": ("linear_attention", "linear_attention_bwd"),
     "mamba2_ssd": ("mamba2_ssd", "mamba2_ssd_bwd"),
     "fftconv": ("fftconv", "fftconv_bwd"),
+    "causal_conv1d": ("causal_conv1d", "causal_conv1d_bwd"),
 }
 
 

@@ -8,6 +8,7 @@ reference (CPU and unsupported inputs), a fake impl and autograd through a dedic
 from tk_ops import _library
 from tk_ops.ops.attention import attention
 from tk_ops.ops.based_attention import based_attention
+from tk_ops.ops.causal_conv1d import causal_conv1d
 from tk_ops.ops.fftconv import fftconv
 from tk_ops.ops.layer_norm import layer_norm
 from tk_ops.ops.linear_attention import linear_attention
@@ -31,6 +32,7 @@ __all__ = [
     "attention",
     "backends",
     "based_attention",
+    "causal_conv1d",
     "extension_status",
     "fftconv",
     "layer_norm",
