@@ -1,0 +1,359 @@
+"""tk_ops.causal_conv1d against F.conv1d(padding=W - 1)[..., :L] + SiLU, eager and torch.compile, in the same run.
+
+Shapes: a Mamba-2 layer's short convolution, B = 8, D = 4096 + 2 * 128 = 4352 (the x channels plus
+the B and C channels of d_state 128, one group), L = 2048 and 4096, W = 4, bias, SiLU, bf16; x
+contiguous (B, D, L), and at L = 4096 also as a mixer has it, a (B, L, D) tensor seen as (B, D, L)
+(every implementation gets the same view). Forward, and forward + backward (the gradients of x,
+weight and bias for a given output gradient).
+
+Baselines (the causal_conv1d package's own reference form):
+  eager     F.silu(F.conv1d(x, weight.unsqueeze(1), bias, padding=W - 1, groups=D)[..., :L])
+  compiled  the same under torch.compile(fullgraph=True, dynamic=False)
+Each row also has the relative difference of the baseline's forward output from ours.
+
+HBM floor: the bytes that must cross HBM once (forward: x read and out written, plus weight and
+bias; forward + backward adds x and the output gradient read and grad_x written: with SiLU the
+backward recomputes the pre-activation from x) over the device-to-device copy bandwidth measured in
+this run. Rows: shape, pass, baseline, ours_ms, baseline_ms, ratio (baseline_ms / ours_ms: above 1
+we are faster), floor_ms, the fraction of the floor each reaches, hbm_bytes, and the error of a
+baseline that could not run. Writes benchmarks/results/conv1d.json and conv1d.png (and into --out).
+Until the kernel lands, "ours" is the PyTorch reference (``tk_ops.backends()`` says which; the
+header records it).
+
+  python3 -m benchmarks.bench_conv1d [--out DIR] [--pass fwd|fwd+bwd]
+                                  benchmark (after the correctness sweep)
+  python3 -m benchmarks.bench_conv1d --check
+                                  only the correctness sweep: odd L, W = 1 ... 4, bias and SiLU on
+                                  and off, bf16/fp16 with 16-bit or fp32 parameters, channel-last
+                                  views; forward and gradients against float64 F.conv1d; exits
+                                  non-zero on a failure
+  python3 -m benchmarks.bench_conv1d --dry-run [--out DIR]
+                                  CPU, tiny shapes, nothing timed: runs every implementation once
+                                  and builds and prints the rows (and the plot into --out)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import pathlib
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+import tk_ops
+from benchmarks import common
+from benchmarks.bench_linear_attention import relative_difference
+
+DTYPE = torch.bfloat16
+PASSES = ("fwd", "fwd+bwd")
+BASELINES = ("eager", "compiled")
+ACTIVATION = "silu"
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    batch: int
+    dim: int
+    seq_len: int
+    width: int
+    layout: str  # "bdl": contiguous (B, D, L); "bld": (B, L, D) storage seen as (B, D, L)
+
+    @property
+    def label(self) -> str:
+        return f"B={self.batch} D={self.dim} L={self.seq_len} W={self.width} {self.layout}"
+
+    def hbm_bytes(self, pass_: str, element: int) -> int:
+        """x read and out written once, weight and bias read; forward + backward adds x and grad_out
+        read and grad_x written (grad_weight and grad_bias are D (W + 1) elements)."""
+        activations = self.batch * self.dim * self.seq_len
+        parameters = self.dim * (self.width + 1)
+        forward = 2 * activations + parameters
+        return element * (forward if pass_ == "fwd" else forward + 3 * activations + parameters)
+
+
+MAMBA2_DIM = 4096 + 2 * 128
+SHAPES = (
+    Shape(8, MAMBA2_DIM, 2048, 4, "bdl"),
+    Shape(8, MAMBA2_DIM, 4096, 4, "bdl"),
+    Shape(8, MAMBA2_DIM, 4096, 4, "bld"),
+)
+# --dry-run: both layouts at sizes a CPU runs in a moment.
+DRY_RUN_SHAPES = (Shape(2, 24, 33, 4, "bdl"), Shape(2, 24, 33, 4, "bld"))
+
+
+# ---------------------------------------------------------------------------------- the callables
+
+
+def ours(x, weight, bias):
+    return tk_ops.causal_conv1d(x, weight, bias, activation=ACTIVATION)
+
+
+def conv1d_silu(x, weight, bias):
+    """causal_conv1d's reference form."""
+    out = F.conv1d(x, weight.unsqueeze(1), bias, padding=weight.shape[1] - 1, groups=weight.shape[0])
+    return F.silu(out[..., : x.shape[-1]])
+
+
+def implementations() -> dict[str, Callable]:
+    return {
+        "tk_ops": ours,
+        "eager": conv1d_silu,
+        "compiled": torch.compile(conv1d_silu, fullgraph=True, dynamic=False),
+    }
+
+
+# ---------------------------------------------------------------------------------------- inputs
+
+
+def input_set(shape: Shape, device, dtype, backward: bool) -> tuple:
+    """(x, weight, bias, grad_out): x ~ N(0, 1) in the shape's layout, taps scaled by W**-0.5."""
+    b, d, n = shape.batch, shape.dim, shape.seq_len
+    if shape.layout == "bld":
+        x = torch.randn(b, n, d, device=device, dtype=dtype).transpose(1, 2)
+    else:
+        x = torch.randn(b, d, n, device=device, dtype=dtype)
+    weight = (torch.randn(d, shape.width, device=device) / shape.width**0.5).to(dtype)
+    bias = torch.randn(d, device=device).to(dtype)
+    grad_out = torch.randn(b, d, n, device=device, dtype=dtype)
+    for t in (x, weight, bias):
+        t.requires_grad_(backward)
+    return x, weight, bias, grad_out
+
+
+def step(fn: Callable, backward: bool) -> Callable:
+    """fn's forward on (x, weight, bias), and with backward its gradients w.r.t. all three."""
+
+    def run(x, weight, bias, grad_out):
+        out = fn(x, weight, bias)
+        if backward:
+            torch.autograd.grad(out, (x, weight, bias), grad_out)
+
+    return run
+
+
+def run_once(fn: Callable, input_sets) -> None:
+    """The --dry-run stand-in for common.time_ms: one call on every set, no time."""
+    for inputs in input_sets:
+        fn(*inputs)
+    return None
+
+
+# ------------------------------------------------------------------------------------------- rows
+
+
+def _rounded(value: Optional[float], digits: int = 5) -> Optional[float]:
+    return None if value is None else round(value, digits)
+
+
+def _ratio(numerator: Optional[float], denominator: Optional[float]) -> Optional[float]:
+    return None if numerator is None or not denominator else round(numerator / denominator, 3)
+
+
+def make_row(shape: Shape, pass_: str, baseline: str, ours_ms: Optional[float], baseline_ms: Optional[float],
+             copy_gbps: Optional[float], rel_diff: Optional[float] = None, error: Optional[str] = None) -> dict:
+    """One result row; times None when not measured (a dry run, a baseline that could not run)."""
+    moved = shape.hbm_bytes(pass_, DTYPE.itemsize)
+    floor_ms = moved / copy_gbps / 1e6 if copy_gbps else None
+    row = {
+        "shape": shape.label, "pass": pass_, "baseline": baseline,
+        "ours_ms": _rounded(ours_ms), "baseline_ms": _rounded(baseline_ms), "ratio": _ratio(baseline_ms, ours_ms),
+        "floor_ms": _rounded(floor_ms), "ours_of_floor": _ratio(floor_ms, ours_ms),
+        "baseline_of_floor": _ratio(floor_ms, baseline_ms), "hbm_bytes": moved,
+        "rel_diff_vs_ours": None if rel_diff is None else float(f"{rel_diff:.2e}"),
+        **dataclasses.asdict(shape),
+    }
+    if error:
+        row["error"] = error
+    return row
+
+
+def _describe(error: Exception) -> str:
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+
+
+def measure(shape: Shape, device, timer: Callable, copy_gbps: Optional[float], passes=PASSES) -> list[dict]:
+    """The rows of one shape: per pass, ours against each baseline (ours timed once per pass)."""
+    torch._dynamo.reset()  # each shape compiles afresh, never against the recompile limit
+    functions = implementations()
+    x, weight, bias, _ = input_set(shape, device, DTYPE, backward=False)
+    rel_diffs, errors = {}, {}
+    with torch.no_grad():
+        ours_out = ours(x, weight, bias)
+        for name in BASELINES:
+            try:
+                rel_diffs[name] = relative_difference(functions[name](x, weight, bias), ours_out)
+            except Exception as error:  # a baseline that cannot run this shape is reported, not fatal
+                errors[name] = _describe(error)
+    del x, weight, bias, ours_out
+
+    rows = []
+    for pass_ in passes:
+        backward = pass_ == "fwd+bwd"
+        count = common.rotation_count(shape.hbm_bytes(pass_, DTYPE.itemsize)) if device == "cuda" else 1
+        sets = [input_set(shape, device, DTYPE, backward) for _ in range(count)]
+        ours_ms = timer(step(ours, backward), sets)
+        for name in BASELINES:
+            baseline_ms, error = None, errors.get(name)
+            if error is None:
+                try:
+                    baseline_ms = timer(step(functions[name], backward), sets)
+                except Exception as failure:
+                    error = _describe(failure)
+            rows.append(make_row(shape, pass_, name, ours_ms, baseline_ms, copy_gbps, rel_diffs.get(name), error))
+        del sets
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def report(rows: list[dict]) -> None:
+    for row in rows:
+        cells = [f"{row[key]:9.4f}" if row[key] is not None else f"{'-':>9}" for key in ("ours_ms", "baseline_ms", "floor_ms")]
+        ratio = f"{row['ratio']:6.2f}" if row["ratio"] is not None else f"{'-':>6}"
+        note = f"  ({row['error']})" if "error" in row else ""
+        print(f"{row['shape']:32} {row['pass']:7} {row['baseline']:9} {cells[0]} {cells[1]} {ratio} {cells[2]}{note}")
+
+
+def plot(rows: list[dict], path: pathlib.Path, device_name: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [pass_ for pass_ in PASSES if any(row["pass"] == pass_ for row in rows)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.8), squeeze=False)
+    colors = {"tk_ops": "tab:red", "eager": "tab:gray", "compiled": "tab:blue"}
+    names = ("tk_ops", *BASELINES)
+    for c, pass_ in enumerate(panels):
+        ax = axes[0][c]
+        selected = [row for row in rows if row["pass"] == pass_]
+        shapes = list(dict.fromkeys(row["shape"] for row in selected))
+        width = 0.8 / len(names)
+        for i, name in enumerate(names):
+            times = []
+            for shape in shapes:
+                of_shape = [row for row in selected if row["shape"] == shape]
+                times.append(of_shape[0]["ours_ms"] if name == "tk_ops"
+                             else next(row["baseline_ms"] for row in of_shape if row["baseline"] == name))
+            xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(shapes))]
+            ax.bar(xs, [math.nan if t is None else t for t in times], width, color=colors[name], label=name)
+        floors = [next(row["floor_ms"] for row in selected if row["shape"] == shape) for shape in shapes]
+        if all(f is not None for f in floors):
+            ax.plot(range(len(shapes)), floors, "k_", markersize=30, label="HBM floor (copy bandwidth)")
+        ax.set_xticks(range(len(shapes)), shapes, rotation=15, fontsize=7, ha="right")
+        ax.set_ylabel("ms")
+        ax.set_title(f"causal conv1d + SiLU, {pass_}")
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Causal conv1d on {device_name}: tk_ops vs F.conv1d + SiLU (bf16; lower is better)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# ---------------------------------------------------------------------------------- correctness
+
+# (B, D, L, W, layout): odd L (1 included), every width up to 4, W > L, both layouts
+CHECK_SHAPES = (
+    (2, 40, 1, 4, "bdl"), (2, 40, 17, 4, "bld"), (1, 264, 1000, 4, "bdl"), (3, 72, 333, 3, "bld"),
+    (2, 48, 129, 2, "bdl"), (2, 24, 77, 1, "bdl"), (2, 16, 3, 4, "bld"),
+)
+CHECK_DTYPES = {  # (x dtype, parameter dtype) -> forward tolerance; gradients 2x
+    (torch.bfloat16, torch.bfloat16): 1e-2, (torch.bfloat16, torch.float32): 1e-2,
+    (torch.float16, torch.float16): 5e-3, (torch.float16, torch.float32): 5e-3,
+}
+
+
+def run_check(device) -> None:
+    failures, cases = [], 0
+    for b, d, n, w, layout in CHECK_SHAPES:
+        for (dtype, param_dtype), tolerance in CHECK_DTYPES.items():
+            for with_bias in (True, False):
+                for silu in (True, False):
+                    cases += 1
+                    x, weight, bias, grad_out = input_set(Shape(b, d, n, w, layout), device, dtype, backward=True)
+                    weight = weight.detach().to(param_dtype).requires_grad_()
+                    bias = bias.detach().to(param_dtype).requires_grad_() if with_bias else None
+                    leaves = [t for t in (x, weight, bias) if t is not None]
+                    out = tk_ops.causal_conv1d(x, weight, bias, activation="silu" if silu else None)
+                    exact = [t.detach().double().requires_grad_() for t in leaves]
+                    reference = F.conv1d(exact[0], exact[1].unsqueeze(1), exact[2] if with_bias else None,
+                                         padding=w - 1, groups=d)[..., :n]
+                    reference = F.silu(reference) if silu else reference
+                    grads = torch.autograd.grad(out, leaves, grad_out)
+                    reference_grads = torch.autograd.grad(reference, exact, grad_out.double())
+                    name = (f"B={b} D={d} L={n} W={w} {layout} {str(dtype)[6:]}/{str(param_dtype)[6:]} "
+                            f"bias={with_bias} silu={silu}")
+                    compared = [("out", out, reference, tolerance, dtype)] + [
+                        (f"grad_{label}", g, r, 2 * tolerance, t.dtype)
+                        for label, g, r, t in zip(("x", "weight", "bias"), grads, reference_grads, leaves)]
+                    for label, got, want, tol, want_dtype in compared:
+                        error = relative_difference(got, want)
+                        if not error <= tol or got.dtype != want_dtype:
+                            failures.append(f"{name} {label}: rel err {error:.2e} (tol {tol:.0e}), {got.dtype}")
+    print(f"correctness sweep on {device} (causal_conv1d: {tk_ops.backends()['causal_conv1d']}): {cases} cases "
+          f"(out and the gradients of x, weight, bias), {len(failures)} failures")
+    for failure in failures:
+        print("  FAIL", failure)
+    if failures:
+        raise SystemExit(1)
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=pathlib.Path, help="also write the results and plot into this folder")
+    parser.add_argument("--check", action="store_true", help="only the correctness sweep")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, no timing: build and print the rows")
+    parser.add_argument("--pass", dest="passes", choices=PASSES, action="append",
+                        help="only this pass (repeatable; default: both)")
+    return parser.parse_args(argv)
+
+
+def dry_run(args: argparse.Namespace) -> list[dict]:
+    passes = tuple(args.passes or PASSES)
+    rows = [row for shape in DRY_RUN_SHAPES for row in measure(shape, "cpu", run_once, None, passes)]
+    report(rows)
+    print(json.dumps(rows, indent=1))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        plot(rows, args.out / "conv1d.png", "CPU (dry run, nothing timed)")
+    return rows
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.manual_seed(0)
+    if args.dry_run:
+        dry_run(args)
+        return
+    run_check("cuda")
+    if args.check:
+        return
+    from benchmarks.bench_rope import copy_bandwidth_gbps
+
+    copy = copy_bandwidth_gbps()
+    print(f"device-to-device copy in this run: {copy:.0f} GB/s")
+    out_dirs = [common.RESULTS] + ([args.out] if args.out else [])
+    header = dict(
+        copy_gbps=round(copy, 1), ceiling="torch copy_ of 1 GiB fp32, device to device, read + write, this run",
+        dtype="bf16", activation=ACTIVATION, ours_backend=tk_ops.backends()["causal_conv1d"],
+    )
+    rows = []
+    for shape in SHAPES:
+        shape_rows = measure(shape, "cuda", common.time_ms, copy, tuple(args.passes or PASSES))
+        report(shape_rows)
+        rows += shape_rows
+        # written after every shape, so a run cut short keeps what it measured
+        common.write_results("conv1d", rows, out_dirs, **header)
+    for directory in out_dirs:
+        plot(rows, directory / "conv1d.png", torch.cuda.get_device_name())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""benchmarks/bench_conv1d.py without a GPU: its shapes, byte floors, rows, dry run and correctness sweep."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tk_ops
+from benchmarks import bench_conv1d as bench
+
+
+def test_arguments():
+    args = bench.parse_args([])
+    assert (args.out, args.check, args.dry_run, args.passes) == (None, False, False, None)
+    args = bench.parse_args(["--dry-run", "--pass", "fwd", "--out", "somewhere"])
+    assert args.dry_run and args.passes == ["fwd"] and str(args.out) == "somewhere"
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--pass", "bwd"])
+
+
+def test_shapes_are_mamba2_shapes():
+    """A Mamba-2 layer's conv channels: d_inner 4096 plus B and C (d_state 128, one group)."""
+    assert {(s.batch, s.dim, s.width) for s in bench.SHAPES} == {(8, 4096 + 2 * 128, 4)}
+    assert [(s.seq_len, s.layout) for s in bench.SHAPES] == [(2048, "bdl"), (4096, "bdl"), (4096, "bld")]
+
+
+def test_hbm_floor():
+    shape = bench.SHAPES[0]
+    activations, parameters = 8 * 4352 * 2048, 4352 * 5
+    assert shape.hbm_bytes("fwd", 2) == 2 * (2 * activations + parameters)
+    # + x, grad_out read, grad_x written, grad_weight and grad_bias written
+    assert shape.hbm_bytes("fwd+bwd", 2) == shape.hbm_bytes("fwd", 2) + 2 * (3 * activations + parameters)
+
+
+def test_row():
+    shape = bench.SHAPES[1]
+    row = bench.make_row(shape, "fwd", "compiled", 0.5, 1.5, 3000.0, 1.234e-3)
+    floor = shape.hbm_bytes("fwd", 2) / 3000.0 / 1e6
+    assert row["shape"] == "B=8 D=4352 L=4096 W=4 bdl" and row["pass"] == "fwd"
+    assert (row["ours_ms"], row["baseline_ms"], row["ratio"]) == (0.5, 1.5, 3.0)
+    assert row["floor_ms"] == round(floor, 5) and row["ours_of_floor"] == round(floor / 0.5, 3)
+    assert row["rel_diff_vs_ours"] == 1.23e-3 and "error" not in row
+    missing = bench.make_row(shape, "fwd+bwd", "eager", 0.5, None, None, error="failed")
+    assert (missing["baseline_ms"], missing["ratio"], missing["floor_ms"], missing["baseline_of_floor"]) == (None,) * 4
+    assert missing["error"] == "failed"
+
+
+def test_input_layouts():
+    for layout, channel_last in (("bdl", False), ("bld", True)):
+        x, weight, bias, grad_out = bench.input_set(bench.Shape(2, 8, 5, 4, layout), "cpu", torch.bfloat16, True)
+        assert x.shape == grad_out.shape == (2, 8, 5) and x.stride(1) == (1 if channel_last else 5)
+        assert weight.shape == (8, 4) and bias.shape == (8,) and x.requires_grad and weight.requires_grad
+
+
+def test_dry_run_builds_every_row_and_the_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    rows = bench.dry_run(bench.parse_args(["--dry-run", "--out", str(tmp_path)]))
+    assert len(rows) == len(bench.DRY_RUN_SHAPES) * len(bench.PASSES) * len(bench.BASELINES)
+    assert {(r["pass"], r["baseline"]) for r in rows} == {(p, b) for p in bench.PASSES for b in bench.BASELINES}
+    for row in rows:
+        assert row["ours_ms"] is None and row["baseline_ms"] is None and row["floor_ms"] is None  # nothing timed
+        assert "error" not in row  # eager and compiled conv1d both run on the CPU
+        assert row["rel_diff_vs_ours"] < 1e-2  # bf16: the baselines compute the same function
+    assert (tmp_path / "conv1d.png").stat().st_size > 0
+    assert "B=2 D=24 L=33 W=4 bld" in capsys.readouterr().out
+
+
+def test_check_passes_on_cpu():
+    bench.run_check("cpu")
+
+
+def test_check_fails_on_a_wrong_output(monkeypatch):
+    causal_conv1d = tk_ops.causal_conv1d
+    monkeypatch.setattr(tk_ops, "causal_conv1d", lambda *a, **kw: 1.05 * causal_conv1d(*a, **kw))
+    with pytest.raises(SystemExit) as exit_info:
+        bench.run_check("cpu")
+    assert exit_info.value.code == 1
+
+
+def test_baseline_is_causal_conv1d_reference():
+    x, weight, bias, _ = bench.input_set(bench.Shape(2, 6, 19, 3, "bld"), "cpu", torch.float64, False)
+    torch.testing.assert_close(bench.conv1d_silu(x, weight, bias), bench.ours(x, weight, bias))
