@@ -1,4 +1,4 @@
-"""Drop-in modules on tk ops, with the state_dict keys of the torch / Hugging Face / flash-linear-attention / Hugging Face transformers modules."""
+"""Drop-in modules on tk ops, with the state_dict keys of the torch / Hugging Face / flash-linear-attention modules."""
 
 from tk_ops.nn.based import BasedLinearAttention
 from tk_ops.nn.linear import Linear
