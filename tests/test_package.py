@@ -40,7 +40,7 @@ def test_every_public_op_is_a_tk_op_with_backward_and_fallback_twin(public_name)
 
 
 def test_nn_modules_exist():
-    for name in ("LayerNorm", "RMSNorm", "RotaryEmbedding", "Linear"):
+    for name in ("LayerNorm", "RMSNorm", "RotaryEmbedding", "Linear", "Mamba2Mixer"):
         assert issubclass(getattr(tk_ops.nn, name), torch.nn.Module)
 
 
