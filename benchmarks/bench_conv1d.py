@@ -135,44 +135,7 @@ def step(fn: Callable, backward: bool) -> Callable:
     return run
 
 
-def run_once(fn: Callable, input_sets) -> None:
-    """The --dry-run stand-in for common.time_ms: one call on every set, no time."""
-    for inputs in input_sets:
-        fn(*inputs)
-    return None
-
-
 # ------------------------------------------------------------------------------------------- rows
-
-
-def _rounded(value: Optional[float], digits: int = 5) -> Optional[float]:
-    return None if value is None else round(value, digits)
-
-
-def _ratio(numerator: Optional[float], denominator: Optional[float]) -> Optional[float]:
-    return None if numerator is None or not denominator else round(numerator / denominator, 3)
-
-
-def make_row(shape: Shape, pass_: str, baseline: str, ours_ms: Optional[float], baseline_ms: Optional[float],
-             copy_gbps: Optional[float], rel_diff: Optional[float] = None, error: Optional[str] = None) -> dict:
-    """One result row; times None when not measured (a dry run, a baseline that could not run)."""
-    moved = shape.hbm_bytes(pass_, DTYPE.itemsize)
-    floor_ms = moved / copy_gbps / 1e6 if copy_gbps else None
-    row = {
-        "shape": shape.label, "pass": pass_, "baseline": baseline,
-        "ours_ms": _rounded(ours_ms), "baseline_ms": _rounded(baseline_ms), "ratio": _ratio(baseline_ms, ours_ms),
-        "floor_ms": _rounded(floor_ms), "ours_of_floor": _ratio(floor_ms, ours_ms),
-        "baseline_of_floor": _ratio(floor_ms, baseline_ms), "hbm_bytes": moved,
-        "rel_diff_vs_ours": None if rel_diff is None else float(f"{rel_diff:.2e}"),
-        **dataclasses.asdict(shape),
-    }
-    if error:
-        row["error"] = error
-    return row
-
-
-def _describe(error: Exception) -> str:
-    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 
 
 def measure(shape: Shape, device, timer: Callable, copy_gbps: Optional[float], passes=PASSES) -> list[dict]:
@@ -187,7 +150,7 @@ def measure(shape: Shape, device, timer: Callable, copy_gbps: Optional[float], p
             try:
                 rel_diffs[name] = relative_difference(functions[name](x, weight, bias), ours_out)
             except Exception as error:  # a baseline that cannot run this shape is reported, not fatal
-                errors[name] = _describe(error)
+                errors[name] = common.describe_error(error)
     del x, weight, bias, ours_out
 
     rows = []
@@ -202,20 +165,12 @@ def measure(shape: Shape, device, timer: Callable, copy_gbps: Optional[float], p
                 try:
                     baseline_ms = timer(step(functions[name], backward), sets)
                 except Exception as failure:
-                    error = _describe(failure)
-            rows.append(make_row(shape, pass_, name, ours_ms, baseline_ms, copy_gbps, rel_diffs.get(name), error))
+                    error = common.describe_error(failure)
+            rows.append(common.floor_row(shape, pass_, name, ours_ms, baseline_ms, copy_gbps, DTYPE.itemsize, rel_diffs.get(name), error))
         del sets
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows
-
-
-def report(rows: list[dict]) -> None:
-    for row in rows:
-        cells = [f"{row[key]:9.4f}" if row[key] is not None else f"{'-':>9}" for key in ("ours_ms", "baseline_ms", "floor_ms")]
-        ratio = f"{row['ratio']:6.2f}" if row["ratio"] is not None else f"{'-':>6}"
-        note = f"  ({row['error']})" if "error" in row else ""
-        print(f"{row['shape']:32} {row['pass']:7} {row['baseline']:9} {cells[0]} {cells[1]} {ratio} {cells[2]}{note}")
 
 
 def plot(rows: list[dict], path: pathlib.Path, device_name: str) -> None:
@@ -317,8 +272,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def dry_run(args: argparse.Namespace) -> list[dict]:
     passes = tuple(args.passes or PASSES)
-    rows = [row for shape in DRY_RUN_SHAPES for row in measure(shape, "cpu", run_once, None, passes)]
-    report(rows)
+    rows = [row for shape in DRY_RUN_SHAPES for row in measure(shape, "cpu", common.run_once, None, passes)]
+    common.print_floor_rows(rows, 32, 9)
     print(json.dumps(rows, indent=1))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -347,7 +302,7 @@ def main(argv=None) -> None:
     rows = []
     for shape in SHAPES:
         shape_rows = measure(shape, "cuda", common.time_ms, copy, tuple(args.passes or PASSES))
-        report(shape_rows)
+        common.print_floor_rows(shape_rows, 32, 9)
         rows += shape_rows
         # written after every shape, so a run cut short keeps what it measured
         common.write_results("conv1d", rows, out_dirs, **header)

@@ -154,13 +154,6 @@ def step(fn: Callable, backward: bool) -> Callable:
     return run
 
 
-def run_once(fn: Callable, input_sets) -> None:
-    """The --dry-run stand-in for common.time_ms: one call on every set, no time."""
-    for inputs in input_sets:
-        fn(*inputs)
-    return None
-
-
 # ------------------------------------------------------------------------------------------- rows
 
 
@@ -169,32 +162,6 @@ def relative_difference(got: torch.Tensor, reference: torch.Tensor) -> float:
     if not torch.isfinite(got).all():
         return math.inf
     return ((got - reference).norm() / reference.norm().clamp_min(1e-30)).item()
-
-
-def _rounded(value: Optional[float], digits: int = 5) -> Optional[float]:
-    return None if value is None else round(value, digits)
-
-
-def _ratio(numerator: Optional[float], denominator: Optional[float]) -> Optional[float]:
-    return None if numerator is None or not denominator else round(numerator / denominator, 3)
-
-
-def make_row(shape: Shape, pass_: str, baseline: str, ours_ms: Optional[float], baseline_ms: Optional[float],
-             copy_gbps: Optional[float], rel_diff: Optional[float] = None, error: Optional[str] = None) -> dict:
-    """One result row; times None when not measured (a dry run, a baseline that could not run)."""
-    moved = shape.hbm_bytes(pass_, DTYPE.itemsize)
-    floor_ms = moved / copy_gbps / 1e6 if copy_gbps else None
-    row = {
-        "shape": shape.label, "pass": pass_, "baseline": baseline,
-        "ours_ms": _rounded(ours_ms), "baseline_ms": _rounded(baseline_ms), "ratio": _ratio(baseline_ms, ours_ms),
-        "floor_ms": _rounded(floor_ms), "ours_of_floor": _ratio(floor_ms, ours_ms),
-        "baseline_of_floor": _ratio(floor_ms, baseline_ms), "hbm_bytes": moved,
-        "rel_diff_vs_ours": None if rel_diff is None else float(f"{rel_diff:.2e}"),
-        **dataclasses.asdict(shape),
-    }
-    if error:
-        row["error"] = error
-    return row
 
 
 def measure(shape: Shape, device, timer: Callable, copy_gbps: Optional[float], passes=PASSES,
@@ -217,7 +184,7 @@ def measure(shape: Shape, device, timer: Callable, copy_gbps: Optional[float], p
             with torch.no_grad():
                 rel_diffs[name] = relative_difference(baselines[name](*first_fla[:3]).transpose(1, 2), ours_out)
         except Exception as error:  # a baseline that cannot run this shape is reported, not fatal
-            errors[name] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            errors[name] = common.describe_error(error)
     del first_ours, first_fla, ours_out
 
     rows = []
@@ -236,8 +203,8 @@ def measure(shape: Shape, device, timer: Callable, copy_gbps: Optional[float], p
                 try:
                     baseline_ms = timer(step(baselines[name], backward), [s[1] for s in sets])
                 except Exception as failure:
-                    error = f"{type(failure).__name__}: {str(failure).splitlines()[0] if str(failure) else ''}"
-            rows.append(make_row(shape, pass_, name, ours_ms, baseline_ms, copy_gbps, rel_diffs.get(name), error))
+                    error = common.describe_error(failure)
+            rows.append(common.floor_row(shape, pass_, name, ours_ms, baseline_ms, copy_gbps, DTYPE.itemsize, rel_diffs.get(name), error))
         del sets
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -280,14 +247,6 @@ def time_one_baseline(fields: list[str]) -> None:
 
 def rotation_count(bytes_per_set: int, device) -> int:
     return common.rotation_count(bytes_per_set) if device == "cuda" else 1
-
-
-def report(rows: list[dict]) -> None:
-    for row in rows:
-        cells = [f"{row[key]:9.4f}" if row[key] is not None else f"{'-':>9}" for key in ("ours_ms", "baseline_ms", "floor_ms")]
-        ratio = f"{row['ratio']:6.2f}" if row["ratio"] is not None else f"{'-':>6}"
-        note = f"  ({row['error']})" if "error" in row else ""
-        print(f"{row['shape']:44} {row['pass']:7} {row['baseline']:24} {cells[0]} {cells[1]} {ratio} {cells[2]}{note}")
 
 
 def plot(rows: list[dict], path: pathlib.Path, device_name: str) -> None:
@@ -428,8 +387,8 @@ def selected_shapes(args: argparse.Namespace) -> tuple[Shape, ...]:
 
 
 def dry_run(args: argparse.Namespace) -> list[dict]:
-    rows = [row for shape in selected_shapes(args) for row in measure(shape, "cpu", run_once, None)]
-    report(rows)
+    rows = [row for shape in selected_shapes(args) for row in measure(shape, "cpu", common.run_once, None)]
+    common.print_floor_rows(rows, 44, 24)
     print(json.dumps(rows, indent=1))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -460,7 +419,7 @@ def main(argv=None) -> None:
     rows = []
     for shape in selected_shapes(args):
         shape_rows = measure(shape, "cuda", common.time_ms, copy, tuple(args.passes or PASSES), args.isolate_baselines)
-        report(shape_rows)
+        common.print_floor_rows(shape_rows, 44, 24)
         rows += shape_rows
         # written after every shape, so a run cut short keeps what it measured
         common.write_results("linear_attention", rows, out_dirs, **header)

@@ -8,6 +8,7 @@ previous one left in cache.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import math
@@ -17,7 +18,7 @@ import platform
 import statistics
 import subprocess
 import sys
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -143,3 +144,58 @@ def write_results(name: str, rows: list[dict], out_dirs: Sequence[pathlib.Path] 
         path.write_text(json.dumps(document, indent=1) + "\n")
         paths.append(path)
     return paths
+
+
+# ------------------------------------------------------------------ rows of a comparison against a floor
+# For benches whose shapes are dataclasses with a `label` and `hbm_bytes(pass_, element_bytes)`: one row
+# per (shape, pass, baseline), times in ms or None (a dry run, a baseline that could not run).
+
+
+def rounded(value: Optional[float], digits: int = 5) -> Optional[float]:
+    return None if value is None else round(value, digits)
+
+
+def ratio(numerator: Optional[float], denominator: Optional[float]) -> Optional[float]:
+    return None if numerator is None or not denominator else round(numerator / denominator, 3)
+
+
+def describe_error(error: Exception) -> str:
+    """An exception as one line for a result row."""
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+
+
+def floor_row(shape, pass_: str, baseline: str, ours_ms: Optional[float], baseline_ms: Optional[float],
+              copy_gbps: Optional[float], element_bytes: int, rel_diff: Optional[float] = None,
+              error: Optional[str] = None) -> dict:
+    """One result row: both times, baseline / ours, the HBM floor (the shape's bytes over the copy
+    bandwidth measured in the run) and each side's fraction of it, and the shape's fields."""
+    moved = shape.hbm_bytes(pass_, element_bytes)
+    floor_ms = moved / copy_gbps / 1e6 if copy_gbps else None
+    row = {
+        "shape": shape.label, "pass": pass_, "baseline": baseline,
+        "ours_ms": rounded(ours_ms), "baseline_ms": rounded(baseline_ms), "ratio": ratio(baseline_ms, ours_ms),
+        "floor_ms": rounded(floor_ms), "ours_of_floor": ratio(floor_ms, ours_ms),
+        "baseline_of_floor": ratio(floor_ms, baseline_ms), "hbm_bytes": moved,
+        "rel_diff_vs_ours": None if rel_diff is None else float(f"{rel_diff:.2e}"),
+        **dataclasses.asdict(shape),
+    }
+    if error:
+        row["error"] = error
+    return row
+
+
+def print_floor_rows(rows: Sequence[dict], shape_width: int, baseline_width: int) -> None:
+    for row in rows:
+        cells = [f"{row[key]:9.4f}" if row[key] is not None else f"{'-':>9}" for key in ("ours_ms", "baseline_ms", "floor_ms")]
+        ratio_cell = f"{row['ratio']:6.2f}" if row["ratio"] is not None else f"{'-':>6}"
+        note = f"  ({row['error']})" if "error" in row else ""
+        print(f"{row['shape']:{shape_width}} {row['pass']:7} {row['baseline']:{baseline_width}} {cells[0]} {cells[1]} "
+              f"{ratio_cell} {cells[2]}{note}")
+
+
+def run_once(fn: Callable, input_sets: Sequence[tuple]) -> None:
+    """The --dry-run stand-in for time_ms: one call on every set, no time."""
+    for inputs in input_sets:
+        fn(*inputs)
+    return None
+

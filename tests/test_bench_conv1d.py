@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tk_ops
-from benchmarks import bench_conv1d as bench
+from benchmarks import bench_conv1d as bench, common
 
 
 def test_arguments():
@@ -34,13 +34,13 @@ def test_hbm_floor():
 
 def test_row():
     shape = bench.SHAPES[1]
-    row = bench.make_row(shape, "fwd", "compiled", 0.5, 1.5, 3000.0, 1.234e-3)
+    row = common.floor_row(shape, "fwd", "compiled", 0.5, 1.5, 3000.0, bench.DTYPE.itemsize, 1.234e-3)
     floor = shape.hbm_bytes("fwd", 2) / 3000.0 / 1e6
     assert row["shape"] == "B=8 D=4352 L=4096 W=4 bdl" and row["pass"] == "fwd"
     assert (row["ours_ms"], row["baseline_ms"], row["ratio"]) == (0.5, 1.5, 3.0)
     assert row["floor_ms"] == round(floor, 5) and row["ours_of_floor"] == round(floor / 0.5, 3)
     assert row["rel_diff_vs_ours"] == 1.23e-3 and "error" not in row
-    missing = bench.make_row(shape, "fwd+bwd", "eager", 0.5, None, None, error="failed")
+    missing = common.floor_row(shape, "fwd+bwd", "eager", 0.5, None, None, bench.DTYPE.itemsize, error="failed")
     assert (missing["baseline_ms"], missing["ratio"], missing["floor_ms"], missing["baseline_of_floor"]) == (None,) * 4
     assert missing["error"] == "failed"
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tk_ops
-from benchmarks import bench_linear_attention as bench
+from benchmarks import bench_linear_attention as bench, common
 
 
 def test_arguments():
@@ -38,13 +38,13 @@ def test_hbm_floor_of_the_based_shapes():
 
 def test_row():
     shape = bench.GENERIC_SHAPES[3]
-    row = bench.make_row(shape, "fwd", "chunk_linear_attn", 0.5, 1.5, 3000.0, 1.234e-3)
+    row = common.floor_row(shape, "fwd", "chunk_linear_attn", 0.5, 1.5, 3000.0, bench.DTYPE.itemsize, 1.234e-3)
     floor = shape.hbm_bytes("fwd", 2) / 3000.0 / 1e6
     assert row["shape"] == "generic B=8 H=16 N=4096 F=128 Dv=128" and row["pass"] == "fwd"
     assert (row["ours_ms"], row["baseline_ms"], row["ratio"]) == (0.5, 1.5, 3.0)
     assert row["floor_ms"] == round(floor, 5) and row["ours_of_floor"] == round(floor / 0.5, 3)
     assert row["rel_diff_vs_ours"] == 1.23e-3 and "error" not in row
-    missing = bench.make_row(shape, "fwd+bwd", "fused_chunk_linear_attn", 0.5, None, None, error="fla not importable")
+    missing = common.floor_row(shape, "fwd+bwd", "fused_chunk_linear_attn", 0.5, None, None, bench.DTYPE.itemsize, error="fla not importable")
     assert (missing["baseline_ms"], missing["ratio"], missing["floor_ms"], missing["baseline_of_floor"]) == (None,) * 4
     assert missing["error"] == "fla not importable"
 
