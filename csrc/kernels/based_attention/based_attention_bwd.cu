@@ -33,6 +33,7 @@
 #include "based_attention.h"
 #include "based_attention.cuh"
 #include "kernels/common/heads_layout.cuh"
+#include "kernels/common/row_dot.cuh"
 #include "tk/tk.cuh"
 
 namespace tk::based {
@@ -544,7 +545,6 @@ struct dkdv_kernel : gradient_common<T> {
 
 constexpr int STATISTICS_THREADS = 256;
 constexpr int STATISTICS_LANES_PER_ROW = 8;
-constexpr int CHUNK_ELEMENTS = 8;  // one 16-byte load of 16-bit elements
 
 template <typename T>
 struct statistics_params {
@@ -560,22 +560,6 @@ struct statistics_params {
   int64_t total_rows;  // B * H * padded
 };
 
-template <typename T>
-__device__ __forceinline__ float chunk_dot(const T* a, const T* b) {
-  const uint4 x = *reinterpret_cast<const uint4*>(a);
-  const uint4 y = *reinterpret_cast<const uint4*>(b);
-  const uint32_t xs[4] = {x.x, x.y, x.z, x.w};
-  const uint32_t ys[4] = {y.x, y.y, y.z, y.w};
-  float dot = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 u = to_float2(pair_from_bits<packed_pair_t<T>>(xs[i]));
-    const float2 w = to_float2(pair_from_bits<packed_pair_t<T>>(ys[i]));
-    dot = fmaf(u.x, w.x, fmaf(u.y, w.y, dot));
-  }
-  return dot;
-}
-
 // Per row: 1 / d and c = -(g . out) / d; zeros on the padding rows.
 template <typename T>
 __global__ void __launch_bounds__(STATISTICS_THREADS) statistics_kernel(const statistics_params<T> p) {
@@ -590,12 +574,9 @@ __global__ void __launch_bounds__(STATISTICS_THREADS) statistics_kernel(const st
     const int64_t batch = head_row / p.heads, head = head_row % p.heads;
     const T* o = p.out + batch * p.out_strides[0] + head * p.out_strides[1] + i * p.out_strides[2];
     const T* g = p.grad_out + batch * p.grad_out_strides[0] + head * p.grad_out_strides[1] + i * p.grad_out_strides[2];
-    for (int c = lane_in_row * CHUNK_ELEMENTS; c < p.dim; c += STATISTICS_LANES_PER_ROW * CHUNK_ELEMENTS) {
-      dot += chunk_dot(o + c, g + c);
-    }
+    dot = lane_dot<STATISTICS_LANES_PER_ROW>(o, g, p.dim, lane_in_row);
   }
-#pragma unroll
-  for (int mask = 1; mask < STATISTICS_LANES_PER_ROW; mask *= 2) dot += __shfl_xor_sync(ALL_LANES, dot, mask);
+  dot = sum_row_lanes<STATISTICS_LANES_PER_ROW>(dot);
   if (lane_in_row != 0 || row >= p.total_rows) return;
   float inverse = 0.0f;
   if (real) inverse = 1.0f / (p.denominator[head_row * p.rows + i] + p.eps);

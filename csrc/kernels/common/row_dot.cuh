@@ -1,0 +1,48 @@
+// The per-row dot product g . o that the backward statistics kernels compute (attention's delta, the
+// causal linear attentions' grad_out . out): LANES lanes share a row, each reads 16-byte chunks of
+// 8 elements and sums their products in fp32, and a butterfly of shuffles gives every lane the sum.
+#pragma once
+
+#include "tk/tk.cuh"
+
+namespace tk {
+
+constexpr int ROW_DOT_CHUNK_ELEMENTS = 8;  // one 16-byte load of 16-bit elements
+
+// sum_e a[e] * b[e] over one 16-byte chunk, in fp32.
+template <typename T>
+__device__ __forceinline__ float chunk_dot(const T* a, const T* b) {
+  const uint4 x = *reinterpret_cast<const uint4*>(a);
+  const uint4 y = *reinterpret_cast<const uint4*>(b);
+  const uint32_t xs[4] = {x.x, x.y, x.z, x.w};
+  const uint32_t ys[4] = {y.x, y.y, y.z, y.w};
+  float dot = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 u = to_float2(pair_from_bits<packed_pair_t<T>>(xs[i]));
+    const float2 w = to_float2(pair_from_bits<packed_pair_t<T>>(ys[i]));
+    dot = fmaf(u.x, w.x, fmaf(u.y, w.y, dot));
+  }
+  return dot;
+}
+
+// This lane's share of a . b over `dim` elements (a multiple of 8, rows 16-byte aligned): chunks
+// lane_in_row, lane_in_row + LANES, ...
+template <int LANES, typename T>
+__device__ __forceinline__ float lane_dot(const T* a, const T* b, int dim, int lane_in_row) {
+  float dot = 0.0f;
+  for (int c = lane_in_row * ROW_DOT_CHUNK_ELEMENTS; c < dim; c += LANES * ROW_DOT_CHUNK_ELEMENTS) {
+    dot += chunk_dot(a + c, b + c);
+  }
+  return dot;
+}
+
+// The row's sum of the LANES lanes' shares, on each of them (LANES adjacent lanes, a power of two).
+template <int LANES>
+__device__ __forceinline__ float sum_row_lanes(float dot) {
+#pragma unroll
+  for (int mask = 1; mask < LANES; mask *= 2) dot += __shfl_xor_sync(ALL_LANES, dot, mask);
+  return dot;
+}
+
+}  // namespace tk
