@@ -38,6 +38,10 @@ static_assert(SCORE_SCALE * SCORE_SCALE * FEATURES == 1.0f, "SCORE_SCALE is 1 / 
 constexpr float SECOND_ORDER_SCALE = 0.5f * SCORE_SCALE * SCORE_SCALE;  // of q_a q_b k_a k_b
 
 
+// Register operands of the slab products kept alive at once: each stays pinned until the product
+// after the next is issued.
+constexpr int OPERAND_BUFFERS = 2;
+
 // Every Based kernel on the template: one consumer warpgroup per task (32 value columns), two tasks
 // sharing an SM (232 consumer registers), three stages.
 struct based_plan {

@@ -307,14 +307,14 @@ struct dq_kernel : gradient_common<T> {
 
       // This chunk into the moments. Each product's register operand stays pinned until the
       // product after the next is issued.
-      slab_rows operand[2];
+      slab_rows operand[OPERAND_BUFFERS];
 #pragma unroll
       for (int t = 0; t < SLABS; ++t) {
-        slabs::transposed(operand[t % 2], k, t);
+        slabs::transposed(operand[t % OPERAND_BUFFERS], k, t);
         warpgroup::fence();
-        warpgroup::mma<operand_major::mn>(st.m[t], operand[t % 2], s.v, 0, true);
+        warpgroup::mma<operand_major::mn>(st.m[t], operand[t % OPERAND_BUFFERS], s.v, 0, true);
         warpgroup::commit();
-        warpgroup::wait<1>(operand[(t + 1) % 2], ds);
+        warpgroup::wait<OPERAND_BUFFERS - 1>(operand[(t + 1) % OPERAND_BUFFERS], ds);
       }
       if (carries_delta) {
         position_cols ones;
@@ -366,7 +366,7 @@ struct dkdv_kernel : gradient_common<T> {
 
   struct scratch {
     state_tile states[SLABS];
-    value_tile staging[2];  // grad_v of alternate chunks, while TMA stores the other
+    value_tile staging[chunked_causal::STAGING_TILES];  // grad_v of alternate chunks, while TMA stores the other
   };
 
   struct params {
@@ -488,14 +488,14 @@ struct dkdv_kernel : gradient_common<T> {
       base::load_statistics(inverse_denominator, denominator_grad, sh, ctx.task, chunk * CHUNK, carries_delta);
       position_cols q;
       warp::load(q, s.q);
-      slab_rows operand[2];
+      slab_rows operand[OPERAND_BUFFERS];
 #pragma unroll
       for (int t = 0; t < SLABS; ++t) {
-        slabs::transposed(operand[t % 2], q, t, inverse_denominator);
+        slabs::transposed(operand[t % OPERAND_BUFFERS], q, t, inverse_denominator);
         warpgroup::fence();
-        warpgroup::mma<operand_major::mn>(st.r[t], operand[t % 2], s.g, 0, true);
+        warpgroup::mma<operand_major::mn>(st.r[t], operand[t % OPERAND_BUFFERS], s.g, 0, true);
         warpgroup::commit();
-        warpgroup::wait<1>(operand[(t + 1) % 2]);
+        warpgroup::wait<OPERAND_BUFFERS - 1>(operand[(t + 1) % OPERAND_BUFFERS]);
       }
       if (carries_delta) {
         position_cols weighted;
@@ -519,7 +519,7 @@ struct dkdv_kernel : gradient_common<T> {
   // Hands R to the next chunk (scaled copies) and grad_v's tile to TMA.
   __device__ static void store_chunk(const context& ctx, consumer_state& st, const value_accumulator& grad_v,
                                      int chunk, bool more, bool leader) {
-    value_tile& staging = ctx.scratch.staging[st.stores % 2];
+    value_tile& staging = ctx.scratch.staging[st.stores % chunked_causal::STAGING_TILES];
     if (leader) tma::wait_stores_read<1>();  // the store that last used this staging tile has read it
     barrier_sync(barrier_id::chunk_done, WARPGROUP_THREADS);
     base::write_copies(ctx.scratch.states, st.r, more);

@@ -57,7 +57,7 @@ struct forward_kernel : based_plan, chunked_causal::kernel_base<T, FEATURES, CHU
 
   struct scratch {
     moment_tile moments[SLABS];
-    value_tile staging[2];  // the output of alternate chunks, while TMA stores the other
+    value_tile staging[chunked_causal::STAGING_TILES];  // the output of alternate chunks, while TMA stores the other
   };
 
   using context = pipeline::task_context<forward_kernel>;
@@ -129,7 +129,7 @@ struct forward_kernel : based_plan, chunked_causal::kernel_base<T, FEATURES, CHU
 
       // Earlier chunks: O += phi_t(Q) moments_t, then this chunk into the moments. Each product's
       // register operand stays pinned until the product after the next is issued.
-      feature_rows operand[2];
+      feature_rows operand[OPERAND_BUFFERS];
       const auto issue = [&](auto& acc, feature_rows& a_op, const auto& b_tile) {
         warpgroup::fence();
         warpgroup::mma<operand_major::mn>(acc, a_op, b_tile, 0, true);
@@ -138,20 +138,23 @@ struct forward_kernel : based_plan, chunked_causal::kernel_base<T, FEATURES, CHU
       if (has_earlier) {
 #pragma unroll
         for (int t = 0; t < SLABS; ++t) {
-          slabs::rows(operand[t % 2], q, t);
-          issue(o, operand[t % 2], ctx.scratch.moments[t]);
-          warpgroup::wait<1>(operand[(t + 1) % 2], a);
+          slabs::rows(operand[t % OPERAND_BUFFERS], q, t);
+          issue(o, operand[t % OPERAND_BUFFERS], ctx.scratch.moments[t]);
+          warpgroup::wait<OPERAND_BUFFERS - 1>(operand[(t + 1) % OPERAND_BUFFERS], a);
         }
       }
 #pragma unroll
       for (int t = 0; t < SLABS; ++t) {
-        slabs::transposed(operand[(t + 1) % 2], k, t);
-        issue(st.m[t], operand[(t + 1) % 2], s.v);
-        warpgroup::wait<1>(operand[t % 2], a);
+        const int product = SLABS + t;  // continues the earlier chunks' sequence of products
+        slabs::transposed(operand[product % OPERAND_BUFFERS], k, t);
+        issue(st.m[t], operand[product % OPERAND_BUFFERS], s.v);
+        warpgroup::wait<OPERAND_BUFFERS - 1>(operand[(product + 1) % OPERAND_BUFFERS], a);
       }
       warp::mma_AtB(st.key_gram, k, k, st.key_gram);
       warp::mma_AtB(st.key_sum, ones, k, st.key_sum);
-      warpgroup::wait<0>(o, operand[0], operand[1]);
+      warpgroup::wait<0>(o);
+#pragma unroll
+      for (int b = 0; b < OPERAND_BUFFERS; ++b) warpgroup::pin(operand[b]);
 #pragma unroll
       for (int t = 0; t < SLABS; ++t) warpgroup::pin(st.m[t]);
       in.release(at);

@@ -20,6 +20,8 @@ namespace tk::chunked_causal {
 constexpr int64_t MAX_GRID_TASKS = (int64_t(1) << 31) - 1;
 constexpr int64_t MAX_SEQUENCE = int64_t(1) << 30;  // TMA's 32-bit coordinates, with room
 constexpr int MAX_VALUE_DIM = 256;
+// Output staging tiles a consumer alternates between, so TMA stores one while the next is written.
+constexpr int STAGING_TILES = 2;
 
 // Why a kernel that splits v into blocks of `value_block` columns cannot take these q, k, v sizes
 // (the feature dim is each kernel's own check). Forward and backward kernels share it.
@@ -116,9 +118,9 @@ struct kernel_base {
   // Hands the state to the next chunk (write_copies(), only when there is one) and the output tile
   // to TMA, alternating `staging` tiles so that one store is in flight while the next is written.
   template <typename Context, typename WriteCopies>
-  __device__ static void store_chunk(const Context& ctx, value_tile (&staging)[2], int& stores, const output& o,
+  __device__ static void store_chunk(const Context& ctx, value_tile (&staging)[STAGING_TILES], int& stores, const output& o,
                                      int chunk, bool leader, WriteCopies&& write_copies) {
-    value_tile& tile = staging[stores % 2];
+    value_tile& tile = staging[stores % STAGING_TILES];
     if (leader) tma::wait_stores_read<1>();  // the store that last used this staging tile has read it
     barrier_sync(barrier_id::chunk_done, WARPGROUP_THREADS);
     if (chunk + 1 < ctx.iterations) write_copies();

@@ -87,7 +87,7 @@ struct forward_kernel : linear_plan<FEATURES>, chunked_causal::kernel_base<T, FE
 
   struct scratch {
     state_copy_tile state_copy;
-    value_tile staging[2];      // the output of alternate chunks, while TMA stores the other
+    value_tile staging[chunked_causal::STAGING_TILES];      // the output of alternate chunks, while TMA stores the other
     float key_sum[FEATURES];    // the key sum's fp32 copy, for every warp's queries
   };
 
