@@ -322,9 +322,7 @@ struct dq_kernel : gradient_common<T> {
         warp::mma_AtB(st.key_gram, k, k, st.key_gram);
         warp::mma_AtB(st.key_sum, ones, k, st.key_sum);
       }
-      warpgroup::wait<0>(grad, operand[0], operand[1]);
-#pragma unroll
-      for (int t = 0; t < SLABS; ++t) warpgroup::pin(st.m[t]);
+      warpgroup::wait<0>(grad, operand, st.m);
       in.release(at);
 
       warp::add(grad, grad, earlier);
@@ -505,9 +503,7 @@ struct dkdv_kernel : gradient_common<T> {
         warp::mul_row(weighted, weighted, denominator_grad);
         warp::mma_AtB(st.query_sum, weighted, q, st.query_sum);
       }
-      warpgroup::wait<0>(operand[0], operand[1]);
-#pragma unroll
-      for (int t = 0; t < SLABS; ++t) warpgroup::pin(st.r[t]);
+      warpgroup::wait<0>(operand, st.r);
       in.release(at);
 
       warp::add(grad_k, grad_k, later);

@@ -152,11 +152,7 @@ struct forward_kernel : based_plan, chunked_causal::kernel_base<T, FEATURES, CHU
       }
       warp::mma_AtB(st.key_gram, k, k, st.key_gram);
       warp::mma_AtB(st.key_sum, ones, k, st.key_sum);
-      warpgroup::wait<0>(o);
-#pragma unroll
-      for (int b = 0; b < OPERAND_BUFFERS; ++b) warpgroup::pin(operand[b]);
-#pragma unroll
-      for (int t = 0; t < SLABS; ++t) warpgroup::pin(st.m[t]);
+      warpgroup::wait<0>(o, operand, st.m);
       in.release(at);
 
       base::normalize(ctx, o, den, chunk);

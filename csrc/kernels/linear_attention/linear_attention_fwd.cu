@@ -188,11 +188,7 @@ struct forward_kernel : linear_plan<FEATURES>, chunked_causal::kernel_base<T, FE
           warpgroup::wait<1>(a);
         }
       }
-      warpgroup::wait<0>(o);
-#pragma unroll
-      for (int b = 0; b < OPERAND_BUFFERS; ++b) warpgroup::pin(operand[b]);
-#pragma unroll
-      for (int t = 0; t < SLABS; ++t) warpgroup::pin(st.s[t]);
+      warpgroup::wait<0>(o, operand, st.s);
       in.release(at);
 
       base::normalize(ctx, o, den, chunk);

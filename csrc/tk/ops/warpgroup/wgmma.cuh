@@ -162,6 +162,13 @@ __device__ __forceinline__ void pin(Tile& tile) {
   });
 }
 
+// Every tile of an array (a ring of register operands, a state kept as slabs).
+template <register_tile_type Tile, int COUNT>
+__device__ __forceinline__ void pin(Tile (&tiles)[COUNT]) {
+#pragma unroll
+  for (int i = 0; i < COUNT; ++i) pin(tiles[i]);
+}
+
 // ---------------------------------------------------------------------------- issue and wait
 
 // Orders earlier register and shared-memory accesses before the next wgmma reads them.
@@ -176,7 +183,8 @@ __device__ __forceinline__ void wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(PENDING) : "memory");
 }
 
-template <int PENDING, register_tile_type... Tiles>
+// ... then pins each argument: a register tile or an array of them.
+template <int PENDING, typename... Tiles>
 __device__ __forceinline__ void wait(Tiles&... tiles) {
   wait<PENDING>();
   (pin(tiles), ...);
