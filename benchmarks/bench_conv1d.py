@@ -249,22 +249,15 @@ def run_check(device) -> None:
                         error = relative_difference(got, want)
                         if not error <= tol or got.dtype != want_dtype:
                             failures.append(f"{name} {label}: rel err {error:.2e} (tol {tol:.0e}), {got.dtype}")
-    print(f"correctness sweep on {device} (causal_conv1d: {tk_ops.backends()['causal_conv1d']}): {cases} cases "
-          f"(out and the gradients of x, weight, bias), {len(failures)} failures")
-    for failure in failures:
-        print("  FAIL", failure)
-    if failures:
-        raise SystemExit(1)
+    common.finish_check(f"correctness sweep on {device} (causal_conv1d: {tk_ops.backends()['causal_conv1d']}): "
+                        f"{cases} cases (out and the gradients of x, weight, bias)", failures)
 
 
 # ------------------------------------------------------------------------------------------ main
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=pathlib.Path, help="also write the results and plot into this folder")
-    parser.add_argument("--check", action="store_true", help="only the correctness sweep")
-    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, no timing: build and print the rows")
+    parser = common.sweep_arguments(__doc__)
     parser.add_argument("--pass", dest="passes", choices=PASSES, action="append",
                         help="only this pass (repeatable; default: both)")
     return parser.parse_args(argv)

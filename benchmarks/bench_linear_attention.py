@@ -355,23 +355,16 @@ def run_check(device) -> None:
                     error = relative_difference(got, want)
                     if not error <= tol or got.dtype != dtype:
                         failures.append(f"{name} {label}: rel err {error:.2e} (tol {tol:.0e}), {got.dtype}")
-    print(f"correctness sweep on {device} (based_attention: {tk_ops.backends()['based_attention']}, "
-          f"linear_attention: {tk_ops.backends()['linear_attention']}): {cases} cases (out and the gradients of q, k, v), "
-          f"{len(failures)} failures")
-    for failure in failures:
-        print("  FAIL", failure)
-    if failures:
-        raise SystemExit(1)
+    common.finish_check(f"correctness sweep on {device} (based_attention: {tk_ops.backends()['based_attention']}, "
+                        f"linear_attention: {tk_ops.backends()['linear_attention']}): {cases} cases (out and the "
+                        f"gradients of q, k, v)", failures)
 
 
 # ------------------------------------------------------------------------------------------ main
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=pathlib.Path, help="also write the results and plot into this folder")
-    parser.add_argument("--check", action="store_true", help="only the correctness sweep")
-    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, no timing: build and print the rows")
+    parser = common.sweep_arguments(__doc__)
     parser.add_argument("--only", choices=tuple(BASELINES), help="only the Based or only the generic shapes")
     parser.add_argument("--isolate-baselines", action="store_true",
                         help="time each fla baseline in a process of its own (a fault costs only its row)")

@@ -187,11 +187,7 @@ def run_check() -> None:
                 expected_b = reference(ops.rms_norm_bwd_ref, *bwd_args)
             compare(f"{name} bwd mask={mask}", got_b, expected_b, failures)
     torch.cuda.synchronize()
-    print(f"correctness sweep: {len(check_cases())} cases x (fwd + 3 bwd masks), {len(failures)} failures")
-    for failure in failures:
-        print("  FAIL", failure)
-    if failures:
-        raise SystemExit(1)
+    common.finish_check(f"correctness sweep: {len(check_cases())} cases x (fwd + 3 bwd masks)", failures)
 
 
 # ------------------------------------------------------------------------------------ benchmark

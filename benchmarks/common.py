@@ -8,6 +8,7 @@ previous one left in cache.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import json
@@ -198,4 +199,22 @@ def run_once(fn: Callable, input_sets: Sequence[tuple]) -> None:
     for inputs in input_sets:
         fn(*inputs)
     return None
+
+
+def finish_check(summary: str, failures: Sequence[str]) -> None:
+    """The end of a bench's --check sweep: the summary, each failure, and a non-zero exit on any."""
+    print(f"{summary}, {len(failures)} failures")
+    for failure in failures:
+        print("  FAIL", failure)
+    if failures:
+        raise SystemExit(1)
+
+
+def sweep_arguments(description: Optional[str]) -> argparse.ArgumentParser:
+    """The options every bench with a correctness sweep and a CPU dry run shares."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=pathlib.Path, help="also write the results and plot into this folder")
+    parser.add_argument("--check", action="store_true", help="only the correctness sweep")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, no timing: build and print the rows")
+    return parser
 
