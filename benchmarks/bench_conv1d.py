@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import pathlib
 from typing import Callable, Optional
 
@@ -184,26 +183,8 @@ def plot(rows: list[dict], path: pathlib.Path, device_name: str) -> None:
     colors = {"tk_ops": "tab:red", "eager": "tab:gray", "compiled": "tab:blue"}
     names = ("tk_ops", *BASELINES)
     for c, pass_ in enumerate(panels):
-        ax = axes[0][c]
-        selected = [row for row in rows if row["pass"] == pass_]
-        shapes = list(dict.fromkeys(row["shape"] for row in selected))
-        width = 0.8 / len(names)
-        for i, name in enumerate(names):
-            times = []
-            for shape in shapes:
-                of_shape = [row for row in selected if row["shape"] == shape]
-                times.append(of_shape[0]["ours_ms"] if name == "tk_ops"
-                             else next(row["baseline_ms"] for row in of_shape if row["baseline"] == name))
-            xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(shapes))]
-            ax.bar(xs, [math.nan if t is None else t for t in times], width, color=colors[name], label=name)
-        floors = [next(row["floor_ms"] for row in selected if row["shape"] == shape) for shape in shapes]
-        if all(f is not None for f in floors):
-            ax.plot(range(len(shapes)), floors, "k_", markersize=30, label="HBM floor (copy bandwidth)")
-        ax.set_xticks(range(len(shapes)), shapes, rotation=15, fontsize=7, ha="right")
-        ax.set_ylabel("ms")
-        ax.set_title(f"causal conv1d + SiLU, {pass_}")
-        ax.grid(axis="y", alpha=0.3)
-        ax.legend(fontsize=7)
+        common.floor_bar_panel(axes[0][c], [row for row in rows if row["pass"] == pass_], names, colors,
+                               f"causal conv1d + SiLU, {pass_}")
     fig.suptitle(f"Causal conv1d on {device_name}: tk_ops vs F.conv1d + SiLU (bf16; lower is better)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

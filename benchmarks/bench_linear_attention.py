@@ -262,30 +262,10 @@ def plot(rows: list[dict], path: pathlib.Path, device_name: str) -> None:
     colors = {"tk_ops": "tab:red", BASELINES["based"][0]: "tab:blue", BASELINES["based"][1]: "tab:green",
               BASELINES["generic"][0]: "tab:blue", BASELINES["generic"][1]: "tab:green"}
     for c, (kind, pass_) in enumerate(panels):
-        names = ("tk_ops", *BASELINES[kind])
-        ax = axes[0][c]
         selected = [row for row in rows if row["kind"] == kind and row["pass"] == pass_]
-        shapes = list(dict.fromkeys(row["shape"] for row in selected))
-        width = 0.8 / len(names)
-        for i, name in enumerate(names):
-            times = []
-            for shape in shapes:
-                of_shape = [row for row in selected if row["shape"] == shape]
-                matching = [row for row in of_shape if row["baseline"] == name]
-                times.append(of_shape[0]["ours_ms"] if name == "tk_ops" else matching[0]["baseline_ms"])
-            xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(shapes))]
-            ax.bar(xs, [math.nan if t is None else t for t in times], width, color=colors[name], label=name)
-        floors = [next(row["floor_ms"] for row in selected if row["shape"] == shape) for shape in shapes]
-        if all(f is not None for f in floors):
-            ax.plot(range(len(shapes)), floors, "k_", markersize=30, label="HBM floor (copy bandwidth)")
-        ticks = [shape.split(" ", 1)[1] for shape in shapes]
-        ax.set_xticks(range(len(shapes)), ticks, rotation=15, fontsize=7, ha="right")
-        if any(row["ours_ms"] or row["baseline_ms"] for row in selected):  # a dry run has no times
-            ax.set_yscale("log")
-        ax.set_ylabel("ms")
-        ax.set_title(f"{'Based' if kind == 'based' else 'generic linear attention'}, {pass_}")
-        ax.grid(axis="y", alpha=0.3)
-        ax.legend(fontsize=7)
+        title = f"{'Based' if kind == 'based' else 'generic linear attention'}, {pass_}"
+        common.floor_bar_panel(axes[0][c], selected, ("tk_ops", *BASELINES[kind]), colors, title,
+                               tick=lambda shape: shape.split(" ", 1)[1])
     fig.suptitle(f"Linear attention on {device_name}: tk_ops vs flash-linear-attention (bf16; lower is better)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -218,3 +218,29 @@ def sweep_arguments(description: Optional[str]) -> argparse.ArgumentParser:
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, no timing: build and print the rows")
     return parser
 
+
+def floor_bar_panel(ax, rows: Sequence[dict], names: Sequence[str], colors: dict, title: str,
+                    tick: Callable[[str], str] = lambda shape: shape) -> None:
+    """One matplotlib panel of floor rows (one pass of one kind): per shape a bar of ms for ours
+    ("tk_ops") and each baseline, the HBM floor as a tick, log scale when anything was timed."""
+    shapes = list(dict.fromkeys(row["shape"] for row in rows))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        times = []
+        for shape in shapes:
+            of_shape = [row for row in rows if row["shape"] == shape]
+            times.append(of_shape[0]["ours_ms"] if name == "tk_ops"
+                         else next(row["baseline_ms"] for row in of_shape if row["baseline"] == name))
+        xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(shapes))]
+        ax.bar(xs, [math.nan if t is None else t for t in times], width, color=colors[name], label=name)
+    floors = [next(row["floor_ms"] for row in rows if row["shape"] == shape) for shape in shapes]
+    if all(f is not None for f in floors):
+        ax.plot(range(len(shapes)), floors, "k_", markersize=30, label="HBM floor (copy bandwidth)")
+    ax.set_xticks(range(len(shapes)), [tick(shape) for shape in shapes], rotation=15, fontsize=7, ha="right")
+    if any(row["ours_ms"] or row["baseline_ms"] for row in rows):  # a dry run has no times
+        ax.set_yscale("log")
+    ax.set_ylabel("ms")
+    ax.set_title(title)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7)
+
