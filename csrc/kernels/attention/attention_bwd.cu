@@ -415,13 +415,8 @@ cudaError_t run_statistics(const backward_problem& pr, const workspace_view& w, 
   statistics_params<T> p;
   p.out = static_cast<const T*>(pr.out.data);
   p.grad_out = static_cast<const T*>(pr.grad_out.data);
-  const heads_view* views[2] = {&pr.out, &pr.grad_out};
-  int64_t* strides[2] = {p.out_strides, p.grad_out_strides};
-  for (int t = 0; t < 2; ++t) {
-    strides[t][0] = views[t]->batch_stride;
-    strides[t][1] = views[t]->head_stride;
-    strides[t][2] = views[t]->row_stride;
-  }
+  copy_strides(p.out_strides, pr.out);
+  copy_strides(p.grad_out_strides, pr.grad_out);
   p.lse = pr.lse;
   p.grad_lse = pr.grad_lse;
   p.lse2 = w.lse2;

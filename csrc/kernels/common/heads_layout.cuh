@@ -19,6 +19,13 @@ inline heads_view contiguous_view(const void* data, int64_t batch, int64_t heads
   return {data, batch, heads, rows, dim, heads * rows * dim, rows * dim, dim};
 }
 
+// The batch, head and row strides of `t` (elements), as a kernel that indexes rows itself takes them.
+inline void copy_strides(int64_t (&dst)[3], const heads_view& t) {
+  dst[0] = t.batch_stride;
+  dst[1] = t.head_stride;
+  dst[2] = t.row_stride;
+}
+
 // Empty when TMA can move Tile-sized boxes of `t`; otherwise the rule it breaks, prefixed with `name`.
 template <typename Tile, typename T>
 std::string layout_reason(const char* name, const heads_view& t) {
