@@ -36,6 +36,8 @@ constexpr int ZEROTH_ORDER_WARP = 1;
 constexpr float SCORE_SCALE = 0.25f;
 static_assert(SCORE_SCALE * SCORE_SCALE * FEATURES == 1.0f, "SCORE_SCALE is 1 / sqrt(F)");
 constexpr float SECOND_ORDER_SCALE = 0.5f * SCORE_SCALE * SCORE_SCALE;  // of q_a q_b k_a k_b
+// d/dq of SECOND_ORDER_SCALE q^T G q (G symmetric) is this times G q.
+constexpr float SECOND_ORDER_GRADIENT_SCALE = 2.0f * SECOND_ORDER_SCALE;
 
 
 // Register operands of the slab products kept alive at once: each stays pinned until the product

@@ -299,7 +299,7 @@ struct dq_kernel : gradient_common<T> {
         if (carries_delta) {
           // c_i times the VJP of phi(q_i) . sum_j phi(k_j): key_sum / 4 + key_gram q_i / 16.
           small_tile moment;
-          slabs::moment_rows(moment, st.key_gram, st.key_sum, q, 2.0f * SECOND_ORDER_SCALE, SCORE_SCALE);
+          slabs::moment_rows(moment, st.key_gram, st.key_sum, q, SECOND_ORDER_GRADIENT_SCALE, SCORE_SCALE);
           warp::mul_row(moment, moment, denominator_grad);
           warp::add(earlier, earlier, moment);
         }
@@ -476,7 +476,7 @@ struct dkdv_kernel : gradient_common<T> {
         if (carries_delta) {
           // The VJP of phi(k_j) . sum_i c_i phi(q_i): query_sum / 4 + query_gram k_j / 16.
           small_tile moment;
-          slabs::moment_rows(moment, st.query_gram, st.query_sum, k, 2.0f * SECOND_ORDER_SCALE, SCORE_SCALE);
+          slabs::moment_rows(moment, st.query_gram, st.query_sum, k, SECOND_ORDER_GRADIENT_SCALE, SCORE_SCALE);
           warp::add(later, later, moment);
         }
       }
@@ -582,6 +582,10 @@ __global__ void __launch_bounds__(STATISTICS_THREADS) statistics_kernel(const st
 
 // ------------------------------------------------------------------------------------- reduce
 
+// grad_q and grad_k are summed over the value blocks (grad_v is not): their fp32 partials, and the
+// per-row statistics 1/d and -(g . out)/d, are what the workspace holds.
+constexpr int SUMMED_GRADIENTS = 2;
+constexpr int ROW_STATISTICS = 2;
 constexpr int REDUCE_THREADS = 256;
 constexpr int REDUCE_FEATURES_PER_THREAD = 4;  // one float4 of a partial row
 constexpr int REDUCE_THREADS_PER_ROW = FEATURES / REDUCE_FEATURES_PER_THREAD;
@@ -601,7 +605,7 @@ template <typename T>
 __global__ void __launch_bounds__(REDUCE_THREADS) reduce_kernel(const reduce_params<T> p) {
   const int64_t item = int64_t(blockIdx.x) * REDUCE_THREADS + threadIdx.x;
   const int64_t per_gradient = p.head_rows * p.rows * REDUCE_THREADS_PER_ROW;
-  if (item >= 2 * per_gradient) return;
+  if (item >= SUMMED_GRADIENTS * per_gradient) return;
   const bool is_k = item >= per_gradient;
   const int64_t within = is_k ? item - per_gradient : item;
   const int64_t out_row = within / REDUCE_THREADS_PER_ROW;  // (batch * H + head) * N + i
@@ -642,8 +646,8 @@ workspace_view split_workspace(const backward_problem& pr) {
   const int64_t partial = partial_floats(head_rows, pr.q.rows, pr.v.dim);
   const int64_t statistics = head_rows * padded_rows(pr.q.rows);
   float* w = pr.workspace;
-  return {w, w + partial, pr.normalize ? w + 2 * partial : nullptr,
-          pr.normalize ? w + 2 * partial + statistics : nullptr};
+  float* statistics_start = w + SUMMED_GRADIENTS * partial;
+  return {w, w + partial, pr.normalize ? statistics_start : nullptr, pr.normalize ? statistics_start + statistics : nullptr};
 }
 
 gradient_shape shape_of(const backward_problem& pr, const workspace_view& w) {
@@ -735,7 +739,7 @@ cudaError_t run_reduce(const backward_problem& pr, const workspace_view& w, cuda
   p.padded = int(padded_rows(pr.q.rows));
   p.value_blocks = int(pr.v.dim / VALUE_BLOCK);
   p.head_rows = pr.q.batch * pr.q.heads;
-  const int64_t items = 2 * p.head_rows * p.rows * REDUCE_THREADS_PER_ROW;
+  const int64_t items = SUMMED_GRADIENTS * p.head_rows * p.rows * REDUCE_THREADS_PER_ROW;
   const unsigned blocks = unsigned(ceil_div<int64_t>(items, REDUCE_THREADS));
   return pipeline::launch(reduce_kernel<T>, blocks, REDUCE_THREADS, 0, stream, p);
 }
@@ -760,8 +764,8 @@ auto dispatch(const backward_problem& p, F&& f) {
 
 int64_t backward_workspace_floats(int64_t batch, int64_t heads, int64_t rows, int64_t value_dim, bool normalize) {
   const int64_t head_rows = batch * heads;
-  const int64_t statistics = normalize ? 2 * head_rows * padded_rows(rows) : 0;
-  return 2 * partial_floats(head_rows, rows, value_dim) + statistics;
+  const int64_t statistics = normalize ? ROW_STATISTICS * head_rows * padded_rows(rows) : 0;
+  return SUMMED_GRADIENTS * partial_floats(head_rows, rows, value_dim) + statistics;
 }
 
 std::string unsupported_reason(const backward_problem& p) {
