@@ -17,6 +17,7 @@
 #include <utility>
 
 #include "attention.cuh"
+#include "kernels/common/row_dot.cuh"
 
 namespace tk::attention {
 namespace {
@@ -39,7 +40,6 @@ struct gradient_shape {
 
 constexpr int STATISTICS_LANES_PER_ROW = 8;
 constexpr int STATISTICS_THREADS = 256;
-constexpr int CHUNK_ELEMENTS = 8;  // one 16-byte load of 16-bit elements
 
 template <typename T>
 struct statistics_params {
@@ -56,22 +56,6 @@ struct statistics_params {
 };
 
 template <typename T>
-__device__ __forceinline__ float chunk_dot(const T* a, const T* b) {
-  const uint4 x = *reinterpret_cast<const uint4*>(a);
-  const uint4 y = *reinterpret_cast<const uint4*>(b);
-  const uint32_t xs[4] = {x.x, x.y, x.z, x.w};
-  const uint32_t ys[4] = {y.x, y.y, y.z, y.w};
-  float dot = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 u = to_float2(pair_from_bits<packed_pair_t<T>>(xs[i]));
-    const float2 w = to_float2(pair_from_bits<packed_pair_t<T>>(ys[i]));
-    dot = fmaf(u.x, w.x, fmaf(u.y, w.y, dot));
-  }
-  return dot;
-}
-
-template <typename T>
 __global__ void __launch_bounds__(STATISTICS_THREADS) statistics_kernel(const statistics_params<T> p) {
   const int64_t row = int64_t(blockIdx.x) * (STATISTICS_THREADS / STATISTICS_LANES_PER_ROW) +
                       threadIdx.x / STATISTICS_LANES_PER_ROW;
@@ -84,9 +68,7 @@ __global__ void __launch_bounds__(STATISTICS_THREADS) statistics_kernel(const st
     const int64_t batch = head_row / p.q_heads, head = head_row % p.q_heads;
     const T* o = p.out + batch * p.out_strides[0] + head * p.out_strides[1] + i * p.out_strides[2];
     const T* d = p.grad_out + batch * p.grad_out_strides[0] + head * p.grad_out_strides[1] + i * p.grad_out_strides[2];
-    for (int c = lane_in_row * CHUNK_ELEMENTS; c < p.dim; c += STATISTICS_LANES_PER_ROW * CHUNK_ELEMENTS) {
-      dot += chunk_dot(o + c, d + c);
-    }
+    add_lane_dot<STATISTICS_LANES_PER_ROW>(dot, o, d, p.dim, lane_in_row);
   }
 #pragma unroll
   for (int mask = 1; mask < STATISTICS_LANES_PER_ROW; mask *= 2) dot += __shfl_xor_sync(ALL_LANES, dot, mask);
