@@ -56,11 +56,14 @@ FAMILIES = (
     )),
     Family("based_attention", op="based_attention", bench="linear_attention", profiles=(
         Profile("based_fwd_n4096", "based::.*forward_kernel", 1),
-        Profile("based_bwd_n4096", "based::.*(statistics_kernel|dq_kernel|dkdv_kernel|reduce_kernel)", 4),
+        # the statistics and reduce kernels are chunked_causal_bwd.cuh's, shared with linear_attention
+        Profile("based_bwd_n4096", "based::.*(dq_kernel|dkdv_kernel)|causal_backward::(statistics_kernel|reduce_kernel)", 4),
     )),
     Family("linear_attention", op="linear_attention", bench="linear_attention", profiles=(
         Profile("linear_attention_fwd_f64_n4096", "linear::.*forward_kernel", 1),
         Profile("linear_attention_fwd_f256_n4096", "linear::.*forward_kernel", 1),
+        Profile("linear_attention_bwd_f64_n4096",
+                "linear::.*(dq_kernel|dkdv_kernel)|causal_backward::(statistics_kernel|reduce_kernel)", 4),
     )),
     Family("rope", op="rope_qk", bench="rope"),
     Family("layer_norm", op="layer_norm", bench="norms", profiles=(

@@ -51,12 +51,17 @@ def based_attention(batch: int, heads: int, n: int, backward: bool = False):
     return lambda: torch.ops.tk.based_attention_bwd.default(grad, q, k, v, out, denominator, 1e-6, True)
 
 
-def linear_attention(batch: int, heads: int, n: int, features: int, value_dim: int):
-    """Unit-scale scores (q scaled by F**-0.5), normalised: the forward with its denominator."""
+def linear_attention(batch: int, heads: int, n: int, features: int, value_dim: int, backward: bool = False):
+    """Unit-scale scores (q scaled by F**-0.5), normalised: the forward with its denominator, or the
+    backward (statistics, dq, dk/dv, reduce) on the forward's outputs."""
     q = torch.randn(batch, heads, n, features, device="cuda", dtype=torch.bfloat16) * features**-0.5
     k = torch.randn(batch, heads, n, features, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(batch, heads, n, value_dim, device="cuda", dtype=torch.bfloat16)
-    return lambda: torch.ops.tk.linear_attention.default(q, k, v, 1e-6, True)
+    if not backward:
+        return lambda: torch.ops.tk.linear_attention.default(q, k, v, 1e-6, True)
+    out, denominator = torch.ops.tk.linear_attention.default(q, k, v, 1e-6, True)
+    grad = torch.randn_like(out)
+    return lambda: torch.ops.tk.linear_attention_bwd.default(grad, q, k, v, out, denominator, 1e-6, True)
 
 
 def layer_norm_backward(rows: int, hidden: int):
@@ -81,6 +86,7 @@ CASES = {
     # three stages and two blocks an SM at F = 64; two stages and one block at F = 256
     "linear_attention_fwd_f64_n4096": lambda: linear_attention(8, 16, 4096, 64, 64),
     "linear_attention_fwd_f256_n4096": lambda: linear_attention(8, 16, 4096, 256, 64),
+    "linear_attention_bwd_f64_n4096": lambda: linear_attention(8, 16, 4096, 64, 64, backward=True),
     # one warp per row at 1024, four at 4096 (norms_notes.md compares the two)
     "layer_norm_bwd_h1024": lambda: layer_norm_backward(32768, 1024),
     "layer_norm_bwd_h4096": lambda: layer_norm_backward(32768, 4096),

@@ -359,3 +359,121 @@ def test_rows_tma_cannot_describe_fall_back_to_reference():
     with on_reference():
         out = tk_ops.linear_attention(q, k, v, normalize=True)
     assert_rel_close(out, naive_linear_attention(q, k, v, True, 1e-12), TOLERANCE[torch.bfloat16])
+
+
+# ------------------------------------------------------------------------------- GPU backward kernel
+
+
+def reference_linear_attention_bwd(grad_out, q, k, v, out, denominator, normalize, eps):
+    """The op's chunked reference backward in float64 (checked against autograd of the naive form above)."""
+    as64 = [t.double() for t in (grad_out, q, k, v, out, denominator)]
+    return linear_attention_module._linear_attention_bwd_reference(*as64, eps, normalize)
+
+
+def backward_workspace_bytes(q, v):
+    """An upper bound of the backward's workspace and outputs: per-value-block fp32 partials of grad_q and
+    grad_k (rows padded to whole chunks), two fp32 statistics per row, the gradients."""
+    b, h, n, f = q.shape
+    padded = -(-n // 64) * 64
+    return 4 * (2 * (v.shape[-1] // 32) * b * h * padded * f + 2 * b * h * padded) + 2 * (2 * q.numel() + v.numel())
+
+
+@tk_testing.requires_kernel("linear_attention_bwd")
+@pytest.mark.parametrize("f, dv, n", [(64, 96, 4097), (256, 256, 4097), (16, 256, 300), (128, 96, 130), (32, 32, 1)])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_backward_kernel_long_sequences_and_poisoned_allocations(normalize, f, dv, n):
+    """The backward op against the reference backward on the same forward outputs; NaN left in free memory
+    shows any output (or workspace row) the kernels forget to write."""
+    q, k, v = scaled_inputs(n, normalize=normalize, f=f, dv=dv, dtype=torch.bfloat16)
+    out, denominator = linear_attention_module.linear_attention_op(q, k, v, 1e-12, normalize)
+    grad_out = torch.randn_like(out)
+    poisoned_allocations(backward_workspace_bytes(q, v))
+    grads = linear_attention_module.linear_attention_bwd_op(grad_out, q, k, v, out, denominator, 1e-12, normalize)
+    expected = reference_linear_attention_bwd(grad_out, q, k, v, out, denominator, normalize, 1e-12)
+    # One position, normalised: grad_q and grad_k are of order eps (see test_kernel_matches_float64).
+    names = "v" if normalize and n == 1 else "qkv"
+    for name, got, want in zip("qkv", grads, expected):
+        assert got.dtype == torch.bfloat16 and got.is_contiguous()
+        assert torch.isfinite(got).all(), f"grad_{name}"
+        if name in names:
+            assert_rel_close(got, want, 3 * TOLERANCE[torch.bfloat16], f"grad_{name}")
+
+
+@tk_testing.requires_kernel("linear_attention_bwd")
+@pytest.mark.parametrize("f, dv", [(32, 64), (256, 160)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_backward_kernel_matches_float64_wide(dtype, f, dv):
+    """Autograd through the op (forward and backward kernels) at value dims past one 128-column tile."""
+    q, k, v = scaled_inputs(333, normalize=True, f=f, dv=dv, dtype=dtype, requires_grad=True)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    with on_kernel():
+        out = tk_ops.linear_attention(q, k, v, normalize=True)
+    ref = naive_linear_attention(q64, k64, v64, True, 1e-12)
+    tk_testing.assert_gradients_close(out, (q, k, v), ref, (q64, k64, v64), 3 * TOLERANCE[dtype], "qkv")
+
+
+@tk_testing.requires_kernel("linear_attention_bwd")
+@pytest.mark.parametrize("f", [16, 128])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_backward_kernel_strided_views(normalize, f):
+    """(B, N, H, *) views of q, k, grad_out and a column slice of v reach the kernels as they are and give
+    the gradients of contiguous copies, bit for bit."""
+    b, n, h = 2, 300, 3
+    q, k = (
+        (torch.rand(b, n, h, f, device="cuda") * f**-0.5).to(torch.bfloat16).transpose(1, 2) for _ in range(2)
+    )
+    v = torch.randn(b, h, n, 96, dtype=torch.bfloat16, device="cuda")[..., 16:80]
+    grad_out = torch.randn(b, n, h, 64, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+    out, denominator = linear_attention_module.linear_attention_op(q, k, v, 1e-12, normalize)
+    with tk_testing.RecordTkCalls() as calls:
+        grads = linear_attention_module.linear_attention_bwd_op(grad_out, q, k, v, out, denominator, 1e-12, normalize)
+    assert calls.calls["linear_attention_bwd"][0][0].data_ptr() == grad_out.data_ptr()
+    contiguous = [t.contiguous() for t in (grad_out, q, k, v)]
+    expected = linear_attention_module.linear_attention_bwd_op(*contiguous, out, denominator, 1e-12, normalize)
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    reference = reference_linear_attention_bwd(grad_out, q, k, v, out, denominator, normalize, 1e-12)
+    for name, got, want in zip("qkv", grads, reference):
+        assert_rel_close(got, want, 3 * TOLERANCE[torch.bfloat16], f"grad_{name}")
+
+
+@tk_testing.requires_kernel("linear_attention_bwd")
+def test_backward_kernel_cuda_graph_capture_and_replay():
+    """Forward and backward captured in one graph replay the eager numbers on new inputs."""
+    shape_inputs = lambda: scaled_inputs(500, normalize=True, f=64, dv=64, dtype=torch.bfloat16)  # noqa: E731
+    static = [t.clone() for t in shape_inputs()]
+    static_grad = torch.randn(B, H, 500, 64, dtype=torch.bfloat16, device="cuda")
+
+    def forward_backward():
+        out, denominator = linear_attention_module.linear_attention_op(*static, 1e-12, True)
+        return linear_attention_module.linear_attention_bwd_op(static_grad, *static, out, denominator, 1e-12, True)
+
+    expected = [t.clone() for t in forward_backward()]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        forward_backward()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        grads = forward_backward()
+    for dst, src in zip(static, shape_inputs()):
+        dst.copy_(src)
+    static_grad.copy_(torch.randn_like(static_grad))
+    graph.replay()
+    eager = forward_backward()
+    for got, want, before in zip(grads, eager, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert not torch.equal(got, before)
+
+
+@tk_testing.requires_kernel("linear_attention_bwd")
+@pytest.mark.parametrize(
+    "dtype, f, dv", [(torch.float32, 16, 64), (torch.bfloat16, 8, 64), (torch.bfloat16, 48, 64), (torch.bfloat16, 16, 40)]
+)
+def test_backward_unsupported_inputs_fall_back_to_reference(dtype, f, dv):
+    q, k, v = make_inputs(77, normalize=True, f=f, dv=dv, dtype=dtype, device="cuda", requires_grad=True)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out = tk_ops.linear_attention(q, k, v, normalize=True)
+    ref = naive_linear_attention(q64, k64, v64, True, 1e-12)
+    tk_testing.assert_gradients_close(out, (q, k, v), ref, (q64, k64, v64), 3 * TOLERANCE[dtype], "qkv")

@@ -32,15 +32,18 @@ across chunks a running state sum_j phi(k_j) v_j^T (forward, grad_q) or sum_i ph
 (grad_k, grad_v, a reverse sweep), so memory stays O(N) for any N. The same engine serves
 tk.based_attention with its Taylor feature map phi; here phi is the identity.
 
-Kernel (csrc/kernels/linear_attention, Hopper sm_90a): the forward op only, for bf16/fp16 q, k, v
-with F in {16, 32, 64, 128, 256}, Dv a multiple of 32 up to 256, any B, H and N >= 1, and strided
-views with a unit last stride that TMA can describe (e.g. (B, N, H, F) storage transposed to
-(B, H, N, F), or a column slice of v): no copies. It walks each sequence in chunks of 64 positions
-with the running state sum_j k_j v_j^T in fp32 tensor-core accumulators (read back through a
-bf16/fp16 copy, so in fp16 the state's entries must stay below 65504) and the denominator's key sum
-in fp32. Everything else runs the reference (on a GPU with a one-time warning): CPU, fp32/fp64,
-other F or Dv, strides TMA cannot take. The backward op tk::linear_attention_bwd is always the
-reference, so gradients work on every input.
+Kernels (csrc/kernels/linear_attention, Hopper sm_90a): the forward and backward ops, for bf16/fp16
+q, k, v with F in {16, 32, 64, 128, 256}, Dv a multiple of 32 up to 256, any B, H and N >= 1, and
+strided views with a unit last stride that TMA can describe (e.g. (B, N, H, F) storage transposed to
+(B, H, N, F), or a column slice of v): no copies. The forward walks each sequence in chunks of 64
+positions with the running state sum_j k_j v_j^T in fp32 tensor-core accumulators (read back through
+a bf16/fp16 copy, so in fp16 the state's entries must stay below 65504) and the denominator's key sum
+in fp32. The backward is four launches (no atomics, so bitwise reproducible): per-row statistics
+1 / d and -(g . out) / d when normalising; a forward sweep for grad_q (state sum_j k_j v_j^T); a
+reverse sweep for grad_k and grad_v (state sum_i q_i g_i^T / d_i); and a reduction of the fp32
+per-32-value-column partials of grad_q and grad_k (a workspace of 2 * (Dv / 32) * B * H * N * F
+floats). grad_out and out take v's layout rules. Everything else runs the reference (on a GPU with a
+one-time warning): CPU, fp32/fp64, other F or Dv, strides TMA cannot take.
 
 flash-linear-attention computes the same thing in the (B, N, H, F) layout with a fixed eps and
 an output scale that defaults to F**-0.5; to get our numbers (eps=1e-10):

@@ -17,22 +17,7 @@ namespace tk::based {
 
 using forward_problem = causal_forward_problem;
 
-// The backward: grad_out, q, k, v as the forward's views; out and denominator (the forward's
-// outputs) are read only when normalize. The gradients come back contiguous in the input dtype.
-struct backward_problem {
-  element_type dtype;
-  bool normalize;
-  float eps;
-  heads_view q, k, v, grad_out;
-  heads_view out;            // (B, H, N, Dv), read only when normalize
-  const float* denominator;  // (B, H, N) contiguous (without eps), read only when normalize
-  void* grad_q;              // (B, H, N, F) contiguous
-  void* grad_k;              // (B, H, N, F) contiguous
-  void* grad_v;              // (B, H, N, Dv) contiguous
-  // backward_workspace_floats(...) floats: per-value-block partial grad_q / grad_k and, when
-  // normalize, the per-row statistics 1 / (denominator + eps) and -(grad_out . out) / (denominator + eps).
-  float* workspace;
-};
+using backward_problem = causal_backward_problem;
 
 // Floats of workspace the backward needs.
 int64_t backward_workspace_floats(int64_t batch, int64_t heads, int64_t rows, int64_t value_dim, bool normalize);

@@ -25,6 +25,8 @@
 //                       dq_kernel and dkdv_kernel write (grad_q and grad_k contract over all of Dv),
 //                       converted to the input dtype
 // The c terms belong to value block 0 alone. grad_v needs no reduction: its columns are the block's.
+// The statistics and reduce kernels, the workspace and the host checks are chunked_causal_bwd.cuh's,
+// shared with the generic linear attention backward.
 //
 // VJP of phi at x applied to u (the slab copies fold phi's constants in, see based_attention.cuh):
 // d/dx_a [sum_bc x_b x_c U_(b,c) + sum_b x_b U_b] = 2 sum_b x_b U_(a,b) + U_a, U being symmetric in
@@ -32,6 +34,7 @@
 // add nothing to the states, and reach only rows that are never stored.
 #include "based_attention.h"
 #include "based_attention.cuh"
+#include "kernels/common/chunked_causal_bwd.cuh"
 #include "kernels/common/heads_layout.cuh"
 #include "kernels/common/row_dot.cuh"
 #include "tk/tk.cuh"
@@ -43,30 +46,14 @@ using warpgroup::operand_major;
 
 using kernel_dtypes = one_of<element_type::bf16, element_type::fp16>;
 
-// Rows of the workspace's per-row arrays: whole chunks, so kernels read and write them unbounded.
-__host__ __device__ inline int64_t padded_rows(int64_t rows) { return round_up<int64_t>(rows, CHUNK); }
+namespace causal_backward = tk::causal_backward;
+static_assert(causal_backward::CHUNK == CHUNK && causal_backward::VALUE_BLOCK == VALUE_BLOCK,
+              "the shared backward pieces use the Based chunk and value block");
+using gradient_shape = causal_backward::gradient_shape<FEATURES>;
 
 // ds / d(q.k) per unit dA: f'(s) / sqrt(F) with f(s) = 1 + s + s^2 / 2.
 struct taylor_slope_times {
   __device__ static float apply(float grad, float qk) { return grad * (1.0f + qk * SCORE_SCALE) * SCORE_SCALE; }
-};
-
-// What both gradient kernels read: the partial gradients' and statistics' places in the workspace.
-struct gradient_shape {
-  int rows, heads, batch, value_blocks;
-  int padded;  // padded_rows(rows)
-  bool normalize;
-  float* partial_q;            // [value block][batch * heads][padded][F]
-  float* partial_k;
-  const float* inverse_denominator;  // [batch * heads][padded]: 1 / d_i (0 past N); normalised only
-  const float* denominator_grad;     // [batch * heads][padded]: c_i (0 past N); normalised only
-
-  __device__ int64_t row_offset(const pipeline::head_block& task) const {
-    return (int64_t(task.batch) * heads + task.head) * padded;
-  }
-  __device__ float* partial(float* base, const pipeline::head_block& task, int row) const {
-    return base + ((int64_t(task.block) * batch * heads) * padded + row_offset(task) + row) * FEATURES;
-  }
 };
 
 // The parts the two gradient kernels share.
@@ -537,170 +524,10 @@ struct dkdv_kernel : gradient_common<T> {
   }
 };
 
-// --------------------------------------------------------------------------------- statistics
-
-constexpr int STATISTICS_THREADS = 256;
-constexpr int STATISTICS_LANES_PER_ROW = 8;
-
-template <typename T>
-struct statistics_params {
-  const T* out;
-  const T* grad_out;
-  int64_t out_strides[3];  // batch, head, row (elements)
-  int64_t grad_out_strides[3];
-  const float* denominator;  // (B, H, N)
-  float* inverse_denominator;
-  float* denominator_grad;
-  float eps;
-  int rows, heads, dim, padded;
-  int64_t total_rows;  // B * H * padded
-};
-
-// Per row: 1 / d and c = -(g . out) / d; zeros on the padding rows.
-template <typename T>
-__global__ void __launch_bounds__(STATISTICS_THREADS) statistics_kernel(const statistics_params<T> p) {
-  const int64_t row = int64_t(blockIdx.x) * (STATISTICS_THREADS / STATISTICS_LANES_PER_ROW) +
-                      threadIdx.x / STATISTICS_LANES_PER_ROW;
-  const int lane_in_row = threadIdx.x % STATISTICS_LANES_PER_ROW;
-  const int64_t head_row = row / p.padded;  // batch * H + head
-  const int i = int(row % p.padded);
-  const bool real = row < p.total_rows && i < p.rows;
-  float dot = 0.0f;
-  if (real) {
-    const int64_t batch = head_row / p.heads, head = head_row % p.heads;
-    const T* o = p.out + batch * p.out_strides[0] + head * p.out_strides[1] + i * p.out_strides[2];
-    const T* g = p.grad_out + batch * p.grad_out_strides[0] + head * p.grad_out_strides[1] + i * p.grad_out_strides[2];
-    dot = lane_dot<STATISTICS_LANES_PER_ROW>(o, g, p.dim, lane_in_row);
-  }
-  dot = sum_row_lanes<STATISTICS_LANES_PER_ROW>(dot);
-  if (lane_in_row != 0 || row >= p.total_rows) return;
-  float inverse = 0.0f;
-  if (real) inverse = 1.0f / (p.denominator[head_row * p.rows + i] + p.eps);
-  p.inverse_denominator[row] = inverse;
-  p.denominator_grad[row] = -dot * inverse;
-}
-
-// ------------------------------------------------------------------------------------- reduce
-
-// grad_q and grad_k are summed over the value blocks (grad_v is not): their fp32 partials, and the
-// per-row statistics 1/d and -(g . out)/d, are what the workspace holds.
-constexpr int SUMMED_GRADIENTS = 2;
-constexpr int ROW_STATISTICS = 2;
-constexpr int REDUCE_THREADS = 256;
-constexpr int REDUCE_FEATURES_PER_THREAD = 4;  // one float4 of a partial row
-constexpr int REDUCE_THREADS_PER_ROW = FEATURES / REDUCE_FEATURES_PER_THREAD;
-
-template <typename T>
-struct reduce_params {
-  const float* partial_q;  // [value block][B * H][padded][F]
-  const float* partial_k;
-  T* grad_q;  // (B * H * N, F)
-  T* grad_k;
-  int rows, padded, value_blocks;
-  int64_t head_rows;  // B * H
-};
-
-// grad_q and grad_k: the sum over value blocks of the partials, in the input dtype.
-template <typename T>
-__global__ void __launch_bounds__(REDUCE_THREADS) reduce_kernel(const reduce_params<T> p) {
-  const int64_t item = int64_t(blockIdx.x) * REDUCE_THREADS + threadIdx.x;
-  const int64_t per_gradient = p.head_rows * p.rows * REDUCE_THREADS_PER_ROW;
-  if (item >= SUMMED_GRADIENTS * per_gradient) return;
-  const bool is_k = item >= per_gradient;
-  const int64_t within = is_k ? item - per_gradient : item;
-  const int64_t out_row = within / REDUCE_THREADS_PER_ROW;  // (batch * H + head) * N + i
-  const int part = int(within % REDUCE_THREADS_PER_ROW);
-  const int64_t head_row = out_row / p.rows;
-  const int64_t padded_row = head_row * p.padded + out_row % p.rows;
-  const int64_t block_stride = p.head_rows * p.padded * FEATURES;
-  const float* src = (is_k ? p.partial_k : p.partial_q) + padded_row * FEATURES + part * REDUCE_FEATURES_PER_THREAD;
-  float4 sum = *reinterpret_cast<const float4*>(src);
-  for (int b = 1; b < p.value_blocks; ++b) {
-    const float4 x = *reinterpret_cast<const float4*>(src + b * block_stride);
-    sum.x += x.x;
-    sum.y += x.y;
-    sum.z += x.z;
-    sum.w += x.w;
-  }
-  using pair = packed_pair_t<T>;
-  pair* dst = reinterpret_cast<pair*>((is_k ? p.grad_k : p.grad_q) + out_row * FEATURES + part * REDUCE_FEATURES_PER_THREAD);
-  dst[0] = numeric<T>::pair_from_float2({sum.x, sum.y});
-  dst[1] = numeric<T>::pair_from_float2({sum.z, sum.w});
-}
-
 // ----------------------------------------------------------------------------------- host
 
-struct workspace_view {
-  float* partial_q;
-  float* partial_k;
-  float* inverse_denominator;  // normalised only
-  float* denominator_grad;
-};
-
-int64_t partial_floats(int64_t head_rows, int64_t rows, int64_t value_dim) {
-  return (value_dim / VALUE_BLOCK) * head_rows * padded_rows(rows) * FEATURES;
-}
-
-workspace_view split_workspace(const backward_problem& pr) {
-  const int64_t head_rows = pr.q.batch * pr.q.heads;
-  const int64_t partial = partial_floats(head_rows, pr.q.rows, pr.v.dim);
-  const int64_t statistics = head_rows * padded_rows(pr.q.rows);
-  float* w = pr.workspace;
-  float* statistics_start = w + SUMMED_GRADIENTS * partial;
-  return {w, w + partial, pr.normalize ? statistics_start : nullptr, pr.normalize ? statistics_start + statistics : nullptr};
-}
-
-gradient_shape shape_of(const backward_problem& pr, const workspace_view& w) {
-  gradient_shape s;
-  s.rows = int(pr.q.rows);
-  s.heads = int(pr.q.heads);
-  s.batch = int(pr.q.batch);
-  s.value_blocks = int(pr.v.dim / VALUE_BLOCK);
-  s.padded = int(padded_rows(pr.q.rows));
-  s.normalize = pr.normalize;
-  s.partial_q = w.partial_q;
-  s.partial_k = w.partial_k;
-  s.inverse_denominator = w.inverse_denominator;
-  s.denominator_grad = w.denominator_grad;
-  return s;
-}
-
-template <typename T>
-std::string layout_reasons(const backward_problem& pr) {
-  using K = dkdv_kernel<T>;
-  const heads_view grad_v = contiguous_view(pr.grad_v, pr.v.batch, pr.v.heads, pr.v.rows, pr.v.dim);
-  for (const auto& [name, view] : {std::pair{"q", pr.q}, std::pair{"k", pr.k}}) {
-    if (std::string r = layout_reason<typename K::qk_tile, T>(name, view); !r.empty()) return r;
-  }
-  // out is read with 16-byte loads: the same alignment rules as a TMA source.
-  for (const auto& [name, view] : {std::pair{"v", pr.v}, std::pair{"grad_out", pr.grad_out}, std::pair{"grad_v", grad_v}}) {
-    if (std::string r = layout_reason<typename K::value_tile, T>(name, view); !r.empty()) return r;
-  }
-  // out is read (normalised only) with 16-byte loads: the alignment rules of a TMA source.
-  if (pr.normalize) return layout_reason<typename K::value_tile, T>("out", pr.out);
-  return {};
-}
-
-template <typename T>
-cudaError_t run_statistics(const backward_problem& pr, const workspace_view& w, cudaStream_t stream) {
-  statistics_params<T> p;
-  p.out = static_cast<const T*>(pr.out.data);
-  p.grad_out = static_cast<const T*>(pr.grad_out.data);
-  copy_strides(p.out_strides, pr.out);
-  copy_strides(p.grad_out_strides, pr.grad_out);
-  p.denominator = pr.denominator;
-  p.inverse_denominator = w.inverse_denominator;
-  p.denominator_grad = w.denominator_grad;
-  p.eps = pr.eps;
-  p.rows = int(pr.q.rows);
-  p.heads = int(pr.q.heads);
-  p.dim = int(pr.v.dim);
-  p.padded = int(padded_rows(pr.q.rows));
-  p.total_rows = pr.q.batch * pr.q.heads * p.padded;
-  constexpr int64_t rows_per_block = STATISTICS_THREADS / STATISTICS_LANES_PER_ROW;
-  const unsigned blocks = unsigned(ceil_div(p.total_rows, rows_per_block));
-  return pipeline::launch(statistics_kernel<T>, blocks, STATISTICS_THREADS, 0, stream, p);
-}
+using causal_backward::shape_of;
+using causal_backward::workspace_view;
 
 template <typename T>
 cudaError_t run_dq(const backward_problem& pr, const workspace_view& w, cudaStream_t stream) {
@@ -710,7 +537,7 @@ cudaError_t run_dq(const backward_problem& pr, const workspace_view& w, cudaStre
   p.k = make_tma_map<typename K::qk_tile>(heads_layout<T>(pr.k));
   p.v = make_tma_map<typename K::value_tile>(heads_layout<T>(pr.v));
   p.grad_out = make_tma_map<typename K::value_tile>(heads_layout<T>(pr.grad_out));
-  p.shape = shape_of(pr, w);
+  p.shape = shape_of<FEATURES>(pr, w);
   return pipeline::launch<K>(p, K::tasks(p).count(), stream);
 }
 
@@ -722,37 +549,17 @@ cudaError_t run_dkdv(const backward_problem& pr, const workspace_view& w, cudaSt
   p.k = make_tma_map<typename K::qk_tile>(heads_layout<T>(pr.k));
   p.v = make_tma_map<typename K::value_tile>(heads_layout<T>(pr.v));
   p.grad_out = make_tma_map<typename K::value_tile>(heads_layout<T>(pr.grad_out));
-  p.grad_v = make_tma_map<typename K::value_tile>(
-      heads_layout<T>(contiguous_view(pr.grad_v, pr.v.batch, pr.v.heads, pr.v.rows, pr.v.dim)));
-  p.shape = shape_of(pr, w);
+  p.grad_v = make_tma_map<typename K::value_tile>(heads_layout<T>(causal_backward::grad_v_view(pr)));
+  p.shape = shape_of<FEATURES>(pr, w);
   return pipeline::launch<K>(p, K::tasks(p).count(), stream);
 }
 
 template <typename T>
-cudaError_t run_reduce(const backward_problem& pr, const workspace_view& w, cudaStream_t stream) {
-  reduce_params<T> p;
-  p.partial_q = w.partial_q;
-  p.partial_k = w.partial_k;
-  p.grad_q = static_cast<T*>(pr.grad_q);
-  p.grad_k = static_cast<T*>(pr.grad_k);
-  p.rows = int(pr.q.rows);
-  p.padded = int(padded_rows(pr.q.rows));
-  p.value_blocks = int(pr.v.dim / VALUE_BLOCK);
-  p.head_rows = pr.q.batch * pr.q.heads;
-  const int64_t items = SUMMED_GRADIENTS * p.head_rows * p.rows * REDUCE_THREADS_PER_ROW;
-  const unsigned blocks = unsigned(ceil_div<int64_t>(items, REDUCE_THREADS));
-  return pipeline::launch(reduce_kernel<T>, blocks, REDUCE_THREADS, 0, stream, p);
-}
-
-template <typename T>
 cudaError_t run(const backward_problem& pr, cudaStream_t stream) {
-  const workspace_view w = split_workspace(pr);
-  if (pr.normalize) {
-    if (const cudaError_t err = run_statistics<T>(pr, w, stream); err != cudaSuccess) return err;
-  }
-  if (const cudaError_t err = run_dq<T>(pr, w, stream); err != cudaSuccess) return err;
-  if (const cudaError_t err = run_dkdv<T>(pr, w, stream); err != cudaSuccess) return err;
-  return run_reduce<T>(pr, w, stream);
+  return causal_backward::run<T, FEATURES>(pr, stream, [&](const workspace_view& w) {
+    if (const cudaError_t err = run_dq<T>(pr, w, stream); err != cudaSuccess) return err;
+    return run_dkdv<T>(pr, w, stream);
+  });
 }
 
 template <typename F>
@@ -763,22 +570,17 @@ auto dispatch(const backward_problem& p, F&& f) {
 }  // namespace
 
 int64_t backward_workspace_floats(int64_t batch, int64_t heads, int64_t rows, int64_t value_dim, bool normalize) {
-  const int64_t head_rows = batch * heads;
-  const int64_t statistics = normalize ? ROW_STATISTICS * head_rows * padded_rows(rows) : 0;
-  return SUMMED_GRADIENTS * partial_floats(head_rows, rows, value_dim) + statistics;
+  return causal_backward::workspace_floats(batch, heads, rows, value_dim, FEATURES, normalize);
 }
 
 std::string unsupported_reason(const backward_problem& p) {
   if (!kernel_dtypes::contains(p.dtype)) return "the kernels take bf16 and fp16";
   if (std::string r = shape_reason(p.q, p.k, p.v); !r.empty()) return r;
-  for (const heads_view* t : {&p.grad_out, &p.out}) {
-    if (t == &p.out && !p.normalize) continue;
-    if (t->batch != p.v.batch || t->heads != p.v.heads || t->rows != p.v.rows || t->dim != p.v.dim) {
-      return "grad_out and out must have v's shape";
-    }
-  }
-  if (p.normalize && p.denominator == nullptr) return "the normalised backward needs the denominator";
-  return dispatch(p, [&]<typename T>() { return layout_reasons<T>(p); });
+  if (std::string r = causal_backward::inputs_reason(p); !r.empty()) return r;
+  return dispatch(p, [&]<typename T>() {
+    using K = dkdv_kernel<T>;
+    return causal_backward::layout_reasons<typename K::qk_tile, typename K::value_tile, T>(p);
+  });
 }
 
 cudaError_t launch(const backward_problem& p, cudaStream_t stream) {

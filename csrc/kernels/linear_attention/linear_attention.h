@@ -3,11 +3,13 @@
 // and out, fp32 denominators. Plain C++ (no torch): csrc/torch/linear_attention.cpp calls it.
 //
 // q, k are (B, H, N, F) and v (B, H, N, Dv) views with a unit last stride and any other strides
-// (in elements); the kernels take F in {16, 32, 64, 128, 256} and Dv a multiple of 32 up to 256.
+// (in elements); the kernels take F in {16, 32, 64, 128, 256} and Dv a multiple of 32 up to 256,
+// forward and backward.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <string>
 
 #include "kernels/common/causal_problem.h"
@@ -15,11 +17,18 @@
 namespace tk::linear {
 
 using forward_problem = causal_forward_problem;
+using backward_problem = causal_backward_problem;
 
-// Empty when the kernel can run the problem; otherwise why not.
+// Floats of workspace the backward needs (its `workspace`).
+int64_t backward_workspace_floats(int64_t batch, int64_t heads, int64_t rows, int64_t features, int64_t value_dim,
+                                  bool normalize);
+
+// Empty when the kernels can run the problem; otherwise why not.
 std::string unsupported_reason(const forward_problem& p);
+std::string unsupported_reason(const backward_problem& p);
 
-// Launch on `stream`; return the launch error.
+// Launch on `stream`; return the (first) launch error.
 cudaError_t launch(const forward_problem& p, cudaStream_t stream);
+cudaError_t launch(const backward_problem& p, cudaStream_t stream);
 
 }  // namespace tk::linear
