@@ -62,6 +62,9 @@ FAMILIES = (
         Profile("linear_attention_fwd_f64_n4096", "linear::.*forward_kernel", 1),
         Profile("linear_attention_fwd_f256_n4096", "linear::.*forward_kernel", 1),
     )),
+    Family("mamba2_ssd", op="mamba2_ssd", bench="mamba2_ssd", profiles=(
+        Profile("mamba2_ssd_fwd_n128_l4096", "mamba2::.*forward_kernel", 1),
+    )),
     Family("rope", op="rope_qk", bench="rope"),
     Family("layer_norm", op="layer_norm", bench="norms", profiles=(
         # the row kernel, then the sum of its per-block partial rows of dweight and dbias
