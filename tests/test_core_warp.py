@@ -242,3 +242,15 @@ def test_wgmma_register_a_operand(kernels, case):
     d = poisoned(WGMMA_M, PROBE_N)
     run(kernels, f"wgmma/{case}", a, bt, d)
     tk_testing.assert_rel_close(d, a.double() @ bt.double().T, FLOAT_TOLERANCE, "wgmma with a register A")
+
+
+@gpu_test
+@pytest.mark.parametrize("per_lane", [1, 2, 3])
+def test_inclusive_scan(kernels, per_lane):
+    """warp::inclusive_scan: lane l holds entries [per_lane l, per_lane (l + 1)); every lane gets the total."""
+    values = randn(32 * per_lane)
+    out, total = poisoned(32 * per_lane), poisoned(32)
+    run(kernels, f"scan/{per_lane}", values, out, total)
+    want = values.double().cumsum(0)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(total.double(), want[-1].expand(32), rtol=1e-5, atol=1e-5)

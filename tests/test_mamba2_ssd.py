@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import tk_ops
+from tk_ops import _library
+from tk_ops.ops import mamba2_ssd as mamba2_ssd_module
 import tk_testing
 from tk_testing import TOLERANCE, assert_rel_close, requires_cuda, requires_kernel
 
@@ -442,3 +447,154 @@ def test_kernel_opcheck(dtype):
     y, final, chunk_states = torch.ops.tk.mamba2_ssd(*plain)
     bwd_args = (torch.randn_like(y), torch.randn_like(final), *plain, chunk_states)
     torch.library.opcheck(torch.ops.tk.mamba2_ssd_bwd.default, bwd_args)
+
+
+# ------------------------------------------------------------------ the kernel: every option, tails
+
+REFERENCE_WARNING = "running the PyTorch reference path"
+
+
+@contextlib.contextmanager
+def on_kernel():
+    """The forward must run on the kernel: its reference would warn (once per op, so forget earlier warnings)."""
+    _library._REFERENCE_WARNED.discard("mamba2_ssd")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=f".*{REFERENCE_WARNING}")
+        yield
+
+
+def poisoned_allocations(nbytes: int) -> None:
+    """Leave NaN in the caching allocator's free blocks, so outputs a kernel forgets to write stay NaN."""
+    torch.full((nbytes // 4 + 1,), float("nan"), device="cuda")
+
+
+def forward_op(inputs, dt_softplus, chunk_size):
+    """(y, final_states, chunk_states) of the forward op itself."""
+    return torch.ops.tk.mamba2_ssd(
+        inputs["x"], inputs["dt"], inputs["A"], inputs["B"], inputs["C"], chunk_size, inputs["D"], inputs["z"],
+        inputs["dt_bias"], dt_softplus, inputs["initial_states"],
+    )
+
+
+def reference_chunk_states(inputs, dt_softplus, chunk_size):
+    """The op's chunked reference in float64: the state entering each chunk."""
+    t64 = {name: None if t is None else t.double() for name, t in inputs.items()}
+    return mamba2_ssd_module._mamba2_ssd_reference(
+        t64["x"], t64["dt"], t64["A"], t64["B"], t64["C"], chunk_size, t64["D"], t64["z"], t64["dt_bias"],
+        dt_softplus, t64["initial_states"],
+    )[2]
+
+
+def check_kernel_outputs(inputs, softplus, chunk_size, dtype, outputs=None):
+    y, final, chunks = forward_op(inputs, softplus, chunk_size) if outputs is None else outputs
+    want_y, want_final = recurrence(inputs, softplus)
+    L = inputs["x"].shape[1]
+    assert y.dtype == dtype and final.dtype == torch.float32 and chunks.dtype == torch.float32
+    assert chunks.shape[1] == (L + chunk_size - 1) // chunk_size
+    assert_rel_close(y, want_y, KERNEL_TOLERANCE[dtype], "y")
+    assert_rel_close(final, want_final, KERNEL_TOLERANCE[dtype], "final_states")
+    assert_rel_close(chunks, reference_chunk_states(inputs, softplus, chunk_size), KERNEL_TOLERANCE[dtype],
+                     "chunk_states")
+
+
+KERNEL_OPTIONS = {
+    "plain": dict(G=1),
+    "all, D (H,)": dict(G=2, D="H", z=True, dt_bias=True, dt_softplus=True, initial=True),
+    "all, D (H, P)": dict(G=2, D="HP", z=True, dt_bias=True, dt_softplus=True, initial=True),
+    "z only": dict(G=1, z=True),
+    "initial only": dict(G=2, initial=True),
+}
+
+
+@requires_kernel("mamba2_ssd")
+@pytest.mark.parametrize("options", KERNEL_OPTIONS.values(), ids=KERNEL_OPTIONS.keys())
+@pytest.mark.parametrize("chunk_size", [64, 128, 256])
+@pytest.mark.parametrize("N", [64, 128])
+@pytest.mark.parametrize("L", [1, 17, 1000])
+def test_kernel_options_lengths_and_states(L, N, chunk_size, options):
+    dtype = torch.bfloat16
+    inputs, softplus = make_inputs(2, L, 4, 64, N=N, **options, dtype=dtype, param_dtype=torch.float32, device="cuda")
+    poisoned_allocations(2 * inputs["x"].numel() * 2 + 2 * 4 * 64 * N * (L // 64 + 3) * 4)
+    with on_kernel():
+        check_kernel_outputs(inputs, softplus, chunk_size, dtype)
+
+
+@requires_kernel("mamba2_ssd")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_long_sequence(dtype):
+    inputs, softplus = make_inputs(1, 4099, 2, 64, 2, 128, D="HP", z=True, dt_bias=True, dt_softplus=True,
+                                   initial=True, dtype=dtype, param_dtype=torch.float32, device="cuda")
+    with on_kernel():
+        check_kernel_outputs(inputs, softplus, 256, dtype)
+
+
+@requires_kernel("mamba2_ssd")
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float64])
+def test_kernel_parameters_in_other_dtypes(param_dtype):
+    """dt, A, D, dt_bias and initial_states in another dtype run the kernel on their fp32 values."""
+    inputs, softplus = make_inputs(2, 100, 4, 64, 2, 64, D="H", z=True, dt_bias=True, dt_softplus=True,
+                                   initial=True, dtype=torch.bfloat16, device="cuda")
+    for name in ("dt", "A", "D", "dt_bias", "initial_states"):
+        inputs[name] = inputs[name].to(param_dtype)
+    with on_kernel():
+        check_kernel_outputs(inputs, softplus, 64, torch.bfloat16)
+
+
+@requires_kernel("mamba2_ssd")
+def test_kernel_strided_views():
+    """(Bt, L, H, P) slices of wider buffers (x, z from one projection, B and C from another) need no copy."""
+    Bt, L, H, P, G, N = 2, 300, 4, 64, 2, 64
+    torch.manual_seed(0)
+    proj = torch.randn(Bt, L, 2 * H * P + 8, device="cuda").to(torch.bfloat16)
+    bc = torch.randn(Bt, L, 2 * G * N + 16, device="cuda").to(torch.bfloat16)
+    dt_all = torch.rand(Bt, L, 2 * H, device="cuda") * 0.5 + 0.05
+    inputs = dict(
+        x=proj[..., : H * P].unflatten(-1, (H, P)),
+        z=proj[..., H * P + 8 :].unflatten(-1, (H, P)),
+        B=bc[..., 8 : 8 + G * N].unflatten(-1, (G, N)),
+        C=bc[..., 16 + G * N :].unflatten(-1, (G, N)),
+        dt=dt_all[..., ::2],
+        A=-0.3 - torch.rand(H, device="cuda"),
+        D=torch.randn(H, device="cuda"),
+        dt_bias=None,
+        initial_states=torch.randn(Bt, H, N, P, device="cuda").transpose(-1, -2),
+    )
+    with on_kernel():
+        check_kernel_outputs(inputs, False, 128, torch.bfloat16)
+
+
+@requires_kernel("mamba2_ssd")
+def test_kernel_unsupported_inputs_fall_back_with_a_warning():
+    inputs, softplus = make_inputs(1, 40, 2, 32, 1, 64, dtype=torch.bfloat16, param_dtype=torch.float32, device="cuda")
+    _library._REFERENCE_WARNED.discard("mamba2_ssd")
+    with pytest.warns(UserWarning, match=REFERENCE_WARNING):
+        y, final = ssd(inputs, softplus, 64)
+    want_y, want_final = recurrence(inputs, softplus)
+    assert_rel_close(y, want_y, TOLERANCE[torch.bfloat16], "y")
+
+
+@requires_kernel("mamba2_ssd")
+def test_kernel_cuda_graph_capture_and_replay():
+    def fresh():
+        return make_inputs(2, 500, 4, 64, 2, 128, D="HP", z=True, dt_bias=True, dt_softplus=True, initial=True,
+                           dtype=torch.bfloat16, param_dtype=torch.float32, device="cuda")[0]
+
+    inputs = fresh()
+    static = {name: t.clone() for name, t in inputs.items()}
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        forward_op(static, True, 128)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = forward_op(static, True, 128)
+    first = [t.clone() for t in outputs]
+    inputs2 = fresh()
+    for name, t in static.items():
+        t.copy_(inputs2[name])
+    graph.replay()
+    for got, want in zip(outputs, forward_op(inputs2, True, 128)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert not torch.equal(outputs[0], first[0])
+    check_kernel_outputs(inputs2, True, 128, torch.bfloat16, outputs=outputs)

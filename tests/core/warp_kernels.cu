@@ -296,6 +296,17 @@ __global__ void wgmma_register_a_library(const bf16* a, const bf16* bt, float* d
   warp::store(d + warpgroup::warp_row() * PROBE_N, PROBE_N, acc);
 }
 
+// ---- prefix sums: warp::inclusive_scan over 32 * PER_LANE values, lane-major -------------------
+
+// out = inclusive prefix sums of in (32 * PER_LANE floats); total[lane] = the total every lane got.
+template <int PER_LANE>
+__global__ void inclusive_scan_case(const float* in, float* out, float* total) {
+  float values[PER_LANE];
+  for (int k = 0; k < PER_LANE; ++k) values[k] = in[PER_LANE * lane_id() + k];
+  total[lane_id()] = warp::inclusive_scan(values);
+  for (int k = 0; k < PER_LANE; ++k) out[PER_LANE * lane_id() + k] = values[k];
+}
+
 // ---- the case table ------------------------------------------------------------------------------
 
 using runner = cudaError_t (*)(void* const* args, cudaStream_t stream);
@@ -349,6 +360,10 @@ constexpr test_case CASES[] = {
     {"suite/float/col", launch<elementwise_suite<float, L::col>>},
     {"suite/bf16/row", launch<elementwise_suite<bf16, L::row>>},
     {"suite/bf16/col", launch<elementwise_suite<bf16, L::col>>},
+
+    {"scan/1", launch<inclusive_scan_case<1>>},
+    {"scan/2", launch<inclusive_scan_case<2>>},
+    {"scan/3", launch<inclusive_scan_case<3>>},
 
     {"wgmma/accumulator_layout", launch<accumulator_layout, WARPGROUP_THREADS>},
     {"wgmma/register_a", launch<wgmma_register_a, WARPGROUP_THREADS>},

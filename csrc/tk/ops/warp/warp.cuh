@@ -9,4 +9,5 @@
 #include "masks.cuh"
 #include "mma.cuh"
 #include "reductions.cuh"
+#include "scan.cuh"
 #include "shared_memory.cuh"
