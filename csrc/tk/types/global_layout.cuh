@@ -124,6 +124,19 @@ inline PFN_cuTensorMapEncodeTiled_v12000 encode_tiled_entry_point() {
   return entry;
 }
 
+// The driver's encoder needs a current context, and a thread that has made no runtime call yet (an
+// autograd worker whose allocations all came from a cache, say) has none: cudaSetDevice makes the
+// device's primary context current, once per thread.
+inline void make_context_current() {
+  thread_local bool current = false;
+  if (current) return;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || cudaSetDevice(device) != cudaSuccess) {
+    throw std::runtime_error("tk: no CUDA context for encoding a tensor map");
+  }
+  current = true;
+}
+
 }  // namespace detail
 
 // Why the copy engine cannot move panels of `Tile` out of `layout`, or an empty string if it can.
@@ -170,6 +183,7 @@ CUtensorMap make_tma_map(const global_layout<T, RANK>& layout) {
                                 ")");
   }
   CUtensorMap map;
+  detail::make_context_current();
   const CUresult result = detail::encode_tiled_entry_point()(
       &map, detail::tma_data_type<T>(), RANK, const_cast<void*>(static_cast<const void*>(layout.data)),
       f.global_dim.data(), f.global_stride_bytes.data(), f.box_dim.data(), f.element_stride.data(),
