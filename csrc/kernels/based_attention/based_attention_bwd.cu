@@ -201,6 +201,7 @@ struct dq_kernel : gradient_common<T> {
   struct params {
     CUtensorMap q, k, v, grad_out;
     gradient_shape shape;
+    T* grad_q;  // written here when one value block covers Dv
   };
   using context = pipeline::task_context<dq_kernel>;
   using inputs = pipeline::stage_inputs<dq_kernel>;
@@ -313,7 +314,7 @@ struct dq_kernel : gradient_common<T> {
       in.release(at);
 
       warp::add(grad, grad, earlier);
-      warp::store(sh.partial(sh.partial_q, ctx.task, chunk * CHUNK + warp_row0), FEATURES, grad);
+      sh.store_gradient(sh.partial_q, ctx.params.grad_q, ctx.task, chunk * CHUNK + warp_row0, 0, grad);
 
       barrier_sync(barrier_id::chunk_done, WARPGROUP_THREADS);
       base::write_copies(ctx.scratch.moments, st.m, chunk + 1 < ctx.iterations);
@@ -357,6 +358,7 @@ struct dkdv_kernel : gradient_common<T> {
   struct params {
     CUtensorMap q, k, v, grad_out, grad_v;
     gradient_shape shape;
+    T* grad_k;  // written here when one value block covers Dv
   };
   using context = pipeline::task_context<dkdv_kernel>;
   using inputs = pipeline::stage_inputs<dkdv_kernel>;
@@ -494,7 +496,7 @@ struct dkdv_kernel : gradient_common<T> {
       in.release(at);
 
       warp::add(grad_k, grad_k, later);
-      warp::store(sh.partial(sh.partial_k, ctx.task, chunk * CHUNK + warp_row0), FEATURES, grad_k);
+      sh.store_gradient(sh.partial_k, ctx.params.grad_k, ctx.task, chunk * CHUNK + warp_row0, 0, grad_k);
       store_chunk(ctx, st, grad_v, chunk, iteration + 1 < ctx.iterations, leader);
     }
   }
@@ -537,7 +539,8 @@ cudaError_t run_dq(const backward_problem& pr, const workspace_view& w, cudaStre
   p.k = make_tma_map<typename K::qk_tile>(heads_layout<T>(pr.k));
   p.v = make_tma_map<typename K::value_tile>(heads_layout<T>(pr.v));
   p.grad_out = make_tma_map<typename K::value_tile>(heads_layout<T>(pr.grad_out));
-  p.shape = shape_of<FEATURES>(pr, w);
+  p.shape = shape_of<FEATURES>(pr, w, VALUE_BLOCK);
+  p.grad_q = static_cast<T*>(pr.grad_q);
   return pipeline::launch<K>(p, K::tasks(p).count(), stream);
 }
 
@@ -550,13 +553,14 @@ cudaError_t run_dkdv(const backward_problem& pr, const workspace_view& w, cudaSt
   p.v = make_tma_map<typename K::value_tile>(heads_layout<T>(pr.v));
   p.grad_out = make_tma_map<typename K::value_tile>(heads_layout<T>(pr.grad_out));
   p.grad_v = make_tma_map<typename K::value_tile>(heads_layout<T>(causal_backward::grad_v_view(pr)));
-  p.shape = shape_of<FEATURES>(pr, w);
+  p.shape = shape_of<FEATURES>(pr, w, VALUE_BLOCK);
+  p.grad_k = static_cast<T*>(pr.grad_k);
   return pipeline::launch<K>(p, K::tasks(p).count(), stream);
 }
 
 template <typename T>
 cudaError_t run(const backward_problem& pr, cudaStream_t stream) {
-  return causal_backward::run<T, FEATURES>(pr, stream, [&](const workspace_view& w) {
+  return causal_backward::run<T, FEATURES>(pr, VALUE_BLOCK, stream, [&](const workspace_view& w) {
     if (const cudaError_t err = run_dq<T>(pr, w, stream); err != cudaSuccess) return err;
     return run_dkdv<T>(pr, w, stream);
   });
@@ -570,7 +574,7 @@ auto dispatch(const backward_problem& p, F&& f) {
 }  // namespace
 
 int64_t backward_workspace_floats(int64_t batch, int64_t heads, int64_t rows, int64_t value_dim, bool normalize) {
-  return causal_backward::workspace_floats(batch, heads, rows, value_dim, FEATURES, normalize);
+  return causal_backward::workspace_floats(batch, heads, rows, value_dim, FEATURES, normalize, VALUE_BLOCK);
 }
 
 std::string unsupported_reason(const backward_problem& p) {

@@ -2,10 +2,12 @@
 // the per-row statistics kernel, the per-value-block fp32 partials of grad_q / grad_k and the
 // kernel that reduces them, the workspace that holds both, and the host-side checks.
 //
-// Both backwards split v into VALUE_BLOCK-column tasks like their forwards. grad_q and grad_k
-// contract over all of Dv, so each task writes its fp32 partial (rows padded to whole chunks) and
-// reduce_kernel sums them over the value blocks in a fixed order and converts them to the input
-// dtype: no atomics, bitwise reproducible. Normalising, statistics_kernel first writes per row
+// Both backwards split v into value-block tasks like their forwards (a family picks the block's
+// columns). grad_q and grad_k contract over all of Dv, so with several value blocks each task
+// writes its fp32 partial (rows padded to whole chunks) and reduce_kernel sums them over the value
+// blocks in a fixed order and converts them to the input dtype: no atomics, bitwise reproducible.
+// When one block covers Dv the gradient kernels store grad_q and grad_k themselves: no partials,
+// no reduction (their fp32 round trip through HBM cost as much as the gradient kernels). Normalising, statistics_kernel first writes per row
 // 1 / d_i and c_i = -(g_i . out_i) / d_i (d_i = denominator_i + eps; zeros on padding rows).
 #pragma once
 
@@ -21,7 +23,7 @@
 namespace tk::causal_backward {
 
 constexpr int CHUNK = warpgroup::WGMMA_M;  // positions per chunk: the rows of one wgmma
-constexpr int VALUE_BLOCK = 32;            // value columns per task
+constexpr int VALUE_BLOCK = 32;            // value columns per task, at the least (Dv is a multiple)
 
 // Rows of the workspace's per-row arrays: whole chunks, so kernels read and write them unbounded.
 __host__ __device__ inline int64_t padded_rows(int64_t rows) { return round_up<int64_t>(rows, CHUNK); }
@@ -33,7 +35,7 @@ struct gradient_shape {
   int rows, heads, batch, value_blocks;
   int padded;  // padded_rows(rows)
   bool normalize;
-  float* partial_q;            // [value block][batch * heads][padded][F]
+  float* partial_q;            // [value block][batch * heads][padded][F]; none with one value block
   float* partial_k;
   const float* inverse_denominator;  // [batch * heads][padded]: 1 / d_i (0 past N); normalised only
   const float* denominator_grad;     // [batch * heads][padded]: c_i (0 past N); normalised only
@@ -43,6 +45,19 @@ struct gradient_shape {
   }
   __device__ float* partial(float* base, const pipeline::head_block& task, int row) const {
     return base + ((int64_t(task.block) * batch * heads) * padded + row_offset(task) + row) * FEATURES;
+  }
+
+  // A warp's rows [row, row + 16) of a grad_q / grad_k piece starting at feature `col`: the
+  // gradient itself (rows past N dropped) when one value block covers Dv, else this block's partial.
+  template <typename T, typename Piece>
+  __device__ void store_gradient(float* partials, T* gradient, const pipeline::head_block& task, int row, int col,
+                                 const Piece& piece) const {
+    if (value_blocks == 1) {
+      const int64_t first = (int64_t(task.batch) * heads + task.head) * rows + row;
+      warp::store(gradient + first * FEATURES + col, FEATURES, piece, rows - row);
+    } else {
+      warp::store(partial(partials, task, row) + col, FEATURES, piece);
+    }
   }
 };
 
@@ -146,21 +161,25 @@ struct workspace_view {
   float* denominator_grad;
 };
 
-inline int64_t partial_floats(int64_t head_rows, int64_t rows, int64_t value_dim, int features) {
-  return (value_dim / VALUE_BLOCK) * head_rows * padded_rows(rows) * features;
+inline int64_t value_blocks(int64_t value_dim, int value_block) { return ceil_div<int64_t>(value_dim, value_block); }
+
+// One gradient's partials: none when one value block covers Dv.
+inline int64_t partial_floats(int64_t head_rows, int64_t rows, int64_t value_dim, int features, int value_block) {
+  const int64_t blocks = value_blocks(value_dim, value_block);
+  return blocks == 1 ? 0 : blocks * head_rows * padded_rows(rows) * features;
 }
 
-// Floats of workspace a backward with this feature dim needs.
+// Floats of workspace a backward with this feature dim and value block needs.
 inline int64_t workspace_floats(int64_t batch, int64_t heads, int64_t rows, int64_t value_dim, int features,
-                                bool normalize) {
+                                bool normalize, int value_block) {
   const int64_t head_rows = batch * heads;
   const int64_t statistics = normalize ? ROW_STATISTICS * head_rows * padded_rows(rows) : 0;
-  return SUMMED_GRADIENTS * partial_floats(head_rows, rows, value_dim, features) + statistics;
+  return SUMMED_GRADIENTS * partial_floats(head_rows, rows, value_dim, features, value_block) + statistics;
 }
 
-inline workspace_view split_workspace(const causal_backward_problem& pr) {
+inline workspace_view split_workspace(const causal_backward_problem& pr, int value_block) {
   const int64_t head_rows = pr.q.batch * pr.q.heads;
-  const int64_t partial = partial_floats(head_rows, pr.q.rows, pr.v.dim, int(pr.q.dim));
+  const int64_t partial = partial_floats(head_rows, pr.q.rows, pr.v.dim, int(pr.q.dim), value_block);
   const int64_t statistics = head_rows * padded_rows(pr.q.rows);
   float* w = pr.workspace;
   float* statistics_start = w + SUMMED_GRADIENTS * partial;
@@ -169,12 +188,12 @@ inline workspace_view split_workspace(const causal_backward_problem& pr) {
 }
 
 template <int FEATURES>
-gradient_shape<FEATURES> shape_of(const causal_backward_problem& pr, const workspace_view& w) {
+gradient_shape<FEATURES> shape_of(const causal_backward_problem& pr, const workspace_view& w, int value_block) {
   gradient_shape<FEATURES> s;
   s.rows = int(pr.q.rows);
   s.heads = int(pr.q.heads);
   s.batch = int(pr.q.batch);
-  s.value_blocks = int(pr.v.dim / VALUE_BLOCK);
+  s.value_blocks = int(value_blocks(pr.v.dim, value_block));
   s.padded = int(padded_rows(pr.q.rows));
   s.normalize = pr.normalize;
   s.partial_q = w.partial_q;
@@ -237,7 +256,8 @@ cudaError_t run_statistics(const causal_backward_problem& pr, const workspace_vi
 }
 
 template <typename T, int FEATURES>
-cudaError_t run_reduce(const causal_backward_problem& pr, const workspace_view& w, cudaStream_t stream) {
+cudaError_t run_reduce(const causal_backward_problem& pr, const workspace_view& w, int value_block,
+                       cudaStream_t stream) {
   reduce_params<T> p;
   p.partial_q = w.partial_q;
   p.partial_k = w.partial_k;
@@ -245,7 +265,7 @@ cudaError_t run_reduce(const causal_backward_problem& pr, const workspace_view& 
   p.grad_k = static_cast<T*>(pr.grad_k);
   p.rows = int(pr.q.rows);
   p.padded = int(padded_rows(pr.q.rows));
-  p.value_blocks = int(pr.v.dim / VALUE_BLOCK);
+  p.value_blocks = int(value_blocks(pr.v.dim, value_block));
   p.head_rows = pr.q.batch * pr.q.heads;
   const int64_t items = SUMMED_GRADIENTS * p.head_rows * p.rows * (FEATURES / REDUCE_FEATURES_PER_THREAD);
   const unsigned blocks = unsigned(ceil_div<int64_t>(items, REDUCE_THREADS));
@@ -253,15 +273,17 @@ cudaError_t run_reduce(const causal_backward_problem& pr, const workspace_view& 
 }
 
 // The whole backward: statistics (normalised only), the two gradient kernels (RunGradients
-// launches them), then the reduction.
+// launches them), then the reduction (with several value blocks).
 template <typename T, int FEATURES, typename RunGradients>
-cudaError_t run(const causal_backward_problem& pr, cudaStream_t stream, RunGradients&& run_gradients) {
-  const workspace_view w = split_workspace(pr);
+cudaError_t run(const causal_backward_problem& pr, int value_block, cudaStream_t stream,
+                RunGradients&& run_gradients) {
+  const workspace_view w = split_workspace(pr, value_block);
   if (pr.normalize) {
     if (const cudaError_t err = run_statistics<T>(pr, w, stream); err != cudaSuccess) return err;
   }
   if (const cudaError_t err = run_gradients(w); err != cudaSuccess) return err;
-  return run_reduce<T, FEATURES>(pr, w, stream);
+  if (value_blocks(pr.v.dim, value_block) == 1) return cudaSuccess;
+  return run_reduce<T, FEATURES>(pr, w, value_block, stream);
 }
 
 }  // namespace tk::causal_backward

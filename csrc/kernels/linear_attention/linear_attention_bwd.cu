@@ -12,7 +12,8 @@
 // Four launches on one stream, no atomics (bitwise reproducible); the statistics and reduce
 // kernels and the workspace are chunked_causal_bwd.cuh's:
 //   statistics_kernel   (normalised only) per row: 1 / d_i and c_i, over all Dv columns
-//   dq_kernel           one task = one (batch, head) and a 32-column value block; walks the chunks
+//   dq_kernel           one task = one (batch, head) and a value block (64 columns up to F = 128, 32 at
+//                       F = 256: value_block_for); walks the chunks
 //                       first to last like the forward, keeping M = sum_{j earlier} k_j v_j^T
 //                       (ceil(F / 64) slabs of wgmma accumulators, read back through a 16-bit copy)
 //                       and, for c, the fp32 key sum sum_{j earlier} k_j:
@@ -25,7 +26,8 @@
 //                         grad_k = triu(dP^T / d + c) Q  +  V R^T  +  query_sum    (64 features at a time)
 //                         R_t += (Q_t^T / d) G,  each query's column scaled by 1 / d_i
 //   reduce_kernel       grad_q and grad_k: the sum over value blocks of the fp32 partials the two
-//                       kernels write (both contract over all of Dv), in the input dtype
+//                       kernels write (both contract over all of Dv), in the input dtype; skipped
+//                       when one block covers Dv (Dv <= 64 up to F = 128): the kernels store them
 // The c terms belong to value block 0 alone. grad_v needs no reduction: its columns are the block's.
 //
 // grad_q and grad_k are produced a piece of 64 features (F at F < 64) at a time and stored as fp32
@@ -35,10 +37,11 @@
 // Positions past N arrive as zeros from TMA with zero statistics, so they add nothing to the
 // states, and reach only rows that are never stored (the partials' rows are padded to whole chunks).
 //
-// Registers (232, or 240 for dq and 256 for dkdv at F = 256, per consumer thread): a state is 16
-// registers a slab (64 at F = 256), a piece accumulator 32 more at F >= 64 (two in dq). Shared memory: dq's stage is 64 * F * 2 + 2 * 64 * 32
-// * 2 bytes, dkdv's 2 * 64 * F * 2 + 2 * 64 * 32 * 2 (72 KiB at F = 256); the plan is the forward's
-// (three stages up to F = 64, two above; two blocks an SM up to F = 128, one at F = 256).
+// Registers (232, or 240 for dq and 256 for dkdv at F = 256, per consumer thread): a state slab is
+// VALUE_BLOCK / 2 registers, a piece accumulator 32 more at F >= 64 (two in dq). Shared memory: dq's
+// stage is 64 * F * 2 + 2 * 64 * VALUE_BLOCK * 2 bytes, dkdv's 2 * 64 * F * 2 + 2 * 64 * VALUE_BLOCK * 2;
+// three stages up to F = 64, two above; registers allow two blocks an SM up to F = 128 (shared
+// memory, with 64-column blocks, one: at Dv = 64 there are only B * H tasks anyway).
 #include "kernels/common/chunked_causal_bwd.cuh"
 #include "linear_attention.h"
 #include "tk/tk.cuh"
@@ -53,8 +56,14 @@ using kernel_dtypes = one_of<element_type::bf16, element_type::fp16>;
 using feature_dims = one_of<16, 32, 64, 128, 256>;
 
 constexpr int CHUNK = causal_backward::CHUNK;              // positions per chunk: the rows of one wgmma
-constexpr int VALUE_BLOCK = causal_backward::VALUE_BLOCK;  // value columns per task
 constexpr int SLAB_FEATURES = warpgroup::WGMMA_M;          // feature rows per state slab
+
+// Value columns per task: 64 up to F = 128, where a 64-column block's states and accumulators fit
+// the registers, so that Dv = 64 takes one block and needs no partials; the minimum, 32, at F = 256.
+constexpr int WIDE_VALUE_BLOCK = 2 * causal_backward::VALUE_BLOCK;
+constexpr int value_block_for(int features) {
+  return features <= 2 * SLAB_FEATURES ? WIDE_VALUE_BLOCK : causal_backward::VALUE_BLOCK;
+}
 
 // grad_q's piece: dA K + (G M^T) / d + c key_sum.
 struct earlier_query_gradient {
@@ -68,6 +77,7 @@ struct earlier_query_gradient {
 template <typename T, int FEATURES>
 struct gradient_common {
   static constexpr bool wide = FEATURES > 2 * SLAB_FEATURES;
+  static constexpr int VALUE_BLOCK = value_block_for(FEATURES);
   static constexpr int consumer_warpgroups = 1;
   static constexpr int stages = FEATURES <= SLAB_FEATURES ? 3 : 2;
   static constexpr int blocks_per_sm = wide ? 1 : 2;
@@ -160,6 +170,7 @@ struct dq_kernel : gradient_common<T, FEATURES> {
   using base::PIECE;
   using base::PIECES;
   using base::OPERAND_BUFFERS;
+  using base::VALUE_BLOCK;
   using typename base::qk_tile;
   using typename base::value_tile;
   using typename base::state_copy_tile;
@@ -188,6 +199,7 @@ struct dq_kernel : gradient_common<T, FEATURES> {
   struct params {
     CUtensorMap k, v, grad_out;
     gradient_shape shape;
+    T* grad_q;  // written here when one value block covers Dv
   };
   using context = pipeline::task_context<dq_kernel>;
   using inputs = pipeline::stage_inputs<dq_kernel>;
@@ -252,7 +264,6 @@ struct dq_kernel : gradient_common<T, FEATURES> {
       warp::copy(da, dp);
 
       // grad_q a piece at a time: dA K_t and the earlier chunks' G M_t^T, combined with c key_sum_t.
-      float* partial = sh.partial(sh.partial_q, ctx.task, chunk * CHUNK + warp_row0);
 #pragma unroll
       for (int t = 0; t < PIECES; ++t) {
         piece own, earlier;
@@ -270,7 +281,7 @@ struct dq_kernel : gradient_common<T, FEATURES> {
         warp::map<earlier_query_gradient>(own, own, earlier, broadcast<tile_axis::rows, row_vector>{inverse_denominator},
                                           broadcast<tile_axis::rows, row_vector>{denominator_grad},
                                           broadcast<tile_axis::cols, piece_vector>{key_sum});
-        warp::store(partial + t * PIECE, FEATURES, own);
+        sh.store_gradient(sh.partial_q, ctx.params.grad_q, ctx.task, chunk * CHUNK + warp_row0, t * PIECE, own);
       }
 
       // This chunk into the state (and the key sum). Each update's register operand stays pinned
@@ -318,6 +329,7 @@ struct dkdv_kernel : gradient_common<T, FEATURES> {
   using base::PIECE;
   using base::PIECES;
   using base::OPERAND_BUFFERS;
+  using base::VALUE_BLOCK;
   using typename base::qk_tile;
   using typename base::value_tile;
   using typename base::state_copy_tile;
@@ -350,6 +362,7 @@ struct dkdv_kernel : gradient_common<T, FEATURES> {
   struct params {
     CUtensorMap q, k, v, grad_out, grad_v;
     gradient_shape shape;
+    T* grad_k;  // written here when one value block covers Dv
   };
   using context = pipeline::task_context<dkdv_kernel>;
   using inputs = pipeline::stage_inputs<dkdv_kernel>;
@@ -439,7 +452,6 @@ struct dkdv_kernel : gradient_common<T, FEATURES> {
 
       // grad_k a piece at a time: the later chunks' V R_t^T, then dS^T Q_t into the same accumulator
       // (neither is scaled), plus query_sum_t.
-      float* partial = sh.partial(sh.partial_k, ctx.task, chunk * CHUNK + warp_row0);
 #pragma unroll
       for (int t = 0; t < PIECES; ++t) {
         piece grad_k;
@@ -453,7 +465,7 @@ struct dkdv_kernel : gradient_common<T, FEATURES> {
           warp::load(query_sum, ctx.scratch.query_sum + t * PIECE);
           warp::add_col(grad_k, grad_k, query_sum);
         }
-        warp::store(partial + t * PIECE, FEATURES, grad_k);
+        sh.store_gradient(sh.partial_k, ctx.params.grad_k, ctx.task, chunk * CHUNK + warp_row0, t * PIECE, grad_k);
       }
 
       // This chunk into R: Q_t^T with each query's column scaled by 1 / d, times G; and c q into
@@ -529,7 +541,8 @@ cudaError_t run_dq(const backward_problem& pr, const workspace_view& w, cudaStre
   p.k = make_tma_map<typename K::qk_tile>(heads_layout<T>(pr.k));
   p.v = make_tma_map<typename K::value_tile>(heads_layout<T>(pr.v));
   p.grad_out = make_tma_map<typename K::value_tile>(heads_layout<T>(pr.grad_out));
-  p.shape = causal_backward::shape_of<FEATURES>(pr, w);
+  p.shape = causal_backward::shape_of<FEATURES>(pr, w, K::VALUE_BLOCK);
+  p.grad_q = static_cast<T*>(pr.grad_q);
   return pipeline::launch<K>(p, K::tasks(p).count(), stream);
 }
 
@@ -542,13 +555,14 @@ cudaError_t run_dkdv(const backward_problem& pr, const workspace_view& w, cudaSt
   p.v = make_tma_map<typename K::value_tile>(heads_layout<T>(pr.v));
   p.grad_out = make_tma_map<typename K::value_tile>(heads_layout<T>(pr.grad_out));
   p.grad_v = make_tma_map<typename K::value_tile>(heads_layout<T>(causal_backward::grad_v_view(pr)));
-  p.shape = causal_backward::shape_of<FEATURES>(pr, w);
+  p.shape = causal_backward::shape_of<FEATURES>(pr, w, K::VALUE_BLOCK);
+  p.grad_k = static_cast<T*>(pr.grad_k);
   return pipeline::launch<K>(p, K::tasks(p).count(), stream);
 }
 
 template <typename T, int FEATURES>
 cudaError_t run(const backward_problem& pr, cudaStream_t stream) {
-  return causal_backward::run<T, FEATURES>(pr, stream, [&](const workspace_view& w) {
+  return causal_backward::run<T, FEATURES>(pr, value_block_for(FEATURES), stream, [&](const workspace_view& w) {
     if (const cudaError_t err = run_dq<T, FEATURES>(pr, w, stream); err != cudaSuccess) return err;
     return run_dkdv<T, FEATURES>(pr, w, stream);
   });
@@ -565,13 +579,14 @@ auto dispatch(const backward_problem& p, F&& f) {
 
 int64_t backward_workspace_floats(int64_t batch, int64_t heads, int64_t rows, int64_t features, int64_t value_dim,
                                   bool normalize) {
-  return causal_backward::workspace_floats(batch, heads, rows, value_dim, int(features), normalize);
+  return causal_backward::workspace_floats(batch, heads, rows, value_dim, int(features), normalize,
+                                           value_block_for(int(features)));
 }
 
 std::string unsupported_reason(const backward_problem& p) {
   if (!kernel_dtypes::contains(p.dtype)) return "the kernels take bf16 and fp16";
   if (!feature_dims::contains(p.q.dim)) return "the feature dim must be one of " + feature_dims::names();
-  if (std::string r = chunked_causal::sequence_shape_reason(p.q, p.k, p.v, VALUE_BLOCK); !r.empty()) return r;
+  if (std::string r = chunked_causal::sequence_shape_reason(p.q, p.k, p.v, causal_backward::VALUE_BLOCK); !r.empty()) return r;
   if (std::string r = causal_backward::inputs_reason(p); !r.empty()) return r;
   return dispatch(p, [&]<typename T, int FEATURES>() {
     using K = dkdv_kernel<T, FEATURES>;

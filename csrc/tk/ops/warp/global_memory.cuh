@@ -2,12 +2,13 @@
 //
 //   load(t, src, row_stride);    t[i][j] = src[i * row_stride + j]
 //   store(dst, row_stride, t);
+//   store(dst, row_stride, t, rows);   the same for tile rows i < rows only (a tail of positions)
 //   load(v, src);  store(dst, v);   v[i] = src[i]
 //   load(v, src, n);  store(dst, v, n);   the same for entries i < n only (v[i] = 0 past n)
 //
 // Element types convert on the way. Row-layout tiles (and, on load, vectors of thread_in_group layout)
 // move a pair per access, so src/dst must be aligned to two elements and row_stride even; col-layout tiles move single elements. Vector stores
-// come from one copy of each entry (every lane holds one). Tiles are moved whole: callers that need
+// come from one copy of each entry (every lane holds one). Tiles are loaded whole: callers that need
 // bounds use TMA or shared memory.
 #pragma once
 
@@ -54,6 +55,19 @@ __device__ __forceinline__ void store(U* dst, int row_stride, const T& src) {
       *at(0) = pair.x;
       *at(1) = pair.y;
     }
+  });
+}
+
+template <typename U, register_tile_type T>
+  requires is_register_element<U> && (T::layout == register_layout::row)
+__device__ __forceinline__ void store(U* dst, int row_stride, const T& src, int rows) {
+  using global_pair = packed_pair_t<U>;
+  for_each_pair<T>([&](int br, int bc, int q) {
+    const fragment::coord at = fragment::pair_element_coord<T::layout>(q, 0);
+    const int row = BASE_TILE * br + at.row;
+    if (row >= rows) return;
+    *reinterpret_cast<global_pair*>(dst + row * row_stride + BASE_TILE * bc + at.col) =
+        convert_pair<global_pair>(src.pairs[br][bc][q]);
   });
 }
 
