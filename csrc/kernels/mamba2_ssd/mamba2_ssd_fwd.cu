@@ -164,19 +164,34 @@ struct forward_kernel : ssd_plan<N> {
 
   __device__ static int64_t state_offset(const params& p, int64_t batch_head) { return batch_head * HEAD_DIM * N; }
 
+  // This lane's raw dt of a block (0 past L). Issued a block ahead, so that the load's latency hides behind the current block's products.
+  struct raw_steps {
+    float values[STEPS_PER_LANE];
+  };
+  __device__ static raw_steps load_steps(const context& ctx, int block) {
+    const params& p = ctx.params;
+    const float* dt = p.dt + int64_t(ctx.task.batch) * p.dt_batch_stride + int64_t(ctx.task.head) * p.dt_head_stride;
+    raw_steps raw;
+#pragma unroll
+    for (int k = 0; k < STEPS_PER_LANE; ++k) {
+      const int row = block * BLOCK + STEPS_PER_LANE * lane_id() + k;
+      raw.values[k] = row < p.rows ? dt[int64_t(row) * p.dt_row_stride] : 0.0f;
+    }
+    return raw;
+  }
+
   // The block's steps dt (bias, softplus, clamp at 0; 0 past L) and cum = inclusive prefix sums of
   // dt A, into this warp's shared slots; returns cum_last.
-  __device__ static float block_steps(const context& ctx, int block, float A, float bias) {
+  __device__ static float block_steps(const context& ctx, int block, const raw_steps& raw, float A, float bias) {
     const params& p = ctx.params;
     const int lane = lane_id();
-    const float* dt = p.dt + int64_t(ctx.task.batch) * p.dt_batch_stride + int64_t(ctx.task.head) * p.dt_head_stride;
     float step[STEPS_PER_LANE], decay[STEPS_PER_LANE];
 #pragma unroll
     for (int k = 0; k < STEPS_PER_LANE; ++k) {
       const int row = block * BLOCK + STEPS_PER_LANE * lane + k;
       float v = 0.0f;
       if (row < p.rows) {
-        v = dt[int64_t(row) * p.dt_row_stride] + bias;
+        v = raw.values[k] + bias;
         if (p.dt_softplus && v <= 20.0f) v = log1pf(__expf(v));
         v = fmaxf(v, 0.0f);
       }
@@ -211,14 +226,17 @@ struct forward_kernel : ssd_plan<N> {
     fence_async_shared();
     barrier_sync(barrier_id::copies_written, WARPGROUP_THREADS);
 
+    raw_steps next_steps = load_steps(ctx, 0);
     auto at = in.first();
     for (int block = 0; block < ctx.iterations; ++block, at.advance()) {
+      const raw_steps steps = next_steps;
+      next_steps = load_steps(ctx, block + 1);
       if (block % p.blocks_per_chunk == 0) {
         const int64_t chunk_state = (int64_t(ctx.task.batch) * p.chunks + block / p.blocks_per_chunk) * p.heads +
                                     ctx.task.head;
         warp::store(p.chunk_states + state_offset(p, chunk_state) + int64_t(row0) * N, N, st.s);
       }
-      const float cum_last = block_steps(ctx, block, A, bias);
+      const float cum_last = block_steps(ctx, block, steps, A, bias);
       position_vector cum_col, dt_col;
       row_vector cum_row;
       warp::load(cum_col, ctx.scratch.cum[warp]);
