@@ -113,7 +113,9 @@ def source_commit() -> dict:
 
 
 def environment() -> dict:
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    """The run's machine, versions, command and commit (the device fields None without a CUDA device:
+    a CPU dry run)."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device()) if torch.cuda.is_available() else None
     try:
         smi = subprocess.run(
             ["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm,power.limit", "--format=csv,noheader"],
@@ -123,9 +125,9 @@ def environment() -> dict:
         smi = ""
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": props.name,
-        "sm_count": props.multi_processor_count,
-        "l2_mb": round(props.L2_cache_size / 2**20, 1),
+        "gpu": props and props.name,
+        "sm_count": props and props.multi_processor_count,
+        "l2_mb": props and round(props.L2_cache_size / 2**20, 1),
         "nvidia_smi": smi,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
@@ -185,13 +187,16 @@ def floor_row(shape, pass_: str, baseline: str, ours_ms: Optional[float], baseli
     return row
 
 
-def print_floor_rows(rows: Sequence[dict], shape_width: int, baseline_width: int) -> None:
+def print_floor_rows(rows: Sequence[dict], shape_width: int, baseline_width: int, extra: Sequence[str] = ()) -> None:
+    """One line per row: shape, pass, baseline, ours_ms, baseline_ms, ratio, floor_ms, then `key=value`
+    for each key in `extra`, then the row's error."""
     for row in rows:
         cells = [f"{row[key]:9.4f}" if row[key] is not None else f"{'-':>9}" for key in ("ours_ms", "baseline_ms", "floor_ms")]
         ratio_cell = f"{row['ratio']:6.2f}" if row["ratio"] is not None else f"{'-':>6}"
+        extras = "".join(f" {key}={row[key]}" for key in extra)
         note = f"  ({row['error']})" if "error" in row else ""
         print(f"{row['shape']:{shape_width}} {row['pass']:7} {row['baseline']:{baseline_width}} {cells[0]} {cells[1]} "
-              f"{ratio_cell} {cells[2]}{note}")
+              f"{ratio_cell} {cells[2]}{extras}{note}", flush=True)
 
 
 def run_once(fn: Callable, input_sets: Sequence[tuple]) -> None:
@@ -201,12 +206,13 @@ def run_once(fn: Callable, input_sets: Sequence[tuple]) -> None:
     return None
 
 
-def finish_check(summary: str, failures: Sequence[str]) -> None:
-    """The end of a bench's --check sweep: the summary, each failure, and a non-zero exit on any."""
-    print(f"{summary}, {len(failures)} failures")
+def finish_check(summary: str, failures: Sequence[str], exit_on_failure: bool = True) -> None:
+    """The end of a bench's --check sweep: the summary, each failure, and a non-zero exit on any
+    (unless the caller goes on, e.g. to time what it has flagged)."""
+    print(f"{summary}, {len(failures)} failures", flush=True)
     for failure in failures:
         print("  FAIL", failure)
-    if failures:
+    if failures and exit_on_failure:
         raise SystemExit(1)
 
 

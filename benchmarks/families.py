@@ -65,7 +65,7 @@ FAMILIES = (
         # Dv = 64 is one value block at F = 64: no reduce launch
         Profile("linear_attention_bwd_f64_n4096", "linear::.*(dq_kernel|dkdv_kernel)|causal_backward::statistics_kernel", 3),
     )),
-    Family("mamba2_ssd", op="mamba2_ssd", bench="mamba2_ssd", profiles=(
+    Family("mamba2_ssd", op="mamba2_ssd", bench="mamba2", profiles=(
         Profile("mamba2_ssd_fwd_n128_l4096", "mamba2::.*forward_kernel", 1),
     )),
     Family("rope", op="rope_qk", bench="rope"),
