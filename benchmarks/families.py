@@ -68,6 +68,10 @@ FAMILIES = (
     Family("mamba2_ssd", op="mamba2_ssd", bench="mamba2", profiles=(
         Profile("mamba2_ssd_fwd_n128_l4096", "mamba2::.*forward_kernel", 1),
     )),
+    Family("fftconv", op="fftconv", bench="fftconv", profiles=(
+        # the table launch, then the convolution (cuFFT's rfft of the filter matches neither)
+        Profile("fftconv_fwd_n4096", "fftconv::.*(prepare_kernel|convolution_kernel)", 2),
+    )),
     Family("rope", op="rope_qk", bench="rope"),
     Family("layer_norm", op="layer_norm", bench="norms", profiles=(
         # the row kernel, then the sum of its per-block partial rows of dweight and dbias

@@ -75,6 +75,14 @@ def mamba2_ssd(batch: int, seqlen: int, heads: int, groups: int, state_size: int
     return lambda: torch.ops.tk.mamba2_ssd.default(x, dt, A, B, C, chunk_size, D, z, dt_bias, True, initial)
 
 
+def fftconv(batch: int, heads: int, seq_len: int):
+    """bf16 u, fp32 filters of the full length, D."""
+    u = torch.randn(batch, heads, seq_len, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(heads, seq_len, device="cuda") / math.sqrt(seq_len)
+    D = torch.randn(heads, device="cuda")
+    return lambda: torch.ops.tk.fftconv.default(u, k, D)
+
+
 def layer_norm_backward(rows: int, hidden: int):
     x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
     weight, bias = (torch.randn(hidden, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -100,6 +108,8 @@ CASES = {
     "linear_attention_bwd_f64_n4096": lambda: linear_attention(8, 16, 4096, 64, 64, backward=True),
     # one stage and two blocks an SM at N = 128 (one (batch, head) per block)
     "mamba2_ssd_fwd_n128_l4096": lambda: mamba2_ssd(4, 4096, 32, 1, 128, 256),
+    # the anchors' shape: 8 warps a block, one pair of sequences at a time
+    "fftconv_fwd_n4096": lambda: fftconv(16, 768, 4096),
     # one warp per row at 1024, four at 4096 (norms_notes.md compares the two)
     "layer_norm_bwd_h1024": lambda: layer_norm_backward(32768, 1024),
     "layer_norm_bwd_h4096": lambda: layer_norm_backward(32768, 4096),

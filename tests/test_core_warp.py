@@ -1,6 +1,7 @@
 """The warp-level tile core on the GPU: register tiles and vectors, the warp ops, and the mapping
 of wgmma's register fragments onto register tiles (csrc/tk/types/register_*, csrc/tk/ops/warp,
-csrc/tk/ops/warpgroup/register_fragments.cuh).
+csrc/tk/ops/warpgroup/register_fragments.cuh), complex tiles and their mma (csrc/tk/types/complex_tile.cuh,
+ops/warp/complex.cuh) and fragment-order tables (ops/warp/fragments.cuh).
 
 Each case runs one small kernel of tests/core/warp_kernels.cu (one warp; one warpgroup for wgmma),
 built once per module with torch.utils.cpp_extension.load and called through ctypes (the kernels
@@ -254,3 +255,80 @@ def test_inclusive_scan(kernels, per_lane):
     want = values.double().cumsum(0)
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(total.double(), want[-1].expand(32), rtol=1e-5, atol=1e-5)
+
+
+# ---- complex tiles (csrc/tk/types/complex_tile.cuh, csrc/tk/ops/warp/complex.cuh, fragments.cuh) ----
+
+COMPLEX_M = BASE_TILE
+COMPLEX_SHARED_ROWS, COMPLEX_SHARED_COLS = MMA_K + BASE_TILE, 4 * BASE_TILE
+TABLE_COL_BLOCKS = COLS // BASE_TILE + 3
+
+
+def complex_planes(*shape: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return randn(*shape, dtype=dtype), randn(*shape, dtype=dtype)
+
+
+def as_complex(re: torch.Tensor, im: torch.Tensor) -> torch.Tensor:
+    return torch.complex(re.double(), im.double())
+
+
+@gpu_test
+@pytest.mark.parametrize(
+    "source, dtype, conj",
+    [("mma", "bf16", "ab"), ("mma", "bf16", "conj_a"), ("mma", "bf16", "conj_b"), ("mma", "bf16", "conj_ab"),
+     ("mma", "half", "ab"), ("mma", "half", "conj_a"), ("mma_shared", "bf16", "ab"),
+     ("mma_shared", "bf16", "conj_a"), ("mma_shared", "half", "conj_b"), ("mma_shared", "half", "conj_ab")],
+)
+def test_complex_mma(kernels, source, dtype, conj):
+    """cmma_AB: d = op(a) op(b) + c as four real products; the shared form reads b's window at (16, 16)."""
+    a = complex_planes(COMPLEX_M, MMA_K, dtype=DTYPES[dtype])
+    b_shape = (COMPLEX_SHARED_ROWS, COMPLEX_SHARED_COLS) if source == "mma_shared" else (MMA_K, MMA_N)
+    b = complex_planes(*b_shape, dtype=DTYPES[dtype])
+    c = complex_planes(COMPLEX_M, MMA_N, dtype=torch.float32)
+    d = (poisoned(COMPLEX_M, MMA_N), poisoned(COMPLEX_M, MMA_N))
+    run(kernels, f"complex/{source}/{dtype}/{conj}", *a, *b, *c, *d)
+    a64, b64 = as_complex(*a), as_complex(*b)
+    if source == "mma_shared":
+        b64 = b64[BASE_TILE : BASE_TILE + MMA_K, BASE_TILE : BASE_TILE + MMA_N]
+    if conj in ("conj_a", "conj_ab"):
+        a64 = a64.conj()
+    if conj in ("conj_b", "conj_ab"):
+        b64 = b64.conj()
+    expected = a64 @ b64 + as_complex(*c)
+    tk_testing.assert_rel_close(d[0], expected.real, FLOAT_TOLERANCE, "re")
+    tk_testing.assert_rel_close(d[1], expected.imag, FLOAT_TOLERANCE, "im")
+
+
+@gpu_test
+@pytest.mark.parametrize("conj", ["b", "conj_b"])
+def test_complex_mul(kernels, conj):
+    a, b = complex_planes(ROWS, COLS, dtype=torch.float32), complex_planes(ROWS, COLS, dtype=torch.float32)
+    d = (poisoned(ROWS, COLS), poisoned(ROWS, COLS))
+    run(kernels, f"complex/mul/{conj}", *a, *b, *d)
+    b64 = as_complex(*b)
+    expected = as_complex(*a) * (b64.conj() if conj == "conj_b" else b64)
+    tk_testing.assert_rel_close(d[0], expected.real, FLOAT_TOLERANCE, "re")
+    tk_testing.assert_rel_close(d[1], expected.imag, FLOAT_TOLERANCE, "im")
+
+
+@gpu_test
+@pytest.mark.parametrize("dtype", ["bf16", "float"])
+def test_fragments_round_trip(kernels, dtype):
+    """store_fragments / load_fragments: bit-exact round trip, written only where the tile's base tiles go."""
+    src = randn(ROWS, COLS, dtype=DTYPES[dtype])
+    table_rows = ROWS // BASE_TILE + 2
+    table = poisoned(table_rows * TABLE_COL_BLOCKS * BASE_TILE * BASE_TILE, dtype=DTYPES[dtype])
+    dst = poisoned(ROWS, COLS, dtype=DTYPES[dtype])
+    run(kernels, f"fragments/{dtype}", src, table, dst)
+    assert torch.equal(dst, src)
+    blocks = table.view(table_rows, TABLE_COL_BLOCKS, BASE_TILE * BASE_TILE)
+    written = torch.zeros(table_rows, TABLE_COL_BLOCKS, dtype=torch.bool)
+    written[1 : 1 + ROWS // BASE_TILE, 2 : 2 + COLS // BASE_TILE] = True
+    assert not blocks[written.to(blocks.device)].isnan().any()
+    assert blocks[~written.to(blocks.device)].isnan().all()
+    # Each base tile holds exactly its 256 values (in lane order).
+    for br in range(ROWS // BASE_TILE):
+        for bc in range(COLS // BASE_TILE):
+            tile = src[BASE_TILE * br : BASE_TILE * (br + 1), BASE_TILE * bc : BASE_TILE * (bc + 1)]
+            stored = blocks[1 + br, 2 + bc]
+            assert torch.equal(stored.sort().values, tile.flatten().sort().values)

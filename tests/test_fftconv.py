@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import tk_ops
 import tk_testing
+from tk_ops import _library
 from tk_ops.ops.fftconv import _fft_size
 from tk_testing import TOLERANCE, assert_rel_close, requires_cuda, requires_kernel
 
@@ -232,35 +236,135 @@ def test_device_mismatch():
 # --------------------------------------------------------------------------------- CUDA kernel
 
 # The kernel runs its FFTs as fp16/bf16 tensor-core matmuls (Monarch form) with fp32 accumulation:
-# each of its stages rounds, so its budget is wider than one output rounding (TOLERANCE).
+# each of its stages rounds, so its budget is wider than one output rounding (TOLERANCE). The CPU
+# emulation of its exact stages (tests/test_fftconv_monarch.py) gives 1.5-2.5e-3 (bf16) and
+# 1.5-3.2e-4 (fp16) at every N. fp32 runs the reference.
 KERNEL_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-5}
-KERNEL_SEQ_LENS = [256, 1024, 4096, 16384]
+KERNEL_SEQ_LENS = [256, 512, 1024, 2048, 4096, 8192, 16384]
+REFERENCE_WARNING = "running the PyTorch reference path"
+
+
+@contextlib.contextmanager
+def no_reference_warning():
+    """Fails on the reference's warning: the kernel itself must serve the call."""
+    _library._REFERENCE_WARNED.discard("fftconv")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=f".*{REFERENCE_WARNING}")
+        yield
+
+
+def poisoned_allocations(nbytes: int) -> None:
+    """Leave NaN in the caching allocator's free blocks, so outputs a kernel forgets to write stay NaN."""
+    torch.full((nbytes // 4 + 1,), float("nan"), device="cuda")
 
 
 @requires_kernel("fftconv")
 @pytest.mark.parametrize("N", KERNEL_SEQ_LENS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("filter_len", ["N", "odd"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("filter_len", ["N", "odd", "1"])
 def test_kernel_forward(dtype, N, filter_len):
-    L = N if filter_len == "N" else N // 3 + 1
+    L = {"N": N, "odd": N // 3 + 1, "1": 1}[filter_len]
     u, k, D = make_inputs(2, 3, N, L, dtype=dtype, param_dtype=torch.float32, device="cuda")
-    out = tk_ops.fftconv(u, k, D=D)
-    assert out.dtype == dtype and out.device == u.device
+    poisoned_allocations(4 * u.numel() * u.element_size())
+    with no_reference_warning():
+        out = tk_ops.fftconv(u, k, D=D)
+    assert out.dtype == dtype and out.device == u.device and out.is_contiguous()
     assert_rel_close(out, float64_reference(u, k, D), KERNEL_TOLERANCE[dtype])
 
 
 @requires_kernel("fftconv")
-@pytest.mark.parametrize("N", [100, 1000, 3000])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_kernel_forward_unsupported_seq_len(dtype, N):
-    u, k, D = make_inputs(3, 5, N, N // 2 + 1, dtype=dtype, device="cuda")
-    assert_rel_close(tk_ops.fftconv(u, k, D=D), float64_reference(u, k, D), KERNEL_TOLERANCE[dtype])
+@pytest.mark.parametrize("B", [1, 3])
+@pytest.mark.parametrize("with_D", [False, True])
+@pytest.mark.parametrize("param_dtype", ["u's", "fp32"])
+def test_kernel_odd_batches_skip_term_and_parameter_dtypes(B, with_D, param_dtype):
+    """Sequences travel in pairs: an odd B leaves one alone; D off and 16-bit filters take the same path."""
+    dtype = torch.float16
+    u, k, D = make_inputs(B, 5, 1024, 700, dtype=dtype, with_D=with_D, device="cuda",
+                          param_dtype=dtype if param_dtype == "u's" else torch.float32)
+    poisoned_allocations(4 * u.numel() * u.element_size())
+    with no_reference_warning():
+        out = tk_ops.fftconv(u, k, D=D)
+    assert_rel_close(out, float64_reference(u, k, D), KERNEL_TOLERANCE[dtype])
 
 
 @requires_kernel("fftconv")
-@pytest.mark.parametrize("N", KERNEL_SEQ_LENS)
+@pytest.mark.parametrize("N", [37, 100, 1000, 3000, 9000])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_forward_padded_seq_len(dtype, N):
+    """Other N run at the next power of two (from 256), zero-padded at the end: still the kernel."""
+    u, k, D = make_inputs(3, 5, N, N // 2 + 1, dtype=dtype, device="cuda")
+    with no_reference_warning():
+        out = tk_ops.fftconv(u, k, D=D)
+    assert out.shape == u.shape and out.is_contiguous()
+    assert_rel_close(out, float64_reference(u, k, D), KERNEL_TOLERANCE[dtype])
+
+
+@requires_kernel("fftconv")
+def test_kernel_strided_u():
+    B, H, N, L = 3, 4, 2048, 999
+    dtype = torch.bfloat16
+    _, k, D = make_inputs(B, H, N, L, dtype=dtype, param_dtype=torch.float32, device="cuda")
+    # Head-major storage (H, B, N): read in place (aligned rows, any batch/head strides).
+    u_heads = torch.randn(H, B, N, device="cuda").to(dtype).transpose(0, 1)
+    # Rows that start one element off 16 bytes: the op copies them first.
+    u_shifted = torch.randn(B, H, N + 1, device="cuda").to(dtype)[..., 1:]
+    for u in (u_heads, u_shifted):
+        with no_reference_warning():
+            out = tk_ops.fftconv(u, k, D=D)
+        assert_rel_close(out, float64_reference(u, k, D), KERNEL_TOLERANCE[dtype])
+
+
+@requires_kernel("fftconv")
+def test_kernel_many_heads_and_pairs():
+    """More pairs than the persistent grid holds blocks: every block takes several, heads in turn."""
+    u, k, D = make_inputs(16, 96, 512, 512, dtype=torch.bfloat16, param_dtype=torch.float32, device="cuda")
+    with no_reference_warning():
+        out = tk_ops.fftconv(u, k, D=D)
+    assert_rel_close(out, float64_reference(u, k, D), KERNEL_TOLERANCE[torch.bfloat16])
+
+
+@requires_kernel("fftconv")
+@pytest.mark.parametrize(
+    "dtype, N", [(torch.float32, 1024), (torch.float64, 1024), (torch.bfloat16, 16385)]
+)
+def test_kernel_unsupported_inputs_fall_back_with_a_warning(dtype, N):
+    u, k, D = make_inputs(2, 3, N, 17, dtype=dtype, device="cuda")
+    _library._REFERENCE_WARNED.discard("fftconv")
+    with pytest.warns(UserWarning, match=REFERENCE_WARNING):
+        out = tk_ops.fftconv(u, k, D=D)
+    tol = KERNEL_TOLERANCE.get(dtype, TOLERANCE[torch.float64])
+    assert_rel_close(out, float64_reference(u, k, D), tol)
+
+
+@requires_kernel("fftconv")
+def test_kernel_cuda_graph_capture_and_replay():
+    def fresh():
+        return make_inputs(3, 4, 4096, 1500, dtype=torch.bfloat16, param_dtype=torch.float32, device="cuda")
+
+    static = [t.clone() for t in fresh()]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        tk_ops.fftconv(static[0], static[1], D=static[2])  # warm-up (cuFFT plan) outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tk_ops.fftconv(static[0], static[1], D=static[2])
+    first = out.clone()
+    inputs2 = fresh()
+    for t, new in zip(static, inputs2):
+        t.copy_(new)
+    graph.replay()
+    torch.testing.assert_close(out, tk_ops.fftconv(*inputs2[:2], D=inputs2[2]), rtol=0, atol=0)
+    assert not torch.equal(out, first)
+    assert_rel_close(out, float64_reference(*inputs2), KERNEL_TOLERANCE[torch.bfloat16])
+
+
+@requires_kernel("fftconv")
+@pytest.mark.parametrize("N", [256, 4096, 16384])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_kernel_gradients(dtype, N):
+    """The forward on the kernel, the backward on the reference (no backward kernel yet)."""
     u, k, D = make_inputs(2, 3, N, N // 2 + 1, dtype=dtype, param_dtype=torch.float32, device="cuda")
     grad = torch.randn_like(u)
     got = fftconv_grads(u, k, D, grad)

@@ -11,6 +11,7 @@
 #include "pipeline/stage_ring.cuh"
 #include "pipeline/tile_scheduler.cuh"
 #include "sync/sync.cuh"
+#include "types/complex_tile.cuh"
 #include "types/global_layout.cuh"
 #include "types/register_tile.cuh"
 #include "types/register_vector.cuh"

@@ -307,6 +307,84 @@ __global__ void inclusive_scan_case(const float* in, float* out, float* total) {
   for (int k = 0; k < PER_LANE; ++k) out[PER_LANE * lane_id() + k] = values[k];
 }
 
+// ---- complex tiles: d = op(a) op(b) + c, d = a ∘ op(b), fragment-order tables -------------------
+// Complex matrices are two row-major planes (re, im), each as the real cases store them.
+
+template <typename T, int ROWS_, int COLS_, register_layout LAYOUT = L::row>
+__device__ void load_planes(complex_register_tile<T, ROWS_, COLS_, LAYOUT>& dst, const void* re, const void* im, int stride) {
+  using G = std::conditional_t<std::is_same_v<T, float>, float, T>;
+  warp::load(dst.re, static_cast<const G*>(re), stride);
+  warp::load(dst.im, static_cast<const G*>(im), stride);
+}
+
+// a: COMPLEX_M x MMA_K, b: MMA_K x MMA_N, c and d: COMPLEX_M x MMA_N (fp32). One row block keeps
+// the three complex tiles within the register file.
+constexpr int COMPLEX_M = BASE_TILE;
+
+template <typename T, bool CONJ_A, bool CONJ_B>
+__global__ void complex_mma_product(const T* a_re, const T* a_im, const T* b_re, const T* b_im, const float* c_re,
+                                    const float* c_im, float* d_re, float* d_im) {
+  complex_register_tile<T, COMPLEX_M, MMA_K> a;
+  complex_register_tile<T, MMA_K, MMA_N, L::col> b;
+  complex_register_tile<float, COMPLEX_M, MMA_N> acc;
+  load_planes(a, a_re, a_im, MMA_K);
+  load_planes(b, b_re, b_im, MMA_N);
+  load_planes(acc, c_re, c_im, MMA_N);
+  warp::cmma_AB<CONJ_A, CONJ_B>(acc, a, b, acc);
+  warp::store(d_re, MMA_N, acc.re);
+  warp::store(d_im, MMA_N, acc.im);
+}
+
+// b is COMPLEX_SHARED_ROWS x COMPLEX_SHARED_COLS; the product reads its window at (BASE_TILE, BASE_TILE).
+constexpr int COMPLEX_SHARED_ROWS = MMA_K + BASE_TILE;
+constexpr int COMPLEX_SHARED_COLS = 4 * BASE_TILE;
+static_assert(MMA_N + BASE_TILE <= COMPLEX_SHARED_COLS, "the window fits the shared tile");
+
+template <typename T, bool CONJ_A, bool CONJ_B>
+__global__ void complex_mma_shared_product(const T* a_re, const T* a_im, const T* b_re, const T* b_im,
+                                           const float* c_re, const float* c_im, float* d_re, float* d_im) {
+  using b_tile = complex_shared_tile<T, COMPLEX_SHARED_ROWS, COMPLEX_SHARED_COLS>;
+  __shared__ b_tile b;
+  for (int i = lane_id(); i < COMPLEX_SHARED_ROWS * COMPLEX_SHARED_COLS; i += WARP_THREADS) {
+    b.re.at(i / COMPLEX_SHARED_COLS, i % COMPLEX_SHARED_COLS) = b_re[i];
+    b.im.at(i / COMPLEX_SHARED_COLS, i % COMPLEX_SHARED_COLS) = b_im[i];
+  }
+  __syncwarp();
+  complex_register_tile<T, COMPLEX_M, MMA_K> a;
+  complex_register_tile<float, COMPLEX_M, MMA_N> acc;
+  load_planes(a, a_re, a_im, MMA_K);
+  load_planes(acc, c_re, c_im, MMA_N);
+  warp::cmma_AB<CONJ_A, CONJ_B>(acc, a, b, acc, BASE_TILE, BASE_TILE);
+  warp::store(d_re, MMA_N, acc.re);
+  warp::store(d_im, MMA_N, acc.im);
+}
+
+// a, b, d: ROWS x COLS fp32.
+template <bool CONJ_B>
+__global__ void complex_product(const float* a_re, const float* a_im, const float* b_re, const float* b_im,
+                                float* d_re, float* d_im) {
+  complex_register_tile<float, ROWS, COLS> a, b;
+  load_planes(a, a_re, a_im, COLS);
+  load_planes(b, b_re, b_im, COLS);
+  warp::cmul<CONJ_B>(a, a, b);
+  warp::store(d_re, COLS, a.re);
+  warp::store(d_im, COLS, a.im);
+}
+
+// src (ROWS x COLS) -> a fragment-order table at base tile (1, 2) of a table COLS / 16 + 3 base
+// tiles wide -> dst; `table` (whose other entries the test poisons) shows what was written where.
+constexpr int TABLE_COL_BLOCKS = COLS / BASE_TILE + 3;
+
+template <typename T>
+__global__ void fragments_round_trip(const T* src, T* table, T* dst) {
+  register_tile<T, ROWS, COLS> tile, back;
+  warp::load(tile, src, COLS);
+  warp::store_fragments(table, TABLE_COL_BLOCKS, tile, 1, 2);
+  __syncwarp();
+  warp::load_fragments(back, table, TABLE_COL_BLOCKS, 1, 2);
+  warp::store(dst, COLS, back);
+}
+
 // ---- the case table ------------------------------------------------------------------------------
 
 using runner = cudaError_t (*)(void* const* args, cudaStream_t stream);
@@ -364,6 +442,21 @@ constexpr test_case CASES[] = {
     {"scan/1", launch<inclusive_scan_case<1>>},
     {"scan/2", launch<inclusive_scan_case<2>>},
     {"scan/3", launch<inclusive_scan_case<3>>},
+
+    {"complex/mma/bf16/ab", launch<complex_mma_product<bf16, false, false>>},
+    {"complex/mma/bf16/conj_a", launch<complex_mma_product<bf16, true, false>>},
+    {"complex/mma/bf16/conj_b", launch<complex_mma_product<bf16, false, true>>},
+    {"complex/mma/bf16/conj_ab", launch<complex_mma_product<bf16, true, true>>},
+    {"complex/mma/half/ab", launch<complex_mma_product<half, false, false>>},
+    {"complex/mma/half/conj_a", launch<complex_mma_product<half, true, false>>},
+    {"complex/mma_shared/bf16/ab", launch<complex_mma_shared_product<bf16, false, false>>},
+    {"complex/mma_shared/bf16/conj_a", launch<complex_mma_shared_product<bf16, true, false>>},
+    {"complex/mma_shared/half/conj_b", launch<complex_mma_shared_product<half, false, true>>},
+    {"complex/mma_shared/half/conj_ab", launch<complex_mma_shared_product<half, true, true>>},
+    {"complex/mul/b", launch<complex_product<false>>},
+    {"complex/mul/conj_b", launch<complex_product<true>>},
+    {"fragments/bf16", launch<fragments_round_trip<bf16>>},
+    {"fragments/float", launch<fragments_round_trip<float>>},
 
     {"wgmma/accumulator_layout", launch<accumulator_layout, WARPGROUP_THREADS>},
     {"wgmma/register_a", launch<wgmma_register_a, WARPGROUP_THREADS>},

@@ -17,10 +17,13 @@ Dtypes: u is fp16, bf16, fp32 or fp64; k and D each have u's dtype, or fp32 when
 (filters kept in fp32, as FlashFFTConv takes them). The output has u's dtype. Arithmetic is fp32
 (fp64 for fp64 inputs).
 
-Planned kernel (not built yet): the convolution as FFTs of size 2N (u and k zero-padded, which
-makes the circular convolution causal) for fp16/bf16 u and N a power of two from 256 to 16384;
-other N zero-padded at the end to a supported size (exact: the convolution is causal) or run the
-reference. Until it lands every input runs the reference (on a GPU with a one-time warning).
+Kernel (csrc/kernels/fftconv, forward only): fp16/bf16 u, N zero-padded at the end to a power of
+two from 256 to 16384 (exact: the convolution is causal). The FFT of size 2N runs as Monarch
+factors on tensor cores (mma.sync, fp16/bf16 operands, fp32 accumulation; two sequences of a head
+per complex pass); the filter's spectrum comes from an fp32 rfft once per call. fp32/fp64 u,
+N > 16384 and the backward run the reference (on a GPU, the forward warns once). fp32 at fp32-level
+accuracy would split u and the factors into 16-bit high and low parts (three products per stage);
+not built.
 The reference uses the smallest FFT size of the form 2^a 3^b 5^c that is >= N + L - 1, the least
 padding with which no output of the circular convolution wraps around (2N when L == N is a power
 of two).

@@ -2,6 +2,8 @@
 #pragma once
 
 #include "broadcast.cuh"
+#include "complex.cuh"
+#include "fragments.cuh"
 #include "global_memory.cuh"
 #include "layout.cuh"
 #include "lines.cuh"

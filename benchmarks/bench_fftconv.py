@@ -1,0 +1,258 @@
+"""tk_ops.fftconv against torch.fft (rfft of size 2N, multiply, irfft) eager and compiled, in the same run.
+
+Shapes: the anchors' B = 16, H = 768, N = 256 / 1024 / 4096 and B = 4, H = 768, N = 16384, plus
+N = 2048 (B = 16) and N = 8192 (B = 8); bf16 u, fp32 filters k (L = N) and D. The baseline is the
+convolution the op computes, written directly in torch.fft: y = irfft(rfft(u, 2N) rfft(k, 2N))[:N]
++ D u in fp32 (cuFFT takes no bf16), cast back to u's dtype; once eager, once under torch.compile.
+Forward, and forward + backward (the gradients of u, k and D for a given output gradient; our
+backward is still the reference's FFTs). Each row also has the relative difference of the
+baseline's forward output from ours.
+
+HBM floor: the bytes that must cross HBM once (forward: u read, y written, k and D read; forward +
+backward adds the output gradient and u read, grad_u written, k's and D's gradients written) over
+the device-to-device copy bandwidth measured in this run. Rows: shape, pass, baseline, ours_ms,
+baseline_ms, ratio (baseline_ms / ours_ms: above 1 we are faster), floor_ms, the fraction of the
+floor each reaches. Writes benchmarks/results/fftconv.json and fftconv.png (and into --out).
+
+  python3 -m benchmarks.bench_fftconv [--out DIR] [--pass fwd|fwd+bwd]
+                                  benchmark (after the correctness sweep)
+  python3 -m benchmarks.bench_fftconv --check
+                                  only the correctness sweep: every kernel N, bf16/fp16, L = N or
+                                  shorter, D on/off, odd B, strided u, padded N, against a float64
+                                  FFT convolution; exits non-zero on a failure
+  python3 -m benchmarks.bench_fftconv --dry-run [--out DIR]
+                                  CPU, tiny shapes, nothing timed: builds and prints the rows
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import pathlib
+from typing import Callable, Optional
+
+import torch
+
+import tk_ops
+from benchmarks import common
+from benchmarks.bench_rope import copy_bandwidth_gbps
+
+DTYPE = torch.bfloat16
+PARAM_DTYPE = torch.float32
+PASSES = ("fwd", "fwd+bwd")
+BASELINES = ("torch.fft eager", "torch.fft compiled")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    batch: int
+    heads: int
+    seq_len: int
+
+    @property
+    def label(self) -> str:
+        return f"B={self.batch} H={self.heads} N={self.seq_len}"
+
+    def hbm_bytes(self, pass_: str, element: int) -> int:
+        """u read and y written once, k and D (fp32) read; forward + backward adds grad_out and u read,
+        grad_u written, and k's and D's gradients written."""
+        sequence = self.batch * self.heads * self.seq_len * element
+        parameters = self.heads * (self.seq_len + 1) * PARAM_DTYPE.itemsize
+        forward = 2 * sequence + parameters
+        return forward if pass_ == "fwd" else forward + 3 * sequence + parameters
+
+
+SHAPES = (Shape(16, 768, 256), Shape(16, 768, 1024), Shape(16, 768, 2048), Shape(16, 768, 4096),
+          Shape(8, 768, 8192), Shape(4, 768, 16384))
+DRY_RUN_SHAPES = (Shape(2, 3, 256), Shape(3, 2, 1024))
+
+
+# ---------------------------------------------------------------------------------- the callables
+
+
+def ours(u, k, D):
+    return tk_ops.fftconv(u, k, D=D)
+
+
+def torch_fft(u, k, D):
+    """The same convolution in torch.fft, fp32 inside (cuFFT has no bf16 transforms)."""
+    n = u.shape[-1]
+    u32 = u.float()
+    y = torch.fft.irfft(torch.fft.rfft(u32, n=2 * n) * torch.fft.rfft(k.float(), n=2 * n), n=2 * n)[..., :n]
+    return (y + D.float()[:, None] * u32).to(u.dtype)
+
+
+def baselines() -> dict[str, Callable]:
+    return {"torch.fft eager": torch_fft, "torch.fft compiled": torch.compile(torch_fft)}
+
+
+def input_set(shape: Shape, device, backward: bool) -> tuple:
+    """(u, k, D, grad_out): u ~ N(0, 1) in bf16, k ~ N(0, 1/L) and D in fp32, L = N."""
+    u = torch.randn(shape.batch, shape.heads, shape.seq_len, device=device).to(DTYPE)
+    k = torch.randn(shape.heads, shape.seq_len, device=device) / math.sqrt(shape.seq_len)
+    D = torch.randn(shape.heads, device=device)
+    grad_out = torch.randn_like(u)
+    for t in (u, k, D):
+        t.requires_grad_(backward)
+    return u, k, D, grad_out
+
+
+def step(fn: Callable, backward: bool) -> Callable:
+    def run(u, k, D, grad_out):
+        out = fn(u, k, D)
+        if backward:
+            torch.autograd.grad(out, (u, k, D), grad_out)
+
+    return run
+
+
+def relative_difference(got: torch.Tensor, reference: torch.Tensor) -> float:
+    got, reference = got.detach().double(), reference.detach().double()
+    if not torch.isfinite(got).all():
+        return math.inf
+    return ((got - reference).norm() / reference.norm().clamp_min(1e-30)).item()
+
+
+def rotation_count(bytes_per_set: int, device) -> int:
+    return common.rotation_count(bytes_per_set) if device == "cuda" else 1
+
+
+def measure(shape: Shape, device, timer: Callable, copy_gbps: Optional[float], passes=PASSES) -> list[dict]:
+    """The rows of one shape: per pass, ours against each baseline (ours timed once per pass)."""
+    functions = baselines()
+    first = input_set(shape, device, backward=False)
+    rel_diffs, errors = {}, {}
+    with torch.no_grad():
+        ours_out = ours(*first[:3])
+        for name, fn in functions.items():
+            try:
+                rel_diffs[name] = relative_difference(fn(*first[:3]), ours_out)
+            except Exception as error:  # a baseline that cannot run is reported, not fatal
+                errors[name] = common.describe_error(error)
+    del first, ours_out
+    rows = []
+    for pass_ in passes:
+        backward = pass_ == "fwd+bwd"
+        bytes_per_set = shape.hbm_bytes(pass_, DTYPE.itemsize)
+        sets = [input_set(shape, device, backward) for _ in range(rotation_count(bytes_per_set, device))]
+        ours_ms = timer(step(ours, backward), sets)
+        for name, fn in functions.items():
+            baseline_ms, error = None, errors.get(name)
+            if error is None:
+                try:
+                    baseline_ms = timer(step(fn, backward), sets)
+                except Exception as failure:
+                    error = common.describe_error(failure)
+            rows.append(common.floor_row(shape, pass_, name, ours_ms, baseline_ms, copy_gbps, DTYPE.itemsize,
+                                         rel_diffs.get(name), error))
+        del sets
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def plot(rows: list[dict], path: pathlib.Path, device_name: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    passes = [pass_ for pass_ in PASSES if any(row["pass"] == pass_ for row in rows)]
+    fig, axes = plt.subplots(1, len(passes), figsize=(8 * len(passes), 4.8), squeeze=False)
+    colors = {"tk_ops": "tab:red", BASELINES[0]: "tab:blue", BASELINES[1]: "tab:green"}
+    for c, pass_ in enumerate(passes):
+        common.floor_bar_panel(axes[0][c], [row for row in rows if row["pass"] == pass_], ("tk_ops", *BASELINES),
+                               colors, f"FFT convolution, {pass_}")
+    fig.suptitle(f"FFT long convolution on {device_name}: tk_ops vs torch.fft (bf16 u; lower is better)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# ---------------------------------------------------------------------------------- correctness
+
+CHECK_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
+# (B, H, N, L, with_D, strided): every kernel N, L = N and shorter, odd B, padded N, strided u
+CHECK_SHAPES = (
+    (2, 3, 256, 256, True, False), (3, 2, 512, 100, False, False), (1, 3, 1024, 1024, True, True),
+    (2, 2, 2048, 777, True, False), (3, 3, 4096, 4096, False, True), (2, 2, 8192, 3000, True, False),
+    (2, 2, 16384, 16384, True, False), (2, 3, 1000, 600, True, True), (3, 2, 37, 5, False, False),
+)
+
+
+def float64_reference(u, k, D):
+    """The convolution of the same (rounded) values in float64, through an exact-size FFT."""
+    n = u.shape[-1]
+    u64 = u.double()
+    y = torch.fft.irfft(torch.fft.rfft(u64, n=2 * n) * torch.fft.rfft(k.double(), n=2 * n), n=2 * n)[..., :n]
+    return y if D is None else y + D.double()[:, None] * u64
+
+
+def run_check(device) -> None:
+    failures = []
+    cases = 0
+    for b, h, n, filter_len, with_D, strided in CHECK_SHAPES:
+        for dtype, tolerance in CHECK_TOLERANCE.items():
+            cases += 1
+            values = torch.randn(h, b, n, device=device).to(dtype)
+            u = values.transpose(0, 1) if strided else values.transpose(0, 1).contiguous()
+            k = torch.randn(h, filter_len, device=device) / math.sqrt(filter_len)
+            D = torch.randn(h, device=device) if with_D else None
+            out = tk_ops.fftconv(u, k, D=D)
+            error = relative_difference(out, float64_reference(u, k, D))
+            if not error <= tolerance or out.dtype != dtype or out.shape != u.shape:
+                failures.append(f"B={b} H={h} N={n} L={filter_len} D={with_D} strided={strided} {str(dtype)[6:]}: "
+                                f"rel err {error:.2e} (tol {tolerance:.0e}), {out.dtype} {tuple(out.shape)}")
+    common.finish_check(f"correctness sweep on {device} (fftconv: {tk_ops.backends()['fftconv']}): {cases} cases",
+                        failures)
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = common.sweep_arguments(__doc__)
+    parser.add_argument("--pass", dest="passes", choices=PASSES, action="append",
+                        help="only this pass (repeatable; default: both)")
+    return parser.parse_args(argv)
+
+
+def dry_run(args: argparse.Namespace) -> list[dict]:
+    rows = [row for shape in DRY_RUN_SHAPES for row in measure(shape, "cpu", common.run_once, None)]
+    common.print_floor_rows(rows, 22, 20)
+    print(json.dumps(rows, indent=1))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        plot(rows, args.out / "fftconv.png", "CPU (dry run, nothing timed)")
+    return rows
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.manual_seed(0)
+    if args.dry_run:
+        dry_run(args)
+        return
+    run_check("cuda")
+    if args.check:
+        return
+    copy = copy_bandwidth_gbps()
+    print(f"device-to-device copy in this run: {copy:.0f} GB/s")
+    out_dirs = [common.RESULTS] + ([args.out] if args.out else [])
+    header = dict(
+        copy_gbps=round(copy, 1), ceiling="torch copy_ of 1 GiB fp32, device to device, read + write, this run",
+        dtype="bf16 u, fp32 k and D", ours_backends={op: tk_ops.backends()[op] for op in ("fftconv", "fftconv_bwd")},
+    )
+    rows = []
+    for shape in SHAPES:
+        shape_rows = measure(shape, "cuda", common.time_ms, copy, tuple(args.passes or PASSES))
+        common.print_floor_rows(shape_rows, 22, 20)
+        rows += shape_rows
+        common.write_results("fftconv", rows, out_dirs, **header)  # after every shape: a cut-short run keeps its rows
+    for directory in out_dirs:
+        plot(rows, directory / "fftconv.png", torch.cuda.get_device_name())
+
+
+if __name__ == "__main__":
+    main()

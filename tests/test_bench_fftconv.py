@@ -1,0 +1,50 @@
+"""benchmarks/bench_fftconv.py without a GPU: its shapes, byte floors, dry run and correctness sweep."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tk_ops
+from benchmarks import bench_fftconv as bench
+
+
+def test_shapes_are_the_anchors_plus_2048_and_8192():
+    assert [(s.batch, s.heads, s.seq_len) for s in bench.SHAPES] == [
+        (16, 768, 256), (16, 768, 1024), (16, 768, 2048), (16, 768, 4096), (8, 768, 8192), (4, 768, 16384)]
+
+
+def test_hbm_floor():
+    shape = bench.SHAPES[3]
+    sequence, parameters = 16 * 768 * 4096 * 2, 768 * 4097 * 4
+    assert shape.hbm_bytes("fwd", 2) == 2 * sequence + parameters
+    # + grad_out and u read, grad_u written, grad_k and grad_D written
+    assert shape.hbm_bytes("fwd+bwd", 2) == shape.hbm_bytes("fwd", 2) + 3 * sequence + parameters
+
+
+def test_dry_run_builds_every_row_and_the_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = bench.dry_run(bench.parse_args(["--dry-run", "--out", str(tmp_path)]))
+    assert len(rows) == len(bench.DRY_RUN_SHAPES) * len(bench.PASSES) * len(bench.BASELINES)
+    for row in rows:
+        assert row["ours_ms"] is None and "error" not in row
+        assert row["rel_diff_vs_ours"] < 1e-2  # bf16 outputs of the same convolution
+    assert (tmp_path / "fftconv.png").stat().st_size > 0
+
+
+def test_check_passes_on_cpu():
+    bench.run_check("cpu")
+
+
+def test_check_fails_on_a_wrong_output(monkeypatch):
+    fftconv = tk_ops.fftconv
+    monkeypatch.setattr(tk_ops, "fftconv", lambda *a, **kw: 1.05 * fftconv(*a, **kw))
+    with pytest.raises(SystemExit) as exit_info:
+        bench.run_check("cpu")
+    assert exit_info.value.code == 1
+
+
+def test_baseline_is_the_op():
+    u, k, D, _ = bench.input_set(bench.Shape(2, 3, 100), "cpu", False)
+    u = u.double()  # the baseline computes in fp32 whatever u's dtype
+    torch.testing.assert_close(bench.torch_fft(u, k, D), bench.ours(u, k.double(), D.double()), rtol=1e-5, atol=1e-5)
