@@ -3,6 +3,7 @@
 // algorithm, and a block's steps dt and cumulative log decays.
 #pragma once
 
+#include "kernels/common/heads_view.h"
 #include "tk/tk.cuh"
 
 namespace tk::mamba2 {
@@ -18,6 +19,12 @@ constexpr int STEPS_PER_LANE = BLOCK / WARP_THREADS;
 static_assert(STEPS_PER_LANE == 2, "each lane reads two positions' dt (one float2 in shared memory)");
 // Above this, softplus(v) is v (torch's and mamba_ssm's threshold).
 constexpr float SOFTPLUS_THRESHOLD = 20.0f;
+
+// A contiguous (Bt, L, H, P) output (y, grad_x, grad_z) seen as `like`'s (Bt, H, L, P) view is.
+inline heads_view sequence_major_view(const void* data, const heads_view& like) {
+  return {data, like.batch, like.heads, like.rows, like.dim, like.rows * like.heads * like.dim, like.dim,
+          like.heads * like.dim};
+}
 
 // The register maps of a block (fp32, MUFU exp).
 struct decayed_score {  // G_ij exp(cum_i - cum_j) dt_j (masked to j <= i afterwards)

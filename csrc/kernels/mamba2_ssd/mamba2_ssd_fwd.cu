@@ -276,10 +276,7 @@ struct forward_kernel : ssd_plan<N> {
 
   // ------------------------------------------------------------------------------ host
 
-  static heads_view y_view(const ssd_forward_problem& pr) {
-    const heads_view& x = pr.x;
-    return {pr.y, x.batch, x.heads, x.rows, x.dim, x.rows * x.heads * x.dim, x.dim, x.heads * x.dim};
-  }
+  static heads_view y_view(const ssd_forward_problem& pr) { return sequence_major_view(pr.y, pr.x); }
 
   // Why TMA cannot move these tensors' tiles.
   static std::string layout_reasons(const ssd_forward_problem& pr) {
