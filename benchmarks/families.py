@@ -67,6 +67,8 @@ FAMILIES = (
     )),
     Family("mamba2_ssd", op="mamba2_ssd", bench="mamba2_ssd", profiles=(
         Profile("mamba2_ssd_fwd_n128_l4096", "mamba2::.*forward_kernel", 1),
+        # the block states, the reverse sweep, then grad_B and grad_C summed over the heads of a group
+        Profile("mamba2_ssd_bwd_n128_l4096", "mamba2::.*(states_kernel|backward_kernel|reduce_kernel)", 3),
     )),
     Family("rope", op="rope_qk", bench="rope"),
     Family("layer_norm", op="layer_norm", bench="norms", profiles=(
