@@ -35,8 +35,11 @@
 //
 // Plan: the products run on 64 x 64 tiles (G, GX, C S^T, du) and 64 x N ones (grad_B, grad_C, dS).
 // Mref and dMd go through shared memory once, where wgmma reads them transposed (MN-major A) for
-// du and grad_B, instead of four more products for G^T and GX^T. A stage is 72 KiB at N = 128
-// (gated): one stage and one task per SM; at N = 64 two stages.
+// du and grad_B, instead of two more products (G^T, GX^T) and their maps. A stage is 72 KiB at
+// N = 128 (gated): one stage and one task per SM (two stages at N = 64). Rounded to 16 bits: the
+// block states, dS's copy, the gated gy, Mref, dMd and the register operands; a float64 emulation
+// of exactly these roundings puts every gradient within 1e-2 of float64 in bf16 (grad_A and
+// grad_dt_bias closest, from the gated gy) and 1e-3 in fp16.
 #include <string>
 #include <utility>
 
@@ -222,18 +225,23 @@ struct states_kernel : states_plan<N> {
 
 // ------------------------------------------------------------------------------ backward
 
-template <int N>
+template <int N, bool GATED>
 struct backward_plan {
   static constexpr int consumer_warpgroups = 1;
+  // Two stages let the next block load during this one's products. At N = 128 two fit shared
+  // memory (with one output tile per output) but cost ptxas 4 to 10 spilled registers (CUDA 13.0):
+  // one stage there, until a profile says the exposed load is worth more.
   static constexpr int stages = N <= 64 ? 2 : 1;
   // dS, the products of a block and their operands outgrow a 128-register share: one task per SM.
   static constexpr int blocks_per_sm = 1;
   static constexpr int producer_registers = 24;
   static constexpr int consumer_registers = 256;
+  // Output tiles per output (grad_x, grad_z): one block's store runs while the next block writes.
+  static constexpr int staging_tiles = 2;
 };
 
 template <typename T, int N, bool GATED>
-struct backward_kernel : backward_plan<N> {
+struct backward_kernel : backward_plan<N, GATED> {
   using xz_tile = shared_tile<T, BLOCK, HEAD_DIM>;      // x, grad_y, z, gy, Mref, dMd, output staging
   using bc_tile = shared_tile<T, BLOCK, N>;             // B, C
   using state_tile = shared_tile<T, HEAD_DIM, N>;       // S, dS (rows p)
@@ -260,7 +268,7 @@ struct backward_kernel : backward_plan<N> {
   using stage = std::conditional_t<GATED, gated_stage, plain_stage>;
   static constexpr uint32_t stage_bytes[] = {(GATED ? 3 : 2) * xz_tile::bytes + 2 * bc_tile::bytes + state_tile::bytes};
 
-  static constexpr int STAGING_TILES = 2;  // outputs of alternate blocks, while TMA stores the other
+  static constexpr int STAGING_TILES = backward_plan<N, GATED>::staging_tiles;
 
   // Per position of the block, each written by the warp that holds its row.
   struct block_terms {
@@ -328,8 +336,8 @@ struct backward_kernel : backward_plan<N> {
 
   struct consumer_state {
     wide ds;                  // gradient of the state leaving the current block
-    float grad_a = 0.0f;      // warp 0's lanes: sum of da dt
-    float grad_bias = 0.0f;   // warp 0's lanes: sum of grad_dt
+    float da_dt = 0.0f;       // warp 0's lanes: sum of da dt (grad_A)
+    float grad_dt = 0.0f;     // warp 0's lanes: sum of grad_dt (grad_dt_bias)
     int stores = 0;           // blocks stored so far (picks the staging tiles)
   };
 
@@ -396,8 +404,8 @@ struct backward_kernel : backward_plan<N> {
     } else {
       warp::zero(st.ds);
     }
-    st.grad_a = 0.0f;
-    st.grad_bias = 0.0f;
+    st.da_dt = 0.0f;
+    st.grad_dt = 0.0f;
     warp::store(ctx.scratch.ds, st.ds, row0, 0);
     fence_async_shared();
     barrier_sync(barrier_id::copies_written, WARPGROUP_THREADS);
@@ -475,15 +483,16 @@ struct backward_kernel : backward_plan<N> {
       warp::store(ctx.scratch.terms.col_w[warp], col_terms);
     }
 
-    // The entering state's part of y: exp(cum_i) C S^T; r_i = gy_i . it.
+    // The entering state's part of y: exp(cum_i) C S^T; r_i = gy_i . it. The grad_D sums meanwhile.
     square ys;
     warpgroup::fence();
     warpgroup::mma<operand_major::k, operand_major::k>(ys, s.c, 0, s.s, 0, false);
     warpgroup::commit();
-    rows16 gy_rows, x_rows;
+    rows16 gy_rows;
     warp::load(gy_rows, gy, row0, 0);
-    warp::load(x_rows, s.x, row0, 0);
     if (p.D != nullptr) {
+      rows16 x_rows;
+      warp::load(x_rows, s.x, row0, 0);
       position_vector sums;
       warp::load(sums, ctx.scratch.gy_x[warp]);
       warp::map<op::mul>(products, gy_rows, x_rows);
@@ -511,9 +520,13 @@ struct backward_kernel : backward_plan<N> {
       warpgroup::mma<operand_major::mn>(ys, operand, s.x, 0, true);
       warpgroup::commit();
       warpgroup::wait<0>(ys, operand);
-      position_vector d;
-      skip_weights(d, p, ctx.task.head);
-      warp::map<skip_add>(ys, ys, x_rows, cols_of(d));
+      {
+        rows16 x_rows;
+        warp::load(x_rows, s.x, row0, 0);
+        position_vector d;
+        skip_weights(d, p, ctx.task.head);
+        warp::map<skip_add>(ys, ys, x_rows, cols_of(d));
+      }
       rows16 grad_y, z;
       warp::load(grad_y, s.grad_y, row0, 0);
       warp::load(z, s.z, row0, 0);
@@ -620,10 +633,12 @@ struct backward_kernel : backward_plan<N> {
   }
 
   // Warp 0: da of the block's positions from the terms, then grad_dt and the grad_A and
-  // grad_dt_bias sums. Lane l holds positions STEPS_PER_LANE l + k, as steps_of.
-  __device__ static void steps_gradient(const context& ctx, consumer_state& st, const lane_steps& steps,
-                                        float cum_last, float A, int block) {
+  // grad_dt_bias sums. Lane l holds positions STEPS_PER_LANE l + k, as steps_of (read again here
+  // rather than kept in registers through the block).
+  __device__ static void steps_gradient(const context& ctx, consumer_state& st, const step_column& column,
+                                        float cum_last, int block) {
     const params& p = ctx.params;
+    const lane_steps steps = steps_of(column, block);
     const block_terms& t = ctx.scratch.terms;
     const int lane = lane_id();
     float before[STEPS_PER_LANE], from[STEPS_PER_LANE];
@@ -652,13 +667,13 @@ struct backward_kernel : backward_plan<N> {
       // Position j = BLOCK - 1 - (STEPS_PER_LANE (WARP_THREADS - 1 - lane) + (STEPS_PER_LANE - 1 - k)).
       const float suffix = __shfl_sync(ALL_LANES, from[STEPS_PER_LANE - 1 - k], WARP_THREADS - 1 - lane);
       const float da = (through[k] - before[k]) + suffix + whole_block;
-      const float grad_step = fmaf(da, A, t.input_dot[j]) * steps.slope[k];
+      const float grad_step = fmaf(da, column.A, t.input_dot[j]) * steps.slope[k];
       const int row = block * BLOCK + j;
       if (row < p.rows) {
         p.grad_dt[(int64_t(ctx.task.batch) * p.rows + row) * p.heads + ctx.task.head] = grad_step;
       }
-      st.grad_a = fmaf(da, steps.step[k], st.grad_a);
-      st.grad_bias += grad_step;
+      st.da_dt = fmaf(da, steps.step[k], st.da_dt);
+      st.grad_dt += grad_step;
     }
   }
 
@@ -675,9 +690,8 @@ struct backward_kernel : backward_plan<N> {
     auto at = in.first();
     for (int iteration = 0; iteration < ctx.iterations; ++iteration, at.advance()) {
       const int block = block_of(p, iteration);
-      const lane_steps steps = steps_of(column, block);
       const block_slots b{ctx.scratch.steps[warp], ctx.scratch.cum[warp],
-                          write_block_steps(steps, A, ctx.scratch.steps[warp], ctx.scratch.cum[warp])};
+                          write_block_steps(steps_of(column, block), A, ctx.scratch.steps[warp], ctx.scratch.cum[warp])};
 
       const stage& s = in.wait(at);
       state_dot(ctx, st, s);
@@ -695,13 +709,13 @@ struct backward_kernel : backward_plan<N> {
       update_state_gradient(ctx, st, s, b);
       in.release(at);
 
-      finish_block(ctx, st, steps, b.cum_last, A, block, leader);
+      finish_block(ctx, st, column, b.cum_last, block, leader);
     }
   }
 
   // Hands the staging tiles to TMA, assembles da (warp 0) and writes dS's copy for the next block.
-  __device__ static void finish_block(const context& ctx, consumer_state& st, const lane_steps& steps,
-                                      float cum_last, float A, int block, bool leader) {
+  __device__ static void finish_block(const context& ctx, consumer_state& st, const step_column& column,
+                                      float cum_last, int block, bool leader) {
     const params& p = ctx.params;
     fence_async_shared();  // the staging tiles' stmatrix writes must be visible to the copy engine
     barrier_sync(barrier_id::block_done, WARPGROUP_THREADS);
@@ -712,7 +726,7 @@ struct backward_kernel : backward_plan<N> {
       tma::commit_stores();
     }
     ++st.stores;
-    if (warp_in_warpgroup() == 0) steps_gradient(ctx, st, steps, cum_last, A, block);
+    if (warp_in_warpgroup() == 0) steps_gradient(ctx, st, column, cum_last, block);
     warp::store(ctx.scratch.ds, st.ds, warpgroup::warp_row(), 0);
     fence_async_shared();  // the stmatrix writes must be visible to wgmma
     barrier_sync(barrier_id::copies_written, WARPGROUP_THREADS);
@@ -730,12 +744,12 @@ struct backward_kernel : backward_plan<N> {
     if (warp == 0) {
 #pragma unroll
       for (int mask = 1; mask < WARP_THREADS; mask *= 2) {
-        st.grad_a += __shfl_xor_sync(ALL_LANES, st.grad_a, mask);
-        st.grad_bias += __shfl_xor_sync(ALL_LANES, st.grad_bias, mask);
+        st.da_dt += __shfl_xor_sync(ALL_LANES, st.da_dt, mask);
+        st.grad_dt += __shfl_xor_sync(ALL_LANES, st.grad_dt, mask);
       }
       if (lane_id() == 0) {
-        p.grad_A_partial[batch_head] = st.grad_a;
-        p.grad_dt_bias_partial[batch_head] = st.grad_bias;
+        p.grad_A_partial[batch_head] = st.da_dt;
+        p.grad_dt_bias_partial[batch_head] = st.grad_dt;
       }
     }
     if (p.grad_D_partial != nullptr) {
