@@ -859,3 +859,16 @@ def test_kernel_autograd_matches_the_recurrence():
     want = gradients(lambda t: recurrence(t, softplus), inputs, grad_y, grad_final)
     for name in got:
         assert_rel_close(got[name], want[name], BACKWARD_TOLERANCE[torch.bfloat16], f"grad_{name}")
+
+
+@requires_kernel("mamba2_ssd_bwd")
+def test_kernel_backward_of_a_sum():
+    """y.sum().backward() hands the backward an expanded grad_y (stride 0): the kernels read a copy."""
+    inputs, softplus, _ = kernel_backward_inputs(150, 64, BACKWARD_OPTIONS["all, D (H,)"])
+    leaves = {name: t.detach().requires_grad_() for name, t in inputs.items() if t is not None}
+    with on_kernel():
+        y, _ = ssd({name: leaves.get(name) for name in NAMES}, softplus, 64)
+        y.sum().backward()
+    want = reference_gradients(inputs, softplus, 64, torch.ones_like(inputs["x"]), None, "cuda")
+    for name, leaf in leaves.items():
+        assert_rel_close(leaf.grad, want[name], BACKWARD_TOLERANCE[torch.bfloat16], f"grad_{name}")

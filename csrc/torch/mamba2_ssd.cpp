@@ -193,13 +193,22 @@ gradients mamba2_ssd_bwd_cuda(const at::Tensor& grad_y, const optional_tensor& g
   };
   if (grad_y.scalar_type() != x.scalar_type()) return fallback();
   std::optional<forward_plan> plan = plan_forward(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, initial_states);
-  const std::optional<tk::heads_view> gv = view_of(grad_y);
-  if (!plan || !gv) return fallback();
+  if (!plan) return fallback();
 
   mamba2::ssd_backward_problem p{};
   p.forward = plan->problem;
-  p.grad_y = *gv;
-  if (!mamba2::unsupported_reason(p).empty()) return fallback();
+  // grad_y is read in place when TMA can; autograd often hands over an expanded one (the gradient of
+  // a sum, stride 0) or another layout, which the kernels read as a contiguous copy.
+  const auto takes = [&](const at::Tensor& g) {
+    const std::optional<tk::heads_view> gv = view_of(g);
+    if (gv) p.grad_y = *gv;
+    return gv && mamba2::unsupported_reason(p).empty();
+  };
+  at::Tensor grad_y_read = grad_y;
+  if (!takes(grad_y_read)) {
+    grad_y_read = grad_y.contiguous();
+    if (!takes(grad_y_read)) return fallback();
+  }
 
   const at::Tensor chunk32 = fp32_contiguous(chunk_states);
   const std::optional<at::Tensor> grad_final32 = fp32_contiguous(grad_final_states);
