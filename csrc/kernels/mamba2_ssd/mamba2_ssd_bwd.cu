@@ -78,7 +78,7 @@ struct input_gradient {  // dt du + D gy
 
 // ------------------------------------------------------------------------------ states
 
-template <int N>
+// The forward's plan without its output: two stages and two tasks an SM.
 struct states_plan {
   static constexpr int consumer_warpgroups = 1;
   static constexpr int stages = 2;
@@ -90,7 +90,7 @@ struct states_plan {
 // The state entering every block: chunk_states[c] carried through the chunk's blocks as the forward
 // carries it (S = exp(cum_last) S + (X^T diag(w dt)) B), each block's entering state stored in T.
 template <typename T, int N>
-struct states_kernel : states_plan<N> {
+struct states_kernel : states_plan {
   using xz_tile = shared_tile<T, BLOCK, HEAD_DIM>;
   using bc_tile = shared_tile<T, BLOCK, N>;
   using state = warpgroup::accumulator<N>;  // S: the warp's 16 channels x N
