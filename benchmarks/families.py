@@ -67,6 +67,8 @@ FAMILIES = (
     )),
     Family("mamba2_ssd", op="mamba2_ssd", bench="mamba2", profiles=(
         Profile("mamba2_ssd_fwd_n128_l4096", "mamba2::.*forward_kernel", 1),
+        # the block states, the reverse sweep, then grad_B and grad_C summed over the heads of a group
+        Profile("mamba2_ssd_bwd_n128_l4096", "mamba2::.*(states_kernel|backward_kernel|reduce_kernel)", 3),
     )),
     Family("fftconv", op="fftconv", bench="fftconv", profiles=(
         # the table launch, then the convolution (cuFFT's rfft of the filter matches neither)

@@ -83,6 +83,22 @@ def fftconv(batch: int, heads: int, seq_len: int):
     return lambda: torch.ops.tk.fftconv.default(u, k, D)
 
 
+def mamba2_ssd_backward(batch: int, seqlen: int, heads: int, groups: int, state_size: int, chunk_size: int):
+    """The backward (block states, reverse sweep, grad_B/grad_C reduction) on the forward's outputs,
+    with a gradient for the final states too."""
+    x, z = (torch.randn(batch, seqlen, heads, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    B, C = (torch.randn(batch, seqlen, groups, state_size, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    dt = torch.randn(batch, seqlen, heads, device="cuda") * 0.5 - 1.5
+    A = -0.3 - torch.rand(heads, device="cuda")
+    D, dt_bias = torch.randn(heads, device="cuda"), torch.randn(heads, device="cuda") * 0.3
+    initial = torch.randn(batch, heads, 64, state_size, device="cuda")
+    y, final, chunk_states = torch.ops.tk.mamba2_ssd.default(x, dt, A, B, C, chunk_size, D, z, dt_bias, True, initial)
+    grad_y, grad_final = torch.randn_like(y), torch.randn_like(final)
+    return lambda: torch.ops.tk.mamba2_ssd_bwd.default(
+        grad_y, grad_final, x, dt, A, B, C, chunk_size, D, z, dt_bias, True, initial, chunk_states
+    )
+
+
 def layer_norm_backward(rows: int, hidden: int):
     x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
     weight, bias = (torch.randn(hidden, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -110,6 +126,8 @@ CASES = {
     "mamba2_ssd_fwd_n128_l4096": lambda: mamba2_ssd(4, 4096, 32, 1, 128, 256),
     # the anchors' shape: 8 warps a block, one pair of sequences at a time
     "fftconv_fwd_n4096": lambda: fftconv(16, 768, 4096),
+    # one stage and one block an SM at N = 128; grad_B and grad_C summed over 32 heads per group
+    "mamba2_ssd_bwd_n128_l4096": lambda: mamba2_ssd_backward(4, 4096, 32, 1, 128, 256),
     # one warp per row at 1024, four at 4096 (norms_notes.md compares the two)
     "layer_norm_bwd_h1024": lambda: layer_norm_backward(32768, 1024),
     "layer_norm_bwd_h4096": lambda: layer_norm_backward(32768, 4096),

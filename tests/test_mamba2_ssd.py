@@ -456,8 +456,9 @@ REFERENCE_WARNING = "running the PyTorch reference path"
 
 @contextlib.contextmanager
 def on_kernel():
-    """The forward must run on the kernel: its reference would warn (once per op, so forget earlier warnings)."""
-    _library._REFERENCE_WARNED.discard("mamba2_ssd")
+    """Forward and backward must run on the kernels: their references would warn (once per op, so forget
+    earlier warnings)."""
+    _library._REFERENCE_WARNED.difference_update({"mamba2_ssd", "mamba2_ssd_bwd"})
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=f".*{REFERENCE_WARNING}")
         yield
@@ -598,3 +599,276 @@ def test_kernel_cuda_graph_capture_and_replay():
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert not torch.equal(outputs[0], first[0])
     check_kernel_outputs(inputs2, True, 128, torch.bfloat16, outputs=outputs)
+
+
+# --------------------------------------------------------------------------------- backward kernels
+
+# The backward rounds a few more operands than the forward (the gated gy, the scores and their
+# gradients, the states and their gradient) to the input dtype: in bf16 the reduced grad_A and
+# grad_dt_bias come closest (a float64 emulation of the kernels' roundings measured up to 9e-3,
+# from the gated gy; every other gradient below 4e-3; fp16 below 1e-3).
+BACKWARD_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
+GRADIENT_NAMES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
+
+
+def backward_op(inputs, dt_softplus, chunk_size, grad_y, grad_final, chunk_states):
+    """The nine gradients of tk.mamba2_ssd_bwd, by name."""
+    grads = torch.ops.tk.mamba2_ssd_bwd(
+        grad_y, grad_final, inputs["x"], inputs["dt"], inputs["A"], inputs["B"], inputs["C"], chunk_size,
+        inputs["D"], inputs["z"], inputs["dt_bias"], dt_softplus, inputs["initial_states"], chunk_states,
+    )
+    return dict(zip(GRADIENT_NAMES, grads))
+
+
+def reference_gradients(inputs, dt_softplus, chunk_size, grad_y, grad_final, device):
+    """The op's chunked reference backward in float64 on `device`, from its own float64 chunk states."""
+    t64 = {name: None if t is None else t.to(device, torch.float64) for name, t in inputs.items()}
+    args = [t64[name] for name in ("x", "dt", "A", "B", "C")]
+    options = [t64[name] for name in ("D", "z", "dt_bias")]
+    _, _, chunk_states = mamba2_ssd_module._mamba2_ssd_reference(
+        *args, chunk_size, *options, dt_softplus, t64["initial_states"]
+    )
+    grads = mamba2_ssd_module._mamba2_ssd_bwd_reference(
+        grad_y.to(device, torch.float64), None if grad_final is None else grad_final.to(device, torch.float64),
+        *args, chunk_size, *options, dt_softplus, t64["initial_states"], chunk_states,
+    )
+    return dict(zip(GRADIENT_NAMES, grads))
+
+
+def backward_errors(inputs, dt_softplus, chunk_size, with_final_grad, reference_device=None, seed=0):
+    """{name: relative error} of every gradient the kernels return for these inputs (absent options:
+    empty, checked), against the float64 reference; asserts the gradients' dtypes and shapes."""
+    x = inputs["x"]
+    gen = torch.Generator(device=x.device).manual_seed(seed)
+    _, final, chunk_states = forward_op(inputs, dt_softplus, chunk_size)
+    grad_y = torch.randn(x.shape, device=x.device, generator=gen).to(x.dtype)
+    grad_final = torch.randn(final.shape, device=x.device, generator=gen) if with_final_grad else None
+    got = backward_op(inputs, dt_softplus, chunk_size, grad_y, grad_final, chunk_states)
+    want = reference_gradients(inputs, dt_softplus, chunk_size, grad_y, grad_final, reference_device or x.device)
+    errors = {}
+    for name in GRADIENT_NAMES:
+        if inputs[name] is None:
+            assert got[name].numel() == 0, f"grad_{name} of an absent input"
+            continue
+        dtype = torch.float32 if name in ("A", "dt_bias") else inputs[name].dtype
+        assert got[name].dtype == dtype and got[name].shape == inputs[name].shape, name
+        errors[name] = tk_testing.rel_err(got[name], want[name])
+    return errors
+
+
+def assert_backward_close(inputs, dt_softplus, chunk_size, with_final_grad):
+    dtype = inputs["x"].dtype
+    for name, err in backward_errors(inputs, dt_softplus, chunk_size, with_final_grad).items():
+        assert err <= BACKWARD_TOLERANCE[dtype], f"grad_{name}: relative error {err:.3e} > {BACKWARD_TOLERANCE[dtype]:.1e}"
+
+
+def check_backward_kernels(report=print) -> int:
+    """The backward kernels' correctness sweep for benchmarks (what compute-sanitizer watches): every
+    variant (bf16/fp16, N 64/128, chunk 64/128/256, gated or not) on odd lengths with every option,
+    against the float64 reference on the CPU. Reports one line per case; returns the failures."""
+    failures = 0
+    for dtype in (torch.bfloat16, torch.float16):
+        for N in (64, 128):
+            for chunk_size in (64, 128, 256):
+                for L, options in ((17, BACKWARD_OPTIONS["all, D (H,)"]), (333, BACKWARD_OPTIONS["D (H, P), no gate"])):
+                    options = dict(options)
+                    final_grad = options.pop("final_grad")
+                    inputs, softplus = make_inputs(2, L, 4, 64, N=N, **options, dtype=dtype,
+                                                   param_dtype=torch.float32, device="cuda")
+                    errors = backward_errors(inputs, softplus, chunk_size, final_grad, reference_device="cpu")
+                    worst = max(errors, key=errors.get)
+                    ok = errors[worst] <= BACKWARD_TOLERANCE[dtype]
+                    failures += not ok
+                    report(f"{'ok  ' if ok else 'FAIL'} backward {dtype} N={N} chunk={chunk_size} L={L} "
+                           f"worst grad_{worst} {errors[worst]:.2e}")
+    return failures
+
+
+BACKWARD_OPTIONS = {
+    "plain": dict(G=1, final_grad=False),
+    "all, D (H,)": dict(G=2, D="H", z=True, dt_bias=True, dt_softplus=True, initial=True, final_grad=True),
+    "all, D (H, P)": dict(G=2, D="HP", z=True, dt_bias=True, dt_softplus=True, initial=True, final_grad=True),
+    "D (H, P), no gate": dict(G=2, D="HP", dt_bias=True, initial=True, final_grad=True),
+    "z only, G = H": dict(G=4, z=True, final_grad=False),
+    "initial only, final grad": dict(G=1, initial=True, final_grad=True),
+}
+
+
+def kernel_backward_inputs(L, N, options, dtype=torch.bfloat16):
+    options = dict(options)
+    final_grad = options.pop("final_grad")
+    inputs, softplus = make_inputs(2, L, 4, 64, N=N, **options, dtype=dtype, param_dtype=torch.float32,
+                                   device="cuda")
+    return inputs, softplus, final_grad
+
+
+def backward_workspace_bytes(L, N, Bt=2, H=4):
+    """Bytes of the backward's outputs and workspace, for poisoning the allocator before it runs."""
+    padded = (L + 63) // 64 * 64
+    return Bt * H * padded * N * (2 + 3 * 4) + 3 * Bt * L * H * 64 * 2
+
+
+@requires_kernel("mamba2_ssd_bwd")
+@pytest.mark.parametrize("options", BACKWARD_OPTIONS.values(), ids=BACKWARD_OPTIONS.keys())
+@pytest.mark.parametrize("chunk_size", [64, 128, 256])
+@pytest.mark.parametrize("N", [64, 128])
+@pytest.mark.parametrize("L", [1, 17, 1000])
+def test_kernel_backward_options_and_lengths(L, N, chunk_size, options):
+    inputs, softplus, final_grad = kernel_backward_inputs(L, N, options)
+    poisoned_allocations(backward_workspace_bytes(L, N))
+    with on_kernel():
+        assert_backward_close(inputs, softplus, chunk_size, final_grad)
+
+
+@requires_kernel("mamba2_ssd_bwd")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("N", [64, 128])
+def test_kernel_backward_long_sequence(dtype, N):
+    inputs, softplus, final_grad = kernel_backward_inputs(4099, N, BACKWARD_OPTIONS["all, D (H, P)"], dtype)
+    with on_kernel():
+        assert_backward_close(inputs, softplus, 256, final_grad)
+
+
+@requires_kernel("mamba2_ssd_bwd")
+def test_kernel_backward_negative_steps_pass_no_gradient():
+    """Without softplus a negative dt + dt_bias is clamped to 0: its grad_dt is exactly 0."""
+    inputs, softplus, final_grad = kernel_backward_inputs(300, 64, dict(G=2, D="H", dt_bias=True, final_grad=True))
+    inputs["dt"] = inputs["dt"] - 0.4
+    clamped = (inputs["dt"] + inputs["dt_bias"]) < 0
+    assert clamped.any() and not clamped.all()
+    with on_kernel():
+        assert_backward_close(inputs, softplus, 128, final_grad)
+        _, final, chunk_states = forward_op(inputs, softplus, 128)
+        grads = backward_op(inputs, softplus, 128, torch.randn_like(inputs["x"]), None, chunk_states)
+    assert not grads["dt"][clamped].any()
+
+
+@requires_kernel("mamba2_ssd_bwd")
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float64])
+def test_kernel_backward_parameters_in_other_dtypes(param_dtype):
+    """dt, A, D, dt_bias and initial_states in another dtype: gradients in their dtypes (grad_A and
+    grad_dt_bias fp32), computed from their fp32 values."""
+    inputs, softplus, final_grad = kernel_backward_inputs(200, 64, BACKWARD_OPTIONS["all, D (H,)"])
+    for name in ("dt", "A", "D", "dt_bias", "initial_states"):
+        inputs[name] = inputs[name].to(param_dtype)
+    with on_kernel():
+        errors = backward_errors(inputs, softplus, 64, final_grad)
+    for name, err in errors.items():
+        assert err <= BACKWARD_TOLERANCE[torch.bfloat16], f"grad_{name}: relative error {err:.3e}"
+
+
+@requires_kernel("mamba2_ssd_bwd")
+def test_kernel_backward_strided_views():
+    """x, z, B, C, dt and grad_y as slices of wider buffers reach the kernels with no copy."""
+    Bt, L, H, P, G, N = 2, 300, 4, 64, 2, 64
+    torch.manual_seed(0)
+    proj = torch.randn(Bt, L, 2 * H * P + 8, device="cuda").to(torch.bfloat16)
+    bc = torch.randn(Bt, L, 2 * G * N + 16, device="cuda").to(torch.bfloat16)
+    dt_all = torch.randn(Bt, L, 2 * H, device="cuda") * 0.5 - 1.5
+    inputs = dict(
+        x=proj[..., : H * P].unflatten(-1, (H, P)),
+        z=proj[..., H * P + 8 :].unflatten(-1, (H, P)),
+        B=bc[..., 8 : 8 + G * N].unflatten(-1, (G, N)),
+        C=bc[..., 16 + G * N :].unflatten(-1, (G, N)),
+        dt=dt_all[..., ::2],
+        A=-0.3 - torch.rand(H, device="cuda"),
+        D=torch.randn(H, device="cuda"),
+        dt_bias=torch.randn(H, device="cuda") * 0.3,
+        initial_states=torch.randn(Bt, H, N, P, device="cuda").transpose(-1, -2),
+    )
+    grad_y = torch.randn(Bt, H, L, P, device="cuda").to(torch.bfloat16).transpose(1, 2)
+    with on_kernel():
+        _, final, chunk_states = forward_op(inputs, True, 128)
+        with tk_testing.RecordTkCalls() as recorder:
+            got = backward_op(inputs, True, 128, grad_y, None, chunk_states)
+    (call,) = recorder.calls["mamba2_ssd_bwd"]
+    assert call[0].stride() == grad_y.stride() and call[2].stride() == inputs["x"].stride()
+    want = reference_gradients(inputs, True, 128, grad_y, None, "cuda")
+    for name in GRADIENT_NAMES:
+        assert_rel_close(got[name], want[name], BACKWARD_TOLERANCE[torch.bfloat16], f"grad_{name}")
+
+
+@requires_kernel("mamba2_ssd_bwd")
+def test_kernel_backward_is_deterministic():
+    inputs, softplus, final_grad = kernel_backward_inputs(700, 128, BACKWARD_OPTIONS["all, D (H,)"])
+    _, final, chunk_states = forward_op(inputs, softplus, 256)
+    grad_y, grad_final = torch.randn_like(inputs["x"]), torch.randn_like(final)
+    first = backward_op(inputs, softplus, 256, grad_y, grad_final, chunk_states)
+    second = backward_op(inputs, softplus, 256, grad_y, grad_final, chunk_states)
+    for name in GRADIENT_NAMES:
+        assert torch.equal(first[name], second[name]), f"grad_{name} differs between two runs"
+
+
+@requires_kernel("mamba2_ssd_bwd")
+def test_kernel_backward_unsupported_inputs_fall_back_with_a_warning():
+    inputs, softplus = make_inputs(1, 40, 2, 32, 1, 64, D="H", dtype=torch.bfloat16, param_dtype=torch.float32,
+                                   device="cuda")
+    _, final, chunk_states = forward_op(inputs, softplus, 64)
+    grad_y = torch.randn_like(inputs["x"])
+    _library._REFERENCE_WARNED.discard("mamba2_ssd_bwd")
+    with pytest.warns(UserWarning, match=REFERENCE_WARNING):
+        got = backward_op(inputs, softplus, 64, grad_y, None, chunk_states)
+    want = reference_gradients(inputs, softplus, 64, grad_y, None, "cuda")
+    for name in ("x", "dt", "A", "B", "C", "D"):
+        assert_rel_close(got[name], want[name], BACKWARD_TOLERANCE[torch.bfloat16], f"grad_{name}")
+
+
+@requires_kernel("mamba2_ssd_bwd")
+def test_kernel_forward_and_backward_cuda_graph():
+    """Forward and backward captured in one CUDA graph replay on new inputs as they run eagerly."""
+
+    def fresh():
+        return make_inputs(2, 500, 4, 64, 2, 128, D="HP", z=True, dt_bias=True, dt_softplus=True, initial=True,
+                           dtype=torch.bfloat16, param_dtype=torch.float32, device="cuda")[0]
+
+    def forward_backward(t, grad_y, grad_final):
+        y, final, chunk_states = forward_op(t, True, 128)
+        return (y, final, *backward_op(t, True, 128, grad_y, grad_final, chunk_states).values())
+
+    static = fresh()
+    grad_y, grad_final = torch.randn_like(static["x"]), torch.randn(2, 4, 64, 128, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        forward_backward(static, grad_y, grad_final)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = forward_backward(static, grad_y, grad_final)
+    new = fresh()
+    for name, t in static.items():
+        t.copy_(new[name])
+    grad_y.copy_(torch.randn_like(grad_y))
+    grad_final.copy_(torch.randn_like(grad_final))
+    graph.replay()
+    for got, want in zip(outputs, forward_backward(new, grad_y, grad_final)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    errors = backward_errors(new, True, 128, True)
+    assert max(errors.values()) <= BACKWARD_TOLERANCE[torch.bfloat16]
+
+
+@requires_kernel("mamba2_ssd_bwd")
+def test_kernel_autograd_matches_the_recurrence():
+    """tk_ops.mamba2_ssd's backward through autograd on the kernels, against the float64 recurrence."""
+    inputs, softplus = make_inputs(2, 400, 4, 64, 2, 64, D="H", z=True, dt_bias=True, dt_softplus=True,
+                                   initial=True, dtype=torch.bfloat16, param_dtype=torch.float32, device="cuda")
+    grad_y = torch.randn(2, 400, 4, 64, device="cuda").to(torch.bfloat16)
+    grad_final = torch.randn(2, 4, 64, 64, device="cuda")
+    with on_kernel():
+        got = gradients(lambda t: ssd(t, softplus, 128), inputs, grad_y, grad_final)
+    want = gradients(lambda t: recurrence(t, softplus), inputs, grad_y, grad_final)
+    for name in got:
+        assert_rel_close(got[name], want[name], BACKWARD_TOLERANCE[torch.bfloat16], f"grad_{name}")
+
+
+@requires_kernel("mamba2_ssd_bwd")
+def test_kernel_backward_of_a_sum():
+    """y.sum().backward() hands the backward an expanded grad_y (stride 0): the kernels read a copy."""
+    inputs, softplus, _ = kernel_backward_inputs(150, 64, BACKWARD_OPTIONS["all, D (H,)"])
+    leaves = {name: t.detach().requires_grad_() for name, t in inputs.items() if t is not None}
+    with on_kernel():
+        y, _ = ssd({name: leaves.get(name) for name in NAMES}, softplus, 64)
+        y.sum().backward()
+    want = reference_gradients(inputs, softplus, 64, torch.ones_like(inputs["x"]), None, "cuda")
+    for name, leaf in leaves.items():
+        assert_rel_close(leaf.grad, want[name], BACKWARD_TOLERANCE[torch.bfloat16], f"grad_{name}")

@@ -52,17 +52,25 @@ Backward, with gy = grad_y * silu(z) (grad_z = grad_y * y_pre * silu'(z), y_pre 
     + exp(cum_{Q-1}) <dS_next, S>                                 (decay of the whole chunk)
   grad_A = sum da dt ; d(dt) = du . x + da A, then through the clamp, softplus and dt_bias.
 
-CUDA kernel (forward only; csrc/kernels/mamba2_ssd, registered by csrc/torch/mamba2_ssd.cpp):
-x, B, C, z in bf16/fp16 with a unit last stride (any other strides), P = 64, N in {64, 128},
+CUDA kernels (csrc/kernels/mamba2_ssd, registered by csrc/torch/mamba2_ssd.cpp): x, B, C, z (and
+grad_y) in bf16/fp16 with a unit last stride (any other strides), P = 64, N in {64, 128},
 chunk_size in {64, 128, 256}, any L, G groups with H % G == 0, D (H,) or (H, P), z, dt_bias and
-softplus, initial_states; dt, A, D, dt_bias and initial_states of any float dtype are read as fp32
-(the reference's state dtype for 16-bit x). One (batch, head) per block: a consumer warpgroup walks
-the sequence in 64-position blocks with the state in fp32 wgmma accumulators (its 16-bit copy in
-shared memory for C S), writing chunk_states at each chunk start and final_states at the end;
-chunk_size only picks which states are written. Everything else (fp32/fp64 x, other P, N or
-chunk_size, another GPU) runs the reference, on a GPU with a one-time warning; it accepts any
-positive chunk_size, P, N and fp16/bf16/fp32/fp64 inputs. tk::mamba2_ssd_bwd is the reference on
-every device.
+softplus, initial_states, grad_final_states; dt, A, D, dt_bias, initial_states, chunk_states and
+grad_final_states of any float dtype are read as fp32 (the reference's state dtype for 16-bit x).
+Both directions walk the sequence in 64-position blocks, each block a chunk of its own (the function
+does not depend on where chunks start; chunk_size only picks which states chunk_states holds).
+Forward: one (batch, head) per block, a consumer warpgroup carrying the state in fp32 wgmma
+accumulators (its 16-bit copy in shared memory for C S), writing chunk_states at each chunk start and
+final_states at the end. Backward, three launches: the state entering every 64-position block, from
+chunk_states through each chunk's blocks (16-bit, a workspace); a reverse sweep per (batch, head)
+carrying dS in fp32 accumulators that writes grad_x, grad_z, grad_dt and grad_initial_states, per-head
+fp32 partials of grad_B and grad_C and per-(batch, head) sums of grad_A, grad_D and grad_dt_bias
+(summed over the batch afterwards), with da from per-position terms through an exclusive prefix scan
+and a suffix scan (the block formulas in csrc/kernels/mamba2_ssd/mamba2_ssd_bwd.cu); and the sum of
+the grad_B and grad_C partials over the heads of each group, in a fixed order (no atomics: the
+gradients are bitwise reproducible). Everything else (fp32/fp64 x, other P, N or chunk_size, another
+GPU) runs the reference, on a GPU with a one-time warning; it accepts any positive chunk_size, P, N
+and fp16/bf16/fp32/fp64 inputs.
 
 Comparing against mamba_ssm (benchmarks):
   from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined

@@ -32,6 +32,7 @@
 #include <climits>
 
 #include "kernels/common/heads_layout.cuh"
+#include "mamba2_ssd.cuh"
 #include "mamba2_ssd.h"
 #include "tk/tk.cuh"
 
@@ -40,16 +41,6 @@ namespace {
 
 using warpgroup::operand_major;
 
-using kernel_dtypes = one_of<element_type::bf16, element_type::fp16>;
-using state_sizes = one_of<64, 128>;
-using chunk_sizes = one_of<64, 128, 256>;
-
-constexpr int BLOCK = warpgroup::WGMMA_M;  // positions per block: the rows of one wgmma
-constexpr int HEAD_DIM = 64;               // P
-constexpr int64_t MAX_SEQUENCE = int64_t(1) << 30;  // TMA's 32-bit coordinates, with room
-constexpr int STEPS_PER_LANE = BLOCK / WARP_THREADS;
-static_assert(STEPS_PER_LANE == 2, "each lane reads two positions' dt (one float2 in shared memory)");
-
 template <int N>
 struct ssd_plan {
   static constexpr int consumer_warpgroups = 1;
@@ -57,20 +48,6 @@ struct ssd_plan {
   static constexpr int blocks_per_sm = 2;
   static constexpr int producer_registers = 24;
   static constexpr int consumer_registers = 232;
-};
-
-// The register maps of a block (fp32, MUFU exp).
-struct decayed_score {  // G_ij exp(cum_i - cum_j) dt_j (masked to j <= i afterwards)
-  __device__ static float apply(float g, float cum_i, float cum_j, float dt_j) { return g * __expf(cum_i - cum_j) * dt_j; }
-};
-struct to_block_end {  // exp(cum_last - cum_j) dt_j
-  __device__ static float apply(float cum_j, float dt_j, float cum_last) { return __expf(cum_last - cum_j) * dt_j; }
-};
-struct skip_add {  // y + D x
-  __device__ static float apply(float y, float x, float d) { return fmaf(d, x, y); }
-};
-struct silu_gate {  // y silu(z)
-  __device__ static float apply(float y, float z) { return y * __fdividef(z, 1.0f + __expf(-z)); }
 };
 
 template <typename T, int N, bool GATED>
@@ -164,47 +141,11 @@ struct forward_kernel : ssd_plan<N> {
 
   __device__ static int64_t state_offset(const params& p, int64_t batch_head) { return batch_head * HEAD_DIM * N; }
 
-  // This lane's raw dt of a block (0 past L). Issued a block ahead, so that the load's latency hides behind the current block's products.
-  struct raw_steps {
-    float values[STEPS_PER_LANE];
-  };
-  __device__ static raw_steps load_steps(const context& ctx, int block) {
+  // The task's column of dt.
+  __device__ static step_column steps_column(const context& ctx, float A, float bias) {
     const params& p = ctx.params;
-    const float* dt = p.dt + int64_t(ctx.task.batch) * p.dt_batch_stride + int64_t(ctx.task.head) * p.dt_head_stride;
-    raw_steps raw;
-#pragma unroll
-    for (int k = 0; k < STEPS_PER_LANE; ++k) {
-      const int row = block * BLOCK + STEPS_PER_LANE * lane_id() + k;
-      raw.values[k] = row < p.rows ? dt[int64_t(row) * p.dt_row_stride] : 0.0f;
-    }
-    return raw;
-  }
-
-  // The block's steps dt (bias, softplus, clamp at 0; 0 past L) and cum = inclusive prefix sums of
-  // dt A, into this warp's shared slots; returns cum_last.
-  __device__ static float block_steps(const context& ctx, int block, const raw_steps& raw, float A, float bias) {
-    const params& p = ctx.params;
-    const int lane = lane_id();
-    float step[STEPS_PER_LANE], decay[STEPS_PER_LANE];
-#pragma unroll
-    for (int k = 0; k < STEPS_PER_LANE; ++k) {
-      const int row = block * BLOCK + STEPS_PER_LANE * lane + k;
-      float v = 0.0f;
-      if (row < p.rows) {
-        v = raw.values[k] + bias;
-        if (p.dt_softplus && v <= 20.0f) v = log1pf(__expf(v));
-        v = fmaxf(v, 0.0f);
-      }
-      step[k] = v;
-      decay[k] = v * A;
-    }
-    const float cum_last = warp::inclusive_scan(decay);
-    const int warp = warp_in_warpgroup();
-    __syncwarp();  // the previous block's reads of the slots are done
-    *reinterpret_cast<float2*>(&ctx.scratch.steps[warp][STEPS_PER_LANE * lane]) = {step[0], step[1]};
-    *reinterpret_cast<float2*>(&ctx.scratch.cum[warp][STEPS_PER_LANE * lane]) = {decay[0], decay[1]};
-    __syncwarp();
-    return cum_last;
+    return {p.dt + int64_t(ctx.task.batch) * p.dt_batch_stride + int64_t(ctx.task.head) * p.dt_head_stride,
+            p.dt_row_stride, p.rows, A, bias, p.dt_softplus};
   }
 
   __device__ static void compute(const context& ctx, consumer_state& st, inputs& in) {
@@ -226,17 +167,21 @@ struct forward_kernel : ssd_plan<N> {
     fence_async_shared();
     barrier_sync(barrier_id::copies_written, WARPGROUP_THREADS);
 
-    raw_steps next_steps = load_steps(ctx, 0);
+    // Each block's dt is loaded a block ahead: its global latency was on every block's critical path.
+    const step_column column = steps_column(ctx, A, bias);
+    lane_dt next_dt = load_dt(column, 0);
     auto at = in.first();
     for (int block = 0; block < ctx.iterations; ++block, at.advance()) {
-      const raw_steps steps = next_steps;
-      next_steps = load_steps(ctx, block + 1);
+      const lane_dt block_dt = next_dt;
+      next_dt = load_dt(column, block + 1);
       if (block % p.blocks_per_chunk == 0) {
         const int64_t chunk_state = (int64_t(ctx.task.batch) * p.chunks + block / p.blocks_per_chunk) * p.heads +
                                     ctx.task.head;
         warp::store(p.chunk_states + state_offset(p, chunk_state) + int64_t(row0) * N, N, st.s);
       }
-      const float cum_last = block_steps(ctx, block, steps, A, bias);
+      // The block's steps and cum (inclusive prefix sums of dt A) into this warp's shared slots.
+      const float cum_last =
+          write_block_steps(steps_of(column, block, block_dt), A, ctx.scratch.steps[warp], ctx.scratch.cum[warp]);
       position_vector cum_col, dt_col;
       row_vector cum_row;
       warp::load(cum_col, ctx.scratch.cum[warp]);
@@ -334,10 +279,7 @@ struct forward_kernel : ssd_plan<N> {
 
   // ------------------------------------------------------------------------------ host
 
-  static heads_view y_view(const ssd_forward_problem& pr) {
-    const heads_view& x = pr.x;
-    return {pr.y, x.batch, x.heads, x.rows, x.dim, x.rows * x.heads * x.dim, x.dim, x.heads * x.dim};
-  }
+  static heads_view y_view(const ssd_forward_problem& pr) { return sequence_major_view(pr.y, pr.x); }
 
   // Why TMA cannot move these tensors' tiles.
   static std::string layout_reasons(const ssd_forward_problem& pr) {
