@@ -497,6 +497,7 @@ struct backward_kernel : backward_plan<N, GATED> {
       warp::load(sums, ctx.scratch.gy_x[warp]);
       warp::map<op::mul>(products, gy_rows, x_rows);
       warp::col_sum(sums, products, sums);
+      __syncwarp();  // every lane has read the slots before the first copies overwrite them
       warp::store(ctx.scratch.gy_x[warp], sums);
     }
     row_vector out_decay;

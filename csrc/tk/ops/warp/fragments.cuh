@@ -40,8 +40,10 @@ __device__ __forceinline__ void load_fragments(Tile& dst, const typename Tile::e
     const auto* source = reinterpret_cast<const uint4*>(
         table + detail::base_tile_offset<Tile>(col_blocks, block_row + br, block_col + bc));
     uint4 loaded[vectors];
+    // Coherent loads, not __ldg: a table written earlier in the same kernel must read back (the
+    // non-coherent path returned stale lines for the test's round trip on the H100).
 #pragma unroll
-    for (int v = 0; v < vectors; ++v) loaded[v] = __ldg(source + v);
+    for (int v = 0; v < vectors; ++v) loaded[v] = source[v];
     __builtin_memcpy(&dst.pairs[br][bc][0], loaded, sizeof(loaded));  // pair types are not trivially copyable
   });
 }
