@@ -68,6 +68,13 @@ FAMILIES = (
     Family("mamba2_ssd", op="mamba2_ssd", bench="mamba2_ssd", profiles=(
         Profile("mamba2_ssd_fwd_n128_l4096", "mamba2::.*forward_kernel", 1),
     )),
+    Family("causal_conv1d", op="causal_conv1d", bench="conv1d", profiles=(
+        Profile("causal_conv1d_fwd_bdl_l4096", "causal_conv1d::channel_first_forward_kernel", 1),
+        Profile("causal_conv1d_fwd_bld_l4096", "causal_conv1d::channel_last_forward_kernel", 1),
+        # the backward kernel, then the fixed-order sum of its partial rows of grad_weight and grad_bias
+        Profile("causal_conv1d_bwd_bdl_l4096", "causal_conv1d::(channel_first_backward_kernel|sum_partials_kernel)", 2),
+        Profile("causal_conv1d_bwd_bld_l4096", "causal_conv1d::(channel_last_backward_kernel|sum_partials_kernel)", 2),
+    )),
     Family("rope", op="rope_qk", bench="rope"),
     Family("layer_norm", op="layer_norm", bench="norms", profiles=(
         # the row kernel, then the sum of its per-block partial rows of dweight and dbias
