@@ -4,7 +4,7 @@ Shapes: a Mamba-2 layer's short convolution, B = 8, D = 4096 + 2 * 128 = 4352 (t
 the B and C channels of d_state 128, one group), L = 2048 and 4096, W = 4, bias, SiLU, bf16; x
 contiguous (B, D, L), and at L = 4096 also as a mixer has it, a (B, L, D) tensor seen as (B, D, L)
 (every implementation gets the same view). Forward, and forward + backward (the gradients of x,
-weight and bias for a given output gradient).
+weight and bias for a given output gradient, in x's layout as a mixer's would be).
 
 Baselines (the causal_conv1d package's own reference form):
   eager     F.silu(F.conv1d(x, weight.unsqueeze(1), bias, padding=W - 1, groups=D)[..., :L])
@@ -17,16 +17,20 @@ backward recomputes the pre-activation from x) over the device-to-device copy ba
 this run. Rows: shape, pass, baseline, ours_ms, baseline_ms, ratio (baseline_ms / ours_ms: above 1
 we are faster), floor_ms, the fraction of the floor each reaches, hbm_bytes, and the error of a
 baseline that could not run. Writes benchmarks/results/conv1d.json and conv1d.png (and into --out).
-Until the kernel lands, "ours" is the PyTorch reference (``tk_ops.backends()`` says which; the
-header records it).
+"ours" is the CUDA kernel where tk_ops._C is built for the GPU, the PyTorch reference otherwise
+(``tk_ops.backends()`` says which; the header records it).
 
   python3 -m benchmarks.bench_conv1d [--out DIR] [--pass fwd|fwd+bwd]
                                   benchmark (after the correctness sweep)
   python3 -m benchmarks.bench_conv1d --check
-                                  only the correctness sweep: odd L, W = 1 ... 4, bias and SiLU on
-                                  and off, bf16/fp16 with 16-bit or fp32 parameters, channel-last
-                                  views; forward and gradients against float64 F.conv1d; exits
-                                  non-zero on a failure
+                                  only the correctness sweep, every kernel path on small shapes: both
+                                  layouts at each W in {2, 3, 4}, with 16-byte (channel-first) or
+                                  4-byte (channel-last) vectors and element by element, a vector cut
+                                  by a row's end, several segments; bias and SiLU on and off;
+                                  bf16/fp16 with 16-bit or fp32 parameters and fp32; L = 1, W > L,
+                                  W = 1 (the reference). Forward and gradients against float64
+                                  F.conv1d, and on a GPU with the kernels, no fallback where they
+                                  should run; exits non-zero on a failure
   python3 -m benchmarks.bench_conv1d --dry-run [--out DIR]
                                   CPU, tiny shapes, nothing timed: runs every implementation once
                                   and builds and prints the rows (and the plot into --out)
@@ -35,9 +39,11 @@ header records it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import pathlib
+import warnings
 from typing import Callable, Optional
 
 import torch
@@ -45,6 +51,7 @@ import torch.nn.functional as F
 
 import tk_ops
 from benchmarks import common
+from tk_ops import _library
 from benchmarks.bench_linear_attention import relative_difference
 
 DTYPE = torch.bfloat16
@@ -59,7 +66,9 @@ class Shape:
     dim: int
     seq_len: int
     width: int
-    layout: str  # "bdl": contiguous (B, D, L); "bld": (B, L, D) storage seen as (B, D, L)
+    # "bdl": contiguous (B, D, L); "bld": (B, L, D) storage seen as (B, D, L); "bdl-padded": the
+    # first L of rows padded to a multiple of 8 elements (aligned rows, odd L: a vector cut by the end)
+    layout: str
 
     @property
     def label(self) -> str:
@@ -108,16 +117,25 @@ def implementations() -> dict[str, Callable]:
 # ---------------------------------------------------------------------------------------- inputs
 
 
-def input_set(shape: Shape, device, dtype, backward: bool) -> tuple:
-    """(x, weight, bias, grad_out): x ~ N(0, 1) in the shape's layout, taps scaled by W**-0.5."""
+ROW_ALIGNMENT = 8  # elements of a "bdl-padded" row: 16 bytes of bf16/fp16
+
+
+def activation(shape: Shape, device, dtype) -> torch.Tensor:
+    """A (B, D, L) tensor ~ N(0, 1) in the shape's layout."""
     b, d, n = shape.batch, shape.dim, shape.seq_len
     if shape.layout == "bld":
-        x = torch.randn(b, n, d, device=device, dtype=dtype).transpose(1, 2)
-    else:
-        x = torch.randn(b, d, n, device=device, dtype=dtype)
-    weight = (torch.randn(d, shape.width, device=device) / shape.width**0.5).to(dtype)
-    bias = torch.randn(d, device=device).to(dtype)
-    grad_out = torch.randn(b, d, n, device=device, dtype=dtype)
+        return torch.randn(b, n, d, device=device, dtype=dtype).transpose(1, 2)
+    if shape.layout == "bdl-padded":
+        return torch.randn(b, d, -(-n // ROW_ALIGNMENT) * ROW_ALIGNMENT + ROW_ALIGNMENT, device=device, dtype=dtype)[..., :n]
+    return torch.randn(b, d, n, device=device, dtype=dtype)
+
+
+def input_set(shape: Shape, device, dtype, backward: bool) -> tuple:
+    """(x, weight, bias, grad_out): x and grad_out in the shape's layout, taps scaled by W**-0.5."""
+    x = activation(shape, device, dtype)
+    weight = (torch.randn(shape.dim, shape.width, device=device) / shape.width**0.5).to(dtype)
+    bias = torch.randn(shape.dim, device=device).to(dtype)
+    grad_out = activation(shape, device, dtype)
     for t in (x, weight, bias):
         t.requires_grad_(backward)
     return x, weight, bias, grad_out
@@ -192,19 +210,41 @@ def plot(rows: list[dict], path: pathlib.Path, device_name: str) -> None:
 
 # ---------------------------------------------------------------------------------- correctness
 
-# (B, D, L, W, layout): odd L (1 included), every width up to 4, W > L, both layouts
+# (B, D, L, W, layout): at each W in {2, 3, 4}, both layouts with vectors (channel-first: L a
+# multiple of the vector; channel-last: D even) and element by element (odd L or D), a vector cut by
+# a row's end (bdl-padded), several 1024-position segments (L > 2048); L = 1; W > L; W = 1 (reference)
 CHECK_SHAPES = (
-    (2, 40, 1, 4, "bdl"), (2, 40, 17, 4, "bld"), (1, 264, 1000, 4, "bdl"), (3, 72, 333, 3, "bld"),
-    (2, 48, 129, 2, "bdl"), (2, 24, 77, 1, "bdl"), (2, 16, 3, 4, "bld"),
+    (2, 40, 1, 4, "bdl"), (2, 40, 17, 4, "bld"), (1, 264, 1000, 4, "bdl"), (2, 24, 2501, 4, "bdl"),
+    (2, 37, 50, 4, "bld"), (2, 16, 3, 4, "bld"),
+    (3, 72, 333, 3, "bld"), (2, 24, 333, 3, "bdl"), (2, 40, 512, 3, "bdl"), (2, 24, 2065, 3, "bdl-padded"),
+    (2, 37, 50, 3, "bld"),
+    (2, 48, 1024, 2, "bdl"), (2, 48, 129, 2, "bdl"), (2, 48, 129, 2, "bld"), (2, 37, 50, 2, "bld"),
+    (2, 24, 77, 1, "bdl"),
 )
+KERNEL_WIDTHS = (2, 3, 4)
 CHECK_DTYPES = {  # (x dtype, parameter dtype) -> forward tolerance; gradients 2x
     (torch.bfloat16, torch.bfloat16): 1e-2, (torch.bfloat16, torch.float32): 1e-2,
     (torch.float16, torch.float16): 5e-3, (torch.float16, torch.float32): 5e-3,
+    (torch.float32, torch.float32): 1e-5,
 }
+REFERENCE_WARNING = "running the PyTorch reference path"
+
+
+@contextlib.contextmanager
+def fallbacks_seen():
+    """The tk ops that ran their reference inside (each warns on a GPU; earlier warnings are forgotten)."""
+    for op in ("causal_conv1d", "causal_conv1d_bwd"):
+        _library._REFERENCE_WARNED.discard(op)
+    seen: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield seen
+    seen += [str(w.message) for w in caught if REFERENCE_WARNING in str(w.message)]
 
 
 def run_check(device) -> None:
     failures, cases = [], 0
+    on_kernel = device == "cuda" and tk_ops.backends()["causal_conv1d"] == "cuda kernel"
     for b, d, n, w, layout in CHECK_SHAPES:
         for (dtype, param_dtype), tolerance in CHECK_DTYPES.items():
             for with_bias in (True, False):
@@ -214,12 +254,13 @@ def run_check(device) -> None:
                     weight = weight.detach().to(param_dtype).requires_grad_()
                     bias = bias.detach().to(param_dtype).requires_grad_() if with_bias else None
                     leaves = [t for t in (x, weight, bias) if t is not None]
-                    out = tk_ops.causal_conv1d(x, weight, bias, activation="silu" if silu else None)
+                    with fallbacks_seen() as fallbacks:
+                        out = tk_ops.causal_conv1d(x, weight, bias, activation="silu" if silu else None)
+                        grads = torch.autograd.grad(out, leaves, grad_out)
                     exact = [t.detach().double().requires_grad_() for t in leaves]
                     reference = F.conv1d(exact[0], exact[1].unsqueeze(1), exact[2] if with_bias else None,
                                          padding=w - 1, groups=d)[..., :n]
                     reference = F.silu(reference) if silu else reference
-                    grads = torch.autograd.grad(out, leaves, grad_out)
                     reference_grads = torch.autograd.grad(reference, exact, grad_out.double())
                     name = (f"B={b} D={d} L={n} W={w} {layout} {str(dtype)[6:]}/{str(param_dtype)[6:]} "
                             f"bias={with_bias} silu={silu}")
@@ -230,6 +271,8 @@ def run_check(device) -> None:
                         error = relative_difference(got, want)
                         if not error <= tol or got.dtype != want_dtype:
                             failures.append(f"{name} {label}: rel err {error:.2e} (tol {tol:.0e}), {got.dtype}")
+                    if on_kernel and w in KERNEL_WIDTHS and fallbacks:
+                        failures.append(f"{name}: ran the reference, not the kernel ({fallbacks[0]})")
     common.finish_check(f"correctness sweep on {device} (causal_conv1d: {tk_ops.backends()['causal_conv1d']}): "
                         f"{cases} cases (out and the gradients of x, weight, bias)", failures)
 

@@ -74,6 +74,13 @@ FAMILIES = (
         # the table launch, then the convolution (cuFFT's rfft of the filter matches neither)
         Profile("fftconv_fwd_n4096", "fftconv::.*(prepare_kernel|convolution_kernel)", 2),
     )),
+    Family("causal_conv1d", op="causal_conv1d", bench="conv1d", profiles=(
+        Profile("causal_conv1d_fwd_bdl_l4096", "causal_conv1d::channel_first_forward_kernel", 1),
+        Profile("causal_conv1d_fwd_bld_l4096", "causal_conv1d::channel_last_forward_kernel", 1),
+        # the backward kernel, then the fixed-order sum of its partial rows of grad_weight and grad_bias
+        Profile("causal_conv1d_bwd_bdl_l4096", "causal_conv1d::(channel_first_backward_kernel|sum_partials_kernel)", 2),
+        Profile("causal_conv1d_bwd_bld_l4096", "causal_conv1d::(channel_last_backward_kernel|sum_partials_kernel)", 2),
+    )),
     Family("rope", op="rope_qk", bench="rope"),
     Family("layer_norm", op="layer_norm", bench="norms", profiles=(
         # the row kernel, then the sum of its per-block partial rows of dweight and dbias

@@ -110,6 +110,23 @@ def layer_norm_backward(rows: int, hidden: int):
     )
 
 
+def causal_conv1d(batch: int, dim: int, seq_len: int, layout: str, backward: bool):
+    """Mamba-2's short convolution (W = 4, bias, SiLU, bf16): x contiguous (B, D, L), or ("bld") a
+    (B, L, D) tensor seen as (B, D, L); the output gradient in x's layout."""
+    if layout == "bld":
+        x = torch.randn(batch, seq_len, dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    else:
+        x = torch.randn(batch, dim, seq_len, device="cuda", dtype=torch.bfloat16)
+    weight = (torch.randn(dim, 4, device="cuda") * 0.5).to(torch.bfloat16)
+    bias = torch.randn(dim, device="cuda", dtype=torch.bfloat16)
+    if not backward:
+        return lambda: torch.ops.tk.causal_conv1d.default(x, weight, bias, True)
+    grad = torch.randn_like(x)  # x's strides
+    return lambda: torch.ops.tk.causal_conv1d_bwd.default(grad, x, weight, bias, True)
+
+
+MAMBA2_CONV_DIM = 4096 + 2 * 128  # d_inner plus B and C of d_state 128, one group
+
 CASES = {
     "gemm_k64": lambda: gemm(4096, 4096, 64, weight_row_major=False),
     "gemm_4096": lambda: gemm(4096, 4096, 4096, weight_row_major=False),
@@ -131,6 +148,11 @@ CASES = {
     # one warp per row at 1024, four at 4096 (norms_notes.md compares the two)
     "layer_norm_bwd_h1024": lambda: layer_norm_backward(32768, 1024),
     "layer_norm_bwd_h4096": lambda: layer_norm_backward(32768, 4096),
+    # bench_conv1d's shapes: channel-first items of 1024 positions, channel-last walks of the resident grid
+    "causal_conv1d_fwd_bdl_l4096": lambda: causal_conv1d(8, MAMBA2_CONV_DIM, 4096, "bdl", backward=False),
+    "causal_conv1d_fwd_bld_l4096": lambda: causal_conv1d(8, MAMBA2_CONV_DIM, 4096, "bld", backward=False),
+    "causal_conv1d_bwd_bdl_l4096": lambda: causal_conv1d(8, MAMBA2_CONV_DIM, 4096, "bdl", backward=True),
+    "causal_conv1d_bwd_bld_l4096": lambda: causal_conv1d(8, MAMBA2_CONV_DIM, 4096, "bld", backward=True),
 }
 
 

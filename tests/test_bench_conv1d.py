@@ -46,10 +46,25 @@ def test_row():
 
 
 def test_input_layouts():
-    for layout, channel_last in (("bdl", False), ("bld", True)):
+    """x and the output gradient in the shape's layout; padded rows are 16-byte aligned whatever L."""
+    for layout, channel_stride in (("bdl", 5), ("bld", 1), ("bdl-padded", 16)):
         x, weight, bias, grad_out = bench.input_set(bench.Shape(2, 8, 5, 4, layout), "cpu", torch.bfloat16, True)
-        assert x.shape == grad_out.shape == (2, 8, 5) and x.stride(1) == (1 if channel_last else 5)
+        assert x.shape == grad_out.shape == (2, 8, 5) and x.stride(1) == grad_out.stride(1) == channel_stride
         assert weight.shape == (8, 4) and bias.shape == (8,) and x.requires_grad and weight.requires_grad
+
+
+def test_check_shapes_cover_every_kernel_path():
+    """Each width on both layouts, with and without vectors (bf16 and fp32 vectors), a cut vector, segments."""
+    shapes = bench.CHECK_SHAPES
+    for w in bench.KERNEL_WIDTHS:
+        of_width = [(d, n, layout) for _, d, n, width, layout in shapes if width == w]
+        assert any(layout == "bdl" and n % 8 == 0 for d, n, layout in of_width), w  # vectors of bf16 and fp32
+        assert any(layout == "bdl" and n % 4 != 0 for d, n, layout in of_width), w  # element by element
+        assert any(layout == "bld" and d % 2 == 0 for d, n, layout in of_width), w
+        assert any(layout == "bld" and d % 2 == 1 for d, n, layout in of_width), w
+    assert any(layout == "bdl-padded" and n % 8 != 0 for _, _, n, _, layout in shapes)
+    assert any(n > 2048 for _, _, n, _, _ in shapes) and any(n == 1 for _, _, n, _, _ in shapes)
+    assert any(w > n for _, _, n, w, _ in shapes) and any(w == 1 for *_, w, _ in shapes)
 
 
 def test_dry_run_builds_every_row_and_the_plot(tmp_path, capsys):

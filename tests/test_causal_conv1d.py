@@ -1,7 +1,12 @@
 """tk.causal_conv1d: causal depthwise conv1d (+ SiLU), against a naive loop and against
-F.conv1d(padding=W - 1)[..., :L] in float64."""
+F.conv1d(padding=W - 1)[..., :L] in float64; on an sm_90 GPU, its kernels (both layouts, every
+dtype and width they take, tails, strided views, NaN past every input and in every fresh
+allocation, CUDA graphs, determinism) and their fallbacks."""
 
 from __future__ import annotations
+
+import contextlib
+import warnings
 
 import pytest
 import torch
@@ -9,6 +14,8 @@ import torch.nn.functional as F
 
 import tk_ops
 import tk_testing
+from tk_ops import _library
+from tk_ops.ops import causal_conv1d as causal_conv1d_module
 from tk_ops.ops.causal_conv1d import is_channel_last
 from tk_testing import TOLERANCE, assert_rel_close, requires_cuda, requires_kernel
 
@@ -396,7 +403,7 @@ def test_device_mismatch():
 @requires_cuda
 @pytest.mark.parametrize("dtype, param_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float32, torch.float32)])
 def test_gpu_forward_and_gradients(dtype, param_dtype):
-    """Whatever serves CUDA tensors today (the reference until a kernel lands) against float64."""
+    """Whatever serves CUDA tensors (the kernels on sm_90, the reference elsewhere) against float64."""
     B, D, L = 2, 96, 1000
     x = torch.randn(B, L, D, device="cuda").to(dtype).transpose(1, 2)  # channel-last, as in a mixer
     _, weight, bias = make_inputs(B, D, L, 4, dtype=dtype, param_dtype=param_dtype, device="cuda")
@@ -410,24 +417,238 @@ def test_gpu_forward_and_gradients(dtype, param_dtype):
         assert_rel_close(g, w, 2 * TOLERANCE[dtype], f"grad_{name}")
 
 
+# ------------------------------------------------------------------------------------ GPU kernels
+
+REFERENCE_WARNING = "running the PyTorch reference path"
+KERNEL_WIDTHS = [2, 3, 4]
+KERNEL_DTYPES = [  # (x dtype, weight and bias dtype)
+    (torch.bfloat16, torch.bfloat16),
+    (torch.bfloat16, torch.float32),
+    (torch.float16, torch.float16),
+    (torch.float16, torch.float32),
+    (torch.float32, torch.float32),
+]
+# 4099: odd, past several 1024-position segments and not a multiple of any vector
+KERNEL_SEQ_LENS = [1, 17, 1000, 4099]
+ROW_ALIGNMENT = 8  # elements: 16 bytes of bf16/fp16, 32 of fp32; the NaN margins of the padded layouts
+
+
+@contextlib.contextmanager
+def on_kernel():
+    """Both ops must run their kernels: a reference (which warns once per op, so forget earlier warnings) raises."""
+    for op in ("causal_conv1d", "causal_conv1d_bwd"):
+        _library._REFERENCE_WARNED.discard(op)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=f".*{REFERENCE_WARNING}")
+        yield
+
+
+@contextlib.contextmanager
+def on_reference(op: str = "causal_conv1d"):
+    """The op must fall back to its reference, with the one-time warning."""
+    _library._REFERENCE_WARNED.discard(op)
+    with pytest.warns(UserWarning, match=REFERENCE_WARNING):
+        yield
+
+
+def gpu_activation(values: torch.Tensor, layout: str) -> torch.Tensor:
+    """(B, D, L) values on the GPU, stored as
+    "bdl"         contiguous (B, D, L): channel-first, rows 16-byte aligned when L is a multiple of a vector
+    "bld"         a contiguous (B, L, D) transposed: channel-last
+    "bdl-padded"  rows of a NaN buffer, ROW_ALIGNMENT NaN before t = 0 and at least as many after t = L - 1,
+                  rows 16-byte aligned whatever L (so a vector cut by the row's end at odd L)
+    "bld-slice"   a column slice of a NaN (B, L + ROW_ALIGNMENT, D + 2 ROW_ALIGNMENT) buffer, transposed
+                  (NaN rows before t = 0, NaN columns around the slice)
+    so a kernel that reads past an end (or before t = 0) produces NaN."""
+    b, d, n = values.shape
+    if layout == "bdl":
+        return values.cuda()
+    if layout == "bld":
+        return values.transpose(1, 2).contiguous().cuda().transpose(1, 2)
+    pad = ROW_ALIGNMENT
+    if layout == "bdl-padded":
+        row = -(-(n + 2 * pad) // pad) * pad
+        buffer = torch.full((b, d, row), float("nan"), dtype=values.dtype, device="cuda")
+        buffer[..., pad : pad + n] = values
+        return buffer[..., pad : pad + n]
+    assert layout == "bld-slice", layout
+    buffer = torch.full((b, n + pad, d + 2 * pad), float("nan"), dtype=values.dtype, device="cuda")
+    buffer[:, pad:, pad : pad + d] = values.transpose(1, 2)
+    return buffer[:, pad:, pad : pad + d].transpose(1, 2)
+
+
+def kernel_case(B, D, L, W, dtype, param_dtype, layout, with_bias=True):
+    """x and the output gradient in `layout` (NaN around them where padded), weight and bias on the GPU
+    with NaN past their ends; the CPU float64 copies of the same rounded values."""
+    x, weight, bias = make_inputs(B, D, L, W, dtype=dtype, param_dtype=param_dtype, with_bias=with_bias)
+    grad = torch.randn(B, D, L).to(dtype)
+    parameters = [None if t is None else tk_testing.on_gpu_with_canary(t.flatten()).view(t.shape) for t in (weight, bias)]
+    gpu = (gpu_activation(x, layout), *parameters, gpu_activation(grad, layout))
+    return gpu, (x.double(), weight.double(), None if bias is None else bias.double(), grad.double())
+
+
+def expected(x, weight, bias, silu, grad):
+    """out and the gradients of x, weight, bias (float64, on the CPU)."""
+    leaves = [t.detach().requires_grad_() for t in (x, weight) + (() if bias is None else (bias,))]
+    out = conv1d_reference(leaves[0], leaves[1], leaves[2] if bias is not None else None, silu)
+    return (out.detach(), *torch.autograd.grad(out, leaves, grad))
+
+
+def check_kernel_case(gpu, cpu, silu, dtype, param_dtype):
+    x, weight, bias, grad = gpu
+    with on_kernel():
+        out = torch.ops.tk.causal_conv1d(x, weight, bias, silu)
+        grads = torch.ops.tk.causal_conv1d_bwd(grad, x, weight, bias, silu)
+    want = expected(*cpu[:3], silu, cpu[3])
+    layout = causal_conv1d_module._new_like_x(x).stride()  # the reference's (and the fake's) strides
+    assert out.dtype == dtype and out.stride() == layout
+    assert grads[0].dtype == dtype and grads[0].stride() == layout
+    assert grads[1].dtype == param_dtype and grads[1].shape == weight.shape
+    assert_rel_close(out, want[0], TOLERANCE[dtype])
+    assert_rel_close(grads[0], want[1], 2 * TOLERANCE[dtype], "grad_x")
+    assert_rel_close(grads[1], want[2], 2 * TOLERANCE[param_dtype], "grad_weight")
+    if bias is None:
+        assert grads[2].numel() == 0
+    else:
+        assert grads[2].dtype == param_dtype
+        assert_rel_close(grads[2], want[3], 2 * TOLERANCE[param_dtype], "grad_bias")
+
+
+@requires_kernel("causal_conv1d")
+@pytest.mark.parametrize("layout", ["bdl", "bld", "bdl-padded", "bld-slice"])
+@pytest.mark.parametrize("L", KERNEL_SEQ_LENS)
+@pytest.mark.parametrize("W", KERNEL_WIDTHS)
+@pytest.mark.parametrize("dtype, param_dtype", KERNEL_DTYPES)
+def test_kernel_matches_float64(poisoned_allocations, dtype, param_dtype, W, L, layout):
+    """Forward and backward kernels against float64, with NaN in every fresh allocation (outputs and
+    the partial sums a kernel forgets to write stay NaN) and, for the padded layouts, around x, the
+    gradient, the weight and the bias (what a kernel reads past an end shows)."""
+    gpu, cpu = kernel_case(2, 72, L, W, dtype, param_dtype, layout)
+    check_kernel_case(gpu, cpu, True, dtype, param_dtype)
+
+
+@requires_kernel("causal_conv1d")
+@pytest.mark.parametrize("with_bias, silu", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("layout", ["bdl", "bld", "bdl-padded", "bld-slice"])
+@pytest.mark.parametrize("W", KERNEL_WIDTHS)
+@pytest.mark.parametrize("dtype, param_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float32)])
+def test_kernel_bias_and_silu_options(poisoned_allocations, dtype, param_dtype, W, layout, with_bias, silu):
+    gpu, cpu = kernel_case(3, 40, 333, W, dtype, param_dtype, layout, with_bias=with_bias)
+    check_kernel_case(gpu, cpu, silu, dtype, param_dtype)
+
+
+@requires_kernel("causal_conv1d")
+@pytest.mark.parametrize("D", [1, 3, 63, 65, 130])
+@pytest.mark.parametrize("layout", ["bdl", "bld", "bld-slice"])
+def test_kernel_channel_counts(poisoned_allocations, D, layout):
+    """Channel counts around a channel-last tile (64 channels) and odd ones (no 4-byte vectors of bf16)."""
+    gpu, cpu = kernel_case(2, D, 257, 4, torch.bfloat16, torch.bfloat16, layout)
+    check_kernel_case(gpu, cpu, True, torch.bfloat16, torch.bfloat16)
+
+
 @requires_kernel("causal_conv1d")
 @pytest.mark.parametrize("channel_last", [False, True])
 @pytest.mark.parametrize("L", [1, 17, 1000, 4096])
 @pytest.mark.parametrize("W", [2, 3, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_kernel_forward_and_gradients(dtype, W, L, channel_last):
+    """Mamba-2's conv width (D = 4096 + 2 * 128) through the public function and autograd."""
     B, D = 2, 4096 + 2 * 128
     x = torch.randn(B, D, L, device="cuda").to(dtype)
     if channel_last:
         x = x.transpose(1, 2).contiguous().transpose(1, 2)
     _, weight, bias = make_inputs(B, D, L, W, dtype=dtype, device="cuda")
-    out = tk_ops.causal_conv1d(x, weight, bias, activation="silu")
+    with on_kernel():
+        out = tk_ops.causal_conv1d(x, weight, bias, activation="silu")
     assert_rel_close(out, float64_reference(x, weight, bias, True), TOLERANCE[dtype])
     grad = torch.randn_like(out)
-    got = op_grads(x, weight, bias, True, grad)
+    with on_kernel():
+        got = op_grads(x, weight, bias, True, grad)
     want = reference_grads(conv1d_reference, x, weight, bias, True, grad)
     for name, g, w in zip(("x", "weight", "bias"), got, want):
         assert_rel_close(g, w, 2 * TOLERANCE[dtype], f"grad_{name}")
+
+
+@requires_kernel("causal_conv1d")
+def test_kernel_strided_channel_first_views_are_read_in_place():
+    """A channel slice and a batch-major view (unit stride along L) reach the kernels uncopied and give
+    the numbers of contiguous copies, bit for bit."""
+    B, D, L = 3, 40, 300
+    storage = torch.randn(D + 16, B, L, device="cuda", dtype=torch.bfloat16)
+    x = storage[8 : 8 + D].transpose(0, 1)  # (B, D, L), batch stride L, channel stride B * L
+    _, weight, bias = make_inputs(B, D, L, 3, dtype=torch.bfloat16, device="cuda")
+    grad = torch.randn(B, D, L, device="cuda", dtype=torch.bfloat16)
+    with on_kernel(), tk_testing.RecordTkCalls() as recorder:
+        out = tk_ops.causal_conv1d(x, weight, bias, activation="silu")
+        grads = torch.ops.tk.causal_conv1d_bwd(grad, x, weight, bias, True)
+    assert recorder.calls["causal_conv1d"][0][0].data_ptr() == x.data_ptr()
+    contiguous = x.contiguous()
+    torch.testing.assert_close(out, torch.ops.tk.causal_conv1d(contiguous, weight, bias, True), rtol=0, atol=0)
+    for got, want in zip(grads, torch.ops.tk.causal_conv1d_bwd(grad, contiguous, weight, bias, True)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@requires_kernel("causal_conv1d_bwd")
+@pytest.mark.parametrize("x_layout, grad_layout", [("bld", "bdl"), ("bdl", "bld"), ("bld-slice", "bdl-padded")])
+def test_kernel_gradient_in_the_other_layout(x_layout, grad_layout):
+    """A gradient whose unit stride is not x's is copied to x's layout: same numbers, x's layout out."""
+    x, weight, bias = make_inputs(2, 48, 129, 4, dtype=torch.bfloat16)
+    grad = torch.randn(2, 48, 129).to(torch.bfloat16)
+    x_gpu, grad_gpu = gpu_activation(x, x_layout), gpu_activation(grad, grad_layout)
+    weight, bias = weight.cuda(), bias.cuda()
+    with on_kernel():
+        got = torch.ops.tk.causal_conv1d_bwd(grad_gpu, x_gpu, weight, bias, True)
+        same_layout = torch.ops.tk.causal_conv1d_bwd(gpu_activation(grad, x_layout), x_gpu, weight, bias, True)
+    assert is_channel_last(got[0]) == is_channel_last(x_gpu)
+    for g, w in zip(got, same_layout):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+@requires_kernel("causal_conv1d_bwd")
+@pytest.mark.parametrize("layout", ["bdl", "bld"])
+def test_kernel_parameter_gradients_are_deterministic(layout):
+    """Fixed-order sums of per-block partials: grad_weight and grad_bias are the same bits on every run."""
+    gpu, _ = kernel_case(4, 256, 2000, 4, torch.bfloat16, torch.float32, layout)
+    x, weight, bias, grad = gpu
+    with on_kernel():
+        first = torch.ops.tk.causal_conv1d_bwd(grad, x, weight, bias, True)
+        for _ in range(3):
+            again = torch.ops.tk.causal_conv1d_bwd(grad, x, weight, bias, True)
+            for got, want in zip(again, first):
+                assert torch.equal(got, want)
+
+
+@requires_kernel("causal_conv1d_bwd")
+@pytest.mark.parametrize("layout", ["bdl", "bld"])
+def test_kernel_cuda_graph_capture_and_replay(layout):
+    """Forward and backward captured in one graph replay the eager numbers on new inputs."""
+    B, D, L = 2, 96, 777
+
+    def new_inputs():
+        gpu, _ = kernel_case(B, D, L, 4, torch.bfloat16, torch.float32, layout)
+        return gpu
+
+    static = new_inputs()
+
+    def forward_backward():
+        x, weight, bias, grad = static
+        return (torch.ops.tk.causal_conv1d(x, weight, bias, True), *torch.ops.tk.causal_conv1d_bwd(grad, x, weight, bias, True))
+
+    before = [t.clone() for t in forward_backward()]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        forward_backward()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = forward_backward()
+    for dst, src in zip(static, new_inputs()):
+        dst.copy_(src)
+    graph.replay()
+    for got, want, old in zip(captured, forward_backward(), before):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert not torch.equal(got, old)
 
 
 @requires_kernel("causal_conv1d")
@@ -435,3 +656,36 @@ def test_kernel_opcheck():
     x, weight, bias = make_inputs(2, 256, 1000, 4, dtype=torch.bfloat16, device="cuda")
     torch.library.opcheck(torch.ops.tk.causal_conv1d_bwd.default, (torch.randn_like(x), x, weight, bias, True))
     torch.library.opcheck(torch.ops.tk.causal_conv1d.default, (x.requires_grad_(), weight.requires_grad_(), bias.requires_grad_(), True))
+    channel_last = x.detach().transpose(1, 2).contiguous().transpose(1, 2)
+    torch.library.opcheck(torch.ops.tk.causal_conv1d_bwd.default, (torch.randn_like(channel_last), channel_last, weight, bias, True))
+
+
+def _unsupported_cases():
+    def strided(b, d, n, w, dtype):
+        x, weight, bias = make_inputs(b, d, 2 * n, w, dtype=dtype, device="cuda")
+        return x[..., ::2], weight, bias  # stride 2 along L, D's stride is not 1 either
+
+    return [
+        ("fp64", lambda: make_inputs(2, 24, 77, 4, device="cuda")),
+        ("W = 1", lambda: make_inputs(2, 24, 77, 1, dtype=torch.bfloat16, device="cuda")),
+        ("W = 5", lambda: make_inputs(2, 24, 77, 5, dtype=torch.bfloat16, device="cuda")),
+        ("no unit stride", lambda: strided(2, 24, 77, 4, torch.bfloat16)),
+    ]
+
+
+@requires_kernel("causal_conv1d")
+@tk_testing.parametrize_with_ids("make", _unsupported_cases())
+def test_unsupported_inputs_fall_back_to_reference(make):
+    """Inputs outside the kernels' scope reach the reference twins (warning once) and give its numbers;
+    the op is called directly, below the public function's copy of an x with no unit stride."""
+    x, weight, bias = make()
+    grad = torch.randn_like(x)
+    with on_reference("causal_conv1d"):
+        out = torch.ops.tk.causal_conv1d(x, weight, bias, True)
+    with on_reference("causal_conv1d_bwd"):
+        grads = torch.ops.tk.causal_conv1d_bwd(grad, x, weight, bias, True)
+    tolerance = TOLERANCE[x.dtype]
+    want = expected(x.cpu().double(), weight.cpu().double(), bias.cpu().double(), True, grad.cpu().double())
+    assert_rel_close(out, want[0], tolerance)
+    for name, got, w in zip(("x", "weight", "bias"), grads, want[1:]):
+        assert_rel_close(got, w, 2 * tolerance, f"grad_{name}")

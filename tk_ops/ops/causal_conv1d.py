@@ -35,9 +35,24 @@ anything else to a contiguous tensor. The output (and grad_x) is channel-last, a
 otherwise, so a Mamba-2 mixer's (B, L, D) activations stay (B, L, D). weight and bias reach the
 ops contiguous.
 
-No CUDA kernel yet (planned for W in {2, 3, 4}, bf16/fp16); every input runs the reference (on a
-GPU with a one-time warning). The reference is vectorised over B, D and L with one pass per tap
-(W passes, no loop over L) and O(B D L) memory: a zero-padded fp32 copy of x and an fp32 accumulator.
+CUDA kernels (csrc/kernels/causal_conv1d, registered by csrc/torch/causal_conv1d.cpp), forward and
+backward: x bf16, fp16 or fp32 (weight and bias in x's dtype or fp32), W in {2, 3, 4}, any B, D and
+L >= 1, either layout read in place. Channel-first: a warp takes 1024 (fp32: 512) consecutive
+positions of one (b, d) row, 16-byte vectors along L when every row is 16-byte aligned (else element
+by element), the W - 1 inputs before a lane's vector passed by a shuffle from the lane before.
+Channel-last: a lane takes 2 channels (a 4-byte vector of 16-bit x, 8-byte of fp32, when D is even and
+rows aligned) and walks along L with its last W - 1 inputs in registers; a grid as large as the
+device holds at once cuts the positions into equal ranges. The output and grad_x have x's layout (as
+above); a gradient whose unit stride is not x's is copied to x's layout first. Arithmetic in fp32;
+the backward recomputes the pre-activation from x, and sums grad_weight and grad_bias in fp32 per warp
+or block, then over those partial sums in a fixed order (no atomics: the same bits on every run).
+Everything else (fp64, W = 1 or W > 4, another GPU than sm_90, an x with no unit stride along L or D,
+which the public function copies but a direct call of the op may pass) runs the reference, on a GPU
+with a one-time warning. The schema has no seq_idx, initial_states or final_states (causal_conv1d_fn's
+options for packed sequences and chunked prefill): every sequence starts from zeros.
+
+The reference is vectorised over B, D and L with one pass per tap (W passes, no loop over L) and
+O(B D L) memory: a zero-padded fp32 copy of x and an fp32 accumulator.
 """
 
 from __future__ import annotations
