@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import pathlib
 import warnings
 from typing import Callable, Optional
@@ -287,15 +286,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+ROW_WIDTHS = (32, 9)  # printed columns: shape, baseline
+
+
 def dry_run(args: argparse.Namespace) -> list[dict]:
     passes = tuple(args.passes or PASSES)
     rows = [row for shape in DRY_RUN_SHAPES for row in measure(shape, "cpu", common.run_once, None, passes)]
-    common.print_floor_rows(rows, 32, 9)
-    print(json.dumps(rows, indent=1))
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        plot(rows, args.out / "conv1d.png", "CPU (dry run, nothing timed)")
-    return rows
+    return common.finish_dry_run("conv1d", rows, ROW_WIDTHS, args.out, plot)
 
 
 def main(argv=None) -> None:
@@ -307,24 +304,11 @@ def main(argv=None) -> None:
     run_check("cuda")
     if args.check:
         return
-    from benchmarks.bench_rope import copy_bandwidth_gbps
-
-    copy = copy_bandwidth_gbps()
-    print(f"device-to-device copy in this run: {copy:.0f} GB/s")
-    out_dirs = [common.RESULTS] + ([args.out] if args.out else [])
-    header = dict(
-        copy_gbps=round(copy, 1), ceiling="torch copy_ of 1 GiB fp32, device to device, read + write, this run",
-        dtype="bf16", activation=ACTIVATION, ours_backend=tk_ops.backends()["causal_conv1d"],
-    )
-    rows = []
-    for shape in SHAPES:
-        shape_rows = measure(shape, "cuda", common.time_ms, copy, tuple(args.passes or PASSES))
-        common.print_floor_rows(shape_rows, 32, 9)
-        rows += shape_rows
-        # written after every shape, so a run cut short keeps what it measured
-        common.write_results("conv1d", rows, out_dirs, **header)
-    for directory in out_dirs:
-        plot(rows, directory / "conv1d.png", torch.cuda.get_device_name())
+    copy, ceiling = common.measured_copy_ceiling()
+    passes = tuple(args.passes or PASSES)
+    common.sweep_shapes("conv1d", SHAPES, lambda shape: measure(shape, "cuda", common.time_ms, copy, passes),
+                        ROW_WIDTHS, args.out, plot, **ceiling, dtype="bf16", activation=ACTIVATION,
+                        ours_backend=tk_ops.backends()["causal_conv1d"])
 
 
 if __name__ == "__main__":

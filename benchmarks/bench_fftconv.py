@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import pathlib
 from typing import Callable, Optional
@@ -37,7 +36,6 @@ import torch
 
 import tk_ops
 from benchmarks import common
-from benchmarks.bench_rope import copy_bandwidth_gbps
 
 DTYPE = torch.bfloat16
 PARAM_DTYPE = torch.float32
@@ -218,14 +216,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+ROW_WIDTHS = (22, 20)  # printed columns: shape, baseline
+
+
 def dry_run(args: argparse.Namespace) -> list[dict]:
     rows = [row for shape in DRY_RUN_SHAPES for row in measure(shape, "cpu", common.run_once, None)]
-    common.print_floor_rows(rows, 22, 20)
-    print(json.dumps(rows, indent=1))
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        plot(rows, args.out / "fftconv.png", "CPU (dry run, nothing timed)")
-    return rows
+    return common.finish_dry_run("fftconv", rows, ROW_WIDTHS, args.out, plot)
 
 
 def main(argv=None) -> None:
@@ -237,21 +233,11 @@ def main(argv=None) -> None:
     run_check("cuda")
     if args.check:
         return
-    copy = copy_bandwidth_gbps()
-    print(f"device-to-device copy in this run: {copy:.0f} GB/s")
-    out_dirs = [common.RESULTS] + ([args.out] if args.out else [])
-    header = dict(
-        copy_gbps=round(copy, 1), ceiling="torch copy_ of 1 GiB fp32, device to device, read + write, this run",
-        dtype="bf16 u, fp32 k and D", ours_backends={op: tk_ops.backends()[op] for op in ("fftconv", "fftconv_bwd")},
-    )
-    rows = []
-    for shape in SHAPES:
-        shape_rows = measure(shape, "cuda", common.time_ms, copy, tuple(args.passes or PASSES))
-        common.print_floor_rows(shape_rows, 22, 20)
-        rows += shape_rows
-        common.write_results("fftconv", rows, out_dirs, **header)  # after every shape: a cut-short run keeps its rows
-    for directory in out_dirs:
-        plot(rows, directory / "fftconv.png", torch.cuda.get_device_name())
+    copy, ceiling = common.measured_copy_ceiling()
+    passes = tuple(args.passes or PASSES)
+    common.sweep_shapes("fftconv", SHAPES, lambda shape: measure(shape, "cuda", common.time_ms, copy, passes),
+                        ROW_WIDTHS, args.out, plot, **ceiling, dtype="bf16 u, fp32 k and D",
+                        ours_backends={op: tk_ops.backends()[op] for op in ("fftconv", "fftconv_bwd")})
 
 
 if __name__ == "__main__":

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import pathlib
 import subprocess
@@ -51,7 +50,6 @@ import torch
 
 import tk_ops
 from benchmarks import common
-from benchmarks.bench_rope import copy_bandwidth_gbps
 
 DTYPE = torch.bfloat16
 PASSES = ("fwd", "fwd+bwd")
@@ -359,14 +357,12 @@ def selected_shapes(args: argparse.Namespace) -> tuple[Shape, ...]:
     return tuple(shape for shape in shapes if args.only in (None, shape.kind))
 
 
+ROW_WIDTHS = (44, 24)  # printed columns: shape, baseline
+
+
 def dry_run(args: argparse.Namespace) -> list[dict]:
     rows = [row for shape in selected_shapes(args) for row in measure(shape, "cpu", common.run_once, None)]
-    common.print_floor_rows(rows, 44, 24)
-    print(json.dumps(rows, indent=1))
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        plot(rows, args.out / "linear_attention.png", "CPU (dry run, nothing timed)")
-    return rows
+    return common.finish_dry_run("linear_attention", rows, ROW_WIDTHS, args.out, plot)
 
 
 def main(argv=None) -> None:
@@ -381,23 +377,14 @@ def main(argv=None) -> None:
     run_check("cuda")
     if args.check:
         return
-    copy = copy_bandwidth_gbps()
-    print(f"device-to-device copy in this run: {copy:.0f} GB/s")
-    out_dirs = [common.RESULTS] + ([args.out] if args.out else [])
-    header = dict(
-        copy_gbps=round(copy, 1), ceiling="torch copy_ of 1 GiB fp32, device to device, read + write, this run",
-        dtype="bf16", fla=fla_baselines("based")[1], based_eps=FLA_BASED_EPS, generic_normalize=GENERIC_NORMALIZE,
-        ours_backends={op: tk_ops.backends()[op] for op in ("based_attention", "linear_attention")},
-    )
-    rows = []
-    for shape in selected_shapes(args):
-        shape_rows = measure(shape, "cuda", common.time_ms, copy, tuple(args.passes or PASSES), args.isolate_baselines)
-        common.print_floor_rows(shape_rows, 44, 24)
-        rows += shape_rows
-        # written after every shape, so a run cut short keeps what it measured
-        common.write_results("linear_attention", rows, out_dirs, **header)
-    for directory in out_dirs:
-        plot(rows, directory / "linear_attention.png", torch.cuda.get_device_name())
+    copy, ceiling = common.measured_copy_ceiling()
+    passes = tuple(args.passes or PASSES)
+    common.sweep_shapes(
+        "linear_attention", selected_shapes(args),
+        lambda shape: measure(shape, "cuda", common.time_ms, copy, passes, args.isolate_baselines),
+        ROW_WIDTHS, args.out, plot, **ceiling, dtype="bf16", fla=fla_baselines("based")[1], based_eps=FLA_BASED_EPS,
+        generic_normalize=GENERIC_NORMALIZE,
+        ours_backends={op: tk_ops.backends()[op] for op in ("based_attention", "linear_attention")})
 
 
 if __name__ == "__main__":

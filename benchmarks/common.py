@@ -225,6 +225,46 @@ def sweep_arguments(description: Optional[str]) -> argparse.ArgumentParser:
     return parser
 
 
+COPY_CEILING = "torch copy_ of 1 GiB fp32, device to device, read + write, this run"
+
+
+def measured_copy_ceiling() -> tuple[float, dict]:
+    """This run's device-to-device copy bandwidth (GB/s, printed) and the results-header fields that
+    name it: the ceiling every memory-bound bench reports its floor fractions against."""
+    from benchmarks.bench_rope import copy_bandwidth_gbps
+
+    copy = copy_bandwidth_gbps()
+    print(f"device-to-device copy in this run: {copy:.0f} GB/s")
+    return copy, dict(copy_gbps=round(copy, 1), ceiling=COPY_CEILING)
+
+
+def sweep_shapes(name: str, shapes: Sequence, measure_shape: Callable[[object], list[dict]],
+                 widths: tuple[int, int], out: Optional[pathlib.Path], plot: Callable, **header) -> list[dict]:
+    """Measures shape after shape, printing each one's rows and rewriting NAME.json after each (a run
+    cut short keeps what it measured), then plots NAME.png; into RESULTS and, given, `out`."""
+    out_dirs = [RESULTS] + ([out] if out else [])
+    rows: list[dict] = []
+    for shape in shapes:
+        shape_rows = measure_shape(shape)
+        print_floor_rows(shape_rows, *widths)
+        rows += shape_rows
+        write_results(name, rows, out_dirs, **header)
+    for directory in out_dirs:
+        plot(rows, directory / f"{name}.png", torch.cuda.get_device_name())
+    return rows
+
+
+def finish_dry_run(name: str, rows: list[dict], widths: tuple[int, int], out: Optional[pathlib.Path],
+                   plot: Callable) -> list[dict]:
+    """A dry run's rows printed as a sweep prints them and as JSON, and plotted into `out` if given."""
+    print_floor_rows(rows, *widths)
+    print(json.dumps(rows, indent=1))
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        plot(rows, out / f"{name}.png", "CPU (dry run, nothing timed)")
+    return rows
+
+
 def floor_bar_panel(ax, rows: Sequence[dict], names: Sequence[str], colors: dict, title: str,
                     tick: Callable[[str], str] = lambda shape: shape) -> None:
     """One matplotlib panel of floor rows (one pass of one kind): per shape a bar of ms for ours
