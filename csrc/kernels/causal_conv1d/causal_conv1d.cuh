@@ -54,6 +54,9 @@ using dtypes = one_of<element_type::bf16, element_type::fp16, element_type::fp32
 enum class layout { channel_first, channel_last };
 
 constexpr int VECTOR_BYTES = 16;
+// 16-bit elements packed two to a 32-bit word, the first in the low half.
+constexpr int HALVES_PER_WORD = 2;
+constexpr int HALF_WORD_BITS = 16;
 
 struct channel_first_plan {
   static constexpr int warps = 4;
@@ -244,7 +247,8 @@ __device__ __forceinline__ elements<T, N> load(const T* p, int count) {
   } else {
 #pragma unroll
     for (int e = 0; e < N; ++e) {
-      if (e < count) out.words[e / 2] |= uint32_t(__ldg(reinterpret_cast<const unsigned short*>(p) + e)) << (16 * (e % 2));
+      if (e < count) out.words[e / HALVES_PER_WORD] |= uint32_t(__ldg(reinterpret_cast<const unsigned short*>(p) + e))
+                                                   << (HALF_WORD_BITS * (e % HALVES_PER_WORD));
     }
   }
   return out;
@@ -267,7 +271,8 @@ __device__ __forceinline__ void store(T* p, const elements<T, N>& v, int count) 
   } else {
 #pragma unroll
     for (int e = 0; e < N; ++e) {
-      if (e < count) reinterpret_cast<unsigned short*>(p)[e] = static_cast<unsigned short>(v.words[e / 2] >> (16 * (e % 2)));
+      if (e < count) reinterpret_cast<unsigned short*>(p)[e] = static_cast<unsigned short>(v.words[e / HALVES_PER_WORD] >>
+                                                                            (HALF_WORD_BITS * (e % HALVES_PER_WORD)));
     }
   }
 }
