@@ -57,29 +57,17 @@ struct statistics_params {
 
 template <typename T>
 __global__ void __launch_bounds__(STATISTICS_THREADS) statistics_kernel(const statistics_params<T> p) {
-  const int64_t row = int64_t(blockIdx.x) * (STATISTICS_THREADS / STATISTICS_LANES_PER_ROW) +
-                      threadIdx.x / STATISTICS_LANES_PER_ROW;
-  const int lane_in_row = threadIdx.x % STATISTICS_LANES_PER_ROW;
-  const int64_t head_row = row / p.statistics_rows;  // batch * Hq + head
-  const int i = int(row % p.statistics_rows);
-  const bool real = row < p.total_rows && i < p.q_rows;
-  float dot = 0.0f;
-  if (real) {
-    const int64_t batch = head_row / p.q_heads, head = head_row % p.q_heads;
-    const T* o = p.out + batch * p.out_strides[0] + head * p.out_strides[1] + i * p.out_strides[2];
-    const T* d = p.grad_out + batch * p.grad_out_strides[0] + head * p.grad_out_strides[1] + i * p.grad_out_strides[2];
-    dot = lane_dot<STATISTICS_LANES_PER_ROW>(o, d, p.dim, lane_in_row);
-  }
-  dot = sum_row_lanes<STATISTICS_LANES_PER_ROW>(dot);
-  if (lane_in_row != 0 || row >= p.total_rows) return;
-  if (real) {
-    const int64_t source = head_row * p.q_rows + i;
+  const statistics_row r = statistics_row_dot<STATISTICS_LANES_PER_ROW, STATISTICS_THREADS>(
+      p.out, p.out_strides, p.grad_out, p.grad_out_strides, p.q_heads, p.q_rows, p.statistics_rows, p.total_rows, p.dim);
+  if (r.lane_in_row != 0 || r.row >= p.total_rows) return;
+  if (r.real) {
+    const int64_t source = r.head_row * p.q_rows + r.i;
     const float lse = p.lse[source];
-    p.lse2[row] = lse == NEG_INF ? INFINITY : lse * LOG2_E;
-    p.delta[row] = dot - (p.grad_lse != nullptr ? p.grad_lse[source] : 0.0f);
+    p.lse2[r.row] = lse == NEG_INF ? INFINITY : lse * LOG2_E;
+    p.delta[r.row] = r.dot - (p.grad_lse != nullptr ? p.grad_lse[source] : 0.0f);
   } else {
-    p.lse2[row] = INFINITY;  // padding rows: P = exp2(s - inf) = 0, so they add nothing
-    p.delta[row] = 0.0f;
+    p.lse2[r.row] = INFINITY;  // padding rows: P = exp2(s - inf) = 0, so they add nothing
+    p.delta[r.row] = 0.0f;
   }
 }
 

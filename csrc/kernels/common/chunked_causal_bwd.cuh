@@ -83,25 +83,13 @@ struct statistics_params {
 // Per row: 1 / d and c = -(g . out) / d; zeros on the padding rows.
 template <typename T>
 __global__ void __launch_bounds__(STATISTICS_THREADS) statistics_kernel(const statistics_params<T> p) {
-  const int64_t row = int64_t(blockIdx.x) * (STATISTICS_THREADS / STATISTICS_LANES_PER_ROW) +
-                      threadIdx.x / STATISTICS_LANES_PER_ROW;
-  const int lane_in_row = threadIdx.x % STATISTICS_LANES_PER_ROW;
-  const int64_t head_row = row / p.padded;  // batch * H + head
-  const int i = int(row % p.padded);
-  const bool real = row < p.total_rows && i < p.rows;
-  float dot = 0.0f;
-  if (real) {
-    const int64_t batch = head_row / p.heads, head = head_row % p.heads;
-    const T* o = p.out + batch * p.out_strides[0] + head * p.out_strides[1] + i * p.out_strides[2];
-    const T* g = p.grad_out + batch * p.grad_out_strides[0] + head * p.grad_out_strides[1] + i * p.grad_out_strides[2];
-    dot = lane_dot<STATISTICS_LANES_PER_ROW>(o, g, p.dim, lane_in_row);
-  }
-  dot = sum_row_lanes<STATISTICS_LANES_PER_ROW>(dot);
-  if (lane_in_row != 0 || row >= p.total_rows) return;
+  const statistics_row r = statistics_row_dot<STATISTICS_LANES_PER_ROW, STATISTICS_THREADS>(
+      p.out, p.out_strides, p.grad_out, p.grad_out_strides, p.heads, p.rows, p.padded, p.total_rows, p.dim);
+  if (r.lane_in_row != 0 || r.row >= p.total_rows) return;
   float inverse = 0.0f;
-  if (real) inverse = 1.0f / (p.denominator[head_row * p.rows + i] + p.eps);
-  p.inverse_denominator[row] = inverse;
-  p.denominator_grad[row] = -dot * inverse;
+  if (r.real) inverse = 1.0f / (p.denominator[r.head_row * p.rows + r.i] + p.eps);
+  p.inverse_denominator[r.row] = inverse;
+  p.denominator_grad[r.row] = -r.dot * inverse;
 }
 
 // ------------------------------------------------------------------------------------- reduce
