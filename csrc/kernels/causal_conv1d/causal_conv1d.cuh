@@ -75,15 +75,15 @@ struct channel_last_plan {
   static constexpr int warps = 8;
   static constexpr int block_threads = warps * WARP_THREADS;
   static constexpr int tile_channels = WARP_THREADS * channels;
-  // Per input stream and lane, the bytes of the loads issued before the first is used: the
-  // backward has half the lanes of the forward per SM (its registers) and two input streams.
-  static constexpr int forward_in_flight_bytes = 16;
+  // Per input stream and lane, the bytes of the loads issued before the first is used: with the
+  // blocks below, 24 KB (forward) and 32 KB (backward, two streams) of loads in flight per SM.
+  static constexpr int forward_in_flight_bytes = 32;
   static constexpr int backward_in_flight_bytes = 32;
   template <typename T>
   static constexpr int steps_for(int bytes) { return bytes / (channels * int(sizeof(T))); }
   static constexpr int64_t min_positions_per_warp = 64;  // a small problem gets fewer blocks
-  // 64 registers (forward), 80 (backward).
-  static constexpr int forward_min_blocks = 4;
+  // Blocks per SM each kernel's register budget is sized for: 80 registers (forward), 128 (backward).
+  static constexpr int forward_min_blocks = 3;
   static constexpr int backward_min_blocks = 2;
   // Bounds `blocks * positions` (position_ranges) below 2^63 for any problem the kernels accept.
   static constexpr int64_t max_blocks = int64_t(1) << 16;
@@ -214,16 +214,19 @@ __device__ __forceinline__ int valid_count(int64_t index, int64_t end) {
   return int(max(int64_t(0), min(int64_t(N), end - index)));
 }
 
-// How a kernel moves a lane's N consecutive elements: one access each, or one access for the whole
-// vector (every row aligned to it). With `tails`, a vector cut by the end of its row (channel-first,
-// L not a multiple of N) goes element by element; without, a lane has all N or none (channel-last
-// takes vectors only when D is a multiple of N).
+// How a kernel moves a lane's N consecutive elements: one access each (elements), or one access
+// for the whole vector when every row is aligned to it. With vectors_and_tails (channel-first) a
+// vector cut by the end of its row goes element by element; with vectors (channel-last, D a
+// multiple of N) a lane has all N elements or none.
 enum class access { elements, vectors, vectors_and_tails };
 
 template <access A, int N>
 __device__ __forceinline__ bool whole_vector(int count) {
   return A == access::vectors ? count > 0 : A == access::vectors_and_tails && count >= N;
 }
+
+// A 16-bit element's shift within its 32-bit word (element 2i + 1 in the high half of word i).
+constexpr int HALF_WORD_BITS = 16;
 
 // Inputs are never written while a kernel runs: the non-coherent path. The first `count` elements
 // from p on are read, the others are 0.
@@ -234,17 +237,15 @@ __device__ __forceinline__ elements<T, N> load(const T* p, int count) {
   if (whole_vector<A, N>(count)) {
     using word = access_word<vector::BYTES>;
     word::split(__ldg(reinterpret_cast<const typename word::type*>(p)), out.words);
-  } else if constexpr (A == access::vectors) {
-    // no partial vectors
-  } else if constexpr (std::is_same_v<T, float>) {
+  } else if constexpr (A != access::vectors) {
 #pragma unroll
     for (int e = 0; e < N; ++e) {
-      if (e < count) out.words[e] = __float_as_uint(__ldg(p + e));
-    }
-  } else {
-#pragma unroll
-    for (int e = 0; e < N; ++e) {
-      if (e < count) out.words[e / 2] |= uint32_t(__ldg(reinterpret_cast<const unsigned short*>(p) + e)) << (16 * (e % 2));
+      if (e >= count) continue;
+      if constexpr (std::is_same_v<T, float>) {
+        out.words[e] = __float_as_uint(__ldg(p + e));
+      } else {
+        out.words[e / 2] |= uint32_t(__ldg(reinterpret_cast<const unsigned short*>(p) + e)) << (HALF_WORD_BITS * (e % 2));
+      }
     }
   }
   return out;
@@ -257,17 +258,15 @@ __device__ __forceinline__ void store(T* p, const elements<T, N>& v, int count) 
     using word = access_word<elements<T, N>::BYTES>;
     // The intrinsic keeps the access whole: a plain assignment was split into 32-bit stores at -O3.
     __stwb(reinterpret_cast<typename word::type*>(p), word::of(v.words));
-  } else if constexpr (A == access::vectors) {
-    // no partial vectors
-  } else if constexpr (std::is_same_v<T, float>) {
+  } else if constexpr (A != access::vectors) {
 #pragma unroll
     for (int e = 0; e < N; ++e) {
-      if (e < count) reinterpret_cast<uint32_t*>(p)[e] = v.words[e];
-    }
-  } else {
-#pragma unroll
-    for (int e = 0; e < N; ++e) {
-      if (e < count) reinterpret_cast<unsigned short*>(p)[e] = static_cast<unsigned short>(v.words[e / 2] >> (16 * (e % 2)));
+      if (e >= count) continue;
+      if constexpr (std::is_same_v<T, float>) {
+        reinterpret_cast<uint32_t*>(p)[e] = v.words[e];
+      } else {
+        reinterpret_cast<unsigned short*>(p)[e] = static_cast<unsigned short>(v.words[e / 2] >> (HALF_WORD_BITS * (e % 2)));
+      }
     }
   }
 }
