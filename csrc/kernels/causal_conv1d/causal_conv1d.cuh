@@ -19,8 +19,9 @@
 //           cut into contiguous ranges of equal length (to one), one per block, and a block's share of
 //           each tile it meets is cut again among its warps, so every warp walks as far as every
 //           other and the grid ends together (no wave of stragglers)
-// Both read 16-byte vectors (channel-last: `channels` elements) when every row is aligned to one,
-// and single elements otherwise and at the ends of rows; the arithmetic is fp32.
+// Both move whole vectors (channel-first 16 bytes; channel-last `channels` elements, D a multiple of
+// them) when every row is aligned to one, and single elements otherwise and where a row ends inside
+// a vector; the arithmetic is fp32.
 //
 // Backward: g = grad * silu'(pre), with pre recomputed from x. grad_weight and grad_bias are summed
 // in fp32 per lane, then per warp (channel-first: one row of partial sums per (b, segment)) or per
@@ -167,12 +168,20 @@ template <> struct access_word<4> {
 template <> struct access_word<8> {
   using type = uint2;
   __device__ static type of(const uint32_t (&w)[2]) { return make_uint2(w[0], w[1]); }
-  __device__ static void split(type v, uint32_t (&w)[2]) { w[0] = v.x, w[1] = v.y; }
+  __device__ static void split(type v, uint32_t (&w)[2]) {
+    w[0] = v.x;
+    w[1] = v.y;
+  }
 };
 template <> struct access_word<16> {
   using type = uint4;
   __device__ static type of(const uint32_t (&w)[4]) { return make_uint4(w[0], w[1], w[2], w[3]); }
-  __device__ static void split(type v, uint32_t (&w)[4]) { w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w; }
+  __device__ static void split(type v, uint32_t (&w)[4]) {
+    w[0] = v.x;
+    w[1] = v.y;
+    w[2] = v.z;
+    w[3] = v.w;
+  }
 };
 
 // N consecutive elements of T as one access moves them: 32-bit words, a 16-bit pair per word (the
