@@ -15,10 +15,11 @@
 //           the backward, gradients) in registers: each input is read once, plus W - 1 positions
 //           before (and after) a walk
 //   tile    the 32 * channels channels of a warp
-//   grid    as many blocks as fit the device at once; the positions (tile, b, t), in that order, are
-//           cut into contiguous ranges of equal length (to one), one per block, and a block's share of
-//           each tile it meets is cut again among its warps, so every warp walks as far as every
-//           other and the grid ends together (no wave of stragglers)
+//   grid    as many blocks as fit the device at once, a multiple of the tiles when it can be; the
+//           positions (tile, b, t), in that order, are cut into contiguous ranges of equal length (to
+//           one), one per block, and a block's share of each tile it meets is cut again among its
+//           warps, so every warp walks as far as every other and the grid ends together (no wave of
+//           stragglers), the warps of all tiles on the same rows at a time
 // Both move whole vectors (channel-first 16 bytes; channel-last `channels` elements, D a multiple of
 // them) when every row is aligned to one, and single elements otherwise and where a row ends inside
 // a vector; the arithmetic is fp32.
@@ -86,6 +87,9 @@ struct channel_last_plan {
   // Blocks per SM each kernel's register budget is sized for: 80 registers (forward), 128 (backward).
   static constexpr int forward_min_blocks = 3;
   static constexpr int backward_min_blocks = 2;
+  // The fraction of the resident blocks a grid may give up to be a multiple of the tiles (whole
+  // rows read together); below it, the loads in flight (not the rows) would limit the bandwidth.
+  static constexpr double min_blocks_kept_for_rows = 0.75;
   // Bounds `blocks * positions` (position_ranges) below 2^63 for any problem the kernels accept.
   static constexpr int64_t max_blocks = int64_t(1) << 16;
   static constexpr int64_t max_positions = INT64_MAX / max_blocks;
@@ -503,7 +507,10 @@ launch_plan plan_launch(element_type dtype, const sizes& s, const Views&... view
 }
 
 // The channel-last grid of `kernel` for a problem of these sizes: as many blocks as fit the device
-// at once, fewer for a small problem. The ranges of a launch and of its workspace count agree.
+// at once (fewer for a small problem), cut to a multiple of the tiles when that keeps enough of
+// them: every tile is then cut into the same ranges, so the blocks of all tiles walk the same rows
+// together (whole (B, L, D) rows from memory at a time, not 128-byte pieces of rows far apart). The
+// ranges of a launch and of its workspace count agree.
 template <typename Kernel>
 cudaError_t channel_last_ranges(Kernel kernel, const sizes& s, position_ranges& ranges) {
   int device = 0, per_sm = 0;
@@ -512,11 +519,15 @@ cudaError_t channel_last_ranges(Kernel kernel, const sizes& s, position_ranges& 
       err != cudaSuccess) {
     return err;
   }
+  const int64_t tiles = channel_last_tiles(s);
   ranges.per_tile = s.batch * s.seq_len;
-  ranges.total = channel_last_tiles(s) * ranges.per_tile;
+  ranges.total = tiles * ranges.per_tile;
   const int64_t resident = int64_t(std::max(per_sm, 1)) * pipeline::sm_count(device);
   const int64_t wanted = ceil_div<int64_t>(ranges.total, channel_last_plan::warps * channel_last_plan::min_positions_per_warp);
-  ranges.blocks = std::clamp<int64_t>(wanted, 1, std::min(resident, channel_last_plan::max_blocks));
+  const int64_t blocks = std::clamp<int64_t>(wanted, 1, std::min(resident, channel_last_plan::max_blocks));
+  const int64_t aligned = blocks / tiles * tiles;
+  const bool keeps_enough = double(aligned) >= channel_last_plan::min_blocks_kept_for_rows * double(blocks);
+  ranges.blocks = aligned > 0 && keeps_enough ? aligned : blocks;
   return cudaSuccess;
 }
 
