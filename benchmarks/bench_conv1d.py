@@ -256,18 +256,19 @@ def run_check(device) -> None:
                     with fallbacks_seen() as fallbacks:
                         out = tk_ops.causal_conv1d(x, weight, bias, activation="silu" if silu else None)
                         grads = torch.autograd.grad(out, leaves, grad_out)
-                    exact = [t.detach().double().requires_grad_() for t in leaves]
+                    # float64 on the CPU: under compute-sanitizer the GPU runs only the kernels checked
+                    exact = [t.detach().cpu().double().requires_grad_() for t in leaves]
                     reference = F.conv1d(exact[0], exact[1].unsqueeze(1), exact[2] if with_bias else None,
                                          padding=w - 1, groups=d)[..., :n]
                     reference = F.silu(reference) if silu else reference
-                    reference_grads = torch.autograd.grad(reference, exact, grad_out.double())
+                    reference_grads = torch.autograd.grad(reference, exact, grad_out.cpu().double())
                     name = (f"B={b} D={d} L={n} W={w} {layout} {str(dtype)[6:]}/{str(param_dtype)[6:]} "
                             f"bias={with_bias} silu={silu}")
                     compared = [("out", out, reference, tolerance, dtype)] + [
                         (f"grad_{label}", g, r, 2 * tolerance, t.dtype)
                         for label, g, r, t in zip(("x", "weight", "bias"), grads, reference_grads, leaves)]
                     for label, got, want, tol, want_dtype in compared:
-                        error = relative_difference(got, want)
+                        error = relative_difference(got.cpu(), want)
                         if not error <= tol or got.dtype != want_dtype:
                             failures.append(f"{name} {label}: rel err {error:.2e} (tol {tol:.0e}), {got.dtype}")
                     if on_kernel and w in KERNEL_WIDTHS and fallbacks:
