@@ -241,9 +241,6 @@ __device__ __forceinline__ bool whole_vector(int count) {
   return A == access::vectors ? count > 0 : A == access::vectors_and_tails && count >= N;
 }
 
-// A 16-bit element's shift within its 32-bit word (element 2i + 1 in the high half of word i).
-constexpr int HALF_WORD_BITS = 16;
-
 // Inputs are never written while a kernel runs: the non-coherent path. The first `count` elements
 // from p on are read, the others are 0.
 template <access A, typename T, int N>
