@@ -89,8 +89,11 @@ def check_matches_contiguous_copies(
 
 
 def parametrize_with_ids(argnames: str, cases: Sequence[tuple]):
-    """``pytest.mark.parametrize`` over rows ``(id, *values)``: the first item of each row names the case."""
-    return pytest.mark.parametrize(argnames, [case[1:] for case in cases], ids=[case[0] for case in cases])
+    """``pytest.mark.parametrize`` over rows ``(id, *values)``: the first item of each row names the case
+    (with one argname, the row's one value is passed as it is, not as a 1-tuple)."""
+    one_value = "," not in argnames
+    values = [case[1] if one_value else case[1:] for case in cases]
+    return pytest.mark.parametrize(argnames, values, ids=[case[0] for case in cases])
 
 
 def _assert_close(got: torch.Tensor, want: torch.Tensor, tol: float | None, what: str) -> None:
