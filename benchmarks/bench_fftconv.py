@@ -119,6 +119,7 @@ def rotation_count(bytes_per_set: int, device) -> int:
 
 def measure(shape: Shape, device, timer: Callable, copy_gbps: Optional[float], passes=PASSES) -> list[dict]:
     """The rows of one shape: per pass, ours against each baseline (ours timed once per pass)."""
+    torch._dynamo.reset()  # each shape compiles afresh: past 8 recompiles dynamo silently ran eager
     functions = baselines()
     first = input_set(shape, device, backward=False)
     rel_diffs, errors = {}, {}
