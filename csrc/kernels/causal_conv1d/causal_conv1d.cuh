@@ -15,14 +15,12 @@
 //           the backward, gradients) in registers: each input is read once, plus W - 1 positions
 //           before (and after) a walk
 //   tile    the 32 * channels channels of a warp
-//   grid    as many blocks as fit the device at once, a multiple of the tiles when it can be; the
-//           positions (tile, b, t), in that order, are cut into contiguous ranges of equal length (to
-//           one), one per block, and a block's share of each tile it meets is cut again among its
-//           warps, so every warp walks as far as every other and the grid ends together (no wave of
-//           stragglers), the warps of all tiles on the same rows at a time
-// Both move whole vectors (channel-first 16 bytes; channel-last `channels` elements, D a multiple of
-// them) when every row is aligned to one, and single elements otherwise and where a row ends inside
-// a vector; the arithmetic is fp32.
+//   grid    as many blocks as fit the device at once; the positions (tile, b, t), in that order, are
+//           cut into contiguous ranges of equal length (to one), one per block, and a block's share of
+//           each tile it meets is cut again among its warps, so every warp walks as far as every
+//           other and the grid ends together (no wave of stragglers)
+// Both read 16-byte vectors (channel-last: `channels` elements) when every row is aligned to one,
+// and single elements otherwise and at the ends of rows; the arithmetic is fp32.
 //
 // Backward: g = grad * silu'(pre), with pre recomputed from x. grad_weight and grad_bias are summed
 // in fp32 per lane, then per warp (channel-first: one row of partial sums per (b, segment)) or per
@@ -80,19 +78,16 @@ struct channel_last_plan {
   static constexpr int warps = 8;
   static constexpr int block_threads = warps * WARP_THREADS;
   static constexpr int tile_channels = WARP_THREADS * channels;
-  // Per input stream and lane, the bytes of the loads issued before the first is used: with the
-  // blocks below, 24 KB (forward) and 32 KB (backward, two streams) of loads in flight per SM.
-  static constexpr int forward_in_flight_bytes = 32;
+  // Per input stream and lane, the bytes of the loads issued before the first is used: the
+  // backward has half the lanes of the forward per SM (its registers) and two input streams.
+  static constexpr int forward_in_flight_bytes = 16;
   static constexpr int backward_in_flight_bytes = 32;
   template <typename T>
   static constexpr int steps_for(int bytes) { return bytes / (channels * int(sizeof(T))); }
   static constexpr int64_t min_positions_per_warp = 64;  // a small problem gets fewer blocks
-  // Blocks per SM each kernel's register budget is sized for: 80 registers (forward), 128 (backward).
-  static constexpr int forward_min_blocks = 3;
+  // 64 registers (forward), 80 (backward).
+  static constexpr int forward_min_blocks = 4;
   static constexpr int backward_min_blocks = 2;
-  // The fraction of the resident blocks a grid may give up to be a multiple of the tiles (whole
-  // rows read together); below it, the loads in flight (not the rows) would limit the bandwidth.
-  static constexpr double min_blocks_kept_for_rows = 0.75;
   // Bounds `blocks * positions` (position_ranges) below 2^63 for any problem the kernels accept.
   static constexpr int64_t max_blocks = int64_t(1) << 16;
   static constexpr int64_t max_positions = INT64_MAX / max_blocks;
@@ -175,20 +170,12 @@ template <> struct access_word<4> {
 template <> struct access_word<8> {
   using type = uint2;
   __device__ static type of(const uint32_t (&w)[2]) { return make_uint2(w[0], w[1]); }
-  __device__ static void split(type v, uint32_t (&w)[2]) {
-    w[0] = v.x;
-    w[1] = v.y;
-  }
+  __device__ static void split(type v, uint32_t (&w)[2]) { w[0] = v.x, w[1] = v.y; }
 };
 template <> struct access_word<16> {
   using type = uint4;
   __device__ static type of(const uint32_t (&w)[4]) { return make_uint4(w[0], w[1], w[2], w[3]); }
-  __device__ static void split(type v, uint32_t (&w)[4]) {
-    w[0] = v.x;
-    w[1] = v.y;
-    w[2] = v.z;
-    w[3] = v.w;
-  }
+  __device__ static void split(type v, uint32_t (&w)[4]) { w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w; }
 };
 
 // N consecutive elements of T as one access moves them: 32-bit words, a 16-bit pair per word (the
@@ -230,10 +217,10 @@ __device__ __forceinline__ int valid_count(int64_t index, int64_t end) {
   return int(max(int64_t(0), min(int64_t(N), end - index)));
 }
 
-// How a kernel moves a lane's N consecutive elements: one access each (elements), or one access
-// for the whole vector when every row is aligned to it. With vectors_and_tails (channel-first) a
-// vector cut by the end of its row goes element by element; with vectors (channel-last, D a
-// multiple of N) a lane has all N elements or none.
+// How a kernel moves a lane's N consecutive elements: one access each, or one access for the whole
+// vector (every row aligned to it). With `tails`, a vector cut by the end of its row (channel-first,
+// L not a multiple of N) goes element by element; without, a lane has all N or none (channel-last
+// takes vectors only when D is a multiple of N).
 enum class access { elements, vectors, vectors_and_tails };
 
 template <access A, int N>
@@ -250,15 +237,18 @@ __device__ __forceinline__ elements<T, N> load(const T* p, int count) {
   if (whole_vector<A, N>(count)) {
     using word = access_word<vector::BYTES>;
     word::split(__ldg(reinterpret_cast<const typename word::type*>(p)), out.words);
-  } else if constexpr (A != access::vectors) {
+  } else if constexpr (A == access::vectors) {
+    // no partial vectors
+  } else if constexpr (std::is_same_v<T, float>) {
 #pragma unroll
     for (int e = 0; e < N; ++e) {
-      if (e >= count) continue;
-      if constexpr (std::is_same_v<T, float>) {
-        out.words[e] = __float_as_uint(__ldg(p + e));
-      } else {
-        out.words[e / HALVES_PER_WORD] |= uint32_t(__ldg(reinterpret_cast<const unsigned short*>(p) + e)) << (HALF_WORD_BITS * (e % HALVES_PER_WORD));
-      }
+      if (e < count) out.words[e] = __float_as_uint(__ldg(p + e));
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < N; ++e) {
+      if (e < count) out.words[e / HALVES_PER_WORD] |= uint32_t(__ldg(reinterpret_cast<const unsigned short*>(p) + e))
+                                                   << (HALF_WORD_BITS * (e % HALVES_PER_WORD));
     }
   }
   return out;
@@ -271,15 +261,18 @@ __device__ __forceinline__ void store(T* p, const elements<T, N>& v, int count) 
     using word = access_word<elements<T, N>::BYTES>;
     // The intrinsic keeps the access whole: a plain assignment was split into 32-bit stores at -O3.
     __stwb(reinterpret_cast<typename word::type*>(p), word::of(v.words));
-  } else if constexpr (A != access::vectors) {
+  } else if constexpr (A == access::vectors) {
+    // no partial vectors
+  } else if constexpr (std::is_same_v<T, float>) {
 #pragma unroll
     for (int e = 0; e < N; ++e) {
-      if (e >= count) continue;
-      if constexpr (std::is_same_v<T, float>) {
-        reinterpret_cast<uint32_t*>(p)[e] = v.words[e];
-      } else {
-        reinterpret_cast<unsigned short*>(p)[e] = static_cast<unsigned short>(v.words[e / HALVES_PER_WORD] >> (HALF_WORD_BITS * (e % HALVES_PER_WORD)));
-      }
+      if (e < count) reinterpret_cast<uint32_t*>(p)[e] = v.words[e];
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < N; ++e) {
+      if (e < count) reinterpret_cast<unsigned short*>(p)[e] = static_cast<unsigned short>(v.words[e / HALVES_PER_WORD] >>
+                                                                            (HALF_WORD_BITS * (e % HALVES_PER_WORD)));
     }
   }
 }
@@ -507,10 +500,7 @@ launch_plan plan_launch(element_type dtype, const sizes& s, const Views&... view
 }
 
 // The channel-last grid of `kernel` for a problem of these sizes: as many blocks as fit the device
-// at once (fewer for a small problem), cut to a multiple of the tiles when that keeps enough of
-// them: every tile is then cut into the same ranges, so the blocks of all tiles walk the same rows
-// together (whole (B, L, D) rows from memory at a time, not 128-byte pieces of rows far apart). The
-// ranges of a launch and of its workspace count agree.
+// at once, fewer for a small problem. The ranges of a launch and of its workspace count agree.
 template <typename Kernel>
 cudaError_t channel_last_ranges(Kernel kernel, const sizes& s, position_ranges& ranges) {
   int device = 0, per_sm = 0;
@@ -519,15 +509,11 @@ cudaError_t channel_last_ranges(Kernel kernel, const sizes& s, position_ranges& 
       err != cudaSuccess) {
     return err;
   }
-  const int64_t tiles = channel_last_tiles(s);
   ranges.per_tile = s.batch * s.seq_len;
-  ranges.total = tiles * ranges.per_tile;
+  ranges.total = channel_last_tiles(s) * ranges.per_tile;
   const int64_t resident = int64_t(std::max(per_sm, 1)) * pipeline::sm_count(device);
   const int64_t wanted = ceil_div<int64_t>(ranges.total, channel_last_plan::warps * channel_last_plan::min_positions_per_warp);
-  const int64_t blocks = std::clamp<int64_t>(wanted, 1, std::min(resident, channel_last_plan::max_blocks));
-  const int64_t aligned = blocks / tiles * tiles;
-  const bool keeps_enough = double(aligned) >= channel_last_plan::min_blocks_kept_for_rows * double(blocks);
-  ranges.blocks = aligned > 0 && keeps_enough ? aligned : blocks;
+  ranges.blocks = std::clamp<int64_t>(wanted, 1, std::min(resident, channel_last_plan::max_blocks));
   return cudaSuccess;
 }
 
