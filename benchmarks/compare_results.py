@@ -34,6 +34,11 @@ ROW_NAMES = {
     "rope": (("case",), None),
     "compile": (("shape",), "pass"),
     "overhead": (("op",), "pass"),
+    # the row-per-baseline benches: one "shape" and "pass" per row
+    "conv1d": (("shape",), "pass"),
+    "fftconv": (("shape",), "pass"),
+    "mamba2": (("shape",), "pass"),
+    "linear_attention": (("shape",), "pass"),
 }
 PASS_IN_KEY = re.compile(r"(.+?)_(fwd_bwd|fwd|bwd)")
 
