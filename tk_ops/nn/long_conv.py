@@ -74,7 +74,7 @@ class ImplicitLongFilter(torch.nn.Module):
 
     w_i are learnable per-unit frequencies (initially ``activation_frequency``), W_i, b_i, W_out
     (and c) learnable linear maps with nn.Linear's initialisation. The decay window exp(-r_h t)
-    is fixed (a buffer): channel h falls to ``decay_target`` of its start at t = tau_h, i.e.
+    is fixed (not a parameter, not in the state_dict): channel h falls to ``decay_target`` of its start at t = tau_h, i.e.
     r_h = ln(1 / decay_target) / tau_h, with tau_h spaced geometrically from ``fastest_decay``
     (channel 0, a short filter) to ``slowest_decay`` (channel H - 1, a filter that reaches across
     the whole sequence), so that the channels cover time scales at equal ratios. Since
@@ -84,8 +84,6 @@ class ImplicitLongFilter(torch.nn.Module):
 
     The filter is computed in the parameters' dtype with autocast disabled.
     """
-
-    decay_rates: torch.Tensor
 
     def __init__(
         self,
@@ -126,21 +124,31 @@ class ImplicitLongFilter(torch.nn.Module):
         layers.append(torch.nn.Linear(width, num_channels, bias=bias, **factory))
         self.mlp = torch.nn.Sequential(*layers)
 
-        decay_times = torch.logspace(math.log10(fastest_decay), math.log10(slowest_decay), num_channels, dtype=torch.float64)
-        rates = math.log(1 / decay_target) / decay_times
-        self.register_buffer("decay_rates", rates.to(device=device, dtype=dtype or torch.get_default_dtype()))
+        self.fastest_decay = fastest_decay
+        self.slowest_decay = slowest_decay
+        self.decay_target = decay_target
+
+    def _like_parameters(self) -> dict:
+        weight = self.mlp[0].weight
+        return {"device": weight.device, "dtype": weight.dtype}
+
+    def decay_rates(self) -> torch.Tensor:
+        """r_h = ln(1 / decay_target) / tau_h, tau_h geometric from fastest_decay to slowest_decay: (H,).
+        Computed on each call in the parameters' dtype (no buffer to round when the module changes dtype)."""
+        decay_times = torch.logspace(
+            math.log10(self.fastest_decay), math.log10(self.slowest_decay), self.num_channels, **self._like_parameters()
+        )
+        return math.log(1 / self.decay_target) / decay_times
 
     def positions(self, filter_len: int) -> torch.Tensor:
         """t_l = l / max_len for l < filter_len, in the parameters' dtype and device: (L,)."""
         if isinstance(filter_len, bool) or not isinstance(filter_len, int) or not 1 <= filter_len <= self.max_len:
             raise ValueError(f"filter_len must be an integer in [1, max_len={self.max_len}], got {filter_len!r}")
-        rates = self.decay_rates
-        return torch.arange(filter_len, device=rates.device, dtype=rates.dtype) / self.max_len
+        return torch.arange(filter_len, **self._like_parameters()) / self.max_len
 
     def decay_window(self, filter_len: int) -> torch.Tensor:
         """exp(-r_h t_l): (H, L)."""
-        t = self.positions(filter_len)
-        return torch.exp(-self.decay_rates[:, None] * t)
+        return torch.exp(-self.decay_rates()[:, None] * self.positions(filter_len))
 
     def forward(self, filter_len: int) -> torch.Tensor:
         """The filter's first ``filter_len`` taps, k (H, L), in the parameters' dtype."""
