@@ -14,7 +14,6 @@ import warnings
 import pytest
 import torch
 
-import tk_ops
 import tk_testing
 from tk_ops import _library
 from tk_ops.nn import GatedLongConvolution, ImplicitLongFilter, LongConvolution

@@ -27,7 +27,6 @@ computes in its input's dtype.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 
@@ -44,8 +43,9 @@ def _check_positive_int(name: str, value) -> None:
 
 
 def _check_hidden_states(hidden_states, hidden_size: int) -> None:
-    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3 or hidden_states.shape[-1] != hidden_size:
-        shape = tuple(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else type(hidden_states).__name__
+    is_tensor = isinstance(hidden_states, torch.Tensor)
+    if not is_tensor or hidden_states.dim() != 3 or hidden_states.shape[-1] != hidden_size:
+        shape = tuple(hidden_states.shape) if is_tensor else type(hidden_states).__name__
         raise ValueError(f"hidden_states must be (batch, seq_len, hidden_size={hidden_size}), got {shape}")
 
 
@@ -74,10 +74,11 @@ class ImplicitLongFilter(torch.nn.Module):
 
     w_i are learnable per-unit frequencies (initially ``activation_frequency``), W_i, b_i, W_out
     (and c) learnable linear maps with nn.Linear's initialisation. The decay window exp(-r_h t)
-    is fixed (not a parameter, not in the state_dict): channel h falls to ``decay_target`` of its start at t = tau_h, i.e.
-    r_h = ln(1 / decay_target) / tau_h, with tau_h spaced geometrically from ``fastest_decay``
-    (channel 0, a short filter) to ``slowest_decay`` (channel H - 1, a filter that reaches across
-    the whole sequence), so that the channels cover time scales at equal ratios. Since
+    is fixed (not a parameter, not in the state_dict): channel h falls to ``decay_target`` of its
+    start at t = tau_h, i.e. r_h = ln(1 / decay_target) / tau_h, with tau_h spaced geometrically
+    from ``fastest_decay`` (channel 0, a short filter) to ``slowest_decay`` (channel H - 1, a
+    filter that reaches across the whole sequence), so that the channels cover time scales at
+    equal ratios. Since
     |sin| <= 1, |k[h, l]| <= (||W_out[h]||_1 + |c_h|) exp(-r_h t_l): the window bounds the filter.
     The optional bias c gives each channel a learnable multiple of its bare window, a decaying
     exponential (an SSM-like component).
@@ -107,7 +108,8 @@ class ImplicitLongFilter(torch.nn.Module):
             _check_positive_int(name, value)
         if not 0 < fastest_decay <= slowest_decay:
             raise ValueError(
-                f"need 0 < fastest_decay <= slowest_decay, got fastest_decay={fastest_decay}, slowest_decay={slowest_decay}"
+                "need 0 < fastest_decay <= slowest_decay, "
+                f"got fastest_decay={fastest_decay}, slowest_decay={slowest_decay}"
             )
         if not 0 < decay_target < 1:
             raise ValueError(f"decay_target must lie in (0, 1), got {decay_target}")
@@ -119,7 +121,8 @@ class ImplicitLongFilter(torch.nn.Module):
         layers: list[torch.nn.Module] = []
         in_features = 1 + 2 * num_frequencies
         for _ in range(depth):
-            layers += [torch.nn.Linear(in_features, width, **factory), SineActivation(width, activation_frequency, **factory)]
+            layers.append(torch.nn.Linear(in_features, width, **factory))
+            layers.append(SineActivation(width, activation_frequency, **factory))
             in_features = width
         layers.append(torch.nn.Linear(width, num_channels, bias=bias, **factory))
         self.mlp = torch.nn.Sequential(*layers)
@@ -177,8 +180,8 @@ class LongConvolution(torch.nn.Module):
     the op's (B, H, N) output transposed back, a (B, N, H) view that is not contiguous.
 
     The filter k: ``implicit=False`` (default) an explicit parameter ``weight`` (H, max_len),
-    initialised N(0, 1 / max_len) so that a full-length filter keeps the output's variance near
-    the input's; ``implicit=True`` an ``ImplicitLongFilter(hidden_size, max_len, **filter_options)``
+    initialised N(0, 1 / max_len) so that the convolution by a full-length filter has about the
+    input's variance; ``implicit=True`` an ``ImplicitLongFilter(hidden_size, max_len, **filter_options)``
     as the submodule ``implicit_filter``. ``D`` (H,) is initialised to ones. ``filter(L)`` returns
     the first L taps.
     """
