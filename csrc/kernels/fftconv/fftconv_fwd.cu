@@ -1,7 +1,8 @@
-// FFT convolution forward on tensor cores (the plan and the stages: fftconv.cuh).
+// FFT convolution forward on tensor cores (the plan: fftconv.cuh; the stages: monarch.cuh). The
+// backward's grad_u runs the same two kernels on grad_y with conj(K) (fftconv_bwd.cu).
 //
 //   prepare_kernel       one warp per base tile of a table: F_M1, the twiddles and every head's
-//                        spectrum (from rfft(k, 2N) by Hermitian symmetry), in fragment order
+//                        spectrum K or conj(K) (from rfft(k, 2N) by Hermitian symmetry), in fragment order
 //   convolution_kernel   per pair of sequences: u -> shared memory; per strip, stages 1-6 in
 //                        registers -> shared memory; per output tile, stage 7, + D u, -> y
 #include <climits>
