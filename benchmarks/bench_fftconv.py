@@ -5,7 +5,8 @@ N = 2048 (B = 16) and N = 8192 (B = 8); bf16 u, fp32 filters k (L = N) and D. Th
 convolution the op computes, written directly in torch.fft: y = irfft(rfft(u, 2N) rfft(k, 2N))[:N]
 + D u in fp32 (cuFFT takes no bf16), cast back to u's dtype; once eager, once under torch.compile.
 Forward, and forward + backward (the gradients of u, k and D for a given output gradient; our
-backward is still the reference's FFTs). Each row also has the relative difference of the
+backward runs its kernels: grad_u on the forward's kernel with conj(K), grad_k and grad_D on the
+filter-gradient kernel). Each row also has the relative difference of the
 baseline's forward output from ours.
 
 HBM floor: the bytes that must cross HBM once (forward: u read, y written, k and D read; forward +
@@ -18,8 +19,9 @@ floor each reaches. Writes benchmarks/results/fftconv.json and fftconv.png (and 
                                   benchmark (after the correctness sweep)
   python3 -m benchmarks.bench_fftconv --check
                                   only the correctness sweep: every kernel N, bf16/fp16, L = N or
-                                  shorter, D on/off, odd B, strided u, padded N, against a float64
-                                  FFT convolution; exits non-zero on a failure
+                                  shorter, D on/off, odd B, strided u and grad, padded N, the
+                                  forward and the backward (grad_u, grad_k, grad_D) against float64
+                                  FFTs; exits non-zero on a failure
   python3 -m benchmarks.bench_fftconv --dry-run [--out DIR]
                                   CPU, tiny shapes, nothing timed: builds and prints the rows
 """
@@ -72,6 +74,11 @@ DRY_RUN_SHAPES = (Shape(2, 3, 256), Shape(3, 2, 1024))
 
 def ours(u, k, D):
     return tk_ops.fftconv(u, k, D=D)
+
+
+def ours_backward(grad, u, k, D):
+    """grad_u, grad_k, grad_D of tk.fftconv (the op the autograd of ours calls)."""
+    return torch.ops.tk.fftconv_bwd.default(grad, u, k, D)
 
 
 def torch_fft(u, k, D):
@@ -188,23 +195,45 @@ def float64_reference(u, k, D):
     return y if D is None else y + D.double()[:, None] * u64
 
 
+def float64_backward(grad, u, k, D):
+    """grad_u, grad_k, grad_D of the same (rounded) values in float64: correlations through an exact-size FFT."""
+    n, filter_len = u.shape[-1], k.shape[-1]
+    g64, u64 = grad.double(), u.double()
+    g_f = torch.fft.rfft(g64, n=2 * n)
+    grad_u = torch.fft.irfft(g_f * torch.fft.rfft(k.double(), n=2 * n).conj(), n=2 * n)[..., :n]
+    grad_k = torch.fft.irfft((g_f * torch.fft.rfft(u64, n=2 * n).conj()).sum(0), n=2 * n)[..., :filter_len]
+    if D is None:
+        return grad_u, grad_k, None
+    return grad_u + D.double()[:, None] * g64, grad_k, (g64 * u64).sum((0, 2))
+
+
 def run_check(device) -> None:
+    """The forward (tk.fftconv) and the backward (tk.fftconv_bwd: grad_u, grad_k, grad_D) of every case."""
     failures = []
     cases = 0
     for b, h, n, filter_len, with_D, strided in CHECK_SHAPES:
         for dtype, tolerance in CHECK_TOLERANCE.items():
             cases += 1
-            values = torch.randn(h, b, n, device=device).to(dtype)
-            u = values.transpose(0, 1) if strided else values.transpose(0, 1).contiguous()
+            label = f"B={b} H={h} N={n} L={filter_len} D={with_D} strided={strided} {str(dtype)[6:]}"
+            values = torch.randn(2, h, b, n, device=device).to(dtype)
+            u, grad = (v.transpose(0, 1) if strided else v.transpose(0, 1).contiguous() for v in values)
             k = torch.randn(h, filter_len, device=device) / math.sqrt(filter_len)
             D = torch.randn(h, device=device) if with_D else None
             out = tk_ops.fftconv(u, k, D=D)
             error = relative_difference(out, float64_reference(u, k, D))
             if not error <= tolerance or out.dtype != dtype or out.shape != u.shape:
-                failures.append(f"B={b} H={h} N={n} L={filter_len} D={with_D} strided={strided} {str(dtype)[6:]}: "
-                                f"rel err {error:.2e} (tol {tolerance:.0e}), {out.dtype} {tuple(out.shape)}")
-    common.finish_check(f"correctness sweep on {device} (fftconv: {tk_ops.backends()['fftconv']}): {cases} cases",
-                        failures)
+                failures.append(f"{label} forward: rel err {error:.2e} (tol {tolerance:.0e}), {out.dtype} {tuple(out.shape)}")
+            grads = ours_backward(grad, u, k, D)
+            for name, got, want, like in zip(("grad_u", "grad_k", "grad_D"), grads, float64_backward(grad, u, k, D),
+                                             (u, k, D)):
+                if like is None:
+                    continue
+                error = relative_difference(got, want)
+                if not error <= tolerance or got.dtype != like.dtype or got.shape != like.shape:
+                    failures.append(f"{label} {name}: rel err {error:.2e} (tol {tolerance:.0e}), {got.dtype} "
+                                    f"{tuple(got.shape)}")
+    backends = {op: tk_ops.backends()[op] for op in ("fftconv", "fftconv_bwd")}
+    common.finish_check(f"correctness sweep on {device} (forward and backward; {backends}): {cases} cases", failures)
 
 
 # ------------------------------------------------------------------------------------------ main

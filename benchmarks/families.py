@@ -73,6 +73,8 @@ FAMILIES = (
     Family("fftconv", op="fftconv", bench="fftconv", profiles=(
         # the table launch, then the convolution (cuFFT's rfft of the filter matches neither)
         Profile("fftconv_fwd_n4096", "fftconv::.*(prepare_kernel|convolution_kernel)", 2),
+        # the tables with conj(K), the convolution kernel for grad_u, the filter gradient (grad_k, grad_D)
+        Profile("fftconv_bwd_n4096", "fftconv::.*(prepare_kernel|convolution_kernel|filter_gradient_kernel)", 3),
     )),
     Family("causal_conv1d", op="causal_conv1d", bench="conv1d", profiles=(
         Profile("causal_conv1d_fwd_bdl_l4096", "causal_conv1d::channel_first_forward_kernel", 1),

@@ -75,12 +75,15 @@ def mamba2_ssd(batch: int, seqlen: int, heads: int, groups: int, state_size: int
     return lambda: torch.ops.tk.mamba2_ssd.default(x, dt, A, B, C, chunk_size, D, z, dt_bias, True, initial)
 
 
-def fftconv(batch: int, heads: int, seq_len: int):
-    """bf16 u, fp32 filters of the full length, D."""
+def fftconv(batch: int, heads: int, seq_len: int, backward: bool = False):
+    """bf16 u, fp32 filters of the full length, D; the backward for a random output gradient."""
     u = torch.randn(batch, heads, seq_len, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(heads, seq_len, device="cuda") / math.sqrt(seq_len)
     D = torch.randn(heads, device="cuda")
-    return lambda: torch.ops.tk.fftconv.default(u, k, D)
+    if not backward:
+        return lambda: torch.ops.tk.fftconv.default(u, k, D)
+    grad = torch.randn_like(u)
+    return lambda: torch.ops.tk.fftconv_bwd.default(grad, u, k, D)
 
 
 def mamba2_ssd_backward(batch: int, seqlen: int, heads: int, groups: int, state_size: int, chunk_size: int):
@@ -143,6 +146,7 @@ CASES = {
     "mamba2_ssd_fwd_n128_l4096": lambda: mamba2_ssd(4, 4096, 32, 1, 128, 256),
     # the anchors' shape: 8 warps a block, one pair of sequences at a time
     "fftconv_fwd_n4096": lambda: fftconv(16, 768, 4096),
+    "fftconv_bwd_n4096": lambda: fftconv(16, 768, 4096, backward=True),
     # one stage and one block an SM at N = 128; grad_B and grad_C summed over 32 heads per group
     "mamba2_ssd_bwd_n128_l4096": lambda: mamba2_ssd_backward(4, 4096, 32, 1, 128, 256),
     # one warp per row at 1024, four at 4096 (norms_notes.md compares the two)

@@ -44,6 +44,24 @@ def test_check_fails_on_a_wrong_output(monkeypatch):
     assert exit_info.value.code == 1
 
 
+def test_check_fails_on_a_wrong_filter_gradient(monkeypatch):
+    backward = bench.ours_backward
+    monkeypatch.setattr(bench, "ours_backward", lambda *a: (lambda gu, gk, gD: (gu, 1.05 * gk, gD))(*backward(*a)))
+    with pytest.raises(SystemExit) as exit_info:
+        bench.run_check("cpu")
+    assert exit_info.value.code == 1
+
+
+def test_backward_reference_is_the_ops():
+    u, k, D, grad = bench.input_set(bench.Shape(3, 2, 100), "cpu", False)
+    u, grad, k = u.double(), grad.double(), k[:, :37].double()
+    for D_or_none in (D.double(), None):
+        want = torch.ops.tk.fftconv_bwd.default(grad, u, k, D_or_none)
+        for got, expected in zip(bench.float64_backward(grad, u, k, D_or_none), want):
+            if got is not None:
+                torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+
+
 def test_baseline_is_the_op():
     u, k, D, _ = bench.input_set(bench.Shape(2, 3, 100), "cpu", False)
     u = u.double()  # the baseline computes in fp32 whatever u's dtype

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import tk_ops
 import tk_testing
 from tk_ops import _library
-from tk_ops.ops.fftconv import _fft_size
+from tk_ops.ops.fftconv import _fft_size, _fftconv_bwd_reference
 from tk_testing import TOLERANCE, assert_rel_close, requires_cuda, requires_kernel
 
 # (B, H, N, L): L == N, L < N, L == 1, N not a power of two, N a power of two with L == N.
@@ -238,7 +238,8 @@ def test_device_mismatch():
 # The kernel runs its FFTs as fp16/bf16 tensor-core matmuls (Monarch form) with fp32 accumulation:
 # each of its stages rounds, so its budget is wider than one output rounding (TOLERANCE). The CPU
 # emulation of its exact stages (tests/test_fftconv_monarch.py) gives 1.5-2.5e-3 (bf16) and
-# 1.5-3.2e-4 (fp16) at every N. fp32 runs the reference.
+# 1.5-3.2e-4 (fp16) at every N for the forward; the backward's grad_u and grad_k 1.6-5.2e-3 (bf16)
+# and 2-11e-4 (fp16). fp32 runs the reference.
 KERNEL_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-5}
 KERNEL_SEQ_LENS = [256, 512, 1024, 2048, 4096, 8192, 16384]
 REFERENCE_WARNING = "running the PyTorch reference path"
@@ -246,8 +247,8 @@ REFERENCE_WARNING = "running the PyTorch reference path"
 
 @contextlib.contextmanager
 def no_reference_warning():
-    """Fails on the reference's warning: the kernel itself must serve the call."""
-    _library._REFERENCE_WARNED.discard("fftconv")
+    """Fails on the reference's warning: the kernels themselves must serve the calls."""
+    _library._REFERENCE_WARNED.difference_update({"fftconv", "fftconv_bwd"})
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=f".*{REFERENCE_WARNING}")
         yield
@@ -256,6 +257,26 @@ def no_reference_warning():
 def poisoned_allocations(nbytes: int) -> None:
     """Leave NaN in the caching allocator's free blocks, so outputs a kernel forgets to write stay NaN."""
     torch.full((nbytes // 4 + 1,), float("nan"), device="cuda")
+
+
+def float64_backward(grad, u, k, D):
+    """The reference backward of the same (already rounded) values in float64."""
+    return _fftconv_bwd_reference(grad.double(), u.double(), k.double(), None if D is None else D.double())
+
+
+def check_backward(got, grad, u, k, D, dtype):
+    grad_u, grad_k, grad_D = got
+    want = float64_backward(grad, u, k, D)
+    assert grad_u.dtype == u.dtype and grad_u.shape == u.shape and grad_u.is_contiguous()
+    assert grad_k.dtype == k.dtype and grad_k.shape == k.shape
+    assert_rel_close(grad_u, want[0], KERNEL_TOLERANCE[dtype], "grad_u")
+    assert_rel_close(grad_k, want[1], KERNEL_TOLERANCE[dtype], "grad_k")
+    if D is None:
+        assert grad_D.numel() == 0
+    else:
+        assert grad_D.dtype == D.dtype and grad_D.shape == D.shape
+        # an fp32 sum of the rounded products: fp32's error, not the FFT's
+        assert_rel_close(grad_D, want[2], 1e-4 if D.dtype == torch.float32 else TOLERANCE[D.dtype], "grad_D")
 
 
 @requires_kernel("fftconv")
@@ -360,17 +381,155 @@ def test_kernel_cuda_graph_capture_and_replay():
     assert_rel_close(out, float64_reference(*inputs2), KERNEL_TOLERANCE[torch.bfloat16])
 
 
-@requires_kernel("fftconv")
+@requires_kernel("fftconv_bwd")
+@pytest.mark.parametrize("with_D", [False, True])
+@pytest.mark.parametrize("N", KERNEL_SEQ_LENS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_backward(dtype, N, with_D):
+    u, k, D = make_inputs(2, 3, N, N // 3 + 1, dtype=dtype, param_dtype=torch.float32, with_D=with_D, device="cuda")
+    grad = torch.randn_like(u)
+    poisoned_allocations(8 * u.numel() * u.element_size())
+    with no_reference_warning():
+        got = torch.ops.tk.fftconv_bwd.default(grad, u, k, D)
+    check_backward(got, grad, u, k, D, dtype)
+
+
+@requires_kernel("fftconv_bwd")
+@pytest.mark.parametrize("B", [1, 3, 8])
+@pytest.mark.parametrize("param_dtype", ["u's", "fp32"])
+@pytest.mark.parametrize("filter_len", ["N", "1"])
+def test_kernel_backward_batches_filter_lengths_and_parameter_dtypes(B, param_dtype, filter_len):
+    """An odd B leaves one sequence alone in the last pair; grad_k sums B / 2 pairs per head; L = N
+    and L = 1 are the longest and the shortest grad_k; 16-bit k and D get their gradients cast."""
+    dtype = torch.float16
+    N = 1024
+    u, k, D = make_inputs(B, 5, N, N if filter_len == "N" else 1, dtype=dtype, device="cuda",
+                          param_dtype=dtype if param_dtype == "u's" else torch.float32)
+    grad = torch.randn_like(u)
+    poisoned_allocations(8 * u.numel() * u.element_size())
+    with no_reference_warning():
+        got = torch.ops.tk.fftconv_bwd.default(grad, u, k, D)
+    check_backward(got, grad, u, k, D, dtype)
+
+
+@requires_kernel("fftconv_bwd")
+@pytest.mark.parametrize("N", [37, 1000, 3000, 9000])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_backward_padded_seq_len(dtype, N):
+    u, k, D = make_inputs(3, 5, N, N // 2 + 1, dtype=dtype, param_dtype=torch.float32, device="cuda")
+    grad = torch.randn_like(u)
+    with no_reference_warning():
+        got = torch.ops.tk.fftconv_bwd.default(grad, u, k, D)
+    check_backward(got, grad, u, k, D, dtype)
+
+
+@requires_kernel("fftconv_bwd")
+def test_kernel_backward_strided_inputs():
+    B, H, N, L = 3, 4, 2048, 999
+    dtype = torch.bfloat16
+    _, k, D = make_inputs(B, H, N, L, dtype=dtype, param_dtype=torch.float32, device="cuda")
+    heads_first = [torch.randn(H, B, N, device="cuda").to(dtype).transpose(0, 1) for _ in range(2)]  # read in place
+    shifted = [torch.randn(B, H, N + 1, device="cuda").to(dtype)[..., 1:] for _ in range(2)]  # copied first
+    last_dim_strided = torch.randn(B, H, N, 2, device="cuda").to(dtype)[..., 0]  # copied first
+    for u, grad in [heads_first, shifted, (heads_first[0], shifted[0]), (shifted[1], last_dim_strided)]:
+        with no_reference_warning():
+            got = torch.ops.tk.fftconv_bwd.default(grad, u, k, D)
+        check_backward(got, grad, u, k, D, dtype)
+
+
+@requires_kernel("fftconv_bwd")
+def test_kernel_backward_many_heads_is_deterministic():
+    """More heads than the persistent grid holds blocks; one block owns each head's sum: same bits twice."""
+    u, k, D = make_inputs(6, 400, 512, 300, dtype=torch.bfloat16, param_dtype=torch.float32, device="cuda")
+    grad = torch.randn_like(u)
+    with no_reference_warning():
+        first = torch.ops.tk.fftconv_bwd.default(grad, u, k, D)
+        second = torch.ops.tk.fftconv_bwd.default(grad, u, k, D)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    check_backward(first, grad, u, k, D, torch.bfloat16)
+
+
+@requires_kernel("fftconv_bwd")
 @pytest.mark.parametrize("N", [256, 4096, 16384])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_kernel_gradients(dtype, N):
-    """The forward on the kernel, the backward on the reference (no backward kernel yet)."""
+def test_kernel_gradients_through_autograd(dtype, N):
+    """tk_ops.fftconv's autograd on the kernels (forward and backward) against float64 autograd of the
+    direct convolution."""
     u, k, D = make_inputs(2, 3, N, N // 2 + 1, dtype=dtype, param_dtype=torch.float32, device="cuda")
     grad = torch.randn_like(u)
-    got = fftconv_grads(u, k, D, grad)
+    with no_reference_warning():
+        got = fftconv_grads(u, k, D, grad)
     want = reference_grads(u, k, D, grad)
     for name, g, w in zip("ukD", got, want):
-        assert_rel_close(g, w, 2 * KERNEL_TOLERANCE[dtype], f"grad_{name}")
+        assert_rel_close(g, w, KERNEL_TOLERANCE[dtype], f"grad_{name}")
+
+
+@requires_kernel("fftconv_bwd")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_backward_is_the_forwards_adjoint(dtype):
+    """The adjoint identities of y, linear in u and in (k, D), on the kernels alone (what gradcheck
+    tests, without finite differences): <y, g> = <u, grad_u> = <k, grad_k> + <D, grad_D>."""
+    u, k, D = make_inputs(4, 3, 4096, 1500, dtype=dtype, param_dtype=torch.float32, device="cuda")
+    grad = torch.randn_like(u)
+    with no_reference_warning():
+        y = tk_ops.fftconv(u, k, D=D).double()
+        grad_u, grad_k, grad_D = torch.ops.tk.fftconv_bwd.default(grad, u, k, D)
+    pairing = (y * grad.double()).sum()
+    through_u = (u.double() * grad_u.double()).sum()
+    through_k_and_D = (k.double() * grad_k.double()).sum() + (D.double() * grad_D.double()).sum()
+    scale = (y.double().norm() * grad.double().norm()).item()
+    for other in (through_u, through_k_and_D):
+        assert abs((pairing - other).item()) <= KERNEL_TOLERANCE[dtype] * scale
+
+
+@requires_kernel("fftconv_bwd")
+def test_kernel_backward_cuda_graph_capture_and_replay():
+    def fresh():
+        u, k, D = make_inputs(3, 4, 4096, 1500, dtype=torch.bfloat16, param_dtype=torch.float32, device="cuda")
+        return torch.randn_like(u), u, k, D
+
+    static = [t.clone() for t in fresh()]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        torch.ops.tk.fftconv_bwd.default(*static)  # warm-up (cuFFT plan) outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = torch.ops.tk.fftconv_bwd.default(*static)
+    first = [o.clone() for o in outs]
+    inputs2 = fresh()
+    for t, new in zip(static, inputs2):
+        t.copy_(new)
+    graph.replay()
+    for out, eager, old in zip(outs, torch.ops.tk.fftconv_bwd.default(*inputs2), first):
+        torch.testing.assert_close(out, eager, rtol=0, atol=0)
+        assert not torch.equal(out, old)
+    check_backward(outs, *inputs2, torch.bfloat16)
+
+
+@requires_kernel("fftconv_bwd")
+@pytest.mark.parametrize("dtype, N", [(torch.float32, 1024), (torch.float64, 1024), (torch.bfloat16, 16385)])
+def test_kernel_backward_unsupported_inputs_fall_back_with_a_warning(dtype, N):
+    u, k, D = make_inputs(2, 3, N, 17, dtype=dtype, device="cuda")
+    grad = torch.randn_like(u)
+    _library._REFERENCE_WARNED.discard("fftconv_bwd")
+    with pytest.warns(UserWarning, match=REFERENCE_WARNING):
+        got = torch.ops.tk.fftconv_bwd.default(grad, u, k, D)
+    want = float64_backward(grad, u, k, D)
+    tol = KERNEL_TOLERANCE.get(dtype, TOLERANCE[torch.float64])
+    for name, g, w in zip(("grad_u", "grad_k", "grad_D"), got, want):
+        assert_rel_close(g, w, tol, name)
+
+
+@requires_kernel("fftconv_bwd")
+def test_kernel_backward_bad_inputs():
+    u, k, D = make_inputs(2, 3, 256, 17, dtype=torch.bfloat16, param_dtype=torch.float32, device="cuda")
+    with pytest.raises(ValueError, match="grad must have u's shape"):
+        torch.ops.tk.fftconv_bwd.default(torch.randn(2, 3, 255, device="cuda").bfloat16(), u, k, D)
+    with pytest.raises(TypeError, match="grad must have u's dtype"):
+        torch.ops.tk.fftconv_bwd.default(torch.randn_like(u).half(), u, k, D)
 
 
 @requires_kernel("fftconv")

@@ -15,12 +15,15 @@ import math
 import pytest
 import torch
 
-from tk_ops.ops.fftconv import _fftconv_reference
+from tk_ops.ops.fftconv import _fftconv_bwd_reference, _fftconv_reference
 from tk_testing import assert_rel_close
 
 # The CPU emulation's errors against float64 (bf16: 1.5-2.5e-3, fp16: 1.5-3.2e-4 at B = 3, H = 2),
 # with headroom; tests/test_fftconv.py's kernel budgets are 2e-2 and 5e-3.
 EMULATION_TOLERANCE = {torch.bfloat16: 5e-3, torch.float16: 6e-4}
+# The backward's (B = 3, H = 2, grad_y of size 1e-2): grad_u 1.6-2.9e-3 (bf16), 2-11e-4 (fp16); grad_k
+# 4-5.2e-3 (bf16), 4.5-5.8e-4 (fp16): both spectra are rounded to 16 bits before their product.
+BACKWARD_EMULATION_TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
 def monarch_plan(N: int) -> tuple[int, int]:
@@ -44,33 +47,81 @@ def as_fp32(z: torch.Tensor) -> torch.Tensor:
     return z.to(torch.complex64).to(torch.complex128)
 
 
-def monarch_fftconv(u: torch.Tensor, k: torch.Tensor, D: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+class MonarchStages:
+    """The kernel's tables for N and its stages on one pair (a complex sequence), rounded as it rounds."""
+
+    def __init__(self, N: int, dtype: torch.dtype):
+        self.N, self.dtype = N, dtype
+        self.M1, self.M2 = monarch_plan(N)
+        r1, r2 = torch.arange(self.M1), torch.arange(self.M2)
+        self.dft_rows = rounded(unit_roots(r1, r1, self.M1), dtype)  # F_M1, the stage 1 and 7 table
+        self.dft_cols = rounded(unit_roots(r2, r2, self.M2), dtype)  # F_M2 in shared memory
+        self.twiddle = as_fp32(unit_roots(r1, r2, 2 * N) * (2 / self.M1))
+        self.spectrum_order = r1[:, None] + self.M1 * r2[None, :]  # X[k1 + M1 k2] at (k1, k2)
+
+    def filter_table(self, k: torch.Tensor, conjugate: bool) -> torch.Tensor:
+        """K / M2 (or conj(K) / M2) per head in the (k1, k2) order, from the op's fp32 rfft."""
+        spectrum = torch.fft.rfft(k.float(), n=2 * self.N).to(torch.complex128)
+        full = torch.cat([spectrum, spectrum[:, 1 : self.N].flip(-1).conj()], -1)  # Hermitian completion
+        table = as_fp32(full[:, self.spectrum_order] / self.M2)
+        return table.conj() if conjugate else table
+
+    def spectrum_rows(self, z: torch.Tensor) -> torch.Tensor:
+        """Stages 1-3 (fp32 result): the pair's spectrum times 2/M1, in the (k1, k2) order."""
+        x = rounded(z.reshape(self.M1 // 2, self.M2), self.dtype)
+        x = self.dft_rows[:, : self.M1 // 2] @ x                                    # stage 1
+        x = rounded(as_fp32(x) * self.twiddle, self.dtype)                          # stage 2
+        return as_fp32(x @ self.dft_cols)                                           # stage 3
+
+    def inverse(self, x: torch.Tensor) -> torch.Tensor:
+        """Stages 5-7 of a 16-bit spectrum, before stage 7's scale: rows n1 < M1/2, flattened to t < N."""
+        x = x @ self.dft_cols.conj()                                                # stage 5
+        x = rounded(as_fp32(x) * self.twiddle.conj() * (self.M1 / (2 * self.M2)), self.dtype)  # stage 6
+        return (self.dft_rows.conj()[: self.M1 // 2, :] @ x).reshape(self.N)        # stage 7
+
+    def pairs(self, x: torch.Tensor, h: int):
+        """(first batch, complex sequence) of each pair of head h; a missing second sequence is zero."""
+        B = x.shape[0]
+        for first in range(0, B, 2):
+            second = x[first + 1, h].double() if first + 1 < B else torch.zeros(self.N, dtype=torch.float64)
+            yield first, torch.complex(x[first, h].double(), second)
+
+
+def monarch_fftconv(u: torch.Tensor, k: torch.Tensor, D: torch.Tensor, dtype: torch.dtype, conjugate=False):
+    """The convolution kernel: y with K (the forward), or with conj(K): grad_u for the input grad_y."""
     B, H, N = u.shape
-    M1, M2 = monarch_plan(N)
-    half = M1 // 2
-    r1, r2 = torch.arange(M1), torch.arange(M2)
-    dft_rows = rounded(unit_roots(r1, r1, M1), dtype)  # F_M1, the stage 1 and 7 table
-    dft_cols = rounded(unit_roots(r2, r2, M2), dtype)  # F_M2 in shared memory
-    twiddle = as_fp32(unit_roots(r1, r2, 2 * N) * (2 / M1))
-    spectrum = torch.fft.rfft(k.float(), n=2 * N).to(torch.complex128)  # the op's fp32 rfft
-    full = torch.cat([spectrum, spectrum[:, 1:N].flip(-1).conj()], -1)  # Hermitian completion
-    filter_table = as_fp32(full[:, r1[:, None] + M1 * r2[None, :]] / M2)
+    st = MonarchStages(N, dtype)
+    filter_table = st.filter_table(k, conjugate)
     y = torch.empty(B, H, N, dtype=torch.float64)
     for h in range(H):
-        for first in range(0, B, 2):
-            second = u[first + 1, h].double() if first + 1 < B else torch.zeros(N, dtype=torch.float64)
-            z = torch.complex(u[first, h].double(), second)
-            x = rounded(z.reshape(half, M2), dtype)
-            x = dft_rows[:, :half] @ x                                             # stage 1
-            x = rounded(as_fp32(x) * twiddle, dtype)                               # stage 2
-            x = rounded(as_fp32(x @ dft_cols) * filter_table[h], dtype)            # stages 3, 4
-            x = x @ dft_cols.conj()                                                # stage 5
-            x = rounded(as_fp32(x) * twiddle.conj() * (M1 / (2 * M2)), dtype)      # stage 6
-            out = (dft_rows.conj()[:half, :] @ x).reshape(N) * (M2 / 2) + D[h].double() * z  # stage 7, + D u
+        for first, z in st.pairs(u, h):
+            x = rounded(st.spectrum_rows(z) * filter_table[h], dtype)               # stage 4
+            out = st.inverse(x) * (st.M2 / 2) + D[h].double() * z                   # stage 7 scale, + D u
             y[first, h] = out.real
             if first + 1 < B:
                 y[first + 1, h] = out.imag
     return y
+
+
+def monarch_filter_gradient(grad: torch.Tensor, u: torch.Tensor, L: int, dtype: torch.dtype):
+    """filter_gradient_kernel: per head, the fp32 sum over pairs of the 16-bit spectra's products,
+    scaled by a power of two into [0.5, 1), inverted, its real part scaled back by M1 / 4 (grad_k),
+    and the fp32 sum of grad * u (grad_D)."""
+    B, H, N = u.shape
+    st = MonarchStages(N, dtype)
+    grad_k = torch.empty(H, L, dtype=torch.float64)
+    for h in range(H):
+        total = 0
+        for (_, g), (_, z) in zip(st.pairs(grad, h), st.pairs(u, h)):
+            g_spectrum = rounded(st.spectrum_rows(g), dtype)
+            u_spectrum = rounded(st.spectrum_rows(z), dtype)
+            total = as_fp32(total + g_spectrum * u_spectrum.conj())
+        largest = max(total.real.abs().max().item(), total.imag.abs().max().item())
+        exponent = math.frexp(largest)[1] if largest > 0 else 0
+        x = rounded(total * 2.0**-exponent, dtype)
+        grad_k[h] = (st.inverse(x).real * (st.M1 / 4) * 2.0**exponent)[:L]
+    grad_D = (grad.float() * u.float()).sum((0, 2)).double()
+    return grad_k, grad_D
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -84,6 +135,28 @@ def test_monarch_emulation_matches_the_reference(N, dtype):
     D = torch.randn(H)
     want = _fftconv_reference(u.double(), k.double(), D.double())
     assert_rel_close(monarch_fftconv(u, k, D, dtype), want, EMULATION_TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("N", [256, 512, 1024, 2048, 4096, 8192, 16384])
+def test_monarch_backward_emulation_matches_the_reference(N, dtype):
+    """grad_u: the convolution kernel with conj(K) on grad_y; grad_k: the filter-gradient kernel's
+    chain. grad_y of size 1e-2: the kernels keep 16-bit values on the scale of their inputs, and
+    fp16 loses digits to subnormals below about 1e-3 (grad_u's error at N = 4096: 1.9e-4 at 1,
+    4.5e-4 at 1e-2, 4.5e-3 at 1e-3; bf16 does not care)."""
+    torch.manual_seed(N + 1)
+    B, H = 3, 2
+    L = N if N % 4096 else N // 3 + 1
+    u = torch.randn(B, H, N).to(dtype)
+    grad = (torch.randn(B, H, N) * 1e-2).to(dtype)
+    k = torch.randn(H, L) / L**0.5
+    D = torch.randn(H)
+    want_u, want_k, want_D = _fftconv_bwd_reference(grad.double(), u.double(), k.double(), D.double())
+    tol = BACKWARD_EMULATION_TOLERANCE[dtype]
+    assert_rel_close(monarch_fftconv(grad, k, D, dtype, conjugate=True), want_u, tol, "grad_u")
+    grad_k, grad_D = monarch_filter_gradient(grad, u, L, dtype)
+    assert_rel_close(grad_k, want_k, tol, "grad_k")
+    assert_rel_close(grad_D, want_D, 1e-5, "grad_D")
 
 
 def test_scales_multiply_to_the_inverse_dft():

@@ -1,25 +1,18 @@
-// FFT convolution forward on tensor cores (the plan and the stages: fftconv.cuh).
+// FFT convolution forward on tensor cores (the plan: fftconv.cuh; the stages: monarch.cuh). The
+// backward's grad_u runs the same two kernels on grad_y with conj(K) (fftconv_bwd.cu).
 //
 //   prepare_kernel       one warp per base tile of a table: F_M1, the twiddles and every head's
-//                        spectrum (from rfft(k, 2N) by Hermitian symmetry), in fragment order
+//                        spectrum K or conj(K) (from rfft(k, 2N) by Hermitian symmetry), in fragment order
 //   convolution_kernel   per pair of sequences: u -> shared memory; per strip, stages 1-6 in
 //                        registers -> shared memory; per output tile, stage 7, + D u, -> y
-#include <algorithm>
 #include <climits>
-#include <utility>
 
-#include "fftconv.cuh"
-#include "fftconv.h"
-#include "tk/tk.cuh"
+#include "monarch.cuh"
 
 namespace tk::fftconv {
 namespace {
 
-using kernel_dtypes = one_of<element_type::bf16, element_type::fp16>;
-using seq_lens = one_of<256, 512, 1024, 2048, 4096, 8192, 16384>;
-
 constexpr int PREPARE_THREADS = 256;
-constexpr int VECTOR_BYTES = 16;  // u moves in 16-byte vectors
 
 // ------------------------------------------------------------------------------------ tables
 
@@ -29,6 +22,7 @@ struct prepare_params {
   const float* spectrum;  // rfft(k, 2N), (re, im) pairs
   int64_t spectrum_head_stride;
   int heads;
+  float spectrum_im_sign;  // -1 lays out conj(K) (filter_spectrum::conjugate)
 };
 
 // The base tile at (row0, col0) of a complex matrix whose entries value(row, col) returns (re, im).
@@ -47,13 +41,6 @@ __device__ complex_register_tile<E, BASE_TILE, BASE_TILE> base_tile_of(int row0,
     tile.im.pairs[0][0][q] = numeric<E>::pair_from_float2(im);
   });
   return tile;
-}
-
-// W_size^index = exp(-2 pi i index / size), from the exact residue (double, then rounded once).
-__device__ float2 unit_root(int64_t index, int64_t size) {
-  double s, c;
-  sincospi(2.0 * double(index % size) / double(size), &s, &c);
-  return {float(c), float(-s)};
 }
 
 template <typename T, int N>
@@ -88,7 +75,7 @@ __global__ void __launch_bounds__(PREPARE_THREADS) prepare_kernel(const __grid_c
     // rfft keeps k <= N; a real filter's spectrum is Hermitian: K[M - k] = conj(K[k]).
     const bool mirrored = k > N;
     const int stored = mirrored ? plan::fft_size - k : k;
-    const float re = spectrum[2 * stored], im = spectrum[2 * stored + 1];
+    const float re = spectrum[2 * stored], im = spectrum[2 * stored + 1] * p.spectrum_im_sign;
     return float2{re * plan::filter_scale, (mirrored ? -im : im) * plan::filter_scale};
   });
   warp::store_fragments(p.out.spectrum_re, p.out.spectrum_im, plan::col_blocks, tile, head * plan::strips + s, bc);
@@ -105,22 +92,14 @@ int64_t prepare_jobs(int64_t heads) {
 template <typename T, int N>
 struct convolution_kernel {
   using plan = monarch_plan<N>;
-  static constexpr int threads = plan::warps * WARP_THREADS;
-  static constexpr int elements_per_vector = VECTOR_BYTES / int(sizeof(T));
+  using stages = monarch_stages<T, N>;
+  static constexpr int threads = stages::threads;
 
-  using input_tile = complex_shared_tile<T, plan::input_rows, plan::cols>;  // the pair's u
-  using exchange_tile = complex_shared_tile<T, plan::rows, plan::cols>;     // stage 6 -> stage 7
-  using row_dft_tile = complex_shared_tile<T, plan::cols, plan::cols>;      // F_M2
   struct storage {
-    input_tile input;
-    exchange_tile exchange;
-    row_dft_tile row_dft;
+    typename stages::input_tile input;
+    typename stages::exchange_tile exchange;
+    typename stages::row_dft_tile row_dft;
   };
-
-  using strip_acc = complex_register_tile<float, BASE_TILE, plan::cols>;
-  using strip_operand = complex_register_tile<T, BASE_TILE, plan::cols>;
-  using output_acc = complex_register_tile<float, BASE_TILE, plan::output_cols>;
-  using table_tile = complex_register_tile<float, BASE_TILE, BASE_TILE>;
 
   struct params {
     const T* u;
@@ -131,105 +110,35 @@ struct convolution_kernel {
     tables<T, N> tab;
   };
 
-  struct pair_of_sequences {
-    int head;
-    int first;  // batch of the real part; first + 1 (if < B) is the imaginary part's
-  };
-
-  __device__ static void fill_row_dft(row_dft_tile& f) {
-    for (int i = threadIdx.x; i < plan::cols * plan::cols; i += threads) {
-      const int r = i / plan::cols, c = i % plan::cols;
-      const float2 w = unit_root(int64_t(r) * c, plan::cols);
-      f.re.at(r, c) = convert<T>(w.x);
-      f.im.at(r, c) = convert<T>(w.y);
-    }
-  }
-
-  // u of the pair, row-major as the M1/2 x M2 top of the matrix; a missing second sequence is zero.
-  __device__ static void load_input(input_tile& in, const params& p, pair_of_sequences pr) {
-    constexpr int vectors = N / elements_per_vector;
-    for (int i = threadIdx.x; i < 2 * vectors; i += threads) {
-      const int part = i / vectors, n = (i % vectors) * elements_per_vector;
-      const int batch = pr.first + part;
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (batch < p.batch) {
-        v = *reinterpret_cast<const uint4*>(p.u + batch * p.u_batch_stride + pr.head * p.u_head_stride + n);
-      }
-      auto& plane = part == 0 ? in.re : in.im;
-      *reinterpret_cast<uint4*>(&plane.at(n / plan::cols, n % plan::cols)) = v;  // a 16-byte chunk stays whole
-    }
-  }
-
-  // acc ∘= op(table) for the strip's base tiles (block_row, 0 .. col_blocks - 1) of a table.
-  template <bool CONJ>
-  __device__ static void multiply_by_table(strip_acc& acc, const float* re, const float* im, int block_row) {
-    [&]<int... BC>(std::integer_sequence<int, BC...>) {
-      ([&] {
-        table_tile factor;
-        warp::load_fragments(factor, re, im, plan::col_blocks, block_row, BC);
-        auto block = warp::columns<BC * BASE_TILE, BASE_TILE>(acc);
-        warp::cmul<CONJ>(block, block, factor);
-        warp::set_columns<BC * BASE_TILE>(acc, block);
-      }(), ...);
-    }(std::make_integer_sequence<int, plan::col_blocks>{});
-  }
-
   // Stages 1-4 of one 16-row strip (rows k1 of the spectrum): the strip's spectrum times the filter's.
   // Stages 1-4 and 5-6 are separate calls: within one body ptxas overlaps the end of a stage with
   // the start of the next (two strips of accumulators live at once) and spills; across the call
   // only x (the 16-bit strip, 128 bytes per lane through the stack) is handed over.
-  __device__ __noinline__ static void spectrum_strip(strip_operand& x, storage& s, const params& p, int head, int strip) {
-    const tables<T, N>& tab = p.tab;
-    strip_acc acc;
-    warp::zero(acc);
-    for (int k0 = 0; k0 < plan::input_rows; k0 += plan::stage1_k) {
-      complex_register_tile<T, BASE_TILE, plan::stage1_k> dft;
-      warp::load_fragments(dft, tab.dft_re, tab.dft_im, plan::strips, strip, k0 / BASE_TILE);
-      warp::cmma_AB(acc, dft, s.input, acc, k0, 0);
-    }
-    multiply_by_table<false>(acc, tab.twiddle_re, tab.twiddle_im, strip);
-    warp::copy(x, acc);
-    warp::zero(acc);
-    warp::cmma_AB(acc, x, s.row_dft, acc, 0, 0);
-    multiply_by_table<false>(acc, tab.spectrum_re, tab.spectrum_im, head * plan::strips + strip);
+  __device__ __noinline__ static void spectrum_strip(typename stages::strip_operand& x, storage& s, const params& p,
+                                                     int head, int strip) {
+    typename stages::strip_acc acc;
+    stages::spectrum_rows(acc, x, s.input, s.row_dft, p.tab, strip);
+    stages::template multiply_by_table<false>(acc, p.tab.spectrum_re, p.tab.spectrum_im, head * plan::strips + strip);
     warp::copy(x, acc);
   }
 
-  // Stages 5-6 of the strip, into the exchange tile.
-  __device__ __noinline__ static void inverse_rows(const strip_operand& x, storage& s, const params& p, int strip) {
-    strip_acc acc;
-    warp::zero(acc);
-    warp::cmma_AB<false, true>(acc, x, s.row_dft, acc, 0, 0);
-    multiply_by_table<true>(acc, p.tab.twiddle_re, p.tab.twiddle_im, strip);
-    warp::mul(acc, acc, plan::inverse_twiddle_scale);
-    warp::store(s.exchange, acc, BASE_TILE * strip, 0);
+  __device__ __noinline__ static void inverse_strip(const typename stages::strip_operand& x, storage& s, const params& p,
+                                                    int strip) {
+    stages::inverse_rows(x, s.exchange, s.row_dft, p.tab, strip);
   }
 
-  __device__ static void forward_strip(storage& s, const params& p, int head, int strip) {
-    strip_operand x;
-    spectrum_strip(x, s, p, head, strip);
-    inverse_rows(x, s, p, strip);
-  }
-
-  // Stage 7 for one output tile (16 rows n1 x output_cols columns n2), + D u, to y.
+  // Stage 7 for one output tile, + D u, to y.
   __device__ static void output_tile(storage& s, const params& p, pair_of_sequences pr, int task) {
-    const int strip = task / plan::output_groups;
-    const int col0 = task % plan::output_groups * plan::output_cols;
-    output_acc acc;
-    warp::zero(acc);
-    for (int k0 = 0; k0 < plan::rows; k0 += plan::stage7_k) {
-      complex_register_tile<T, BASE_TILE, plan::stage7_k> dft;
-      warp::load_fragments(dft, p.tab.dft_re, p.tab.dft_im, plan::strips, strip, k0 / BASE_TILE);
-      warp::cmma_AB<true, false>(acc, dft, s.exchange, acc, k0, col0);
-    }
+    typename stages::output_acc acc;
+    stages::inverse_columns(acc, s.exchange, p.tab, task);
     warp::mul(acc, acc, plan::output_scale);
-    const int row0 = BASE_TILE * strip;
+    const int row0 = stages::output_row0(task), col0 = stages::output_col0(task);
     if (p.D != nullptr) {
       const float d = p.D[pr.head];
-      const auto add_skip = [&](typename output_acc::plane& out, const typename input_tile::plane& u) {
+      const auto add_skip = [&](typename stages::output_acc::plane& out, const typename stages::input_tile::plane& u) {
         register_tile<T, BASE_TILE, plan::output_cols> u_part;
         warp::load(u_part, u, row0, col0);
-        typename output_acc::plane skip;
+        typename stages::output_acc::plane skip;
         warp::mul(skip, u_part, d);
         warp::add(out, out, skip);
       };
@@ -247,13 +156,17 @@ struct convolution_kernel {
   // wrote them (the second and third).
   __device__ static void run(const params& p) {
     storage& s = pipeline::block_storage<storage>();
-    fill_row_dft(s.row_dft);
+    stages::fill_row_dft(s.row_dft);
     for (int index = blockIdx.x; index < p.pairs; index += gridDim.x) {
       const pair_of_sequences pr{index / p.pairs_per_head, 2 * (index % p.pairs_per_head)};
       __syncthreads();
-      load_input(s.input, p, pr);
+      stages::load_pair(s.input, p.u, p.u_batch_stride, p.u_head_stride, p.batch, pr);
       __syncthreads();
-      for (int strip = warp_id(); strip < plan::strips; strip += plan::warps) forward_strip(s, p, pr.head, strip);
+      for (int strip = warp_id(); strip < plan::strips; strip += plan::warps) {
+        typename stages::strip_operand x;
+        spectrum_strip(x, s, p, pr.head, strip);
+        inverse_strip(x, s, p, strip);
+      }
       __syncthreads();
       for (int task = warp_id(); task < plan::output_tasks; task += plan::warps) output_tile(s, p, pr, task);
     }
@@ -268,11 +181,12 @@ __global__ void __launch_bounds__(K::threads, 1) convolution_entry(const __grid_
 // ------------------------------------------------------------------------------------- host
 
 template <typename T, int N>
-cudaError_t run(const forward_problem& pr, cudaStream_t stream) {
+cudaError_t run(const forward_problem& pr, filter_spectrum use, cudaStream_t stream) {
   using K = convolution_kernel<T, N>;
   const tables<T, N> tab = tables<T, N>::at(pr.workspace, pr.heads);
 
-  const prepare_params<T, N> prep{tab, pr.spectrum, pr.spectrum_head_stride, int(pr.heads)};
+  const float im_sign = use == filter_spectrum::conjugate ? -1.0f : 1.0f;
+  const prepare_params<T, N> prep{tab, pr.spectrum, pr.spectrum_head_stride, int(pr.heads), im_sign};
   const int64_t prepare_blocks = ceil_div<int64_t>(prepare_jobs<T, N>(pr.heads) * WARP_THREADS, PREPARE_THREADS);
   if (const cudaError_t err = pipeline::launch(prepare_kernel<T, N>, dim3(unsigned(prepare_blocks)), PREPARE_THREADS, 0,
                                                stream, prep);
@@ -291,34 +205,15 @@ cudaError_t run(const forward_problem& pr, cudaStream_t stream) {
   p.pairs_per_head = int(ceil_div<int64_t>(pr.batch, 2));
   p.pairs = p.pairs_per_head * p.heads;
   p.tab = tab;
-
-  constexpr size_t smem = pipeline::shared_bytes<typename K::storage>;
-  void (*const entry)(typename K::params) = convolution_entry<K>;
-  if (const cudaError_t err = pipeline::allow_shared_bytes(reinterpret_cast<const void*>(entry), smem); err != cudaSuccess) {
-    return err;
-  }
-  int device = 0, blocks_per_sm = 0;
-  if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
-  if (const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, entry, K::threads, smem);
-      err != cudaSuccess) {
-    return err;
-  }
-  const int grid = std::min<int64_t>(p.pairs, int64_t(pipeline::sm_count(device)) * std::max(blocks_per_sm, 1));
-  return pipeline::launch(entry, dim3(grid), K::threads, smem, stream, p);
-}
-
-template <typename F>
-auto with_kernel(const forward_problem& p, F&& f) {
-  return dispatch<kernel_dtypes, seq_lens>(
-      [&]<element_type E, int N>() { return f.template operator()<element_t<E>, N>(); }, p.dtype, int(p.seq_len));
+  return launch_persistent(convolution_entry<K>, K::threads, pipeline::shared_bytes<typename K::storage>, p.pairs,
+                           stream, p);
 }
 
 }  // namespace
 
 int64_t workspace_bytes(int64_t seq_len, int64_t heads, element_type dtype) {
   if (!kernel_dtypes::contains(dtype) || !seq_lens::contains(seq_len)) return 0;
-  return dispatch<kernel_dtypes, seq_lens>(
-      [&]<element_type E, int N>() { return tables<element_t<E>, N>::bytes(heads); }, dtype, int(seq_len));
+  return with_kernel(dtype, seq_len, [&]<typename T, int N>() { return tables<T, N>::bytes(heads); });
 }
 
 std::string unsupported_reason(const forward_problem& p) {
@@ -328,9 +223,7 @@ std::string unsupported_reason(const forward_problem& p) {
   if (ceil_div<int64_t>(p.batch, 2) * p.heads > INT_MAX || p.batch * p.heads * p.seq_len > INT64_MAX / 2) {
     return "B * H is too large for the kernel's indices";
   }
-  const int64_t per_vector = VECTOR_BYTES / 2;  // 16-bit elements
-  if (reinterpret_cast<uintptr_t>(p.u) % VECTOR_BYTES != 0 || p.u_batch_stride % per_vector != 0 ||
-      p.u_head_stride % per_vector != 0) {
+  if (!rows_aligned(p.u, p.u_batch_stride, p.u_head_stride)) {
     return "u's rows must start on 16-byte boundaries (its address and batch/head strides)";
   }
   if (reinterpret_cast<uintptr_t>(p.y) % VECTOR_BYTES != 0 || reinterpret_cast<uintptr_t>(p.workspace) % VECTOR_BYTES != 0) {
@@ -339,8 +232,12 @@ std::string unsupported_reason(const forward_problem& p) {
   return {};
 }
 
+cudaError_t launch_spectrum_pass(const forward_problem& p, filter_spectrum use, cudaStream_t stream) {
+  return with_kernel(p.dtype, p.seq_len, [&]<typename T, int N>() { return run<T, N>(p, use, stream); });
+}
+
 cudaError_t launch(const forward_problem& p, cudaStream_t stream) {
-  return with_kernel(p, [&]<typename T, int N>() { return run<T, N>(p, stream); });
+  return launch_spectrum_pass(p, filter_spectrum::plain, stream);
 }
 
 }  // namespace tk::fftconv
