@@ -530,11 +530,13 @@ def test_kernel_long_sequence(dtype):
 
 
 # Few (batch, head) sequences for the SMs: the forward cuts each into segments of whole chunks (its
-# split rule picks 8 to 12 segments at these shapes on an H100), computes their end states, scans them
+# split rule picks 6 to 16 segments at these shapes on an H100), computes their end states, scans them
 # and runs the output from each segment's entering state. Every output must be written and exact.
 SPLIT_CASES = {
     "plain N=128": dict(Bt=1, L=3000, H=2, G=1, N=128),
     "all, N=64": dict(Bt=2, L=2000, H=4, G=2, N=64, D="HP", z=True, dt_bias=True, dt_softplus=True),
+    # Three heads a group: at N = 128 one head a thread block (an even count pairs two, as above).
+    "odd heads per group, N=128": dict(Bt=2, L=1500, H=3, G=1, N=128, D="H", z=True),
 }
 
 

@@ -17,9 +17,11 @@
 //                          place: chunk_states at each segment's first chunk is the state entering it.
 //   forward_kernel         one task per (batch, head, segment), from the state entering the segment:
 //                          the output, the rest of chunk_states and (last segment) final_states.
+//                          At N = 128 with an even number of heads per group, one thread block runs
+//                          two heads of a group (HEADS = 2), sharing each stage's B and C.
 //
-// In forward_kernel one consumer warpgroup walks its segment in blocks of 64 positions (the rows of
-// one wgmma), keeping S in fp32 wgmma accumulators. The op's chunk_size (64, 128 or 256) is a whole
+// In forward_kernel one consumer warpgroup per head walks its segment in blocks of 64 positions (the
+// rows of one wgmma), keeping S in fp32 wgmma accumulators. The op's chunk_size (64, 128 or 256) is a whole
 // number of blocks: it only decides which states are written to chunk_states (the state entering
 // each chunk), since the chunked algorithm's result does not depend on where the chunks start. Each
 // stage holds a block's x (64 x P), B and C (64 x N, the head's group) and, gated, z (64 x P); dt is
@@ -41,25 +43,37 @@
 // of Y are never stored. The state's copy is 16-bit (as the linear-attention kernels' moment
 // copies): in fp16 its entries must stay below 65504.
 //
-// The split rule (plan_split): a cost model in units of one block of forward_kernel on an SM running
-// two tasks (3.8 us on the H100 at N = 128). A pass of `tasks` equal tasks of `blocks` blocks takes
-// ceil(tasks / (2 SMs)) waves of blocks + 1 (the entering state and the first loads), or 0.75 of that
-// when every task has an SM to itself (measured: 2.9 vs 3.8 us a block). The split adds the states
+// The split rule (plan_split): a cost model in units of one 64-position block of forward_kernel on
+// an SM running two heads (3.8 us on the H100 at N = 128, one head a block, measured). A pass of
+// `grid` equal thread blocks of `blocks` blocks takes ceil(grid / thread blocks an SM / SMs) waves of
+// blocks + 1 (the entering state and the first loads), or 0.75 of that when a two-block plan's
+// blocks each have an SM to themselves (measured: 2.9 vs 3.8 us a block). The split adds the states
 // pass at 1/4 of a block a block (one product of four, four stages ahead), 1/4 a segment for the
-// scan and 1 per extra launch. Every segment count up to 4 waves' worth is tried; the fastest
-// predicted one wins (1: today's one pass). Predicted at chunk 256, N = 128 (x: vs mamba_ssm's
-// measured 0.774 / 1.691 / 1.671 / 3.731 ms):
-//   (Bt, L, H) = (8, 2048, 80), (8, 4096, 80), (8, 4096, 32; N = 64): one pass, as measured
-//                (0.371, 0.722, 0.223 ms)
-//   (2, 16384, 80): 3 segments, 0.85 ms (measured one pass 0.942; 1.96x)
-//   (1, 65536, 80): 13 segments of 20 chunks, 1.55 ms (measured one pass 2.982; 2.4x)
-// The extra traffic of the split is one more read of x (and B) by the states pass; the scan moves
-// Bt H segments states, a few percent of chunk_states at these shapes.
+// scan and 2 for the extra launches. Every segment count up to 4 waves' worth is tried; the fastest
+// predicted one wins (1: one pass). The extra traffic of the split is one more read of x (and B) by
+// the states pass; the scan moves Bt H segments states, a few percent of chunk_states here.
 //
-// Plan: at N = 64 a stage is 32 KiB (gated), two stages and two blocks an SM; at N = 128 a stage is
-// 48 KiB, one stage and two blocks an SM (the other block's work hides the loads). The consumer
-// keeps S (N / 2 registers), Y and G (32 each) and three position vectors (16 each) live. The states
-// pass's stage is x and B only (24 KiB at N = 128): four stages, two blocks an SM.
+// Predicted at chunk 256 (mamba_ssm measured 0.774 / 1.691 / 0.879 / 1.671 / 3.731 ms; ours before
+// this change 0.371 / 0.722 / 0.223 / 0.942 / 2.982 ms):
+//                       segments   one head a block    two heads a block (block 3.8 -> 2.8 us)
+//   (8, 2048, 80, 128)     1        0.376 ms (2.1x)     0.28 ms (2.8x)
+//   (8, 4096, 80, 128)     1        0.741 ms (2.3x)     0.55 ms (3.1x)
+//   (8, 4096, 32, 64)      1        0.247 ms (3.6x)     (N = 64: one head a block)
+//   (2, 16384, 80, 128)    3        0.854 ms (2.0x)     0.63 ms (2.7x)
+//   (1, 65536, 80, 128)   13        1.555 ms (2.4x)     1.15 ms (3.3x)
+// Why two heads a block rather than reading the epilogue's x and z before the stage's release: the
+// stage must stay until the last product (S += ... B reads B, Y += M X reads X) completes, and the
+// epilogue after it is two register maps, so an earlier release would win a few percent at most;
+// at N = 128 a block of one head holds one stage, the next block's loads (one DRAM round trip,
+// about a quarter of the block) wait for its release, while two heads sharing B and C (64 KiB a
+// stage gated) fit two stages: the loads run a block ahead, and B and C cross L2 once for two heads.
+//
+// Plan: at N = 64 a stage is 32 KiB (gated), two stages and two blocks an SM; at N = 128 with one
+// head a block a stage is 48 KiB, one stage and two blocks an SM (the other block's work hides the
+// loads); with two heads a block 64 KiB, two stages, one block an SM (two consumer warpgroups, so
+// the same two heads an SM). The consumer keeps S (N / 2 registers), Y and G (32 each) and three
+// position vectors (16 each) live. The states pass's stage is x and B only (24 KiB at N = 128): four
+// stages, two blocks an SM.
 #include <algorithm>
 #include <climits>
 
@@ -309,17 +323,19 @@ __global__ void __launch_bounds__(SCAN_THREADS) segment_scan_kernel(const scan_p
 
 // ------------------------------------------------------------------------------ output pass
 
-template <int N>
+// HEADS heads of one group per block, one consumer warpgroup each, sharing the stage's B and C: at
+// N = 128 one head's stage fits only once beside another block's, two heads' stage fits twice.
+template <int N, int HEADS>
 struct ssd_plan {
-  static constexpr int consumer_warpgroups = 1;
-  static constexpr int stages = N <= 64 ? 2 : 1;
-  static constexpr int blocks_per_sm = 2;
+  static constexpr int consumer_warpgroups = HEADS;
+  static constexpr int stages = N <= 64 || HEADS == 2 ? 2 : 1;
+  static constexpr int blocks_per_sm = 2 / HEADS;
   static constexpr int producer_registers = 24;
   static constexpr int consumer_registers = 232;
 };
 
-template <typename T, int N, bool GATED>
-struct forward_kernel : ssd_plan<N> {
+template <typename T, int N, bool GATED, int HEADS>
+struct forward_kernel : ssd_plan<N, HEADS> {
   using xz_tile = shared_tile<T, BLOCK, HEAD_DIM>;   // x, z, and the output's staging
   using bc_tile = shared_tile<T, BLOCK, N>;          // B, C
   using state_copy_tile = shared_tile<T, HEAD_DIM, N>;  // S16: B of Y = C S^T (K-major)
@@ -333,22 +349,25 @@ struct forward_kernel : ssd_plan<N> {
   using channel_vector = per_col_vector<output, float>;   // one entry per channel p
 
   struct gated_stage {
-    xz_tile x;
+    xz_tile x[HEADS];
     bc_tile b, c;
-    xz_tile z;
+    xz_tile z[HEADS];
   };
   struct plain_stage {
-    xz_tile x;
+    xz_tile x[HEADS];
     bc_tile b, c;
   };
   using stage = std::conditional_t<GATED, gated_stage, plain_stage>;
-  static constexpr uint32_t stage_bytes[] = {(GATED ? 2 : 1) * xz_tile::bytes + 2 * bc_tile::bytes};
+  static constexpr uint32_t stage_bytes[] = {HEADS * (GATED ? 2 : 1) * xz_tile::bytes + 2 * bc_tile::bytes};
 
-  struct scratch {
+  struct head_scratch {  // one consumer warpgroup's
     state_copy_tile state_copy;
     xz_tile staging[2];  // the output of alternate blocks, while TMA stores the other
     float steps[WARPGROUP_WARPS][BLOCK];  // each warp's copy of the block's dt
     float cum[WARPGROUP_WARPS][BLOCK];    // and of its cumulative log decays
+  };
+  struct scratch {
+    head_scratch heads[HEADS];
   };
 
   struct params {
@@ -366,10 +385,10 @@ struct forward_kernel : ssd_plan<N> {
     bool D_per_channel, dt_softplus;
   };
 
-  enum class barrier_id : int {
-    block_done = FIRST_NAMED_BARRIER,  // the warpgroup's products of a block are done
-    copies_written,                    // the state's copy and the output tile are written
-    count,
+  enum class barrier_id : int {         // per consumer warpgroup:
+    block_done = FIRST_NAMED_BARRIER,     // its products of a block are done
+    copies_written = block_done + HEADS,  // the state's copy and the output tile are written
+    count = copies_written + HEADS,
   };
   static_assert(fits_named_barriers<barrier_id>());
 
@@ -383,7 +402,11 @@ struct forward_kernel : ssd_plan<N> {
 
   // ------------------------------------------------------------------------------ producer
 
-  __host__ __device__ static segment_order tasks(const params& p) { return {p.at.segments, p.at.heads, p.at.batch}; }
+  // task.head counts runs of HEADS heads; the consumer warpgroup picks one.
+  __host__ __device__ static segment_order tasks(const params& p) {
+    return {p.at.segments, p.at.heads / HEADS, p.at.batch};
+  }
+  __device__ static int head_of(const context& ctx) { return ctx.task.head * HEADS + ctx.consumer; }
 
   __device__ static int iterations(const params& p, pipeline::head_block task) { return p.at.blocks_of(task); }
 
@@ -397,37 +420,40 @@ struct forward_kernel : ssd_plan<N> {
 
   __device__ static void load(const params& p, pipeline::head_block task, int iteration, int, stage& s, mbarrier& full) {
     const int row = (p.at.first_block(task) + iteration) * BLOCK;
-    const int x_index[4] = {task.batch, task.head, row, 0};
-    const int bc_index[4] = {task.batch, task.head / p.heads_per_group, row, 0};
-    tma::load(s.x, p.x, full, x_index);
+    const int first_head = task.head * HEADS;
+    const int bc_index[4] = {task.batch, first_head / p.heads_per_group, row, 0};
     tma::load(s.b, p.b, full, bc_index);
     tma::load(s.c, p.c, full, bc_index);
-    if constexpr (GATED) tma::load(s.z, p.z, full, x_index);
+    for (int h = 0; h < HEADS; ++h) {
+      const int x_index[4] = {task.batch, first_head + h, row, 0};
+      tma::load(s.x[h], p.x, full, x_index);
+      if constexpr (GATED) tma::load(s.z[h], p.z, full, x_index);
+    }
   }
 
   // ------------------------------------------------------------------------------ consumers
 
-  // The task's column of dt.
-  __device__ static step_column steps_column(const context& ctx, float A, float bias) {
+  // The head's column of dt.
+  __device__ static step_column steps_column(const context& ctx, int head, float A, float bias) {
     const params& p = ctx.params;
-    return {p.dt + int64_t(ctx.task.batch) * p.dt_batch_stride + int64_t(ctx.task.head) * p.dt_head_stride,
+    return {p.dt + int64_t(ctx.task.batch) * p.dt_batch_stride + int64_t(head) * p.dt_head_stride,
             p.dt_row_stride, p.at.rows, A, bias, p.dt_softplus};
   }
 
   // This warp's rows of chunk_states[batch, chunk, head].
-  __device__ static float* chunk_state_rows(const context& ctx, int chunk) {
-    const int64_t slot = ctx.params.at.chunk_state(ctx.task.batch, chunk, ctx.task.head);
+  __device__ static float* chunk_state_rows(const context& ctx, int head, int chunk) {
+    const int64_t slot = ctx.params.at.chunk_state(ctx.task.batch, chunk, head);
     return ctx.params.chunk_states + slot * state_elements<N> + int64_t(warpgroup::warp_row()) * N;
   }
 
   // S entering the task's segment: the initial state (or 0) for the first, the scan's for the others.
-  __device__ static void load_entering_state(const context& ctx, state& s) {
+  __device__ static void load_entering_state(const context& ctx, int head, state& s) {
     const params& p = ctx.params;
     const int64_t rows = int64_t(warpgroup::warp_row()) * N;
     if (ctx.task.block > 0) {
-      warp::load(s, chunk_state_rows(ctx, ctx.task.block * p.at.chunks_per_segment), N);
+      warp::load(s, chunk_state_rows(ctx, head, ctx.task.block * p.at.chunks_per_segment), N);
     } else if (p.initial_states != nullptr) {
-      const int64_t sequence = p.at.sequence(ctx.task.batch, ctx.task.head);
+      const int64_t sequence = p.at.sequence(ctx.task.batch, head);
       warp::load(s, p.initial_states + sequence * state_elements<N> + rows, N);
     } else {
       warp::zero(s);
@@ -440,17 +466,19 @@ struct forward_kernel : ssd_plan<N> {
     const int row0 = warpgroup::warp_row();
     const bool leader = threadIdx.x % WARPGROUP_THREADS == 0;
     const int first = p.at.first_block(ctx.task);
-    const float A = p.A[ctx.task.head];
-    const float bias = p.dt_bias != nullptr ? p.dt_bias[ctx.task.head] : 0.0f;
+    const int head = head_of(ctx);
+    head_scratch& mine = ctx.scratch.heads[ctx.consumer];
+    const float A = p.A[head];
+    const float bias = p.dt_bias != nullptr ? p.dt_bias[head] : 0.0f;
 
-    load_entering_state(ctx, st.s);
+    load_entering_state(ctx, head, st.s);
     // S16 of the entering state, so that the first block's Y = C S^T needs no branch.
-    warp::store(ctx.scratch.state_copy, st.s, row0, 0);
+    warp::store(mine.state_copy, st.s, row0, 0);
     fence_async_shared();
-    barrier_sync(barrier_id::copies_written, WARPGROUP_THREADS);
+    barrier_sync(barrier_after(barrier_id::copies_written, ctx.consumer), WARPGROUP_THREADS);
 
     // Each block's dt is loaded a block ahead: its global latency was on every block's critical path.
-    const step_column column = steps_column(ctx, A, bias);
+    const step_column column = steps_column(ctx, head, A, bias);
     lane_dt next_dt = load_dt(column, first);
     auto at = in.first();
     for (int i = 0; i < ctx.iterations; ++i, at.advance()) {
@@ -459,25 +487,26 @@ struct forward_kernel : ssd_plan<N> {
       next_dt = load_dt(column, block + 1);
       // A later segment's first chunk state is the scan's, already in place.
       if (block % p.at.blocks_per_chunk == 0 && (i > 0 || ctx.task.block == 0)) {
-        warp::store(chunk_state_rows(ctx, block / p.at.blocks_per_chunk), N, st.s);
+        warp::store(chunk_state_rows(ctx, head, block / p.at.blocks_per_chunk), N, st.s);
       }
-      const block_positions pos = load_block_positions(column, block, block_dt, ctx.scratch.steps[warp],
-                                                       ctx.scratch.cum[warp]);
+      const block_positions pos =
+          load_block_positions(column, block, block_dt, mine.steps[warp], mine.cum[warp]);
       row_vector cum_row;
-      warp::load(cum_row, ctx.scratch.cum[warp] + row0);
+      warp::load(cum_row, mine.cum[warp] + row0);
 
       const stage& s = in.wait(at);
+      const xz_tile& x = s.x[ctx.consumer];
       // G = C B^T and the entering state's Y = C S^T: both operands in shared memory.
       scores g;
       output o;
       warpgroup::fence();
       warpgroup::mma<operand_major::k, operand_major::k>(g, s.c, 0, s.b, 0, false);
-      warpgroup::mma<operand_major::k, operand_major::k>(o, s.c, 0, ctx.scratch.state_copy, 0, false);
+      warpgroup::mma<operand_major::k, operand_major::k>(o, s.c, 0, mine.state_copy, 0, false);
       warpgroup::commit();
 
       // The update's A operand meanwhile.
       x_channels xt;
-      state_update_operand(xt, s.x, pos);
+      state_update_operand(xt, x, pos);
       warpgroup::wait<0>(g, o);
 
       // M = tril(G exp(cum_i - cum_j) dt_j); Y = exp(cum_i) Y.
@@ -494,7 +523,7 @@ struct forward_kernel : ssd_plan<N> {
 
       // Y += M X ; S += (X^T diag(w)) B: register A operands, B from the stage.
       warpgroup::fence();
-      warpgroup::mma<operand_major::mn>(o, m, s.x, 0, true);
+      warpgroup::mma<operand_major::mn>(o, m, x, 0, true);
       warpgroup::mma<operand_major::mn>(st.s, xt, s.b, 0, true);
       warpgroup::commit();
       warpgroup::wait<0>(o, st.s, m, xt);
@@ -503,43 +532,44 @@ struct forward_kernel : ssd_plan<N> {
       if (p.D != nullptr) {
         channel_vector d;
         if (p.D_per_channel) {
-          warp::load(d, p.D + int64_t(ctx.task.head) * HEAD_DIM);
+          warp::load(d, p.D + int64_t(head) * HEAD_DIM);
         } else {
           warp::zero(d);
-          warp::add(d, d, p.D[ctx.task.head]);
+          warp::add(d, d, p.D[head]);
         }
         xz_rows xr;
-        warp::load(xr, s.x, row0, 0);
+        warp::load(xr, x, row0, 0);
         warp::map<skip_add>(o, o, xr, broadcast<tile_axis::cols, channel_vector>{d});
       }
       if constexpr (GATED) {
         xz_rows zr;
-        warp::load(zr, s.z, row0, 0);
+        warp::load(zr, s.z[ctx.consumer], row0, 0);
         warp::map<silu_gate>(o, o, zr);
       }
       in.release(at);
 
-      store_block(ctx, st, o, block, i + 1 < ctx.iterations, leader);
+      store_block(ctx, st, o, head, block, i + 1 < ctx.iterations, leader);
     }
     if (ctx.task.block + 1 == p.at.segments) {
-      const int64_t sequence = p.at.sequence(ctx.task.batch, ctx.task.head);
+      const int64_t sequence = p.at.sequence(ctx.task.batch, head);
       warp::store(p.final_states + sequence * state_elements<N> + int64_t(row0) * N, N, st.s);
     }
   }
 
   // Hands S16 to the next block (only when the task has one) and Y to TMA, alternating staging tiles
   // so that one store is in flight while the next is written.
-  __device__ static void store_block(const context& ctx, consumer_state& st, const output& o, int block,
+  __device__ static void store_block(const context& ctx, consumer_state& st, const output& o, int head, int block,
                                      bool another_block, bool leader) {
-    xz_tile& tile = ctx.scratch.staging[st.stores % 2];
+    head_scratch& mine = ctx.scratch.heads[ctx.consumer];
+    xz_tile& tile = mine.staging[st.stores % 2];
     if (leader) tma::wait_stores_read<1>();  // the store that last used this staging tile has read it
-    barrier_sync(barrier_id::block_done, WARPGROUP_THREADS);
-    if (another_block) warp::store(ctx.scratch.state_copy, st.s, warpgroup::warp_row(), 0);
+    barrier_sync(barrier_after(barrier_id::block_done, ctx.consumer), WARPGROUP_THREADS);
+    if (another_block) warp::store(mine.state_copy, st.s, warpgroup::warp_row(), 0);
     warpgroup::store<0>(tile, o);
     fence_async_shared();  // the stmatrix writes must be visible to wgmma and to the copy engine
-    barrier_sync(barrier_id::copies_written, WARPGROUP_THREADS);
+    barrier_sync(barrier_after(barrier_id::copies_written, ctx.consumer), WARPGROUP_THREADS);
     if (leader) {
-      const int index[4] = {ctx.task.batch, ctx.task.head, block * BLOCK, 0};
+      const int index[4] = {ctx.task.batch, head, block * BLOCK, 0};
       tma::store(ctx.params.y, tile, index);
       tma::commit_stores();
     }
@@ -615,35 +645,41 @@ typename segment_states_kernel<T, N>::params states_params(const ssd_forward_pro
 
 // ------------------------------------------------------------------------------ the split rule
 
-// The cost model of the header comment, in blocks of forward_kernel on an SM running two tasks.
-constexpr int TASKS_PER_SM = 2;                 // forward_kernel's and the states pass's blocks_per_sm
-constexpr double SOLO_BLOCK_TIME = 0.75;        // a block on an SM running one task (H100: 2.9 vs 3.8 us)
+// The cost model of the header comment, in blocks of forward_kernel on an SM running two heads.
+constexpr int HEADS_PER_SM = 2;                 // every plan's consumer warpgroups on an SM
+constexpr double SOLO_BLOCK_TIME = 0.75;        // a block alone on an SM of a 2-block plan (H100: 2.9 vs 3.8 us)
 constexpr double TASK_START_TIME = 1.0;         // a task's entering state and first loads
 constexpr double STATES_BLOCK_TIME = 0.25;      // a block of the states pass: one product of the four
 constexpr double SCAN_SEGMENT_TIME = 0.25;      // a segment of the scan: a global round trip
 constexpr double SPLIT_LAUNCH_TIME = 2.0;       // the split's two extra launches
-constexpr int MAX_SPLIT_WAVES = 4;              // segment counts tried: up to this many waves of tasks
+constexpr int MAX_SPLIT_WAVES = 4;              // segment counts tried: up to this many waves of heads
 // The states pass leaves each sequence's segment decays in its final_states (P x N, N >= 64 floats).
 constexpr int MAX_SEGMENTS = HEAD_DIM * 64;
 
-// `tasks` equal tasks of `blocks` blocks each, on `sms` SMs.
-double pass_time(int64_t tasks, double blocks, int sms) {
-  if (tasks <= sms) return SOLO_BLOCK_TIME * blocks;
-  return double(ceil_div<int64_t>(tasks, int64_t(TASKS_PER_SM) * sms)) * blocks;
+// A grid of `grid` equal thread blocks of `blocks` 64-position blocks each, `per_sm` an SM.
+double pass_time(int64_t grid, double blocks, int sms, int per_sm) {
+  if (per_sm > 1 && grid <= sms) return SOLO_BLOCK_TIME * blocks;
+  return double(ceil_div<int64_t>(grid, int64_t(per_sm) * sms)) * blocks;
 }
 
-sequence_split plan_split(int64_t sequences, int chunks, int blocks_per_chunk, int blocks, int sms) {
+// `sequences` = Bt H, `heads_per_task` heads a forward_kernel block (HEADS_PER_SM / heads_per_task
+// blocks an SM); the states pass runs one head a block, two an SM.
+sequence_split plan_split(int64_t sequences, int heads_per_task, int chunks, int blocks_per_chunk, int blocks,
+                          int sms) {
+  const int64_t groups = sequences / heads_per_task;
+  const int per_sm = HEADS_PER_SM / heads_per_task;
   sequence_split best{chunks, 1};
-  double best_time = pass_time(sequences, blocks + TASK_START_TIME, sms);
+  double best_time = pass_time(groups, blocks + TASK_START_TIME, sms, per_sm);
   const int64_t most =
-      std::min<int64_t>({chunks, MAX_SEGMENTS, int64_t(MAX_SPLIT_WAVES) * TASKS_PER_SM * sms / sequences});
+      std::min<int64_t>({chunks, MAX_SEGMENTS, int64_t(MAX_SPLIT_WAVES) * HEADS_PER_SM * sms / sequences});
   for (int segments = 2; segments <= most; ++segments) {
     const int chunks_per_segment = ceil_div(chunks, segments);
     if (ceil_div(chunks, chunks_per_segment) != segments) continue;  // the same cut as fewer segments
     const double segment_blocks = chunks_per_segment * blocks_per_chunk;
-    const double time = pass_time(sequences * segments, segment_blocks + TASK_START_TIME, sms) +
-                        STATES_BLOCK_TIME * pass_time(sequences * (segments - 1), segment_blocks, sms) +
-                        SCAN_SEGMENT_TIME * segments + SPLIT_LAUNCH_TIME;
+    const double time =
+        pass_time(groups * segments, segment_blocks + TASK_START_TIME, sms, per_sm) +
+        STATES_BLOCK_TIME * pass_time(sequences * (segments - 1), segment_blocks, sms, HEADS_PER_SM) +
+        SCAN_SEGMENT_TIME * segments + SPLIT_LAUNCH_TIME;
     if (time < best_time) {
       best = {chunks_per_segment, segments};
       best_time = time;
@@ -672,14 +708,13 @@ cudaError_t run_segment_states(const ssd_forward_problem& pr, const segment_geom
   return pipeline::launch(segment_scan_kernel, dim3(unsigned(blocks)), SCAN_THREADS, 0, stream, scan);
 }
 
-template <typename T, int N, bool GATED>
-cudaError_t run(const ssd_forward_problem& pr, cudaStream_t stream) {
-  using K = forward_kernel<T, N, GATED>;
+template <typename T, int N, bool GATED, int HEADS>
+cudaError_t run_heads(const ssd_forward_problem& pr, int sms, cudaStream_t stream) {
+  using K = forward_kernel<T, N, GATED, HEADS>;
   static_assert(pipeline::kernel_shared_bytes<K> * K::blocks_per_sm <= 228 * 1024, "the plan's blocks fit an SM");
-  static_assert(K::blocks_per_sm == TASKS_PER_SM && segment_states_kernel<T, N>::blocks_per_sm == TASKS_PER_SM,
-                "the split's cost model counts two tasks an SM");
-  int device = 0;
-  if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
+  static_assert(K::consumer_warpgroups * K::blocks_per_sm == HEADS_PER_SM &&
+                    segment_states_kernel<T, N>::blocks_per_sm == HEADS_PER_SM,
+                "the split's cost model counts two heads an SM");
   segment_geometry at{};
   at.rows = int(pr.x.rows);
   at.heads = int(pr.x.heads);
@@ -688,7 +723,7 @@ cudaError_t run(const ssd_forward_problem& pr, cudaStream_t stream) {
   at.blocks_per_chunk = pr.chunk_size / BLOCK;
   at.chunks = int(ceil_div(pr.x.rows, int64_t(pr.chunk_size)));
   const sequence_split split =
-      plan_split(int64_t(at.batch) * at.heads, at.chunks, at.blocks_per_chunk, at.blocks, pipeline::sm_count(device));
+      plan_split(int64_t(at.batch) * at.heads, HEADS, at.chunks, at.blocks_per_chunk, at.blocks, sms);
   at.chunks_per_segment = split.chunks_per_segment;
   at.segments = split.segments;
   if (at.segments > 1) {
@@ -696,6 +731,18 @@ cudaError_t run(const ssd_forward_problem& pr, cudaStream_t stream) {
   }
   const typename K::params p = K::make_params(pr, at);
   return pipeline::launch<K>(p, K::tasks(p).count(), stream);
+}
+
+template <typename T, int N, bool GATED>
+cudaError_t run(const ssd_forward_problem& pr, cudaStream_t stream) {
+  int device = 0;
+  if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
+  const int sms = pipeline::sm_count(device);
+  // Two heads a block where a group's heads pair up and the shared B, C buy a second stage.
+  if constexpr (N == 128) {
+    if ((pr.x.heads / pr.B.heads) % 2 == 0) return run_heads<T, N, GATED, 2>(pr, sms, stream);
+  }
+  return run_heads<T, N, GATED, 1>(pr, sms, stream);
 }
 
 }  // namespace
@@ -717,7 +764,10 @@ std::string unsupported_reason(const ssd_forward_problem& p) {
   }
   if (p.x.rows > MAX_SEQUENCE) return "the sequence must fit TMA coordinates";
   if (p.x.batch * p.x.heads > INT_MAX) return "Bt * H must fit one grid";
-  return dispatch(p, [&]<typename T, int N, bool GATED>() { return forward_kernel<T, N, GATED>::layout_reasons(p); });
+  // The tiles TMA moves are the same for one head a block or two.
+  return dispatch(p, [&]<typename T, int N, bool GATED>() {
+    return forward_kernel<T, N, GATED, 1>::layout_reasons(p);
+  });
 }
 
 cudaError_t launch(const ssd_forward_problem& p, cudaStream_t stream) {
