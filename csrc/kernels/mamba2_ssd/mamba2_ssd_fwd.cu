@@ -7,7 +7,7 @@
 // Each sequence is cut into `segments` runs of whole chunks (one run, the whole sequence, when the
 // (batch, head) tasks alone fill the SMs; the rule is below). Up to three launches on one stream:
 //
-//   segment_states_kernel  (only with segments > 1) one task per (batch, head, segment but the last):
+//   segment_ends_kernel    (only with segments > 1) one task per (batch, head, segment but the last):
 //                          from S = 0, the state update over the segment's blocks; its end state goes
 //                          to chunk_states at the first chunk of the next segment, its total log decay
 //                          (the sum of its blocks' cum_last) to final_states[b, h, segment], both
@@ -37,7 +37,8 @@
 //               Y += D x ; Y *= silu(z) ; S16 = S ; TMA store of Y (tail rows clipped)
 //   chunk_states[c] = S (fp32) before the first block of chunk c; final_states = S after the last.
 // The state update (its steps, cum and A operand: block_positions, state_update_operand) is the one
-// code both forward_kernel and segment_states_kernel run.
+// code both forward_kernel and segment_ends_kernel run. (No kernel name here contains
+// "states_kernel": the backward's ncu profile selects its kernels by that pattern.)
 //
 // Positions past L arrive as zeros from TMA and have dt = 0: they leave S unchanged and their rows
 // of Y are never stored. The state's copy is 16-bit (as the linear-attention kernels' moment
@@ -165,7 +166,7 @@ constexpr int64_t state_elements = HEAD_DIM * N;
 
 // ------------------------------------------------------------------------------ states pass
 
-struct states_plan {
+struct segment_ends_plan {
   static constexpr int consumer_warpgroups = 1;
   static constexpr int stages = 4;
   static constexpr int blocks_per_sm = 2;
@@ -176,7 +177,7 @@ struct states_plan {
 // Each segment but the last from a zero state: its end state into chunk_states at the next segment's
 // first chunk, its total log decay into final_states[b, h, segment].
 template <typename T, int N>
-struct segment_states_kernel : states_plan {
+struct segment_ends_kernel : segment_ends_plan {
   using xz_tile = shared_tile<T, BLOCK, HEAD_DIM>;
   using bc_tile = shared_tile<T, BLOCK, N>;
   using state = warpgroup::accumulator<N>;
@@ -206,8 +207,8 @@ struct segment_states_kernel : states_plan {
     bool dt_softplus;
   };
 
-  using context = pipeline::task_context<segment_states_kernel>;
-  using inputs = pipeline::stage_inputs<segment_states_kernel>;
+  using context = pipeline::task_context<segment_ends_kernel>;
+  using inputs = pipeline::stage_inputs<segment_ends_kernel>;
 
   struct consumer_state {
     state s;
@@ -624,8 +625,9 @@ struct forward_kernel : ssd_plan<N, HEADS> {
 };
 
 template <typename T, int N>
-typename segment_states_kernel<T, N>::params states_params(const ssd_forward_problem& pr, const segment_geometry& at) {
-  using K = segment_states_kernel<T, N>;
+typename segment_ends_kernel<T, N>::params segment_ends_params(const ssd_forward_problem& pr,
+                                                               const segment_geometry& at) {
+  using K = segment_ends_kernel<T, N>;
   typename K::params p{};
   p.x = make_tma_map<typename K::xz_tile>(heads_layout<T>(pr.x));
   p.b = make_tma_map<typename K::bc_tile>(heads_layout<T>(pr.B));
@@ -696,11 +698,11 @@ auto dispatch(const ssd_forward_problem& p, F&& f) {
 }
 
 template <typename T, int N>
-cudaError_t run_segment_states(const ssd_forward_problem& pr, const segment_geometry& at, cudaStream_t stream) {
-  using K = segment_states_kernel<T, N>;
+cudaError_t run_segment_ends(const ssd_forward_problem& pr, const segment_geometry& at, cudaStream_t stream) {
+  using K = segment_ends_kernel<T, N>;
   static_assert(pipeline::kernel_shared_bytes<K> * K::blocks_per_sm <= 228 * 1024, "the plan's blocks fit an SM");
   static_assert(state_elements<N> % SCAN_ELEMENTS_PER_BLOCK == 0, "the scan's blocks tile a state");
-  const typename K::params p = states_params<T, N>(pr, at);
+  const typename K::params p = segment_ends_params<T, N>(pr, at);
   if (const cudaError_t err = pipeline::launch<K>(p, K::tasks(p).count(), stream); err != cudaSuccess) return err;
   const scan_params scan{pr.initial_states, pr.chunk_states, pr.final_states, at, state_elements<N>};
   const int64_t sequences = int64_t(at.batch) * at.heads;
@@ -713,7 +715,7 @@ cudaError_t run_heads(const ssd_forward_problem& pr, int sms, cudaStream_t strea
   using K = forward_kernel<T, N, GATED, HEADS>;
   static_assert(pipeline::kernel_shared_bytes<K> * K::blocks_per_sm <= 228 * 1024, "the plan's blocks fit an SM");
   static_assert(K::consumer_warpgroups * K::blocks_per_sm == HEADS_PER_SM &&
-                    segment_states_kernel<T, N>::blocks_per_sm == HEADS_PER_SM,
+                    segment_ends_kernel<T, N>::blocks_per_sm == HEADS_PER_SM,
                 "the split's cost model counts two heads an SM");
   segment_geometry at{};
   at.rows = int(pr.x.rows);
@@ -727,7 +729,7 @@ cudaError_t run_heads(const ssd_forward_problem& pr, int sms, cudaStream_t strea
   at.chunks_per_segment = split.chunks_per_segment;
   at.segments = split.segments;
   if (at.segments > 1) {
-    if (const cudaError_t err = run_segment_states<T, N>(pr, at, stream); err != cudaSuccess) return err;
+    if (const cudaError_t err = run_segment_ends<T, N>(pr, at, stream); err != cudaSuccess) return err;
   }
   const typename K::params p = K::make_params(pr, at);
   return pipeline::launch<K>(p, K::tasks(p).count(), stream);
