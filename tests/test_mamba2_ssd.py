@@ -529,6 +529,31 @@ def test_kernel_long_sequence(dtype):
         check_kernel_outputs(inputs, softplus, 256, dtype)
 
 
+# Few (batch, head) sequences for the SMs: the forward cuts each into segments of whole chunks (its
+# split rule picks 6 to 16 segments at these shapes on an H100), computes their end states, scans them
+# and runs the output from each segment's entering state. Every output must be written and exact.
+SPLIT_CASES = {
+    "plain N=128": dict(Bt=1, L=3000, H=2, G=1, N=128),
+    "all, N=64": dict(Bt=2, L=2000, H=4, G=2, N=64, D="HP", z=True, dt_bias=True, dt_softplus=True),
+    # Three heads a group: at N = 128 one head a thread block (an even count pairs two, as above).
+    "odd heads per group, N=128": dict(Bt=2, L=1500, H=3, G=1, N=128, D="H", z=True),
+}
+
+
+@requires_kernel("mamba2_ssd")
+@pytest.mark.parametrize("case", SPLIT_CASES.values(), ids=SPLIT_CASES.keys())
+@pytest.mark.parametrize("initial", [False, True])
+@pytest.mark.parametrize("chunk_size", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_split_sequences(dtype, chunk_size, initial, case):
+    inputs, softplus = make_inputs(**case, P=64, initial=initial, dtype=dtype, param_dtype=torch.float32,
+                                   device="cuda")
+    Bt, L, H, N = case["Bt"], case["L"], case["H"], case["N"]
+    poisoned_allocations(2 * inputs["x"].numel() * 2 + Bt * H * 64 * N * (L // 64 + 3) * 4)
+    with on_kernel():
+        check_kernel_outputs(inputs, softplus, chunk_size, dtype)
+
+
 @requires_kernel("mamba2_ssd")
 @pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float64])
 def test_kernel_parameters_in_other_dtypes(param_dtype):
