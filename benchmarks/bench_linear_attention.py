@@ -23,7 +23,7 @@ floor each reaches, and the error of a baseline that could not run. Writes
 benchmarks/results/linear_attention.json and linear_attention.png (and into --out).
 
   python3 -m benchmarks.bench_linear_attention [--out DIR] [--only based|generic] [--pass fwd|fwd+bwd]
-                                  [--isolate-baselines]
+                                  [--isolate-baselines] [--features F ...] [--baseline NAME ...]
                                   benchmark (after the correctness sweep)
   python3 -m benchmarks.bench_linear_attention --check
                                   only the correctness sweep: small odd shapes, strided views,
@@ -44,7 +44,7 @@ import math
 import pathlib
 import subprocess
 import sys
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -163,16 +163,18 @@ def relative_difference(got: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def measure(shape: Shape, device, timer: Callable, copy_gbps: Optional[float], passes=PASSES,
-            isolate: bool = False) -> list[dict]:
-    """The rows of one shape: per pass, ours against each baseline (ours timed once per pass). With
-    `isolate`, each baseline runs in a process of its own (time_baseline_in_subprocess)."""
+            isolate: bool = False, only_baselines: Optional[Sequence[str]] = None) -> list[dict]:
+    """The rows of one shape: per pass, ours against each baseline (ours timed once per pass), or
+    against those of `only_baselines`. With `isolate`, each baseline runs in a process of its own
+    (time_baseline_in_subprocess)."""
+    names = [name for name in BASELINES[shape.kind] if not only_baselines or name in only_baselines]
     baselines, missing = fla_baselines(shape.kind)
     ours_fn = ours(shape.kind)
     first_ours, first_fla = input_set(shape, device, DTYPE, backward=False)
     with torch.no_grad():
         ours_out = ours_fn(*first_ours[:3])
     rel_diffs, errors = {}, {}
-    for name in BASELINES[shape.kind]:
+    for name in names:
         if name not in baselines:
             errors[name] = missing
             continue
@@ -191,7 +193,7 @@ def measure(shape: Shape, device, timer: Callable, copy_gbps: Optional[float], p
         bytes_per_set = shape.hbm_bytes(pass_, DTYPE.itemsize)
         sets = [input_set(shape, device, DTYPE, backward) for _ in range(rotation_count(bytes_per_set, device))]
         ours_ms = timer(step(ours_fn, backward), [s[0] for s in sets])
-        for name in BASELINES[shape.kind]:
+        for name in names:
             baseline_ms, error = None, errors.get(name)
             if error is None and isolate:
                 baseline_ms, diff, error = time_baseline_in_subprocess(shape, pass_, name)
@@ -346,6 +348,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--only", choices=tuple(BASELINES), help="only the Based or only the generic shapes")
     parser.add_argument("--isolate-baselines", action="store_true",
                         help="time each fla baseline in a process of its own (a fault costs only its row)")
+    parser.add_argument("--features", type=int, nargs="+", help="only the shapes of these feature dims F")
+    parser.add_argument("--baseline", dest="baselines", action="append",
+                        choices=sorted({name for names in BASELINES.values() for name in names}),
+                        help="only this fla baseline (repeatable; default: both of each kind)")
     parser.add_argument("--time-baseline", nargs=8, metavar="FIELD", help=argparse.SUPPRESS)
     parser.add_argument("--pass", dest="passes", choices=PASSES, action="append",
                         help="only this pass (repeatable; default: both)")
@@ -354,7 +360,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def selected_shapes(args: argparse.Namespace) -> tuple[Shape, ...]:
     shapes = DRY_RUN_SHAPES if args.dry_run else BASED_SHAPES + GENERIC_SHAPES
-    return tuple(shape for shape in shapes if args.only in (None, shape.kind))
+    return tuple(shape for shape in shapes
+                 if args.only in (None, shape.kind) and (not args.features or shape.features in args.features))
 
 
 ROW_WIDTHS = (44, 24)  # printed columns: shape, baseline
@@ -381,7 +388,7 @@ def main(argv=None) -> None:
     passes = tuple(args.passes or PASSES)
     common.sweep_shapes(
         "linear_attention", selected_shapes(args),
-        lambda shape: measure(shape, "cuda", common.time_ms, copy, passes, args.isolate_baselines),
+        lambda shape: measure(shape, "cuda", common.time_ms, copy, passes, args.isolate_baselines, args.baselines),
         ROW_WIDTHS, args.out, plot, **ceiling, dtype="bf16", fla=fla_baselines("based")[1], based_eps=FLA_BASED_EPS,
         generic_normalize=GENERIC_NORMALIZE,
         ours_backends={op: tk_ops.backends()[op] for op in ("based_attention", "linear_attention")})
