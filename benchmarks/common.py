@@ -268,15 +268,16 @@ def finish_dry_run(name: str, rows: list[dict], widths: tuple[int, int], out: Op
 def floor_bar_panel(ax, rows: Sequence[dict], names: Sequence[str], colors: dict, title: str,
                     tick: Callable[[str], str] = lambda shape: shape) -> None:
     """One matplotlib panel of floor rows (one pass of one kind): per shape a bar of ms for ours
-    ("tk_ops") and each baseline, the HBM floor as a tick, log scale when anything was timed."""
+    ("tk_ops") and each baseline run at that shape, the HBM floor as a tick, log scale when anything was
+    timed."""
     shapes = list(dict.fromkeys(row["shape"] for row in rows))
     width = 0.8 / len(names)
     for i, name in enumerate(names):
         times = []
         for shape in shapes:
             of_shape = [row for row in rows if row["shape"] == shape]
-            times.append(of_shape[0]["ours_ms"] if name == "tk_ops"
-                         else next(row["baseline_ms"] for row in of_shape if row["baseline"] == name))
+            times.append(of_shape[0]["ours_ms"] if name == "tk_ops"  # no bar for a baseline not run there
+                         else next((row["baseline_ms"] for row in of_shape if row["baseline"] == name), None))
         xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(shapes))]
         ax.bar(xs, [math.nan if t is None else t for t in times], width, color=colors[name], label=name)
     floors = [next(row["floor_ms"] for row in rows if row["shape"] == shape) for shape in shapes]
