@@ -59,9 +59,12 @@ softplus, initial_states, grad_final_states; dt, A, D, dt_bias, initial_states, 
 grad_final_states of any float dtype are read as fp32 (the reference's state dtype for 16-bit x).
 Both directions walk the sequence in 64-position blocks, each block a chunk of its own (the function
 does not depend on where chunks start; chunk_size only picks which states chunk_states holds).
-Forward: one (batch, head) per block, a consumer warpgroup carrying the state in fp32 wgmma
-accumulators (its 16-bit copy in shared memory for C S), writing chunk_states at each chunk start and
-final_states at the end. Backward, three launches: the state entering every 64-position block, from
+Forward: one (batch, head) per consumer warpgroup (at N = 128 two heads of a group per thread block,
+sharing the B and C tiles), carrying the state in fp32 wgmma accumulators (its 16-bit copy in shared
+memory for C S), writing chunk_states at each chunk start and final_states at the end; when few
+(batch, head) sequences would leave SMs idle, each sequence is split into segments of whole chunks:
+a first launch computes each segment's end state from zero and its total decay, a scan gives the
+state entering each segment, and the forward runs per (batch, head, segment) from it. Backward, three launches: the state entering every 64-position block, from
 chunk_states through each chunk's blocks (16-bit, a workspace); a reverse sweep per (batch, head)
 carrying dS in fp32 accumulators that writes grad_x, grad_z, grad_dt and grad_initial_states, per-head
 fp32 partials of grad_B and grad_C and per-(batch, head) sums of grad_A, grad_D and grad_dt_bias
