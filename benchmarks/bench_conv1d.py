@@ -51,7 +51,6 @@ import torch.nn.functional as F
 import tk_ops
 from benchmarks import common
 from tk_ops import _library
-from benchmarks.bench_linear_attention import relative_difference
 
 DTYPE = torch.bfloat16
 PASSES = ("fwd", "fwd+bwd")
@@ -164,7 +163,7 @@ def measure(shape: Shape, device, timer: Callable, copy_gbps: Optional[float], p
         ours_out = ours(x, weight, bias)
         for name in BASELINES:
             try:
-                rel_diffs[name] = relative_difference(functions[name](x, weight, bias), ours_out)
+                rel_diffs[name] = common.relative_difference(functions[name](x, weight, bias), ours_out)
             except Exception as error:  # a baseline that cannot run this shape is reported, not fatal
                 errors[name] = common.describe_error(error)
     del x, weight, bias, ours_out
@@ -172,7 +171,7 @@ def measure(shape: Shape, device, timer: Callable, copy_gbps: Optional[float], p
     rows = []
     for pass_ in passes:
         backward = pass_ == "fwd+bwd"
-        count = common.rotation_count(shape.hbm_bytes(pass_, DTYPE.itemsize)) if device == "cuda" else 1
+        count = common.input_set_count(shape.hbm_bytes(pass_, DTYPE.itemsize), device)
         sets = [input_set(shape, device, DTYPE, backward) for _ in range(count)]
         ours_ms = timer(step(ours, backward), sets)
         for name in BASELINES:
@@ -268,7 +267,7 @@ def run_check(device) -> None:
                         (f"grad_{label}", g, r, 2 * tolerance, t.dtype)
                         for label, g, r, t in zip(("x", "weight", "bias"), grads, reference_grads, leaves)]
                     for label, got, want, tol, want_dtype in compared:
-                        error = relative_difference(got.cpu(), want)
+                        error = common.relative_difference(got.cpu(), want)
                         if not error <= tol or got.dtype != want_dtype:
                             failures.append(f"{name} {label}: rel err {error:.2e} (tol {tol:.0e}), {got.dtype}")
                     if on_kernel and w in KERNEL_WIDTHS and fallbacks:
@@ -281,9 +280,7 @@ def run_check(device) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = common.sweep_arguments(__doc__)
-    parser.add_argument("--pass", dest="passes", choices=PASSES, action="append",
-                        help="only this pass (repeatable; default: both)")
+    parser = common.sweep_arguments(__doc__, PASSES)
     return parser.parse_args(argv)
 
 

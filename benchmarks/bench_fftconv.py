@@ -113,17 +113,6 @@ def step(fn: Callable, backward: bool) -> Callable:
     return run
 
 
-def relative_difference(got: torch.Tensor, reference: torch.Tensor) -> float:
-    got, reference = got.detach().double(), reference.detach().double()
-    if not torch.isfinite(got).all():
-        return math.inf
-    return ((got - reference).norm() / reference.norm().clamp_min(1e-30)).item()
-
-
-def rotation_count(bytes_per_set: int, device) -> int:
-    return common.rotation_count(bytes_per_set) if device == "cuda" else 1
-
-
 def measure(shape: Shape, device, timer: Callable, copy_gbps: Optional[float], passes=PASSES) -> list[dict]:
     """The rows of one shape: per pass, ours against each baseline (ours timed once per pass)."""
     torch._dynamo.reset()  # each shape compiles afresh: past 8 recompiles dynamo silently ran eager
@@ -134,7 +123,7 @@ def measure(shape: Shape, device, timer: Callable, copy_gbps: Optional[float], p
         ours_out = ours(*first[:3])
         for name, fn in functions.items():
             try:
-                rel_diffs[name] = relative_difference(fn(*first[:3]), ours_out)
+                rel_diffs[name] = common.relative_difference(fn(*first[:3]), ours_out)
             except Exception as error:  # a baseline that cannot run is reported, not fatal
                 errors[name] = common.describe_error(error)
     del first, ours_out
@@ -142,7 +131,7 @@ def measure(shape: Shape, device, timer: Callable, copy_gbps: Optional[float], p
     for pass_ in passes:
         backward = pass_ == "fwd+bwd"
         bytes_per_set = shape.hbm_bytes(pass_, DTYPE.itemsize)
-        sets = [input_set(shape, device, backward) for _ in range(rotation_count(bytes_per_set, device))]
+        sets = [input_set(shape, device, backward) for _ in range(common.input_set_count(bytes_per_set, device))]
         ours_ms = timer(step(ours, backward), sets)
         for name, fn in functions.items():
             baseline_ms, error = None, errors.get(name)
@@ -220,7 +209,7 @@ def run_check(device) -> None:
             k = torch.randn(h, filter_len, device=device) / math.sqrt(filter_len)
             D = torch.randn(h, device=device) if with_D else None
             out = tk_ops.fftconv(u, k, D=D)
-            error = relative_difference(out, float64_reference(u, k, D))
+            error = common.relative_difference(out, float64_reference(u, k, D))
             if not error <= tolerance or out.dtype != dtype or out.shape != u.shape:
                 failures.append(f"{label} forward: rel err {error:.2e} (tol {tolerance:.0e}), {out.dtype} {tuple(out.shape)}")
             grads = ours_backward(grad, u, k, D)
@@ -228,7 +217,7 @@ def run_check(device) -> None:
                                              (u, k, D)):
                 if like is None:
                     continue
-                error = relative_difference(got, want)
+                error = common.relative_difference(got, want)
                 if not error <= tolerance or got.dtype != like.dtype or got.shape != like.shape:
                     failures.append(f"{label} {name}: rel err {error:.2e} (tol {tolerance:.0e}), {got.dtype} "
                                     f"{tuple(got.shape)}")
@@ -240,9 +229,7 @@ def run_check(device) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = common.sweep_arguments(__doc__)
-    parser.add_argument("--pass", dest="passes", choices=PASSES, action="append",
-                        help="only this pass (repeatable; default: both)")
+    parser = common.sweep_arguments(__doc__, PASSES)
     return parser.parse_args(argv)
 
 

@@ -155,13 +155,6 @@ def step(fn: Callable, backward: bool) -> Callable:
 # ------------------------------------------------------------------------------------------- rows
 
 
-def relative_difference(got: torch.Tensor, reference: torch.Tensor) -> float:
-    got, reference = got.detach().double(), reference.detach().double()
-    if not torch.isfinite(got).all():
-        return math.inf
-    return ((got - reference).norm() / reference.norm().clamp_min(1e-30)).item()
-
-
 def measure(shape: Shape, device, timer: Callable, copy_gbps: Optional[float], passes=PASSES,
             isolate: bool = False, only_baselines: Optional[Sequence[str]] = None) -> list[dict]:
     """The rows of one shape: per pass, ours against each baseline (ours timed once per pass), or
@@ -182,7 +175,7 @@ def measure(shape: Shape, device, timer: Callable, copy_gbps: Optional[float], p
             continue  # measured in the baseline's own process, with its timing
         try:
             with torch.no_grad():
-                rel_diffs[name] = relative_difference(baselines[name](*first_fla[:3]).transpose(1, 2), ours_out)
+                rel_diffs[name] = common.relative_difference(baselines[name](*first_fla[:3]).transpose(1, 2), ours_out)
         except Exception as error:  # a baseline that cannot run this shape is reported, not fatal
             errors[name] = common.describe_error(error)
     del first_ours, first_fla, ours_out
@@ -191,7 +184,7 @@ def measure(shape: Shape, device, timer: Callable, copy_gbps: Optional[float], p
     for pass_ in passes:
         backward = pass_ == "fwd+bwd"
         bytes_per_set = shape.hbm_bytes(pass_, DTYPE.itemsize)
-        sets = [input_set(shape, device, DTYPE, backward) for _ in range(rotation_count(bytes_per_set, device))]
+        sets = [input_set(shape, device, DTYPE, backward) for _ in range(common.input_set_count(bytes_per_set, device))]
         ours_ms = timer(step(ours_fn, backward), [s[0] for s in sets])
         for name in names:
             baseline_ms, error = None, errors.get(name)
@@ -237,16 +230,12 @@ def time_one_baseline(fields: list[str]) -> None:
     first_ours, first_fla = input_set(shape, "cuda", DTYPE, backward=False)
     with torch.no_grad():
         theirs = baselines[name](*first_fla[:3]).transpose(1, 2)
-        diff = relative_difference(theirs, ours(kind)(*first_ours[:3]))
+        diff = common.relative_difference(theirs, ours(kind)(*first_ours[:3]))
     del first_ours, first_fla, theirs
     bytes_per_set = shape.hbm_bytes(pass_, DTYPE.itemsize)
-    sets = [input_set(shape, "cuda", DTYPE, backward) for _ in range(rotation_count(bytes_per_set, "cuda"))]
+    sets = [input_set(shape, "cuda", DTYPE, backward) for _ in range(common.input_set_count(bytes_per_set, "cuda"))]
     ms = common.time_ms(step(baselines[name], backward), [s[1] for s in sets])
     print(f"BASELINE {ms} {diff}")
-
-
-def rotation_count(bytes_per_set: int, device) -> int:
-    return common.rotation_count(bytes_per_set) if device == "cuda" else 1
 
 
 def plot(rows: list[dict], path: pathlib.Path, device_name: str) -> None:
@@ -332,7 +321,7 @@ def run_check(device) -> None:
                 if normalize and n == 1:  # out = v for any q, k: their exact gradients are O(eps), below rounding
                     del compared[1:3]
                 for label, got, want, tol in compared:
-                    error = relative_difference(got, want)
+                    error = common.relative_difference(got, want)
                     if not error <= tol or got.dtype != dtype:
                         failures.append(f"{name} {label}: rel err {error:.2e} (tol {tol:.0e}), {got.dtype}")
     common.finish_check(f"correctness sweep on {device} (based_attention: {tk_ops.backends()['based_attention']}, "
@@ -344,7 +333,7 @@ def run_check(device) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = common.sweep_arguments(__doc__)
+    parser = common.sweep_arguments(__doc__, PASSES)
     parser.add_argument("--only", choices=tuple(BASELINES), help="only the Based or only the generic shapes")
     parser.add_argument("--isolate-baselines", action="store_true",
                         help="time each fla baseline in a process of its own (a fault costs only its row)")
@@ -353,8 +342,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                         choices=sorted({name for names in BASELINES.values() for name in names}),
                         help="only this fla baseline (repeatable; default: both of each kind)")
     parser.add_argument("--time-baseline", nargs=8, metavar="FIELD", help=argparse.SUPPRESS)
-    parser.add_argument("--pass", dest="passes", choices=PASSES, action="append",
-                        help="only this pass (repeatable; default: both)")
     return parser.parse_args(argv)
 
 

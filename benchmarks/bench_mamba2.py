@@ -71,7 +71,6 @@ import torch.nn.functional as F
 
 import tk_ops
 from benchmarks import common
-from benchmarks.bench_linear_attention import relative_difference
 
 DTYPE = torch.bfloat16
 FP32_BYTES = 4  # dt, A, D, dt_bias and their gradients
@@ -175,7 +174,7 @@ def input_set(shape: Shape, device, backward: bool, seed: int = 0) -> tuple:
 
 def input_sets(shape: Shape, pass_: str, device) -> list[tuple]:
     """Enough sets that a rotation through them exceeds twice the L2 (one on the CPU)."""
-    count = common.rotation_count(shape.hbm_bytes(pass_, DTYPE.itemsize)) if device == "cuda" else 1
+    count = common.input_set_count(shape.hbm_bytes(pass_, DTYPE.itemsize), device)
     return [input_set(shape, device, pass_ == "fwd+bwd", seed) for seed in range(count)]
 
 
@@ -238,7 +237,7 @@ def agreement(scan: Callable, chunk: int, inputs: tuple, backward: bool) -> floa
     """The largest relative difference of mamba_ssm's y (and gradients) from ours, at one chunk size."""
     reference = outputs(ours(chunk), inputs, backward)
     got = outputs(theirs(scan, chunk), inputs, backward)
-    return max(relative_difference(g, r) for g, r in zip(got, reference))
+    return max(common.relative_difference(g, r) for g, r in zip(got, reference))
 
 
 # ---------------------------------------------------------------------- mamba_ssm in its own process
@@ -534,7 +533,7 @@ def run_check(device) -> tuple[str, list[str], dict]:
     largest = {str(dtype)[6:]: {"forward": 0.0, "gradients": 0.0} for dtype in CHECK_TOLERANCE}
 
     def compare(name: str, label: str, got: torch.Tensor, want: torch.Tensor, dtype, tolerance: float) -> None:
-        error = relative_difference(got.cpu(), want)
+        error = common.relative_difference(got.cpu(), want)
         kind = "forward" if label in ("y", "final_states") else "gradients"
         largest[str(dtype)[6:]][kind] = max(largest[str(dtype)[6:]][kind], error)
         if not error <= tolerance:
@@ -575,9 +574,7 @@ def run_check(device) -> tuple[str, list[str], dict]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = common.sweep_arguments(__doc__)
-    parser.add_argument("--pass", dest="passes", choices=PASSES, action="append",
-                        help="only this pass (repeatable; default: both)")
+    parser = common.sweep_arguments(__doc__, PASSES)
     parser.add_argument("--chunks", type=int, nargs="+", choices=CHUNKS, default=list(CHUNKS),
                         help="the chunk sizes both sides run at (default: 64 128 256)")
     parser.add_argument("--baseline-worker", action="store_true", help=argparse.SUPPRESS)
@@ -600,13 +597,9 @@ def main(argv=None) -> None:
     common.finish_check(summary, failures, exit_on_failure=args.check)
     if args.check:
         return
-    from benchmarks.bench_rope import copy_bandwidth_gbps
-
-    copy = copy_bandwidth_gbps()
-    print(f"device-to-device copy in this run: {copy:.0f} GB/s", flush=True)
+    copy, ceiling = common.measured_copy_ceiling()
     header.update(
-        copy_gbps=round(copy, 1), ceiling="torch copy_ of 1 GiB fp32, device to device, read + write, this run",
-        timing=f"CUDA events, median over 5-15 rounds of 1-10 calls (about {TIMED_MS:.0f} ms timed), after warm-up",
+        **ceiling, timing=f"CUDA events, median over 5-15 rounds of 1-10 calls (about {TIMED_MS:.0f} ms timed), after warm-up",
         check={"summary": summary, "failures": failures, "largest_rel_err": largest},
     )
     benchmark(args, SHAPES, "cuda", copy, [common.RESULTS] + ([args.out] if args.out else []), header,

@@ -36,6 +36,19 @@ def rotation_count(bytes_per_set: int, cap: int = 16) -> int:
     return max(2, min(cap, math.ceil(2 * l2_bytes() / max(bytes_per_set, 1)) + 1))
 
 
+def input_set_count(bytes_per_set: int, device) -> int:
+    """How many input sets a bench rotates through: enough to defeat the L2 on the GPU, one on the CPU."""
+    return rotation_count(bytes_per_set) if device == "cuda" else 1
+
+
+def relative_difference(got: torch.Tensor, reference: torch.Tensor) -> float:
+    """||got - reference|| / ||reference|| in float64; inf when got holds a NaN or an infinity."""
+    got, reference = got.detach().double(), reference.detach().double()
+    if not torch.isfinite(got).all():
+        return math.inf
+    return ((got - reference).norm() / reference.norm().clamp_min(1e-30)).item()
+
+
 def time_ms(fn: Callable, input_sets: Sequence[tuple], warmup: int = 5, rounds: int = 15, batch: int = 10) -> float:
     """Median milliseconds per call of fn(*inputs), cycling through input_sets."""
     for i in range(warmup):
@@ -216,12 +229,16 @@ def finish_check(summary: str, failures: Sequence[str], exit_on_failure: bool = 
         raise SystemExit(1)
 
 
-def sweep_arguments(description: Optional[str]) -> argparse.ArgumentParser:
-    """The options every bench with a correctness sweep and a CPU dry run shares."""
+def sweep_arguments(description: Optional[str], passes: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The options every bench with a correctness sweep and a CPU dry run shares, and --pass (into
+    args.passes) when the bench times several `passes`."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=pathlib.Path, help="also write the results and plot into this folder")
     parser.add_argument("--check", action="store_true", help="only the correctness sweep")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, no timing: build and print the rows")
+    if passes:
+        parser.add_argument("--pass", dest="passes", choices=passes, action="append",
+                            help="only this pass (repeatable; default: all)")
     return parser
 
 
