@@ -162,13 +162,12 @@ struct filter_gradient_kernel {
 
   // op over one value per thread, combined in a fixed order; every thread gets the result.
   template <typename Op>
-  __device__ static float across_block(float value, float (&partials)[plan::warps], Op op) {
-#pragma unroll
-    for (int mask = 1; mask < WARP_THREADS; mask *= 2) value = op(value, __shfl_xor_sync(ALL_LANES, value, mask));
+  __device__ static float across_block(float value, float (&partials)[plan::warps]) {
+    value = warp::across_warp<Op>(value);
     if (lane_id() == 0) partials[warp_id()] = value;
     __syncthreads();
     float total = partials[0];
-    for (int w = 1; w < plan::warps; ++w) total = op(total, partials[w]);
+    for (int w = 1; w < plan::warps; ++w) total = Op::apply(total, partials[w]);
     return total;
   }
 
@@ -203,7 +202,7 @@ struct filter_gradient_kernel {
         }
       }
       __syncthreads();
-      const int exponent = normalizing_exponent(across_block(largest, s.largest_partials, [](float a, float b) { return fmaxf(a, b); }));
+      const int exponent = normalizing_exponent(across_block<op::max>(largest, s.largest_partials));
       for (int strip = warp_id(); strip < plan::strips; strip += plan::warps) {
         inverse_strip(s, p, head, strip, ldexpf(1.0f, -exponent));
       }
@@ -213,7 +212,7 @@ struct filter_gradient_kernel {
         if (stages::output_row0(task) * plan::cols < p.filter_len) output_tile(s, p, head, task, scale);
       }
       if (p.grad_D != nullptr) {
-        const float total = across_block(dot, s.dot_partials, [](float a, float b) { return a + b; });
+        const float total = across_block<op::add>(dot, s.dot_partials);
         if (threadIdx.x == 0) p.grad_D[head] = total;
       }
     }

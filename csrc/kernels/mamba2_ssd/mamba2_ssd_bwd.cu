@@ -425,8 +425,7 @@ struct backward_kernel : backward_plan<N, GATED> {
       const float2 grad = st.ds.pairs[br][bc][q];
       dot = fmaf(grad.x, state.x, fmaf(grad.y, state.y, dot));
     });
-#pragma unroll
-    for (int mask = 1; mask < WARP_THREADS; mask *= 2) dot += __shfl_xor_sync(ALL_LANES, dot, mask);
+    dot = warp::across_warp<op::add>(dot);
     if (lane_id() == 0) ctx.scratch.terms.state_dot[warp_in_warpgroup()] = dot;
   }
 
@@ -743,11 +742,8 @@ struct backward_kernel : backward_plan<N, GATED> {
       warp::store(p.grad_initial_states + (batch_head * HEAD_DIM + warpgroup::warp_row()) * N, N, st.ds);
     }
     if (warp == 0) {
-#pragma unroll
-      for (int mask = 1; mask < WARP_THREADS; mask *= 2) {
-        st.da_dt += __shfl_xor_sync(ALL_LANES, st.da_dt, mask);
-        st.grad_dt += __shfl_xor_sync(ALL_LANES, st.grad_dt, mask);
-      }
+      st.da_dt = warp::across_warp<op::add>(st.da_dt);
+      st.grad_dt = warp::across_warp<op::add>(st.grad_dt);
       if (lane_id() == 0) {
         p.grad_A_partial[batch_head] = st.da_dt;
         p.grad_dt_bias_partial[batch_head] = st.grad_dt;

@@ -6,6 +6,7 @@
 //
 //   lane_row_sum(l, p, l);  ...  all_lanes_row_sum(l);   a running sum kept per lane and combined
 //                                                        across lanes once, at the end
+//   total = across_warp<op::add>(value);                 one float per lane (any Op of maps.cuh)
 //
 // Each lane first reduces the elements it holds, in float, then the lanes that hold the rest of the
 // same lines exchange partial results by shuffles: the 4 threads of a group when the reduced axis
@@ -78,6 +79,15 @@ __device__ __forceinline__ void col_sum(V& dst, const T& src, const Init&... ini
 // result is not a valid row vector until all_lanes_row_sum combines the lanes' shares.
 template <register_vector_type V, register_tile_type T, typename... Init>
 __device__ __forceinline__ void lane_row_sum(V& dst, const T& src, const Init&... init) { detail::reduce<op::add, tile_axis::rows, false>(dst, src, init...); }
+
+// Op over one float per lane, every lane getting the result: xor shuffles at distances 1, 2, ...,
+// 16, so every lane combines the same values in the same order (bitwise equal results).
+template <typename Op>
+__device__ __forceinline__ float across_warp(float value) {
+#pragma unroll
+  for (int mask = 1; mask < WARP_THREADS; mask *= 2) value = Op::apply(value, __shfl_xor_sync(ALL_LANES, value, mask));
+  return value;
+}
 
 template <register_vector_type V>
 __device__ __forceinline__ void all_lanes_row_sum(V& partial) {
