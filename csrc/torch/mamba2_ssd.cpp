@@ -15,6 +15,7 @@
 #include <torch/library.h>
 
 #include <array>
+#include <limits>
 #include <optional>
 #include <tuple>
 #include <utility>
@@ -107,7 +108,7 @@ std::optional<forward_plan> plan_forward(const at::Tensor& x, const at::Tensor& 
   const at::ScalarType dtype = x.scalar_type();
   if (dtype != at::kBFloat16 && dtype != at::kHalf) return std::nullopt;
   if (!tk::registration::runs_kernels(x) || x.numel() == 0 || B.numel() == 0) return std::nullopt;
-  if (chunk_size > (int64_t(1) << 30)) return std::nullopt;
+  if (chunk_size > std::numeric_limits<int>::max()) return std::nullopt;  // the plan holds it as an int
   const auto xv = view_of(x), bv = view_of(B), cv = view_of(C);
   const std::optional<tk::heads_view> zv = z ? view_of(*z) : std::optional<tk::heads_view>(tk::heads_view{});
   if (!xv || !bv || !cv || !zv) return std::nullopt;
