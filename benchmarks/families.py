@@ -64,11 +64,17 @@ FAMILIES = (
         Profile("linear_attention_fwd_f256_n4096", "linear::.*forward_kernel", 1),
         # Dv = 64 is one value block at F = 64: no reduce launch
         Profile("linear_attention_bwd_f64_n4096", "linear::.*(dq_kernel|dkdv_kernel)|causal_backward::statistics_kernel", 3),
+        # the one generic shape slower than fla's fwd+bwd (linear_attention_notes.md)
+        Profile("linear_attention_bwd_f256_n4096",
+                "linear::.*(dq_kernel|dkdv_kernel)|causal_backward::(statistics_kernel|reduce_kernel)", 4),
     )),
     Family("mamba2_ssd", op="mamba2_ssd", bench="mamba2", profiles=(
         Profile("mamba2_ssd_fwd_n128_l4096", "mamba2::.*forward_kernel", 1),
         # the block states, the reverse sweep, then grad_B and grad_C summed over the heads of a group
         Profile("mamba2_ssd_bwd_n128_l4096", "mamba2::.*(states_kernel|backward_kernel|reduce_kernel)", 3),
+        # the long-sequence anchor (B = 2, L = 16384, H = 80), where fwd+bwd is at parity with mamba_ssm
+        Profile("mamba2_ssd_fwd_n128_l16384", "mamba2::.*(forward_kernel|segment_ends_kernel|segment_scan_kernel)", 3),
+        Profile("mamba2_ssd_bwd_n128_l16384", "mamba2::.*(states_kernel|backward_kernel|reduce_kernel)", 3),
     )),
     Family("fftconv", op="fftconv", bench="fftconv", profiles=(
         # the table launch, then the convolution (cuFFT's rfft of the filter matches neither)
