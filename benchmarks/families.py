@@ -12,10 +12,10 @@ name without its template arguments. A case makes only its own launches, and
 ``--launch-skip`` counts only matching launches, so a regex need not exclude other families.
 
     python3 -m benchmarks.families checks [FAMILY ...]    FAMILY MODULE ARGS...  (python3 -m MODULE ARGS)
-    python3 -m benchmarks.families profiles [FAMILY ...]  CASE REGEX LAUNCH_SKIP LAUNCH_COUNT  (ncu's)
+    python3 -m benchmarks.families profiles [FAMILY|CASE ...]  CASE REGEX LAUNCH_SKIP LAUNCH_COUNT  (ncu's)
 
 one line each, for the families named, or by default for those whose op is served by a CUDA kernel
-(the others are listed on stderr as skipped).
+(the others are listed on stderr as skipped). `profiles` also takes case names, to profile only those.
 """
 
 from __future__ import annotations
@@ -124,14 +124,19 @@ def main() -> None:
     parser.add_argument("what", choices=("checks", "profiles"))
     parser.add_argument("families", nargs="*", help=f"default: those with kernels; known: {', '.join(BY_NAME)}")
     args = parser.parse_args()
-    for family in selected(args.families):
-        if args.what == "checks":
+    if args.what == "checks":
+        for family in selected(args.families):
             print(family.name, *family.check)
-        else:
-            from benchmarks.profile_kernels import WARMUP_CALLS
+        return
+    from benchmarks.profile_kernels import WARMUP_CALLS
 
-            for p in family.profiles:
-                print(p.case, p.kernels, WARMUP_CALLS * p.per_call, p.per_call)
+    cases = [name for name in args.families if name not in BY_NAME and any(p.case == name for f in FAMILIES for p in f.profiles)]
+    chosen = [profile(case) for case in cases]
+    named_families = [name for name in args.families if name not in cases]
+    if named_families or not cases:
+        chosen += [p for family in selected(named_families) for p in family.profiles]
+    for p in chosen:
+        print(p.case, p.kernels, WARMUP_CALLS * p.per_call, p.per_call)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@
 #                  after TESTS_TIMEOUT seconds (default 420)
 #   sanitize[=F,..] memcheck, racecheck and synccheck over each kernel family's `bench_* --check` run
 #                  (benchmarks/families.py): those with kernels in this build, or those named
-#   profile[=F,..] Nsight Compute sections of each family's profile cases (benchmarks/profile_kernels.py)
+#   profile[=F,..] Nsight Compute sections of each family's profile cases (benchmarks/profile_kernels.py);
+#                  F may also name single cases (benchmarks/families.py)
 #   apply:PATCH    apply the patch file PATCH to this copy only, to measure a variant (then build:warm)
 #   bench:NAME[@baseline][=A,B]  python3 -m benchmarks.bench_NAME --out results/TREE-K [A B], TREE new
 #                  or baseline (the baseline tree's own bench_NAME on its own tk_ops), K the how-many-th
