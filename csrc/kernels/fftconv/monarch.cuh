@@ -73,6 +73,10 @@ struct monarch_stages {
   template <typename X> using carried = typename precision<T>::template carried<X>;
   static constexpr int threads = plan::warps * WARP_THREADS;
   static constexpr int elements_per_vector = VECTOR_BYTES / int(sizeof(T));  // of u in global memory
+  // K of the F_M1 operand held at once (stages 1 and 7): the registers of K_CHUNK 16-bit columns,
+  // so half the columns when split (at K = 64 the filter-gradient kernel's stage 7 spills at N = 8192).
+  static constexpr int stage1_k = std::min(plan::stage1_k, K_CHUNK / precision<T>::parts);
+  static constexpr int stage7_k = std::min(plan::stage7_k, K_CHUNK / precision<T>::parts);
 
   using input_tile = carried<complex_shared_tile<operand, plan::input_rows, plan::cols>>;  // a pair, rows n1 < M1/2
   using exchange_tile = carried<complex_shared_tile<operand, plan::rows, plan::cols>>;     // stage 6 -> stage 7
@@ -126,8 +130,8 @@ struct monarch_stages {
   __device__ static void spectrum_rows(strip_acc& acc, strip_operand& x, const input_tile& in,
                                        const row_dft_tile& row_dft, const tables<T, N>& tab, int strip) {
     warp::zero(acc);
-    for (int k0 = 0; k0 < plan::input_rows; k0 += plan::stage1_k) {
-      carried<complex_register_tile<operand, BASE_TILE, plan::stage1_k>> dft;
+    for (int k0 = 0; k0 < plan::input_rows; k0 += stage1_k) {
+      carried<complex_register_tile<operand, BASE_TILE, stage1_k>> dft;
       warp::load_fragments(dft, tab.dft, plan::strips, strip, k0 / BASE_TILE);
       warp::cmma_AB(acc, dft, in, acc, k0, 0);
     }
@@ -153,8 +157,8 @@ struct monarch_stages {
                                          int task) {
     const int strip = output_row0(task) / BASE_TILE;
     warp::zero(acc);
-    for (int k0 = 0; k0 < plan::rows; k0 += plan::stage7_k) {
-      carried<complex_register_tile<operand, BASE_TILE, plan::stage7_k>> dft;
+    for (int k0 = 0; k0 < plan::rows; k0 += stage7_k) {
+      carried<complex_register_tile<operand, BASE_TILE, stage7_k>> dft;
       warp::load_fragments(dft, tab.dft, plan::strips, strip, k0 / BASE_TILE);
       warp::cmma_AB<true, false>(acc, dft, exchange, acc, k0, output_col0(task));
     }

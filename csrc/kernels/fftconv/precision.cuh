@@ -97,25 +97,28 @@ __device__ __forceinline__ void store_vector(hi_lo<S>& t, int part, int row, int
   *reinterpret_cast<uint2*>(&lo_plane.at(row, col)) = make_uint2(pair_bits(lo[0]), pair_bits(lo[1]));
 }
 
-// The 8 values of the 16-byte operand vector at (row, col) of plane `part`, as float pairs (hi + lo
-// when split).
+// The 16-byte vector of 16-bit operands at (row, col) of plane `part` (hi's and lo's when split),
+// and pair j of its values in float (hi + lo).
 template <complex_shared_tile_type S>
-__device__ __forceinline__ void vector_values(float2 (&out)[4], const S& t, int part, int row, int col) {
-  using pair_type = packed_pair_t<typename S::element>;
+__device__ __forceinline__ uint4 load_vector(const S& t, int part, int row, int col) {
   const auto& plane = part == 0 ? t.re : t.im;
-  const uint4 vector = *reinterpret_cast<const uint4*>(&plane.at(row, col));
-  pair_type pairs[4];
-  __builtin_memcpy(pairs, &vector, sizeof(vector));
-#pragma unroll
-  for (int j = 0; j < 4; ++j) out[j] = to_float2(pairs[j]);
+  return *reinterpret_cast<const uint4*>(&plane.at(row, col));
 }
 template <complex_shared_tile_type S>
-__device__ __forceinline__ void vector_values(float2 (&out)[4], const hi_lo<S>& t, int part, int row, int col) {
-  float2 hi[4], lo[4];
-  vector_values(hi, t.hi, part, row, col);
-  vector_values(lo, t.lo, part, row, col);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) out[j] = {hi[j].x + lo[j].x, hi[j].y + lo[j].y};
+__device__ __forceinline__ hi_lo<uint4> load_vector(const hi_lo<S>& t, int part, int row, int col) {
+  return {load_vector(t.hi, part, row, col), load_vector(t.lo, part, row, col)};
+}
+
+template <typename E>
+__device__ __forceinline__ float2 vector_pair(const uint4& v, int j) {
+  packed_pair_t<E> pairs[sizeof(uint4) / sizeof(packed_pair_t<E>)];
+  __builtin_memcpy(pairs, &v, sizeof(v));
+  return to_float2(pairs[j]);
+}
+template <typename E>
+__device__ __forceinline__ float2 vector_pair(const hi_lo<uint4>& v, int j) {
+  const float2 hi = vector_pair<E>(v.hi, j), lo = vector_pair<E>(v.lo, j);
+  return {hi.x + lo.x, hi.y + lo.y};
 }
 
 // skip = d * (plane `part` of t)[row0.., col0..] in float.
