@@ -17,9 +17,13 @@
 //
 // The scales multiply to 1/M, the inverse DFT's; they keep every value rounded to 16 bits (after
 // stages 2, 4 and 6) within sqrt(2) max|u| sum|k| (fp16 cannot overflow before the output can),
-// and stage 7 scales in fp32. Two sequences of one head (batches 2j and 2j + 1) travel as the real
-// and imaginary parts of one complex sequence: the filter is real, so the two convolutions come
-// back in the real and imaginary parts, and a complex FFT serves two real ones.
+// and stage 7 scales in fp32. For fp32 u each of those 16-bit roundings (and the input's, the DFT
+// factors') is a split into bf16 hi + lo, and each product takes three mma.sync (precision.cuh):
+// fp32-level results for twice the shared memory, which caps fp32 u at N = 8192.
+//
+// Two sequences of one head (batches 2j and 2j + 1) travel as the real and imaginary parts of one
+// complex sequence: the filter is real, so the two convolutions come back in the real and
+// imaginary parts, and a complex FFT serves two real ones.
 //
 // A block takes one such pair at a time (a persistent grid strides over them, a head's pairs
 // adjacent so its spectrum is read from L2). Each warp owns 16-row strips of the M1 x M2 matrix
