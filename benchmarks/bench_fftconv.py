@@ -1,9 +1,11 @@
 """tk_ops.fftconv against torch.fft (rfft of size 2N, multiply, irfft) eager and compiled, in the same run.
 
 Shapes: the anchors' B = 16, H = 768, N = 256 / 1024 / 4096 and B = 4, H = 768, N = 16384, plus
-N = 2048 (B = 16) and N = 8192 (B = 8); bf16 u, fp32 filters k (L = N) and D. The baseline is the
-convolution the op computes, written directly in torch.fft: y = irfft(rfft(u, 2N) rfft(k, 2N))[:N]
-+ D u in fp32 (cuFFT takes no bf16), cast back to u's dtype; once eager, once under torch.compile.
+N = 2048 (B = 16) and N = 8192 (B = 8); bf16 u (or fp32 u with --dtype fp32: the split-operand
+kernels, N <= 8192; N = 16384 runs the reference there and is left out), fp32 filters k (L = N) and
+D. The baseline is the convolution the op computes, written directly in torch.fft: y = irfft(rfft(u,
+2N) rfft(k, 2N))[:N] + D u in fp32 (cuFFT takes no bf16), cast back to u's dtype; once eager, once
+under torch.compile.
 Forward, and forward + backward (the gradients of u, k and D for a given output gradient; our
 backward runs its kernels: grad_u on the forward's kernel with conj(K), grad_k and grad_D on the
 filter-gradient kernel). Each row also has the relative difference of the
@@ -13,12 +15,13 @@ HBM floor: the bytes that must cross HBM once (forward: u read, y written, k and
 backward adds the output gradient and u read, grad_u written, k's and D's gradients written) over
 the device-to-device copy bandwidth measured in this run. Rows: shape, pass, baseline, ours_ms,
 baseline_ms, ratio (baseline_ms / ours_ms: above 1 we are faster), floor_ms, the fraction of the
-floor each reaches. Writes benchmarks/results/fftconv.json and fftconv.png (and into --out).
+floor each reaches. Writes benchmarks/results/fftconv.json and fftconv.png (fftconv_fp32.* for fp32
+u; and into --out).
 
-  python3 -m benchmarks.bench_fftconv [--out DIR] [--pass fwd|fwd+bwd]
+  python3 -m benchmarks.bench_fftconv [--out DIR] [--pass fwd|fwd+bwd] [--dtype bf16|fp32]
                                   benchmark (after the correctness sweep)
   python3 -m benchmarks.bench_fftconv --check
-                                  only the correctness sweep: every kernel N, bf16/fp16, L = N or
+                                  only the correctness sweep: every kernel N, bf16/fp16/fp32, L = N or
                                   shorter, D on/off, odd B, strided u and grad, padded N, the
                                   forward and the backward (grad_u, grad_k, grad_D) against float64
                                   FFTs; exits non-zero on a failure
@@ -39,7 +42,7 @@ import torch
 import tk_ops
 from benchmarks import common
 
-DTYPE = torch.bfloat16
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # of u (--dtype)
 PARAM_DTYPE = torch.float32
 PASSES = ("fwd", "fwd+bwd")
 BASELINES = ("torch.fft eager", "torch.fft compiled")
@@ -67,6 +70,16 @@ class Shape:
 SHAPES = (Shape(16, 768, 256), Shape(16, 768, 1024), Shape(16, 768, 2048), Shape(16, 768, 4096),
           Shape(8, 768, 8192), Shape(4, 768, 16384))
 DRY_RUN_SHAPES = (Shape(2, 3, 256), Shape(3, 2, 1024))
+FP32_KERNEL_MAX_SEQ_LEN = 8192  # fp32 u: the split-operand kernels' longest N
+
+
+def shapes_for(dtype: torch.dtype) -> tuple[Shape, ...]:
+    """The timed shapes for u of `dtype`: those its kernels take."""
+    return tuple(s for s in SHAPES if dtype != torch.float32 or s.seq_len <= FP32_KERNEL_MAX_SEQ_LEN)
+
+
+def results_name(dtype: torch.dtype) -> str:
+    return "fftconv" if dtype == torch.bfloat16 else "fftconv_fp32"
 
 
 # ---------------------------------------------------------------------------------- the callables
@@ -93,9 +106,9 @@ def baselines() -> dict[str, Callable]:
     return {"torch.fft eager": torch_fft, "torch.fft compiled": torch.compile(torch_fft)}
 
 
-def input_set(shape: Shape, device, backward: bool) -> tuple:
-    """(u, k, D, grad_out): u ~ N(0, 1) in bf16, k ~ N(0, 1/L) and D in fp32, L = N."""
-    u = torch.randn(shape.batch, shape.heads, shape.seq_len, device=device).to(DTYPE)
+def input_set(shape: Shape, device, backward: bool, dtype: torch.dtype = torch.bfloat16) -> tuple:
+    """(u, k, D, grad_out): u ~ N(0, 1) in `dtype`, k ~ N(0, 1/L) and D in fp32, L = N."""
+    u = torch.randn(shape.batch, shape.heads, shape.seq_len, device=device).to(dtype)
     k = torch.randn(shape.heads, shape.seq_len, device=device) / math.sqrt(shape.seq_len)
     D = torch.randn(shape.heads, device=device)
     grad_out = torch.randn_like(u)
@@ -113,11 +126,12 @@ def step(fn: Callable, backward: bool) -> Callable:
     return run
 
 
-def measure(shape: Shape, device, timer: Callable, copy_gbps: Optional[float], passes=PASSES) -> list[dict]:
+def measure(shape: Shape, device, timer: Callable, copy_gbps: Optional[float], passes=PASSES,
+            dtype: torch.dtype = torch.bfloat16) -> list[dict]:
     """The rows of one shape: per pass, ours against each baseline (ours timed once per pass)."""
     torch._dynamo.reset()  # each shape compiles afresh: past 8 recompiles dynamo silently ran eager
     functions = baselines()
-    first = input_set(shape, device, backward=False)
+    first = input_set(shape, device, backward=False, dtype=dtype)
     rel_diffs, errors = {}, {}
     with torch.no_grad():
         ours_out = ours(*first[:3])
@@ -130,8 +144,8 @@ def measure(shape: Shape, device, timer: Callable, copy_gbps: Optional[float], p
     rows = []
     for pass_ in passes:
         backward = pass_ == "fwd+bwd"
-        bytes_per_set = shape.hbm_bytes(pass_, DTYPE.itemsize)
-        sets = [input_set(shape, device, backward) for _ in range(common.input_set_count(bytes_per_set, device))]
+        bytes_per_set = shape.hbm_bytes(pass_, dtype.itemsize)
+        sets = [input_set(shape, device, backward, dtype) for _ in range(common.input_set_count(bytes_per_set, device))]
         ours_ms = timer(step(ours, backward), sets)
         for name, fn in functions.items():
             baseline_ms, error = None, errors.get(name)
@@ -140,7 +154,7 @@ def measure(shape: Shape, device, timer: Callable, copy_gbps: Optional[float], p
                     baseline_ms = timer(step(fn, backward), sets)
                 except Exception as failure:
                     error = common.describe_error(failure)
-            rows.append(common.floor_row(shape, pass_, name, ours_ms, baseline_ms, copy_gbps, DTYPE.itemsize,
+            rows.append(common.floor_row(shape, pass_, name, ours_ms, baseline_ms, copy_gbps, dtype.itemsize,
                                          rel_diffs.get(name), error))
         del sets
         if device == "cuda":
@@ -148,7 +162,7 @@ def measure(shape: Shape, device, timer: Callable, copy_gbps: Optional[float], p
     return rows
 
 
-def plot(rows: list[dict], path: pathlib.Path, device_name: str) -> None:
+def plot(rows: list[dict], path: pathlib.Path, device_name: str, dtype_name: str = "bf16") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -160,15 +174,17 @@ def plot(rows: list[dict], path: pathlib.Path, device_name: str) -> None:
     for c, pass_ in enumerate(passes):
         common.floor_bar_panel(axes[0][c], [row for row in rows if row["pass"] == pass_], ("tk_ops", *BASELINES),
                                colors, f"FFT convolution, {pass_}")
-    fig.suptitle(f"FFT long convolution on {device_name}: tk_ops vs torch.fft (bf16 u; lower is better)")
+    fig.suptitle(f"FFT long convolution on {device_name}: tk_ops vs torch.fft ({dtype_name} u; lower is better)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 # ---------------------------------------------------------------------------------- correctness
 
-CHECK_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
-# (B, H, N, L, with_D, strided): every kernel N, L = N and shorter, odd B, padded N, strided u
+# fp32: the split operands' contract (the CPU emulation gives 3-9e-6, tests/test_fftconv_monarch.py)
+CHECK_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}
+# (B, H, N, L, with_D, strided): every kernel N, L = N and shorter, odd B, padded N, strided u (for
+# fp32 u, N = 16384 runs the reference)
 CHECK_SHAPES = (
     (2, 3, 256, 256, True, False), (3, 2, 512, 100, False, False), (1, 3, 1024, 1024, True, True),
     (2, 2, 2048, 777, True, False), (3, 3, 4096, 4096, False, True), (2, 2, 8192, 3000, True, False),
@@ -230,6 +246,7 @@ def run_check(device) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = common.sweep_arguments(__doc__, PASSES)
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16", help="u's dtype in the timed sweep")
     return parser.parse_args(argv)
 
 
@@ -237,8 +254,10 @@ ROW_WIDTHS = (22, 20)  # printed columns: shape, baseline
 
 
 def dry_run(args: argparse.Namespace) -> list[dict]:
-    rows = [row for shape in DRY_RUN_SHAPES for row in measure(shape, "cpu", common.run_once, None)]
-    return common.finish_dry_run("fftconv", rows, ROW_WIDTHS, args.out, plot)
+    dtype = DTYPES[args.dtype]
+    rows = [row for shape in DRY_RUN_SHAPES for row in measure(shape, "cpu", common.run_once, None, dtype=dtype)]
+    return common.finish_dry_run(results_name(dtype), rows, ROW_WIDTHS, args.out,
+                                 lambda *a: plot(*a, dtype_name=args.dtype))
 
 
 def main(argv=None) -> None:
@@ -252,8 +271,11 @@ def main(argv=None) -> None:
         return
     copy, ceiling = common.measured_copy_ceiling()
     passes = tuple(args.passes or PASSES)
-    common.sweep_shapes("fftconv", SHAPES, lambda shape: measure(shape, "cuda", common.time_ms, copy, passes),
-                        ROW_WIDTHS, args.out, plot, **ceiling, dtype="bf16 u, fp32 k and D",
+    dtype = DTYPES[args.dtype]
+    common.sweep_shapes(results_name(dtype), shapes_for(dtype),
+                        lambda shape: measure(shape, "cuda", common.time_ms, copy, passes, dtype),
+                        ROW_WIDTHS, args.out, lambda *a: plot(*a, dtype_name=args.dtype), **ceiling,
+                        dtype=f"{args.dtype} u, fp32 k and D",
                         ours_backends={op: tk_ops.backends()[op] for op in ("fftconv", "fftconv_bwd")})
 
 

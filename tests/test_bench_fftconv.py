@@ -14,6 +14,18 @@ def test_shapes_are_the_anchors_plus_2048_and_8192():
         (16, 768, 256), (16, 768, 1024), (16, 768, 2048), (16, 768, 4096), (8, 768, 8192), (4, 768, 16384)]
 
 
+def test_fp32_sweep_times_the_kernels_seq_lens_only():
+    assert [s.seq_len for s in bench.shapes_for(torch.float32)] == [256, 1024, 2048, 4096, 8192]
+    assert bench.shapes_for(torch.bfloat16) == bench.SHAPES
+    assert bench.results_name(torch.float32) == "fftconv_fp32" and bench.results_name(torch.bfloat16) == "fftconv"
+
+
+def test_check_sweeps_fp32_u():
+    assert torch.float32 in bench.CHECK_TOLERANCE and bench.CHECK_TOLERANCE[torch.float32] <= 1e-4
+    seq_lens = {n for _, _, n, *_ in bench.CHECK_SHAPES}
+    assert {256, 512, 1024, 2048, 4096, 8192} <= seq_lens  # every fp32 kernel N
+
+
 def test_hbm_floor():
     shape = bench.SHAPES[3]
     sequence, parameters = 16 * 768 * 4096 * 2, 768 * 4097 * 4
@@ -30,6 +42,16 @@ def test_dry_run_builds_every_row_and_the_plot(tmp_path):
         assert row["ours_ms"] is None and "error" not in row
         assert row["rel_diff_vs_ours"] < 1e-2  # bf16 outputs of the same convolution
     assert (tmp_path / "fftconv.png").stat().st_size > 0
+
+
+def test_dry_run_with_fp32_u(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = bench.dry_run(bench.parse_args(["--dry-run", "--dtype", "fp32", "--out", str(tmp_path)]))
+    assert len(rows) == len(bench.DRY_RUN_SHAPES) * len(bench.PASSES) * len(bench.BASELINES)
+    for row in rows:
+        assert row["rel_diff_vs_ours"] < 1e-5  # fp32 outputs of the same convolution
+        assert row["hbm_bytes"] == bench.Shape(row["batch"], row["heads"], row["seq_len"]).hbm_bytes(row["pass"], 4)
+    assert (tmp_path / "fftconv_fp32.png").stat().st_size > 0
 
 
 def test_check_passes_on_cpu():

@@ -7,4 +7,7 @@ namespace tk {
 
 enum class element_type { bf16, fp16, fp32 };
 
+// Bytes of one element.
+constexpr int element_bytes(element_type e) { return e == element_type::fp32 ? 4 : 2; }
+
 }  // namespace tk

@@ -8,7 +8,8 @@
 // of two up to 16384 is zero-padded at the end to the next one (exact: the convolution is causal,
 // and zeros past N add nothing to the correlations of the backward) and the outputs cut back.
 // The backward's grad_k and grad_D come out of the kernels in fp32 and are cast to k's and D's
-// dtypes. fp32/fp64 u, N > 16384 and other GPUs go to the reference twins tk::fftconv_ref and
+// dtypes. fp32 u runs the kernels with split operands (bf16 hi + lo) up to N = 8192. fp64 u, N >
+// 16384 (fp32: N > 8192) and other GPUs go to the reference twins tk::fftconv_ref and
 // tk::fftconv_bwd_ref, which warn once.
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -54,10 +55,11 @@ int64_t kernel_seq_len(int64_t n) {
   return padded;
 }
 
-// Whether the kernels take u at all (dtype, device, size); the launchers decide the rest.
+// Whether the kernels take u at all (dtype, device, size); the launchers decide the rest (the
+// sequence lengths: workspace_bytes is 0 for those they do not take).
 bool kernel_inputs(const at::Tensor& u) {
-  return (u.scalar_type() == at::kBFloat16 || u.scalar_type() == at::kHalf) && tk::registration::runs_kernels(u) &&
-         u.numel() != 0;
+  return (u.scalar_type() == at::kBFloat16 || u.scalar_type() == at::kHalf || u.scalar_type() == at::kFloat) &&
+         tk::registration::runs_kernels(u) && u.numel() != 0;
 }
 
 // x as the kernels read it: padded at the end to their length, or copied when its rows are not aligned.

@@ -17,10 +17,11 @@ Dtypes: u is fp16, bf16, fp32 or fp64; k and D each have u's dtype, or fp32 when
 (filters kept in fp32, as FlashFFTConv takes them). The output has u's dtype. Arithmetic is fp32
 (fp64 for fp64 inputs).
 
-Kernels (csrc/kernels/fftconv), forward and backward: fp16/bf16 u, N zero-padded at the end to a
-power of two from 256 to 16384 (exact: the convolution is causal). The FFT of size 2N runs as
-Monarch factors on tensor cores (mma.sync, fp16/bf16 operands, fp32 accumulation; two sequences of
-a head per complex pass); the filter's spectrum comes from an fp32 rfft once per call.
+Kernels (csrc/kernels/fftconv), forward and backward: fp16/bf16 u with N zero-padded at the end to a
+power of two from 256 to 16384, fp32 u up to 8192 (exact: the convolution is causal). The FFT of
+size 2N runs as Monarch factors on tensor cores (mma.sync, fp16/bf16 operands, fp32 accumulation;
+two sequences of a head per complex pass); the filter's spectrum comes from an fp32 rfft once per
+call.
   forward   the spectrum of u times the filter's, inverted, + D u
   grad_u    the same kernel on grad with the conjugate filter spectrum (the correlation), + D grad
   grad_k    per head, sum over the batch of spectrum(grad) * conj(spectrum(u)) in fp32 (one block
@@ -29,9 +30,18 @@ a head per complex pass); the filter's spectrum comes from an fp32 rfft once per
   grad_D    the fp32 sum of grad * u in the same kernel, cast to D's dtype
 The kernels keep their 16-bit intermediates on the scale of their inputs, so fp16 inputs of small
 size lose digits to subnormals (bf16 does not): in the CPU emulation of the kernels at N = 4096,
-grad_u's error is 1.9e-4 for grad of size 1, 4.5e-4 at 1e-2, 4.5e-3 at 1e-3. fp32/fp64 u and N > 16384 run the reference (on a
-GPU, each op warns once). fp32 at fp32-level accuracy would split u and the factors into 16-bit
-high and low parts (three products per stage); not built.
+grad_u's error is 1.9e-4 for grad of size 1, 4.5e-4 at 1e-2, 4.5e-3 at 1e-3.
+fp32 u (and grad) at fp32-level accuracy: every tensor-core operand a is carried as two bf16 parts,
+a_hi = bf16(a) and a_lo = bf16(a - a_hi) (about 16 significant bits, fp32's range), and each product
+as a_hi b_hi + a_hi b_lo + a_lo b_hi with fp32 accumulation (the dropped a_lo b_lo is below 2^-18 of
+it): the DFT factors (hi and lo tables), u (split as it is loaded), the stage-2/4 intermediates (split
+from the fp32 accumulators) and the tile stage 7 reads (split as it is stored). Twiddles, the filter
+spectrum and the spectra's products stay fp32; y, grad_u, grad_k and grad_D come out in fp32. Three
+mma.sync per product instead of one, twice the shared memory: at N = 16384 the tiles exceed a block's
+227 KB, so fp32 u runs the kernels for N <= 8192. Error against float64 in the CPU emulation of these
+exact steps: 3-6e-6 (y, grad_u), 7-9e-6 (grad_k), up to 1e-5 (grad_D, from u and grad as hi + lo);
+the budget is 1e-4. fp64 u, fp32 u with N > 8192 and N > 16384 run the reference (on a GPU, each
+op warns once).
 The reference uses the smallest FFT size of the form 2^a 3^b 5^c that is >= N + L - 1, the least
 padding with which no output of the circular convolution wraps around (2N when L == N is a power
 of two).

@@ -421,8 +421,6 @@ __device__ __forceinline__ void push(float (&window)[W - 1][N], const float (&v)
 
 // ------------------------------------------------------------------------------------- host side
 
-inline int element_bytes(element_type t) { return t == element_type::fp32 ? 4 : 2; }
-
 inline bool x_or_fp32(element_type t, element_type x) { return t == x || t == element_type::fp32; }
 
 template <typename V>

@@ -17,9 +17,13 @@
 //
 // The scales multiply to 1/M, the inverse DFT's; they keep every value rounded to 16 bits (after
 // stages 2, 4 and 6) within sqrt(2) max|u| sum|k| (fp16 cannot overflow before the output can),
-// and stage 7 scales in fp32. Two sequences of one head (batches 2j and 2j + 1) travel as the real
-// and imaginary parts of one complex sequence: the filter is real, so the two convolutions come
-// back in the real and imaginary parts, and a complex FFT serves two real ones.
+// and stage 7 scales in fp32. For fp32 u each of those 16-bit roundings (and the input's, the DFT
+// factors') is a split into bf16 hi + lo, and each product takes three mma.sync (precision.cuh):
+// fp32-level results for twice the shared memory, which caps fp32 u at N = 8192.
+//
+// Two sequences of one head (batches 2j and 2j + 1) travel as the real and imaginary parts of one
+// complex sequence: the filter is real, so the two convolutions come back in the real and
+// imaginary parts, and a complex FFT serves two real ones.
 //
 // A block takes one such pair at a time (a persistent grid strides over them, a head's pairs
 // adjacent so its spectrum is read from L2). Each warp owns 16-row strips of the M1 x M2 matrix
@@ -30,6 +34,7 @@
 
 #include <cstdint>
 
+#include "precision.cuh"
 #include "tk/common.cuh"
 
 namespace tk::fftconv {
@@ -70,35 +75,47 @@ struct monarch_plan {
 
 // The tables the setup launch writes into the workspace (fragment order, ops/warp/fragments.cuh),
 // each complex table as a real and an imaginary plane:
-//   dft       F_M1 (M1 x M1, T): stage 1 reads strips of it, stage 7 strips of its conjugate
+//   dft       F_M1 (M1 x M1, u's 16-bit type, or bf16 hi and lo planes for fp32 u: precision.cuh):
+//             stage 1 reads strips of it, stage 7 strips of its conjugate
 //   twiddle   T · 2/M1 (M1 x M2, fp32)
 //   spectrum  K / M2 per head (H M1 x M2, fp32)
 template <typename T, int N>
 struct tables {
   using plan = monarch_plan<N>;
+  using operand = typename precision<T>::operand;
   static constexpr int64_t dft_entries = int64_t(plan::rows) * plan::rows;
   static constexpr int64_t matrix_entries = plan::fft_size;
 
-  T* dft_re;
-  T* dft_im;
+  typename precision<T>::template carried<complex_table<operand>> dft;
   float* twiddle_re;
   float* twiddle_im;
   float* spectrum_re;
   float* spectrum_im;
 
   __host__ __device__ static constexpr int64_t bytes(int64_t heads) {
-    return 2 * dft_entries * int64_t(sizeof(T)) + 2 * (1 + heads) * matrix_entries * int64_t(sizeof(float));
+    return 2 * precision<T>::parts * dft_entries * int64_t(sizeof(operand)) +
+           2 * (1 + heads) * matrix_entries * int64_t(sizeof(float));
   }
 
   __host__ __device__ static tables at(void* workspace, int64_t heads) {
     tables t;
-    t.dft_re = static_cast<T*>(workspace);
-    t.dft_im = t.dft_re + dft_entries;
-    t.twiddle_re = reinterpret_cast<float*>(t.dft_im + dft_entries);
+    operand* const planes_end = place(t.dft, static_cast<operand*>(workspace));
+    t.twiddle_re = reinterpret_cast<float*>(planes_end);
     t.twiddle_im = t.twiddle_re + matrix_entries;
     t.spectrum_re = t.twiddle_im + matrix_entries;
     t.spectrum_im = t.spectrum_re + heads * matrix_entries;
     return t;
+  }
+
+ private:
+  // A complex table's planes from `first` on; returns the end.
+  __host__ __device__ static operand* place(complex_table<operand>& table, operand* first) {
+    table.re = first;
+    table.im = table.re + dft_entries;
+    return table.im + dft_entries;
+  }
+  __host__ __device__ static operand* place(hi_lo<complex_table<operand>>& table, operand* first) {
+    return place(table.lo, place(table.hi, first));
   }
 };
 

@@ -1,5 +1,6 @@
 // The FFT long-convolution launchers (tk::fftconv and tk::fftconv_bwd, tk_ops/ops/fftconv.py for the
-// semantics) for u in bf16 or fp16 and N a power of two from 256 to 16384:
+// semantics) for u in bf16 or fp16 and N a power of two from 256 to 16384, or u in fp32 (split
+// operands: precision.cuh) and N from 256 to 8192:
 //   forward    y[b, h, t] = sum_{s <= t} k[h, s] u[b, h, t - s] + D[h] u[b, h, t]
 //   backward   grad_u (the correlation of grad_y with k, + D grad_y), grad_k (sum over the batch of
 //              the correlation of grad_y with u, t < L), grad_D (sum of grad_y u)
@@ -20,7 +21,7 @@
 namespace tk::fftconv {
 
 struct forward_problem {
-  element_type dtype;             // of u and y: bf16 or fp16
+  element_type dtype;             // of u and y: bf16, fp16 or fp32
   const void* u;                  // u[b, h, n] at u + b * u_batch_stride + h * u_head_stride + n (elements)
   int64_t batch, heads, seq_len;  // B, H, N
   int64_t u_batch_stride, u_head_stride;
@@ -32,7 +33,7 @@ struct forward_problem {
 };
 
 struct backward_problem {
-  element_type dtype;                 // of grad, u and grad_u: bf16 or fp16
+  element_type dtype;                 // of grad, u and grad_u: bf16, fp16 or fp32
   const void* grad;                   // grad_y[b, h, n] at grad + b * grad_batch_stride + h * grad_head_stride + n
   int64_t grad_batch_stride, grad_head_stride;
   const void* u;                      // as in forward_problem

@@ -91,8 +91,9 @@ struct filter_gradient_kernel {
     return largest;
   }
 
-  // Stages 1-3 of one strip of an input tile, rounded to 16 bits. A call of its own, as in the
-  // forward: only the 16-bit strip crosses it, so no two fp32 strips are live at once.
+  // Stages 1-3 of one strip of an input tile, rounded to the operands' 16 bits (or split into hi +
+  // lo). A call of its own, as in the forward: only that strip crosses it, so no two fp32 strips
+  // are live at once.
   __device__ __noinline__ static void spectrum_strip(typename stages::strip_operand& x,
                                                      const typename stages::input_tile& in, storage& s,
                                                      const params& p, int strip) {
@@ -134,26 +135,22 @@ struct filter_gradient_kernel {
     warp::store(p.grad_k + int64_t(head) * N + offset, plan::cols, acc.re);
   }
 
-  // This thread's share of sum grad_y u over the pair in shared memory (the vectors it loaded; a
-  // missing second sequence is zero in both).
+  // This thread's share of sum grad_y u over the pair in shared memory, 16-byte vectors of 16-bit
+  // operands at a time (hi + lo for fp32: 2^-17 of each value, within fp32's sum of N terms); a
+  // missing second sequence is zero in both.
   __device__ static float pair_dot(const storage& s) {
-    constexpr int vectors = N / stages::elements_per_vector;
-    using pair_type = packed_pair_t<T>;
-    constexpr int pairs_per_vector = VECTOR_BYTES / int(sizeof(pair_type));
+    constexpr int values_per_vector = VECTOR_BYTES / int(sizeof(typename stages::operand));
+    constexpr int vectors = N / values_per_vector;
     float dot = 0.0f;
     for (int i = threadIdx.x; i < 2 * vectors; i += threads) {
-      const int part = i / vectors, n = (i % vectors) * stages::elements_per_vector;
-      const auto& u = part == 0 ? s.inputs.u.re : s.inputs.u.im;
-      const auto& grad = part == 0 ? s.inputs.grad.re : s.inputs.grad.im;
+      const int part = i / vectors, n = (i % vectors) * values_per_vector;
       const int row = n / plan::cols, col = n % plan::cols;
-      const uint4 u_vector = *reinterpret_cast<const uint4*>(&u.at(row, col));
-      const uint4 grad_vector = *reinterpret_cast<const uint4*>(&grad.at(row, col));
-      pair_type u_pairs[pairs_per_vector], grad_pairs[pairs_per_vector];
-      __builtin_memcpy(u_pairs, &u_vector, VECTOR_BYTES);
-      __builtin_memcpy(grad_pairs, &grad_vector, VECTOR_BYTES);
+      const auto u_vector = load_vector(s.inputs.u, part, row, col);
+      const auto grad_vector = load_vector(s.inputs.grad, part, row, col);
 #pragma unroll
-      for (int j = 0; j < pairs_per_vector; ++j) {
-        const float2 a = to_float2(u_pairs[j]), b = to_float2(grad_pairs[j]);
+      for (int j = 0; j < values_per_vector / 2; ++j) {
+        using operand = typename stages::operand;
+        const float2 a = vector_pair<operand>(u_vector, j), b = vector_pair<operand>(grad_vector, j);
         dot += a.x * b.x + a.y * b.y;
       }
     }
@@ -268,12 +265,14 @@ forward_problem correlation_pass(const backward_problem& p) {
 }  // namespace
 
 std::string unsupported_reason(const backward_problem& p) {
-  if (!kernel_dtypes::contains(p.dtype)) return "the kernels take bf16 and fp16 u and grad";
-  if (!rows_aligned(p.grad, p.grad_batch_stride, p.grad_head_stride)) {
+  if (!half_dtypes::contains(p.dtype) && !split_dtypes::contains(p.dtype)) {
+    return "the kernels take bf16, fp16 and fp32 u and grad";
+  }
+  if (!rows_aligned(p.grad, p.grad_batch_stride, p.grad_head_stride, element_bytes(p.dtype))) {
     return "grad's rows must start on 16-byte boundaries (its address and batch/head strides)";
   }
   if (std::string reason = unsupported_reason(correlation_pass(p)); !reason.empty()) return reason;
-  if (!rows_aligned(p.u, p.u_batch_stride, p.u_head_stride)) {
+  if (!rows_aligned(p.u, p.u_batch_stride, p.u_head_stride, element_bytes(p.dtype))) {
     return "u's rows must start on 16-byte boundaries (its address and batch/head strides)";
   }
   if (p.filter_len < 1 || p.filter_len > p.seq_len) return "the filter length must be in [1, N]";

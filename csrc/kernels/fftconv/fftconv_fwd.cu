@@ -25,11 +25,12 @@ struct prepare_params {
   float spectrum_im_sign;  // -1 lays out conj(K) (filter_spectrum::conjugate)
 };
 
-// The base tile at (row0, col0) of a complex matrix whose entries value(row, col) returns (re, im).
-template <typename E, typename F>
-__device__ complex_register_tile<E, BASE_TILE, BASE_TILE> base_tile_of(int row0, int col0, F&& value) {
-  complex_register_tile<E, BASE_TILE, BASE_TILE> tile;
-  for_each_pair<typename decltype(tile)::plane>([&](int, int, int q) {
+// The base tile at (row0, col0) of a complex matrix whose entries value(row, col) returns (re, im):
+// a complex register tile of one base tile, or its hi + lo split (precision.cuh).
+template <typename Tile, typename F>
+__device__ Tile base_tile_of(int row0, int col0, F&& value) {
+  Tile tile;
+  for_each_pair<register_tile<float, BASE_TILE, BASE_TILE>>([&](int, int, int q) {
     float2 re, im;
     const fragment::coord first = fragment::pair_element_coord<register_layout::row>(q, 0);
     const fragment::coord second = fragment::pair_element_coord<register_layout::row>(q, 1);
@@ -37,11 +38,12 @@ __device__ complex_register_tile<E, BASE_TILE, BASE_TILE> base_tile_of(int row0,
     const float2 b = value(row0 + second.row, col0 + second.col);
     re = {a.x, b.x};
     im = {a.y, b.y};
-    tile.re.pairs[0][0][q] = numeric<E>::pair_from_float2(re);
-    tile.im.pairs[0][0][q] = numeric<E>::pair_from_float2(im);
+    set_quadrant(tile, q, re, im);
   });
   return tile;
 }
+
+using table_tile = complex_register_tile<float, BASE_TILE, BASE_TILE>;
 
 template <typename T, int N>
 __global__ void __launch_bounds__(PREPARE_THREADS) prepare_kernel(const __grid_constant__ prepare_params<T, N> p) {
@@ -51,9 +53,11 @@ __global__ void __launch_bounds__(PREPARE_THREADS) prepare_kernel(const __grid_c
   const int64_t job = (int64_t(blockIdx.x) * PREPARE_THREADS + threadIdx.x) / WARP_THREADS;
   if (job < dft_tiles) {
     const int r = int(job / plan::strips), c = int(job % plan::strips);
-    const auto tile = base_tile_of<T>(BASE_TILE * r, BASE_TILE * c,
-                                      [](int row, int col) { return unit_root(int64_t(row) * col, plan::rows); });
-    warp::store_fragments(p.out.dft_re, p.out.dft_im, plan::strips, tile, r, c);
+    using dft_tile = typename monarch_stages<T, N>::template carried<
+        complex_register_tile<typename precision<T>::operand, BASE_TILE, BASE_TILE>>;
+    const auto tile = base_tile_of<dft_tile>(BASE_TILE * r, BASE_TILE * c,
+                                             [](int row, int col) { return unit_root(int64_t(row) * col, plan::rows); });
+    warp::store_fragments(p.out.dft, plan::strips, tile, r, c);
     return;
   }
   const int64_t matrix_job = job - dft_tiles;
@@ -61,7 +65,7 @@ __global__ void __launch_bounds__(PREPARE_THREADS) prepare_kernel(const __grid_c
   if (head_slot > p.heads) return;
   const int s = int(matrix_job % matrix_tiles / plan::col_blocks), bc = int(matrix_job % plan::col_blocks);
   if (head_slot == 0) {
-    const auto tile = base_tile_of<float>(BASE_TILE * s, BASE_TILE * bc, [](int k1, int n2) {
+    const auto tile = base_tile_of<table_tile>(BASE_TILE * s, BASE_TILE * bc, [](int k1, int n2) {
       const float2 w = unit_root(int64_t(k1) * n2, plan::fft_size);
       return float2{w.x * plan::forward_scale, w.y * plan::forward_scale};
     });
@@ -70,7 +74,7 @@ __global__ void __launch_bounds__(PREPARE_THREADS) prepare_kernel(const __grid_c
   }
   const int head = int(head_slot - 1);
   const float* spectrum = p.spectrum + 2 * head * p.spectrum_head_stride;
-  const auto tile = base_tile_of<float>(BASE_TILE * s, BASE_TILE * bc, [&](int k1, int k2) {
+  const auto tile = base_tile_of<table_tile>(BASE_TILE * s, BASE_TILE * bc, [&](int k1, int k2) {
     const int k = k1 + plan::rows * k2;
     // rfft keeps k <= N; a real filter's spectrum is Hermitian: K[M - k] = conj(K[k]).
     const bool mirrored = k > N;
@@ -135,15 +139,13 @@ struct convolution_kernel {
     const int row0 = stages::output_row0(task), col0 = stages::output_col0(task);
     if (p.D != nullptr) {
       const float d = p.D[pr.head];
-      const auto add_skip = [&](typename stages::output_acc::plane& out, const typename stages::input_tile::plane& u) {
-        register_tile<T, BASE_TILE, plan::output_cols> u_part;
-        warp::load(u_part, u, row0, col0);
+      const auto add_skip = [&](typename stages::output_acc::plane& out, int part) {
         typename stages::output_acc::plane skip;
-        warp::mul(skip, u_part, d);
+        skip_term(skip, s.input, part, row0, col0, d);
         warp::add(out, out, skip);
       };
-      add_skip(acc.re, s.input.re);
-      add_skip(acc.im, s.input.im);
+      add_skip(acc.re, 0);
+      add_skip(acc.im, 1);
     }
     const int64_t offset = int64_t(row0) * plan::cols + col0;
     const auto sequence = [&](int batch) { return p.y + (int64_t(batch) * p.heads + pr.head) * N + offset; };
@@ -212,18 +214,20 @@ cudaError_t run(const forward_problem& pr, filter_spectrum use, cudaStream_t str
 }  // namespace
 
 int64_t workspace_bytes(int64_t seq_len, int64_t heads, element_type dtype) {
-  if (!kernel_dtypes::contains(dtype) || !seq_lens::contains(seq_len)) return 0;
+  if (!runs_on_kernels(dtype, seq_len)) return 0;
   return with_kernel(dtype, seq_len, [&]<typename T, int N>() { return tables<T, N>::bytes(heads); });
 }
 
 std::string unsupported_reason(const forward_problem& p) {
-  if (!kernel_dtypes::contains(p.dtype)) return "the kernels take bf16 and fp16 u";
-  if (!seq_lens::contains(p.seq_len)) return "the sequence length must be one of " + seq_lens::names();
+  if (!half_dtypes::contains(p.dtype) && !split_dtypes::contains(p.dtype)) return "the kernels take bf16, fp16 and fp32 u";
+  if (!runs_on_kernels(p.dtype, p.seq_len)) {
+    return "the sequence length must be one of " + kernel_seq_len_names(p.dtype) + " for this dtype";
+  }
   if (p.batch < 1 || p.heads < 1) return "B and H must be at least 1";
   if (ceil_div<int64_t>(p.batch, 2) * p.heads > INT_MAX || p.batch * p.heads * p.seq_len > INT64_MAX / 2) {
     return "B * H is too large for the kernel's indices";
   }
-  if (!rows_aligned(p.u, p.u_batch_stride, p.u_head_stride)) {
+  if (!rows_aligned(p.u, p.u_batch_stride, p.u_head_stride, element_bytes(p.dtype))) {
     return "u's rows must start on 16-byte boundaries (its address and batch/head strides)";
   }
   if (reinterpret_cast<uintptr_t>(p.y) % VECTOR_BYTES != 0 || reinterpret_cast<uintptr_t>(p.workspace) % VECTOR_BYTES != 0) {

@@ -8,6 +8,8 @@
 //
 // plus the table kernel's helpers and the launch of the spectrum pass (the table launch, then the
 // convolution kernel with K or conj(K): fftconv_fwd.cu) that the backward reuses for grad_u.
+// The stages take u's element type T; precision<T> (precision.cuh) says how its operands meet the
+// tensor cores: as they are for bf16/fp16, split into bf16 hi + lo for fp32.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -18,12 +20,28 @@
 
 #include "fftconv.cuh"
 #include "fftconv.h"
+#include "precision.cuh"
 #include "tk/tk.cuh"
 
 namespace tk::fftconv {
 
-using kernel_dtypes = one_of<element_type::bf16, element_type::fp16>;
+using half_dtypes = one_of<element_type::bf16, element_type::fp16>;
 using seq_lens = one_of<256, 512, 1024, 2048, 4096, 8192, 16384>;
+// fp32 u: its split tiles take twice the shared memory; at N = 16384 the input and exchange tiles
+// alone would need 384 KB (227 KB a block), so that N runs the reference.
+using split_dtypes = one_of<element_type::fp32>;
+using split_seq_lens = one_of<256, 512, 1024, 2048, 4096, 8192>;
+
+// Whether the kernels take u of this dtype and (power-of-two) sequence length.
+inline bool runs_on_kernels(element_type dtype, int64_t seq_len) {
+  return half_dtypes::contains(dtype) ? seq_lens::contains(seq_len)
+                                      : split_dtypes::contains(dtype) && split_seq_lens::contains(seq_len);
+}
+
+// The sequence lengths the kernels take for u of this dtype, for messages.
+inline std::string kernel_seq_len_names(element_type dtype) {
+  return split_dtypes::contains(dtype) ? split_seq_lens::names() : seq_lens::names();
+}
 
 constexpr int VECTOR_BYTES = 16;  // sequences move in 16-byte vectors
 
@@ -51,15 +69,21 @@ cudaError_t launch_spectrum_pass(const forward_problem& p, filter_spectrum use, 
 template <typename T, int N>
 struct monarch_stages {
   using plan = monarch_plan<N>;
+  using operand = typename precision<T>::operand;
+  template <typename X> using carried = typename precision<T>::template carried<X>;
   static constexpr int threads = plan::warps * WARP_THREADS;
-  static constexpr int elements_per_vector = VECTOR_BYTES / int(sizeof(T));
+  static constexpr int elements_per_vector = VECTOR_BYTES / int(sizeof(T));  // of u in global memory
+  // K of the F_M1 operand held at once (stages 1 and 7): the registers of K_CHUNK 16-bit columns,
+  // so half the columns when split (at K = 64 the filter-gradient kernel's stage 7 spills at N = 8192).
+  static constexpr int stage1_k = std::min(plan::stage1_k, K_CHUNK / precision<T>::parts);
+  static constexpr int stage7_k = std::min(plan::stage7_k, K_CHUNK / precision<T>::parts);
 
-  using input_tile = complex_shared_tile<T, plan::input_rows, plan::cols>;  // a pair, rows n1 < M1/2
-  using exchange_tile = complex_shared_tile<T, plan::rows, plan::cols>;     // stage 6 -> stage 7
-  using row_dft_tile = complex_shared_tile<T, plan::cols, plan::cols>;      // F_M2
+  using input_tile = carried<complex_shared_tile<operand, plan::input_rows, plan::cols>>;  // a pair, rows n1 < M1/2
+  using exchange_tile = carried<complex_shared_tile<operand, plan::rows, plan::cols>>;     // stage 6 -> stage 7
+  using row_dft_tile = carried<complex_shared_tile<operand, plan::cols, plan::cols>>;      // F_M2
 
   using strip_acc = complex_register_tile<float, BASE_TILE, plan::cols>;
-  using strip_operand = complex_register_tile<T, BASE_TILE, plan::cols>;
+  using strip_operand = carried<complex_register_tile<operand, BASE_TILE, plan::cols>>;
   using output_acc = complex_register_tile<float, BASE_TILE, plan::output_cols>;
   using table_tile = complex_register_tile<float, BASE_TILE, BASE_TILE>;
 
@@ -70,9 +94,7 @@ struct monarch_stages {
   __device__ static void fill_row_dft(row_dft_tile& f) {
     for (int i = threadIdx.x; i < plan::cols * plan::cols; i += threads) {
       const int r = i / plan::cols, c = i % plan::cols;
-      const float2 w = unit_root(int64_t(r) * c, plan::cols);
-      f.re.at(r, c) = convert<T>(w.x);
-      f.im.at(r, c) = convert<T>(w.y);
+      set_entry(f, r, c, unit_root(int64_t(r) * c, plan::cols));
     }
   }
 
@@ -85,8 +107,7 @@ struct monarch_stages {
       const int b = pr.first + part;
       uint4 v = make_uint4(0, 0, 0, 0);
       if (b < batch) v = *reinterpret_cast<const uint4*>(x + b * batch_stride + pr.head * head_stride + n);
-      auto& plane = part == 0 ? in.re : in.im;
-      *reinterpret_cast<uint4*>(&plane.at(n / plan::cols, n % plan::cols)) = v;  // a 16-byte chunk stays whole
+      store_vector(in, part, n / plan::cols, n % plan::cols, v);
     }
   }
 
@@ -105,13 +126,13 @@ struct monarch_stages {
   }
 
   // Stages 1-3 of one strip: acc = ((F_M1[strip rows, :M1/2] · in) ∘ T · 2/M1) · F_M2; x holds the
-  // 16-bit stage-2 result (the caller's strip, so that no second one is live).
+  // 16-bit (or hi + lo) stage-2 result (the caller's strip, so that no second one is live).
   __device__ static void spectrum_rows(strip_acc& acc, strip_operand& x, const input_tile& in,
                                        const row_dft_tile& row_dft, const tables<T, N>& tab, int strip) {
     warp::zero(acc);
-    for (int k0 = 0; k0 < plan::input_rows; k0 += plan::stage1_k) {
-      complex_register_tile<T, BASE_TILE, plan::stage1_k> dft;
-      warp::load_fragments(dft, tab.dft_re, tab.dft_im, plan::strips, strip, k0 / BASE_TILE);
+    for (int k0 = 0; k0 < plan::input_rows; k0 += stage1_k) {
+      carried<complex_register_tile<operand, BASE_TILE, stage1_k>> dft;
+      warp::load_fragments(dft, tab.dft, plan::strips, strip, k0 / BASE_TILE);
       warp::cmma_AB(acc, dft, in, acc, k0, 0);
     }
     multiply_by_table<false>(acc, tab.twiddle_re, tab.twiddle_im, strip);
@@ -136,17 +157,18 @@ struct monarch_stages {
                                          int task) {
     const int strip = output_row0(task) / BASE_TILE;
     warp::zero(acc);
-    for (int k0 = 0; k0 < plan::rows; k0 += plan::stage7_k) {
-      complex_register_tile<T, BASE_TILE, plan::stage7_k> dft;
-      warp::load_fragments(dft, tab.dft_re, tab.dft_im, plan::strips, strip, k0 / BASE_TILE);
+    for (int k0 = 0; k0 < plan::rows; k0 += stage7_k) {
+      carried<complex_register_tile<operand, BASE_TILE, stage7_k>> dft;
+      warp::load_fragments(dft, tab.dft, plan::strips, strip, k0 / BASE_TILE);
       warp::cmma_AB<true, false>(acc, dft, exchange, acc, k0, output_col0(task));
     }
   }
 };
 
-// Whether rows of 16-bit sequences at x with these (element) strides start on 16-byte boundaries.
-inline bool rows_aligned(const void* x, int64_t batch_stride, int64_t head_stride) {
-  constexpr int64_t per_vector = VECTOR_BYTES / 2;
+// Whether rows of sequences at x (elements of element_bytes) with these (element) strides start on
+// 16-byte boundaries.
+inline bool rows_aligned(const void* x, int64_t batch_stride, int64_t head_stride, int64_t element_bytes) {
+  const int64_t per_vector = VECTOR_BYTES / element_bytes;
   return reinterpret_cast<uintptr_t>(x) % VECTOR_BYTES == 0 && batch_stride % per_vector == 0 &&
          head_stride % per_vector == 0;
 }
@@ -169,10 +191,12 @@ cudaError_t launch_persistent(void (*entry)(Params), int threads, size_t shared_
   return pipeline::launch(entry, dim3(unsigned(grid)), threads, shared_bytes, stream, p);
 }
 
+// f.template operator()<T, N>() for u's element type and a sequence length that runs_on_kernels.
 template <typename F>
 auto with_kernel(element_type dtype, int64_t seq_len, F&& f) {
-  return dispatch<kernel_dtypes, seq_lens>(
-      [&]<element_type E, int N>() { return f.template operator()<element_t<E>, N>(); }, dtype, int(seq_len));
+  const auto run = [&]<element_type E, int N>() { return f.template operator()<element_t<E>, N>(); };
+  if (split_dtypes::contains(dtype)) return dispatch<split_dtypes, split_seq_lens>(run, dtype, int(seq_len));
+  return dispatch<half_dtypes, seq_lens>(run, dtype, int(seq_len));
 }
 
 }  // namespace tk::fftconv

@@ -54,8 +54,6 @@ struct access_shape {
   static constexpr int accesses_per_thread = norms::accesses_per_thread(A);
 };
 
-constexpr int element_bytes(element_type t) { return t == element_type::fp32 ? 4 : 2; }
-
 struct row_plan {
   row_access access;
   int elements_per_access;

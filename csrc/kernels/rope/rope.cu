@@ -13,7 +13,6 @@ namespace {
 
 bool full_table(const problem& p) { return !p.interleaved && p.table_width == p.head_dim; }
 int64_t half_rotary(const problem& p) { return full_table(p) ? p.head_dim / 2 : p.table_width; }
-int64_t element_bytes(element_type e) { return e == element_type::fp32 ? 4 : 2; }
 
 bool aligned(const void* address, int64_t bytes) { return reinterpret_cast<uintptr_t>(address) % bytes == 0; }
 // A stride matters only along a dimension of more than one index.

@@ -13,3 +13,4 @@
 #include "reductions.cuh"
 #include "scan.cuh"
 #include "shared_memory.cuh"
+#include "split.cuh"
