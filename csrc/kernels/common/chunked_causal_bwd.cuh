@@ -34,6 +34,7 @@ template <int FEATURES>
 struct gradient_shape {
   int rows, heads, batch, value_blocks;
   int padded;  // padded_rows(rows)
+  int gradient_stride;  // elements between rows of grad_q / grad_k: F, or more when F is a column slice
   bool normalize;
   float* partial_q;            // [value block][batch * heads][padded][F]; none with one value block
   float* partial_k;
@@ -54,7 +55,7 @@ struct gradient_shape {
                                  const Piece& piece) const {
     if (value_blocks == 1) {
       const int64_t first = (int64_t(task.batch) * heads + task.head) * rows + row;
-      warp::store(gradient + first * FEATURES + col, FEATURES, piece, rows - row);
+      warp::store(gradient + first * gradient_stride + col, gradient_stride, piece, rows - row);
     } else {
       warp::store(partial(partials, task, row) + col, FEATURES, piece);
     }
@@ -183,6 +184,7 @@ gradient_shape<FEATURES> shape_of(const causal_backward_problem& pr, const works
   s.batch = int(pr.q.batch);
   s.value_blocks = int(value_blocks(pr.v.dim, value_block));
   s.padded = int(padded_rows(pr.q.rows));
+  s.gradient_stride = FEATURES;
   s.normalize = pr.normalize;
   s.partial_q = w.partial_q;
   s.partial_k = w.partial_k;

@@ -28,6 +28,8 @@
 //   reduce_kernel       grad_q and grad_k: the sum over value blocks of the fp32 partials the two
 //                       kernels write (both contract over all of Dv), in the input dtype; skipped
 //                       when one block covers Dv (Dv <= 64 up to F = 128): the kernels store them
+// F = 256 with Dv <= 64 instead runs the F = 128 kernels on each half of the features (no partials,
+// no reduce; grad_v of the two halves added: run_feature_halves).
 // The c terms belong to value block 0 alone. grad_v needs no reduction: its columns are the block's.
 //
 // grad_q and grad_k are produced a piece of 64 features (F at F < 64) at a time and stored as fp32
@@ -534,20 +536,22 @@ struct dkdv_kernel : gradient_common<T, FEATURES> {
 
 using causal_backward::workspace_view;
 
+// gradient_stride: elements between rows of grad_q / grad_k (F, or 2F for a feature half).
 template <typename T, int FEATURES>
-cudaError_t run_dq(const backward_problem& pr, const workspace_view& w, cudaStream_t stream) {
+cudaError_t run_dq(const backward_problem& pr, const workspace_view& w, int gradient_stride, cudaStream_t stream) {
   using K = dq_kernel<T, FEATURES>;
   typename K::params p;
   p.k = make_tma_map<typename K::qk_tile>(heads_layout<T>(pr.k));
   p.v = make_tma_map<typename K::value_tile>(heads_layout<T>(pr.v));
   p.grad_out = make_tma_map<typename K::value_tile>(heads_layout<T>(pr.grad_out));
   p.shape = causal_backward::shape_of<FEATURES>(pr, w, K::VALUE_BLOCK);
+  p.shape.gradient_stride = gradient_stride;
   p.grad_q = static_cast<T*>(pr.grad_q);
   return pipeline::launch<K>(p, K::tasks(p).count(), stream);
 }
 
 template <typename T, int FEATURES>
-cudaError_t run_dkdv(const backward_problem& pr, const workspace_view& w, cudaStream_t stream) {
+cudaError_t run_dkdv(const backward_problem& pr, const workspace_view& w, int gradient_stride, cudaStream_t stream) {
   using K = dkdv_kernel<T, FEATURES>;
   typename K::params p;
   p.q = make_tma_map<typename K::qk_tile>(heads_layout<T>(pr.q));
@@ -556,15 +560,91 @@ cudaError_t run_dkdv(const backward_problem& pr, const workspace_view& w, cudaSt
   p.grad_out = make_tma_map<typename K::value_tile>(heads_layout<T>(pr.grad_out));
   p.grad_v = make_tma_map<typename K::value_tile>(heads_layout<T>(causal_backward::grad_v_view(pr)));
   p.shape = causal_backward::shape_of<FEATURES>(pr, w, K::VALUE_BLOCK);
+  p.shape.gradient_stride = gradient_stride;
   p.grad_k = static_cast<T*>(pr.grad_k);
   return pipeline::launch<K>(p, K::tasks(p).count(), stream);
 }
 
+// F = 256 with Dv within one 128-feature value block runs as two F = 128 problems, one per half of
+// the features: a half's grad_q and grad_k need only its own columns of q and k (dA and the row
+// statistics do not depend on F), so they are stored straight into their columns, where a 32-column
+// value-block split would write fp32 partials of all 256 features per block and reduce them (ncu:
+// 6.4 GB of partial traffic at B = 8, H = 16, N = 4096; linear_attention_notes.md). grad_v sums over
+// the features (A = Q K^T and K R), so the second half's is staged in the workspace and added.
+constexpr int SPLIT_FEATURES = 256;
+constexpr int HALF_FEATURES = SPLIT_FEATURES / 2;
+
+bool splits_features(int64_t features, int64_t value_dim) {
+  return features == SPLIT_FEATURES && value_dim <= value_block_for(HALF_FEATURES);
+}
+
+// Elements of the staged grad_v, (B, H, N, Dv) in a 16-bit type, counted in floats.
+int64_t staged_grad_v_floats(int64_t batch, int64_t heads, int64_t rows, int64_t value_dim) {
+  return ceil_div<int64_t>(batch * heads * rows * value_dim, 2);
+}
+
+constexpr int ADD_THREADS = 256;
+constexpr int VECTOR_BYTES = 16;  // grad_v moves in 16-byte vectors
+
+// out += addend, one 16-byte vector of 16-bit elements a thread, the sum rounded once.
+template <typename T>
+__global__ void __launch_bounds__(ADD_THREADS) add_into_kernel(T* out, const T* addend, int64_t vectors) {
+  constexpr int per_vector = VECTOR_BYTES / int(sizeof(T));
+  const int64_t i = blockIdx.x * int64_t(ADD_THREADS) + threadIdx.x;
+  if (i >= vectors) return;
+  uint4 sum = reinterpret_cast<const uint4*>(out)[i];
+  const uint4 other = reinterpret_cast<const uint4*>(addend)[i];
+  T* x = reinterpret_cast<T*>(&sum);
+  const T* y = reinterpret_cast<const T*>(&other);
+#pragma unroll
+  for (int e = 0; e < per_vector; ++e) x[e] = convert<T>(convert<float>(x[e]) + convert<float>(y[e]));
+  reinterpret_cast<uint4*>(out)[i] = sum;
+}
+
+template <typename T>
+backward_problem feature_half(const backward_problem& pr, int half, void* grad_v) {
+  const int64_t first = int64_t(half) * HALF_FEATURES;
+  backward_problem h = pr;
+  h.q.data = static_cast<const T*>(pr.q.data) + first;
+  h.k.data = static_cast<const T*>(pr.k.data) + first;
+  h.q.dim = h.k.dim = HALF_FEATURES;
+  h.grad_q = static_cast<T*>(pr.grad_q) + first;
+  h.grad_k = static_cast<T*>(pr.grad_k) + first;
+  h.grad_v = grad_v;
+  return h;
+}
+
+template <typename T>
+cudaError_t run_feature_halves(const backward_problem& pr, cudaStream_t stream) {
+  const int value_block = value_block_for(HALF_FEATURES);
+  const workspace_view w = causal_backward::split_workspace(pr, value_block);
+  if (pr.normalize) {
+    if (const cudaError_t err = causal_backward::run_statistics<T>(pr, w, stream); err != cudaSuccess) return err;
+  }
+  T* staged_grad_v = reinterpret_cast<T*>(
+      pr.workspace + causal_backward::workspace_floats(pr.q.batch, pr.q.heads, pr.q.rows, pr.v.dim, HALF_FEATURES,
+                                                       pr.normalize, value_block));
+  for (int half = 0; half < 2; ++half) {
+    const backward_problem h = feature_half<T>(pr, half, half == 0 ? pr.grad_v : staged_grad_v);
+    if (const cudaError_t err = run_dq<T, HALF_FEATURES>(h, w, SPLIT_FEATURES, stream); err != cudaSuccess) return err;
+    if (const cudaError_t err = run_dkdv<T, HALF_FEATURES>(h, w, SPLIT_FEATURES, stream); err != cudaSuccess) {
+      return err;
+    }
+  }
+  const int64_t vectors = pr.v.batch * pr.v.heads * pr.v.rows * pr.v.dim / (VECTOR_BYTES / int64_t(sizeof(T)));
+  const unsigned blocks = unsigned(ceil_div<int64_t>(vectors, ADD_THREADS));
+  return pipeline::launch(add_into_kernel<T>, blocks, ADD_THREADS, 0, stream, static_cast<T*>(pr.grad_v),
+                          static_cast<const T*>(staged_grad_v), vectors);
+}
+
 template <typename T, int FEATURES>
 cudaError_t run(const backward_problem& pr, cudaStream_t stream) {
+  if constexpr (FEATURES == SPLIT_FEATURES) {
+    if (splits_features(FEATURES, pr.v.dim)) return run_feature_halves<T>(pr, stream);
+  }
   return causal_backward::run<T, FEATURES>(pr, value_block_for(FEATURES), stream, [&](const workspace_view& w) {
-    if (const cudaError_t err = run_dq<T, FEATURES>(pr, w, stream); err != cudaSuccess) return err;
-    return run_dkdv<T, FEATURES>(pr, w, stream);
+    if (const cudaError_t err = run_dq<T, FEATURES>(pr, w, FEATURES, stream); err != cudaSuccess) return err;
+    return run_dkdv<T, FEATURES>(pr, w, FEATURES, stream);
   });
 }
 
@@ -579,6 +659,11 @@ auto dispatch(const backward_problem& p, F&& f) {
 
 int64_t backward_workspace_floats(int64_t batch, int64_t heads, int64_t rows, int64_t features, int64_t value_dim,
                                   bool normalize) {
+  if (splits_features(features, value_dim)) {
+    return causal_backward::workspace_floats(batch, heads, rows, value_dim, HALF_FEATURES, normalize,
+                                             value_block_for(HALF_FEATURES)) +
+           staged_grad_v_floats(batch, heads, rows, value_dim);
+  }
   return causal_backward::workspace_floats(batch, heads, rows, value_dim, int(features), normalize,
                                            value_block_for(int(features)));
 }
