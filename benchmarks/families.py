@@ -64,9 +64,9 @@ FAMILIES = (
         Profile("linear_attention_fwd_f256_n4096", "linear::.*forward_kernel", 1),
         # Dv = 64 is one value block at F = 64: no reduce launch
         Profile("linear_attention_bwd_f64_n4096", "linear::.*(dq_kernel|dkdv_kernel)|causal_backward::statistics_kernel", 3),
-        # the one generic shape slower than fla's fwd+bwd (linear_attention_notes.md)
+        # F = 256 runs the F = 128 kernels on each feature half, then adds the halves' grad_v
         Profile("linear_attention_bwd_f256_n4096",
-                "linear::.*(dq_kernel|dkdv_kernel)|causal_backward::(statistics_kernel|reduce_kernel)", 4),
+                "linear::.*(dq_kernel|dkdv_kernel|add_into_kernel)|causal_backward::statistics_kernel", 6),
     )),
     Family("mamba2_ssd", op="mamba2_ssd", bench="mamba2", profiles=(
         Profile("mamba2_ssd_fwd_n128_l4096", "mamba2::.*forward_kernel", 1),
