@@ -49,7 +49,9 @@ import torch.distributed as dist
 from models.based import BasedConfig, BasedForCausalLM
 from models.bert import BertConfig, BertForMaskedLM
 from models.data import DEFAULT_DATA_DIR, IGNORE_INDEX, REPO_ROOT, Batches, TokenData
+from models.hyena import HyenaConfig, HyenaForCausalLM
 from models.llama import LlamaConfig, LlamaForCausalLM
+from models.mamba2 import Mamba2Config, Mamba2ForCausalLM
 
 CHECKPOINT_FORMAT = "tk_ops-models-checkpoint-1"
 # --model -> (config class, model class); all but BERT are causal language models
@@ -57,6 +59,8 @@ MODELS = {
     "llama": (LlamaConfig, LlamaForCausalLM),
     "bert": (BertConfig, BertForMaskedLM),
     "based": (BasedConfig, BasedForCausalLM),
+    "mamba2": (Mamba2Config, Mamba2ForCausalLM),
+    "hyena": (HyenaConfig, HyenaForCausalLM),
 }
 MIN_LR_FRACTION = 0.1
 
@@ -92,10 +96,24 @@ def based_shape(hidden: int, layers: int, heads: int, mlp: int, attention_every:
     )  # fmt: skip
 
 
+def mamba2_shape(hidden: int, layers: int, state: int, chunk: int) -> dict:
+    """Heads of P = 64 (the kernels' head dim), expand 2, one B/C group."""
+    return dict(
+        hidden_size=hidden, num_hidden_layers=layers, num_heads=2 * hidden // 64, head_dim=64, state_size=state,
+        chunk_size=chunk,
+    )  # fmt: skip
+
+
+def hyena_shape(hidden: int, layers: int, mlp: int) -> dict:
+    return dict(hidden_size=hidden, num_hidden_layers=layers, intermediate_size=mlp)
+
+
 # Parameters (with this corpus's 8192-id vocabulary): llama nano 0.6M, tiny 5.2M, small 29M, base 144M,
 # 1b 990M (the shape of Llama-3.2-1B: 16 layers, d=2048, 32 query / 8 key-value heads of 64, MLP 8192,
 # rope theta 5e5); bert nano 0.6M, tiny 5.5M, small 30M, base 92M (BERT-base's shape); based nano 0.6M,
-# tiny 5.1M, small 29M, base 148M, 1b 950M (every 4th block full attention, as the Based paper's hybrids).
+# tiny 5.1M, small 29M, base 148M, 1b 950M (every 4th block full attention, as the Based paper's hybrids);
+# mamba2 nano 0.6M, tiny 5.6M, small 32M, base 167M, 1b 1.05B (Mamba2-1.3B's width, 40 layers instead of 48);
+# hyena nano 0.6M, tiny 5.6M, small 32M, base 164M, 1b 945M.
 # fmt: off
 PRESETS = {
     "llama": {  #   hidden, layers, heads, kv heads, mlp             seq  batch steps  lr   warmup eval  where
@@ -118,6 +136,22 @@ PRESETS = {
         "small": Preset(based_shape(512, 8, 8, 1536, 4),                512,  32, 1000, 1e-3, 100,  100, "GPU, not yet run"),
         "base": Preset(based_shape(1024, 12, 16, 2816, 4),             1024,  16, 1000, 6e-4, 100,  100, "GPU, not yet run"),
         "1b": Preset(based_shape(2048, 20, 32, 5632, 4),               2048,   8,  300, 3e-4,  30,   50, "H100, not yet run"),
+    },
+    # no MLP: twice the layers of a transformer of the same width; the GPU presets are not yet run
+    "mamba2": {  #  hidden, layers, state, chunk
+        "nano": Preset(mamba2_shape(64, 2, 16, 16),                      32,   4,    8, 3e-3,   2,    4, "CPU (tests)"),
+        "tiny": Preset(mamba2_shape(256, 8, 64, 64),                    128,  16,  300, 2e-3,  30,   25, "CPU"),
+        "small": Preset(mamba2_shape(512, 16, 128, 128),                512,  32, 1000, 1e-3, 100,  100, "GPU, not yet run"),
+        "base": Preset(mamba2_shape(1024, 24, 128, 256),               1024,  16, 1000, 6e-4, 100,  100, "GPU, not yet run"),
+        "1b": Preset(mamba2_shape(2048, 40, 128, 256),                 2048,   8,  300, 3e-4,  30,   50, "H100, not yet run"),
+    },
+    # sequence lengths of the GPU presets are powers of two (tk.fftconv's kernels); not yet run
+    "hyena": {  #   hidden, layers, mlp
+        "nano": Preset(hyena_shape(64, 2, 160),                          32,   4,    8, 3e-3,   2,    4, "CPU (tests)"),
+        "tiny": Preset(hyena_shape(256, 4, 768),                        128,  16,  300, 2e-3,  30,   25, "CPU"),
+        "small": Preset(hyena_shape(512, 8, 1536),                      512,  32, 1000, 1e-3, 100,  100, "GPU, not yet run"),
+        "base": Preset(hyena_shape(1024, 12, 2816),                    1024,  16, 1000, 6e-4, 100,  100, "GPU, not yet run"),
+        "1b": Preset(hyena_shape(2048, 18, 5632),                      2048,   8,  300, 3e-4,  30,   50, "H100, not yet run"),
     },
 }
 # fmt: on
