@@ -1,7 +1,9 @@
-"""What the Llama and BERT models share: linear layers, autocast casts for the norms, rotary tables.
+"""What the models share: linear layers, autocast casts for the norms, rotary tables, the pre-norm
+residual block (RMSNorm, a sequence mixer, RMSNorm, SwiGLU MLP) and the causal-LM head, loss and sampling.
 
 Every model module has a ``reference`` flag. ``reference=False`` runs on tk_ops (``tk_ops.linear``,
-``tk_ops.attention``, ``tk_ops.rms_norm``, ``tk_ops.layer_norm``, ``tk_ops.rope_qk``);
+``tk_ops.attention``, ``tk_ops.rms_norm``, ``tk_ops.layer_norm``, ``tk_ops.rope_qk``, the mixers of
+``tk_ops.nn``);
 ``reference=True`` runs on standard PyTorch ops only (``F.linear``,
 ``F.scaled_dot_product_attention``, ``F.layer_norm``, ...). Both paths have the same parameters
 and state_dict keys, so one checkpoint serves both.
@@ -78,3 +80,134 @@ def reference_attention(q, k, v, *, causal: bool, dropout_p: float = 0.0) -> tor
     return F.scaled_dot_product_attention(
         q, k, v, dropout_p=dropout_p, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1]
     )
+
+
+class ResidualRMSNorm(torch.nn.Module):
+    """RMSNorm with the residual add in front: ``forward(x, residual) -> (norm(h), h)``, h = residual + x.
+
+    ``residual=None`` (the first block) normalises x and returns x as the stream. This is Hugging
+    Face's LlamaRMSNorm (and Mamba2RMSNorm) applied to the residual stream.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, *, reference: bool) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+        self.reference = reference
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if self.reference:
+            stream = x if residual is None else residual + x
+            normed = at_least_fp32(stream)
+            normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
+            return self.weight * normed.to(stream.dtype), stream
+        if residual is None:
+            return tk_ops.rms_norm(to_autocast_dtype(x), self.weight, self.eps), x
+        return tk_ops.rms_norm(to_autocast_dtype(x), self.weight, self.eps, residual=residual, return_residual=True)
+
+
+class SwiGLUMLP(torch.nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool, reference: bool) -> None:
+        super().__init__()
+        self.gate_proj = make_linear(hidden_size, intermediate_size, bias=bias, reference=reference)
+        self.up_proj = make_linear(hidden_size, intermediate_size, bias=bias, reference=reference)
+        self.down_proj = make_linear(intermediate_size, hidden_size, bias=bias, reference=reference)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MixerBlock(torch.nn.Module):
+    """Pre-norm block around a sequence mixer, with a SwiGLU MLP when ``intermediate_size`` is set
+    (Mamba-2's blocks have none). ``forward(x, residual, **mixer_args) -> (x, residual)``: the
+    block's output x is added to the residual stream by the next norm (the next block's, or the
+    final one)."""
+
+    def __init__(
+        self, mixer: torch.nn.Module, hidden_size: int, intermediate_size: Optional[int], *, eps: float, reference: bool
+    ) -> None:
+        super().__init__()
+        self.norm = ResidualRMSNorm(hidden_size, eps, reference=reference)
+        self.mixer = mixer
+        self.mlp_norm = self.mlp = None
+        if intermediate_size:
+            self.mlp_norm = ResidualRMSNorm(hidden_size, eps, reference=reference)
+            self.mlp = SwiGLUMLP(hidden_size, intermediate_size, bias=False, reference=reference)
+
+    def forward(self, x, residual, **mixer_args):
+        normed, residual = self.norm(x, residual)
+        x = self.mixer(normed, **mixer_args)
+        if self.mlp is None:
+            return x, residual
+        normed, residual = self.mlp_norm(x, residual)
+        return self.mlp(normed), residual
+
+
+class CausalLM(torch.nn.Module):
+    """What the causal language models share: ``forward(input_ids)`` -> logits (B, N, vocab);
+    ``forward(input_ids, targets)`` -> mean cross-entropy over the targets that are not -100;
+    ``generate``; the weight initialisation; the tied embedding.
+
+    A subclass sets ``config`` (with vocab_size, hidden_size, initializer_range, tie_word_embeddings,
+    max_position_embeddings, reference), builds its body, calls ``init_head(embedding)``, and
+    implements ``hidden_states(input_ids)`` and ``blocks``. ``EMBEDDING_KEY`` is the embedding's
+    state_dict key (the tied lm_head's source).
+    """
+
+    EMBEDDING_KEY: str
+
+    def init_head(self, embedding: torch.nn.Embedding, *, keep: tuple[type, ...] = ()) -> None:
+        """Add lm_head (tied to ``embedding`` if the config says so), then initialise every linear
+        layer and embedding, except inside modules of the types in ``keep`` (which initialise
+        themselves for a reason, e.g. Hyena's implicit filters)."""
+        c = self.config
+        self.lm_head = make_linear(c.hidden_size, c.vocab_size, bias=False, reference=c.reference)
+        if c.tie_word_embeddings:
+            self.lm_head.weight = embedding.weight
+        kept = {id(inner) for module in self.modules() if isinstance(module, keep) for inner in module.modules()}
+        self.apply(lambda module: None if id(module) in kept else self._init_weights(module))
+
+    @property
+    def tied_weights(self) -> dict[str, str]:
+        """state_dict key -> the key it shares its tensor with (dropped from checkpoints)."""
+        return {"lm_head.weight": self.EMBEDDING_KEY} if self.config.tie_word_embeddings else {}
+
+    def _init_weights(self, module: torch.nn.Module) -> None:
+        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
+        if isinstance(module, torch.nn.Linear) and module.bias is not None:
+            torch.nn.init.zeros_(module.bias)
+
+    def forward(self, input_ids: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        logits = self.lm_head(self.hidden_states(input_ids))
+        if targets is None:
+            return logits
+        return F.cross_entropy(at_least_fp32(logits).flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: Optional[int] = None,
+        generator: Optional[torch.Generator] = None,
+    ) -> torch.Tensor:
+        """Sample ``max_new_tokens`` continuations of input_ids (B, N), recomputing the prefix each
+        step (no cache: this is for looking at what a small model learnt)."""
+        for _ in range(max_new_tokens):
+            context = input_ids[:, -self.config.max_position_embeddings :]
+            logits = self(context)[:, -1, :].float()
+            if temperature == 0:
+                next_ids = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    threshold = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+                    logits = logits.masked_fill(logits < threshold, float("-inf"))
+                next_ids = torch.multinomial(logits.softmax(-1), 1, generator=generator)
+            input_ids = torch.cat((input_ids, next_ids), dim=1)
+        return input_ids

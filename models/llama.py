@@ -20,17 +20,17 @@ import json
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 import tk_ops
 from models.layers import (
-    at_least_fp32,
+    CausalLM,
+    ResidualRMSNorm,
+    SwiGLUMLP,
     make_linear,
     reference_attention,
     reference_rope,
     rotary_inverse_frequencies,
     rotary_tables,
-    to_autocast_dtype,
 )
 
 
@@ -96,29 +96,6 @@ class LlamaConfig:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
 
-class LlamaRMSNorm(torch.nn.Module):
-    """RMSNorm with the residual add in front: ``forward(x, residual) -> (norm(h), h)``, h = residual + x.
-
-    ``residual=None`` (the first block) normalises x and returns x as the stream.
-    """
-
-    def __init__(self, hidden_size: int, eps: float, *, reference: bool) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-        self.reference = reference
-
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
-        if self.reference:
-            stream = x if residual is None else residual + x
-            normed = at_least_fp32(stream)
-            normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
-            return self.weight * normed.to(stream.dtype), stream
-        if residual is None:
-            return tk_ops.rms_norm(to_autocast_dtype(x), self.weight, self.eps), x
-        return tk_ops.rms_norm(to_autocast_dtype(x), self.weight, self.eps, residual=residual, return_residual=True)
-
-
 class LlamaAttention(torch.nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -147,32 +124,17 @@ class LlamaAttention(torch.nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
 
-class LlamaMLP(torch.nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
-
-    def __init__(self, config: LlamaConfig) -> None:
-        super().__init__()
-        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = make_linear(hidden, inner, bias=bias, reference=config.reference)
-        self.up_proj = make_linear(hidden, inner, bias=bias, reference=config.reference)
-        self.down_proj = make_linear(inner, hidden, bias=bias, reference=config.reference)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class LlamaDecoderLayer(torch.nn.Module):
     """Pre-norm block. ``forward(x, residual, cos, sin) -> (x, residual)``: the block's output x is
     added to the residual stream by the next norm (the next block's, or the final one)."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        self.input_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps, reference=config.reference)
+        hidden, eps, reference = config.hidden_size, config.rms_norm_eps, config.reference
+        self.input_layernorm = ResidualRMSNorm(hidden, eps, reference=reference)
         self.self_attn = LlamaAttention(config)
-        self.post_attention_layernorm = LlamaRMSNorm(
-            config.hidden_size, config.rms_norm_eps, reference=config.reference
-        )
-        self.mlp = LlamaMLP(config)
+        self.post_attention_layernorm = ResidualRMSNorm(hidden, eps, reference=reference)
+        self.mlp = SwiGLUMLP(hidden, config.intermediate_size, bias=config.mlp_bias, reference=reference)
 
     def forward(self, x, residual, cos, sin):
         normed, residual = self.input_layernorm(x, residual)
@@ -188,7 +150,7 @@ class LlamaModel(torch.nn.Module):
         super().__init__()
         self.embed_tokens = torch.nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = torch.nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.norm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps, reference=config.reference)
+        self.norm = ResidualRMSNorm(config.hidden_size, config.rms_norm_eps, reference=config.reference)
         # not in the state_dict, as Hugging Face's rotary_emb.inv_freq
         self.register_buffer(
             "inverse_frequencies", rotary_inverse_frequencies(config.head_dim, config.rope_theta), persistent=False
@@ -202,66 +164,25 @@ class LlamaModel(torch.nn.Module):
         return self.norm(x, residual)[0]
 
 
-class LlamaForCausalLM(torch.nn.Module):
+class LlamaForCausalLM(CausalLM):
     """``forward(input_ids)`` -> logits (B, N, vocab); ``forward(input_ids, targets)`` -> mean
     cross-entropy over the targets that are not -100."""
+
+    EMBEDDING_KEY = "model.embed_tokens.weight"
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = make_linear(config.hidden_size, config.vocab_size, bias=False, reference=config.reference)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.apply(self._init_weights)
-
-    @property
-    def tied_weights(self) -> dict[str, str]:
-        """state_dict key -> the key it shares its tensor with (dropped from checkpoints)."""
-        return {"lm_head.weight": "model.embed_tokens.weight"} if self.config.tie_word_embeddings else {}
+        self.init_head(self.model.embed_tokens)
 
     @property
     def blocks(self) -> torch.nn.ModuleList:
         """The repeated blocks (the units of per-block compile and FSDP sharding)."""
         return self.model.layers
 
-    def _init_weights(self, module: torch.nn.Module) -> None:
-        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
-            torch.nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
-        if isinstance(module, torch.nn.Linear) and module.bias is not None:
-            torch.nn.init.zeros_(module.bias)
-
-    def forward(self, input_ids: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
-        logits = self.lm_head(self.model(input_ids))
-        if targets is None:
-            return logits
-        return F.cross_entropy(at_least_fp32(logits).flatten(0, 1), targets.flatten(), ignore_index=-100)
-
-    @torch.no_grad()
-    def generate(
-        self,
-        input_ids: torch.Tensor,
-        max_new_tokens: int,
-        *,
-        temperature: float = 1.0,
-        top_k: Optional[int] = None,
-        generator: Optional[torch.Generator] = None,
-    ) -> torch.Tensor:
-        """Sample ``max_new_tokens`` continuations of input_ids (B, N), recomputing the prefix each
-        step (no KV cache: this is for looking at what a small model learnt)."""
-        for _ in range(max_new_tokens):
-            context = input_ids[:, -self.config.max_position_embeddings :]
-            logits = self(context)[:, -1, :].float()
-            if temperature == 0:
-                next_ids = logits.argmax(-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    threshold = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-                    logits = logits.masked_fill(logits < threshold, float("-inf"))
-                next_ids = torch.multinomial(logits.softmax(-1), 1, generator=generator)
-            input_ids = torch.cat((input_ids, next_ids), dim=1)
-        return input_ids
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 3 x (2 x matmul parameters + causal attention scores)."""

@@ -1,7 +1,9 @@
-"""Train the Llama or the BERT model on the prepared corpus (``python -m models.data prepare``).
+"""Train a model of models/ (Llama, BERT, Based, Mamba-2, Hyena) on the prepared corpus
+(``python -m models.data prepare``).
 
     python -m models.train --model llama --preset tiny                # CPU, a few minutes
     python -m models.train --model bert --preset tiny
+    python -m models.train --model based --preset tiny                # also mamba2, hyena
     python -m models.train --model llama --preset 1b --compile        # one H100
     python -m models.train --model llama --preset 1b --compile --reference
     torchrun --nproc_per_node 2 -m models.train --model llama --preset 1b --compile --parallel fsdp
@@ -24,7 +26,8 @@ interrupted job). ``--reference`` trains the pure-PyTorch path of the same model
 compiles each block with ``torch.compile(fullgraph=True)`` (before FSDP sharding).
 
 MFU counts the matmul FLOPs (6 x matmul parameters per token, the output layer included) plus
-the attention scores, against the dense bf16 peak of the GPU (``--peak-tflops`` to set it; on
+each model's sequence mixing (attention scores, linear attention, SSD, FFT convolution: the
+model's ``flops_per_token``), against the dense bf16 peak of the GPU (``--peak-tflops`` to set it; on
 CPU it is shown only when set).
 """
 
@@ -43,11 +46,22 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from models.based import BasedConfig, BasedForCausalLM
 from models.bert import BertConfig, BertForMaskedLM
 from models.data import DEFAULT_DATA_DIR, IGNORE_INDEX, REPO_ROOT, Batches, TokenData
+from models.hyena import HyenaConfig, HyenaForCausalLM
 from models.llama import LlamaConfig, LlamaForCausalLM
+from models.mamba2 import Mamba2Config, Mamba2ForCausalLM
 
 CHECKPOINT_FORMAT = "tk_ops-models-checkpoint-1"
+# --model -> (config class, model class); all but BERT are causal language models
+MODELS = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "bert": (BertConfig, BertForMaskedLM),
+    "based": (BasedConfig, BasedForCausalLM),
+    "mamba2": (Mamba2Config, Mamba2ForCausalLM),
+    "hyena": (HyenaConfig, HyenaForCausalLM),
+}
 MIN_LR_FRACTION = 0.1
 
 
@@ -74,9 +88,32 @@ def bert_shape(hidden: int, layers: int, heads: int, mlp: int) -> dict:
     return dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=mlp)
 
 
+def based_shape(hidden: int, layers: int, heads: int, mlp: int, attention_every: int) -> dict:
+    """Based heads of F = 16 and value dim hidden / heads; attention blocks with as many heads."""
+    return dict(
+        hidden_size=hidden, num_hidden_layers=layers, num_heads=heads, intermediate_size=mlp,
+        attention_every=attention_every, num_attention_heads=heads, num_key_value_heads=heads,
+    )  # fmt: skip
+
+
+def mamba2_shape(hidden: int, layers: int, state: int, chunk: int) -> dict:
+    """Heads of P = 64 (the kernels' head dim), expand 2, one B/C group."""
+    return dict(
+        hidden_size=hidden, num_hidden_layers=layers, num_heads=2 * hidden // 64, head_dim=64, state_size=state,
+        chunk_size=chunk,
+    )  # fmt: skip
+
+
+def hyena_shape(hidden: int, layers: int, mlp: int) -> dict:
+    return dict(hidden_size=hidden, num_hidden_layers=layers, intermediate_size=mlp)
+
+
 # Parameters (with this corpus's 8192-id vocabulary): llama nano 0.6M, tiny 5.2M, small 29M, base 144M,
 # 1b 990M (the shape of Llama-3.2-1B: 16 layers, d=2048, 32 query / 8 key-value heads of 64, MLP 8192,
-# rope theta 5e5); bert nano 0.6M, tiny 5.5M, small 30M, base 92M (BERT-base's shape).
+# rope theta 5e5); bert nano 0.6M, tiny 5.5M, small 30M, base 92M (BERT-base's shape); based nano 0.6M,
+# tiny 5.1M, small 29M, base 148M, 1b 950M (every 4th block full attention, as the Based paper's hybrids);
+# mamba2 nano 0.6M, tiny 5.6M, small 32M, base 167M, 1b 1.05B (Mamba2-1.3B's width, 40 layers instead of 48);
+# hyena nano 0.6M, tiny 5.6M, small 32M, base 164M, 1b 945M.
 # fmt: off
 PRESETS = {
     "llama": {  #   hidden, layers, heads, kv heads, mlp             seq  batch steps  lr   warmup eval  where
@@ -91,6 +128,30 @@ PRESETS = {
         "tiny": Preset(bert_shape(256, 4, 4, 1024),                     128,  16,  300, 1e-3,  30,   50, "CPU"),
         "small": Preset(bert_shape(512, 8, 8, 2048),                    512,  32, 1000, 5e-4, 100,  100, "GPU"),
         "base": Preset(bert_shape(768, 12, 12, 3072),                   512,  32, 1000, 2e-4, 100,  100, "GPU"),
+    },
+    # Based heads of 64 value channels (the kernels' Dv); the GPU presets are not yet run
+    "based": {  #   hidden, layers, heads, mlp, attention every
+        "nano": Preset(based_shape(64, 2, 2, 160, 2),                    32,   4,    8, 3e-3,   2,    4, "CPU (tests)"),
+        "tiny": Preset(based_shape(256, 4, 4, 768, 0),                  128,  16,  300, 2e-3,  30,   25, "CPU"),
+        "small": Preset(based_shape(512, 8, 8, 1536, 4),                512,  32, 1000, 1e-3, 100,  100, "GPU, not yet run"),
+        "base": Preset(based_shape(1024, 12, 16, 2816, 4),             1024,  16, 1000, 6e-4, 100,  100, "GPU, not yet run"),
+        "1b": Preset(based_shape(2048, 20, 32, 5632, 4),               2048,   8,  300, 3e-4,  30,   50, "H100, not yet run"),
+    },
+    # no MLP: twice the layers of a transformer of the same width; the GPU presets are not yet run
+    "mamba2": {  #  hidden, layers, state, chunk
+        "nano": Preset(mamba2_shape(64, 2, 16, 16),                      32,   4,    8, 3e-3,   2,    4, "CPU (tests)"),
+        "tiny": Preset(mamba2_shape(256, 8, 64, 64),                    128,  16,  300, 2e-3,  30,   25, "CPU"),
+        "small": Preset(mamba2_shape(512, 16, 128, 128),                512,  32, 1000, 1e-3, 100,  100, "GPU, not yet run"),
+        "base": Preset(mamba2_shape(1024, 24, 128, 256),               1024,  16, 1000, 6e-4, 100,  100, "GPU, not yet run"),
+        "1b": Preset(mamba2_shape(2048, 40, 128, 256),                 2048,   8,  300, 3e-4,  30,   50, "H100, not yet run"),
+    },
+    # sequence lengths of the GPU presets are powers of two (tk.fftconv's kernels); not yet run
+    "hyena": {  #   hidden, layers, mlp
+        "nano": Preset(hyena_shape(64, 2, 160),                          32,   4,    8, 3e-3,   2,    4, "CPU (tests)"),
+        "tiny": Preset(hyena_shape(256, 4, 768),                        128,  16,  300, 2e-3,  30,   25, "CPU"),
+        "small": Preset(hyena_shape(512, 8, 1536),                      512,  32, 1000, 1e-3, 100,  100, "GPU, not yet run"),
+        "base": Preset(hyena_shape(1024, 12, 2816),                    1024,  16, 1000, 6e-4, 100,  100, "GPU, not yet run"),
+        "1b": Preset(hyena_shape(2048, 18, 5632),                      2048,   8,  300, 3e-4,  30,   50, "H100, not yet run"),
     },
 }
 # fmt: on
@@ -128,15 +189,12 @@ def init_runtime(args) -> Runtime:
 
 
 def build_model(kind: str, model_fields: dict, *, vocab_size: int, seq_len: int, reference: bool):
-    if kind == "llama":
-        config = LlamaConfig(
-            **{"max_position_embeddings": seq_len, **model_fields}, vocab_size=vocab_size, reference=reference
-        )
-        return LlamaForCausalLM(config)
-    config = BertConfig(
-        **{"max_position_embeddings": max(512, seq_len), **model_fields}, vocab_size=vocab_size, reference=reference
+    config_class, model_class = MODELS[kind]
+    context = max(512, seq_len) if kind == "bert" else seq_len
+    config = config_class(
+        **{"max_position_embeddings": context, **model_fields}, vocab_size=vocab_size, reference=reference
     )
-    return BertForMaskedLM(config)
+    return model_class(config)
 
 
 def parallelize(model: torch.nn.Module, args, runtime: Runtime) -> torch.nn.Module:
@@ -261,7 +319,7 @@ def evaluate(model, batches: Batches, args, runtime: Runtime) -> float:
 
 
 def sample_text(model, data: TokenData, args, runtime: Runtime, prompt: str = "And God said") -> str:
-    """A short continuation of ``prompt`` (Llama only), sampled identically on every rank."""
+    """A short continuation of ``prompt`` (causal models), sampled identically on every rank."""
     tokenizer = data.tokenizer()
     ids = torch.tensor([tokenizer.encode(prompt)], device=runtime.device)
     generator = torch.Generator(device=runtime.device).manual_seed(args.seed)
@@ -327,11 +385,8 @@ def load_model(path: Path, *, reference: bool = False) -> torch.nn.Module:
         metadata = f.metadata()
         state = {key.removeprefix("model."): f.get_tensor(key) for key in f.keys() if key.startswith("model.")}
     fields = {**json.loads(metadata["config"]), "reference": reference}
-    model = (
-        LlamaForCausalLM(LlamaConfig(**fields))
-        if metadata["model"] == "llama"
-        else BertForMaskedLM(BertConfig(**fields))
-    )
+    config_class, model_class = MODELS[metadata["model"]]
+    model = model_class(config_class(**fields))
     for key, source in model.tied_weights.items():
         state[key] = state[source]
     model.load_state_dict(state)
@@ -412,7 +467,7 @@ def parse_args(argv: Optional[list[str]] = None):
     )
     parser.add_argument("--model", choices=sorted(PRESETS), required=True)
     parser.add_argument(
-        "--preset", default="tiny", help="nano (tests) | tiny (CPU demo) | small | base | 1b (llama only): see PRESETS"
+        "--preset", default="tiny", help="nano (tests) | tiny (CPU demo) | small | base | 1b (not bert): see PRESETS"
     )
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA_DIR, help="prepared data directory")
     parser.add_argument("--out", type=Path, help="run directory (default runs/<model>-<preset>[-reference])")
@@ -437,7 +492,7 @@ def parse_args(argv: Optional[list[str]] = None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--peak-tflops", type=float, help="peak of one device for MFU")
     parser.add_argument("--timing-warmup", type=int, default=3, help="steps left out of the tokens/s average")
-    parser.add_argument("--sample-tokens", type=int, default=48, help="Llama: sample this many tokens at the end")
+    parser.add_argument("--sample-tokens", type=int, default=48, help="causal models: sample this many tokens at the end")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     if args.preset not in PRESETS[args.model]:
@@ -455,7 +510,7 @@ def parse_args(argv: Optional[list[str]] = None):
 def make_batches(data: TokenData, args, world_batch: int) -> tuple[Batches, Batches]:
     """(train, eval) batches: shuffled training windows, the first validation windows in order."""
     common = dict(
-        kind="lm" if args.model == "llama" else "mlm",
+        kind="mlm" if args.model == "bert" else "lm",
         seq_len=args.seq_len,
         global_batch=world_batch,
         seed=args.seed,
@@ -586,7 +641,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "eval_loss": history["eval"],
         "torch": torch.__version__,
     }
-    if args.model == "llama" and args.sample_tokens > 0:
+    if args.model != "bert" and args.sample_tokens > 0:
         summary["sample"] = sample_text(model, data, args, runtime)
     if runtime.is_main:
         plot_losses(history, args.out / "loss.png", title)
