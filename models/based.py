@@ -124,20 +124,11 @@ class BasedModel(torch.nn.Module):
 
 
 class BasedForCausalLM(CausalLM):
-    EMBEDDING_KEY = "model.embed_tokens.weight"
-
     def __init__(self, config: BasedConfig) -> None:
         super().__init__()
         self.config = config
         self.model = BasedModel(config)
         self.init_head(self.model.embed_tokens)
-
-    @property
-    def blocks(self) -> torch.nn.ModuleList:
-        return self.model.layers
-
-    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 3 x (2 x matmul parameters + the attention of each mixer).

@@ -104,20 +104,11 @@ class HyenaModel(torch.nn.Module):
 
 
 class HyenaForCausalLM(CausalLM):
-    EMBEDDING_KEY = "model.embed_tokens.weight"
-
     def __init__(self, config: HyenaConfig) -> None:
         super().__init__()
         self.config = config
         self.model = HyenaModel(config)
         self.init_head(self.model.embed_tokens, keep=(tk_ops.nn.ImplicitLongFilter,))
-
-    @property
-    def blocks(self) -> torch.nn.ModuleList:
-        return self.model.layers
-
-    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 3 x (2 x matmul parameters + the short and the long convolutions).

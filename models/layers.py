@@ -151,12 +151,21 @@ class CausalLM(torch.nn.Module):
     ``generate``; the weight initialisation; the tied embedding.
 
     A subclass sets ``config`` (with vocab_size, hidden_size, initializer_range, tie_word_embeddings,
-    max_position_embeddings, reference), builds its body, calls ``init_head(embedding)``, and
-    implements ``hidden_states(input_ids)`` and ``blocks``. ``EMBEDDING_KEY`` is the embedding's
-    state_dict key (the tied lm_head's source).
+    max_position_embeddings, reference), builds its body as ``self.model`` (embed_tokens, layers, a
+    final norm: Hugging Face's Llama layout) and calls ``init_head(embedding)``; a body laid out
+    otherwise overrides ``hidden_states(input_ids)``, ``blocks`` and ``EMBEDDING_KEY`` (the
+    embedding's state_dict key, the tied lm_head's source).
     """
 
-    EMBEDDING_KEY: str
+    EMBEDDING_KEY = "model.embed_tokens.weight"
+
+    @property
+    def blocks(self) -> torch.nn.ModuleList:
+        """The repeated blocks (the units of per-block compile and FSDP sharding)."""
+        return self.model.layers
+
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids)
 
     def init_head(self, embedding: torch.nn.Embedding, *, keep: tuple[type, ...] = ()) -> None:
         """Add lm_head (tied to ``embedding`` if the config says so), then initialise every linear

@@ -168,21 +168,11 @@ class LlamaForCausalLM(CausalLM):
     """``forward(input_ids)`` -> logits (B, N, vocab); ``forward(input_ids, targets)`` -> mean
     cross-entropy over the targets that are not -100."""
 
-    EMBEDDING_KEY = "model.embed_tokens.weight"
-
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
         self.init_head(self.model.embed_tokens)
-
-    @property
-    def blocks(self) -> torch.nn.ModuleList:
-        """The repeated blocks (the units of per-block compile and FSDP sharding)."""
-        return self.model.layers
-
-    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 3 x (2 x matmul parameters + causal attention scores)."""
