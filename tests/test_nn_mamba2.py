@@ -371,6 +371,12 @@ def test_switch_scopes_idempotence_and_undo(unpatched):
         tk_transformers.apply_tk_kernels_to_mamba2(torch.nn.Linear(2, 2))
 
 
+def output_cache(output):
+    """The model output's cache: ``cache`` from transformers 5.24, ``cache_params`` before."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.cache_params
+
+
 def test_switch_prefill_cache_and_generate(unpatched):
     """Eval with a cache: the prefill runs the tk ops and fills the cache as HF does; decode steps run
     HF's code; greedy generation gives the same tokens."""
@@ -385,10 +391,10 @@ def test_switch_prefill_cache_and_generate(unpatched):
         assert len(record.calls["mamba2_ssd"]) == 2
         assert_rel_close(out.logits, expected.logits, 1e-5, "logits")
         for layer in range(2):
-            assert_rel_close(out.cache_params.get_conv_state(layer), expected.cache_params.get_conv_state(layer), 1e-6,
-                             f"conv state {layer}")
-            assert_rel_close(out.cache_params.get_recurrent_state(layer),
-                             expected.cache_params.get_recurrent_state(layer), 1e-5, f"ssm state {layer}")
+            assert_rel_close(output_cache(out).get_conv_state(layer), output_cache(expected).get_conv_state(layer),
+                             1e-6, f"conv state {layer}")
+            assert_rel_close(output_cache(out).get_recurrent_state(layer),
+                             output_cache(expected).get_recurrent_state(layer), 1e-5, f"ssm state {layer}")
         with RecordTkCalls() as record:
             tokens = model.generate(input_ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
         assert len(record.calls["mamba2_ssd"]) == 2  # the prefill only

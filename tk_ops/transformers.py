@@ -52,19 +52,23 @@ def _hf_forward():
     return _ORIGINAL_FORWARD if _ORIGINAL_FORWARD is not None else _mixer_class().forward
 
 
-def _cache_holds_state(cache_params, layer_idx) -> bool:
+def _cache_holds_state(cache, layer_idx) -> bool:
     return (
-        cache_params.get_conv_state(layer_idx) is not None
-        or cache_params.get_recurrent_state(layer_idx) is not None
-        or cache_params.is_recording_past(layer_idx)
+        cache.get_conv_state(layer_idx) is not None
+        or cache.get_recurrent_state(layer_idx) is not None
+        or cache.is_recording_past(layer_idx)
     )
 
 
-def _tk_mamba2_mixer_forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
-    """Mamba2Mixer.forward on tk ops; HF's own forward for decode steps (see the module docstring)."""
-    if cache_params is not None and _cache_holds_state(cache_params, self.layer_idx):
-        return _hf_forward()(self, hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
-    return mamba2_mixer_forward(self, hidden_states, attention_mask=attention_mask, cache_params=cache_params)
+def _tk_mamba2_mixer_forward(self, hidden_states, cache_params=None, attention_mask=None, cache=None, **kwargs):
+    """Mamba2Mixer.forward on tk ops; HF's own forward for decode steps (see the module docstring).
+
+    transformers 5.24 renamed the mixer's ``cache_params`` argument to ``cache``; both are accepted,
+    and HF's forward gets the cache by position (second in every version)."""
+    cache = cache if cache is not None else cache_params
+    if cache is not None and _cache_holds_state(cache, self.layer_idx):
+        return _hf_forward()(self, hidden_states, cache, attention_mask=attention_mask, **kwargs)
+    return mamba2_mixer_forward(self, hidden_states, attention_mask=attention_mask, cache_params=cache)
 
 
 try:  # fire accelerate's hooks of conv1d (offloading), as HF's forward does: its weight is read directly
