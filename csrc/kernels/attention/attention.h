@@ -39,13 +39,17 @@ struct backward_problem {
   void* grad_q;           // (B, Hq, Nq, D) contiguous
   void* grad_k;           // (B, Hkv, Nk, D) contiguous
   void* grad_v;
-  // Workspace of backward_workspace_floats(B, Hq, Nq) floats: the per-row statistics the
-  // gradient kernels read (lse in base 2, rowsum(dO * O) - dlse).
+  // Workspace of backward_workspace_floats(*this) floats: the per-row statistics the gradient
+  // kernels read (lse in base 2, rowsum(dO * O) - dlse) and, unless deterministic, the fp32 dq
+  // accumulator.
   float* workspace;
+  // true: dq from a second kernel that recomputes the scores (bitwise reproducible); false: dq
+  // summed in the dK/dV pass by fp32 reductions in varying order (faster, not reproducible).
+  bool deterministic;
 };
 
-// Floats of workspace the backward needs.
-int64_t backward_workspace_floats(int64_t batch, int64_t q_heads, int64_t q_rows);
+// Floats of workspace the backward needs (every field but the pointers set).
+int64_t backward_workspace_floats(const backward_problem& p);
 
 // Empty when the kernels can run the problem; otherwise why not (a head dim, a stride TMA cannot take).
 std::string unsupported_reason(const forward_problem& p);
