@@ -298,14 +298,30 @@ def test_device_mismatch():
 
 # ------------------------------------------------------------------------------ CUDA kernel
 
+# The backward's two dq methods on the kernels: the one-pass method forced through the environment
+# (by default it runs only where it is faster: long sequences at D = 128), and the deterministic one.
+BACKWARD_ENV = "TK_OPS_ATTENTION_BACKWARD"
+BACKWARD_METHODS = ["one_pass", "deterministic"]
+
+
+def use_backward_method(monkeypatch, method: str) -> bool:
+    """Select `method` for this test; returns the `deterministic` argument that goes with it."""
+    if method == "one_pass":
+        monkeypatch.setenv(BACKWARD_ENV, "one_pass")
+        return False
+    monkeypatch.delenv(BACKWARD_ENV, raising=False)
+    return True
+
+
 
 @tk_testing.requires_kernel("attention")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("q_len, key_len", [(1, 1), (17, 17), (1000, 1000), (4097, 4097), (300, 1000), (1000, 300)])
-@pytest.mark.parametrize("deterministic", [False, True], ids=["one-pass", "deterministic"])
-def test_kernel_against_float64(dtype, head_dim, causal, q_len, key_len, deterministic):
+@pytest.mark.parametrize("method", BACKWARD_METHODS)
+def test_kernel_against_float64(monkeypatch, dtype, head_dim, causal, q_len, key_len, method):
+    deterministic = use_backward_method(monkeypatch, method)
     inputs = make_qkv(1, 4, 2, q_len, key_len, head_dim, dtype=dtype, device="cuda")
     check_against_naive(*inputs, causal, deterministic=deterministic)
 
@@ -313,10 +329,31 @@ def test_kernel_against_float64(dtype, head_dim, causal, q_len, key_len, determi
 @tk_testing.requires_kernel("attention")
 @pytest.mark.parametrize("q_heads, kv_heads", [(8, 1), (6, 6)], ids=["mqa", "mha"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("deterministic", [False, True], ids=["one-pass", "deterministic"])
-def test_kernel_head_groups(q_heads, kv_heads, head_dim, deterministic):
+@pytest.mark.parametrize("method", BACKWARD_METHODS)
+def test_kernel_head_groups(monkeypatch, q_heads, kv_heads, head_dim, method):
+    deterministic = use_backward_method(monkeypatch, method)
     inputs = make_qkv(2, q_heads, kv_heads, 333, 333, head_dim, dtype=torch.bfloat16, device="cuda")
     check_against_naive(*inputs, True, deterministic=deterministic)
+
+
+@tk_testing.requires_kernel("attention")
+def test_kernel_deterministic_wins_over_forced_one_pass(monkeypatch):
+    monkeypatch.setenv(BACKWARD_ENV, "one_pass")
+    q, k, v = make_qkv(1, 4, 2, 300, 300, 128, dtype=torch.bfloat16, device="cuda", requires_grad=False)
+    out, lse = torch.ops.tk.attention(q, k, v, False, 0.1, True)
+    grad_out = torch.randn_like(out)
+    first, second = (torch.ops.tk.attention_bwd(grad_out, None, q, k, v, out, lse, False, 0.1, True) for _ in range(2))
+    for name, a, b in zip(("dq", "dk", "dv"), first, second):
+        assert torch.equal(a, b), name
+
+
+@tk_testing.requires_kernel("attention")
+def test_kernel_rejects_unknown_backward_method(monkeypatch):
+    monkeypatch.setenv(BACKWARD_ENV, "fast")
+    q, k, v = make_qkv(1, 2, 2, 16, 16, 64, dtype=torch.bfloat16, device="cuda", requires_grad=False)
+    out, lse = torch.ops.tk.attention(q, k, v, False, 0.1, False)
+    with pytest.raises(ValueError, match=BACKWARD_ENV):
+        torch.ops.tk.attention_bwd(torch.randn_like(out), None, q, k, v, out, lse, False, 0.1, False)
 
 
 @tk_testing.requires_kernel("attention")
@@ -330,10 +367,11 @@ def test_kernel_transposed_views():
 
 @tk_testing.requires_kernel("attention")
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("deterministic", [False, True], ids=["one-pass", "deterministic"])
-def test_kernel_cuda_graph_capture_and_replay(head_dim, deterministic):
+@pytest.mark.parametrize("method", BACKWARD_METHODS)
+def test_kernel_cuda_graph_capture_and_replay(monkeypatch, head_dim, method):
     """Replays equal eager calls: bitwise, except the one-pass dq, whose fp32 sums are added in
     varying order (equal to within a bf16 rounding of some elements)."""
+    deterministic = use_backward_method(monkeypatch, method)
     q, k, v = make_qkv(2, 4, 2, 511, 513, head_dim, dtype=torch.bfloat16, device="cuda", requires_grad=False)
     grad_out = torch.randn(2, 4, 511, head_dim, dtype=torch.bfloat16, device="cuda")
 

@@ -8,7 +8,9 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <cstdlib>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -76,6 +78,19 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at:
   return {out, lse};
 }
 
+// deterministic=True: the recompute method. Otherwise the faster method for the shape, unless the
+// environment variable TK_OPS_ATTENTION_BACKWARD names one ("one_pass" or "recompute"; read on
+// every call, for tests and benchmarks that compare the two).
+attn::backward_method backward_method(bool deterministic) {
+  if (deterministic) return attn::backward_method::recompute;
+  const char* forced = std::getenv("TK_OPS_ATTENTION_BACKWARD");
+  if (forced == nullptr || *forced == '\0') return attn::backward_method::fastest;
+  const std::string name(forced);
+  TORCH_CHECK_VALUE(name == "one_pass" || name == "recompute",
+                    "TK_OPS_ATTENTION_BACKWARD must be one_pass or recompute (or unset), got ", name);
+  return name == "one_pass" ? attn::backward_method::one_pass : attn::backward_method::recompute;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q, const at::Tensor& k,
     const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool causal, double scale, bool deterministic) {
@@ -100,7 +115,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
     const auto qv = view_of(q), kv = view_of(k), vv = view_of(v), ov = view_of(out), gv = view_of(grad_out);
     if (qv && kv && vv && ov && gv) {
       attn::backward_problem p{element_of(q), causal, float(scale), *qv, *kv, *vv, *ov, *gv,
-                               nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, deterministic};
+                               nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, backward_method(deterministic)};
       if (attn::unsupported_reason(p).empty()) plan = p;
     }
   }

@@ -23,10 +23,13 @@ Backward op
         dS_ij = P_ij (dP_ij - delta_i) + dlse_i P_ij,  delta_i = sum_j P_ij dP_ij = rowsum(dO_i * out_i),
       so dS = P * (dP - (delta - dlse)),  dq = scale * dS k,  dk = scale * dS^T q,  dv = P^T dO,
       with dk, dv summed over the query heads of each group (shapes of k and v).
-      On the kernels, deterministic=False sums dq in the dk/dv pass with fp32 reductions whose
-      order varies between runs (dq may differ by a few fp32 ulps of its sums from run to run);
-      deterministic=True computes dq in a second kernel that recomputes the scores, bitwise
-      reproducible and slower. dk and dv are reproducible either way.
+      On the kernels dq has two methods. one-pass: the dk/dv pass also adds each block's dq
+      partial into an fp32 accumulator (bulk reductions in an order that varies between runs, so
+      dq may differ in its last bits from run to run), then a pass converts it. recompute: a second
+      kernel recomputes the scores per query block and sums dq in registers, bitwise reproducible.
+      deterministic=True always takes recompute; False takes the faster for the shape (one-pass at
+      D = 128 from Nk = 8192, as measured on the H100), or the method named by the environment
+      variable TK_OPS_ATTENTION_BACKWARD (one_pass / recompute). dk and dv are reproducible always.
 
 The kernels serve bf16/fp16 with D = Dv in {64, 128}; everything else runs the reference, which
 computes an exact softmax in fp32 (fp64 for fp64 inputs) over blocks of query rows, so that long
@@ -238,11 +241,11 @@ def attention(
     Inputs may be views with any strides and a unit last stride, e.g.
     ``x.view(B, N, H, D).transpose(1, 2)``.
 
-    ``deterministic`` picks the backward's dq method on the kernels: False (the default, as in
-    FlashAttention) sums dq in the same pass as dk and dv with fp32 reductions in varying order,
-    so dq may differ in its last bits between runs; True recomputes the scores in a second
-    kernel and is bitwise reproducible, at about 1.3x the backward's time. None follows
-    ``torch.are_deterministic_algorithms_enabled()``.
+    ``deterministic``: True makes the backward on the kernels bitwise reproducible (dq from a
+    second kernel that recomputes the scores); False (the default, as in FlashAttention) lets it
+    sum dq in the dk/dv pass with fp32 reductions in varying order where that is faster (D = 128,
+    Nk >= 8192: about 6% less backward time on the H100), so dq may differ in its last bits
+    between runs. None follows ``torch.are_deterministic_algorithms_enabled()``.
     """
     q, k, v = autocast_inputs(q, k, v)
     _check_inputs(q, k, v, scale)

@@ -101,10 +101,10 @@ struct dkdv_kernel : dkdv_plan<D> {
   using partials = dq_partial_plan<D>;
   using score_tile = shared_tile<T, plan::rows_per_consumer, plan::block_q>;
   using dq_partial = warpgroup::accumulator<partials::part_cols>;
-  static constexpr int score_buffers = 2;
-  static constexpr int partial_floats = plan::block_q * partials::part_cols;
   static_assert(plan::block_q == warpgroup::WGMMA_M, "a dQ partial is one wgmma's rows");
   struct dq_exchange {
+    static constexpr int score_buffers = 2;
+    static constexpr int partial_floats = plan::block_q * partials::part_cols;
     score_tile grad_scores[score_buffers][plan::consumer_warpgroups];
     alignas(tma::BULK_ALIGNMENT_BYTES) float partial[plan::consumer_warpgroups][partial_floats];
   };
@@ -192,7 +192,7 @@ struct dkdv_kernel : dkdv_plan<D> {
   // partial staging has been read by its reduction.
   __device__ static void share_grad_scores(const context& ctx, int step, const scores& grad_scores) {
     if (issues_copies()) tma::wait_stores_read<0>();
-    warpgroup::store<0>(ctx.scratch.grad_scores[step % score_buffers][ctx.consumer], grad_scores);
+    warpgroup::store<0>(ctx.scratch.grad_scores[step % dq_exchange::score_buffers][ctx.consumer], grad_scores);
     fence_async_shared();  // the stmatrix writes must be visible to wgmma
     if constexpr (partials::column_parts == 1) {
       barrier_sync(barrier_after(barrier_id::scores_shared, ctx.consumer), WARPGROUP_THREADS);
@@ -204,7 +204,7 @@ struct dkdv_kernel : dkdv_plan<D> {
   // Accumulated dQ, 2: the step's partial dQ[:, part] = dS K over the keys this consumer covers
   // (issued, not waited for).
   __device__ static void issue_dq_partial(const context& ctx, int step, dq_partial& dq) {
-    const auto& grad_scores = ctx.scratch.grad_scores[step % score_buffers];
+    const auto& grad_scores = ctx.scratch.grad_scores[step % dq_exchange::score_buffers];
     warpgroup::fence();
     if constexpr (partials::column_parts == 1) {
       warpgroup::mma<operand_major::mn, operand_major::mn>(dq, grad_scores[ctx.consumer], 0,
@@ -228,7 +228,7 @@ struct dkdv_kernel : dkdv_plan<D> {
       const gradient_shape& g = ctx.params.shape;
       const int part = partials::column_parts == 1 ? 0 : ctx.consumer;
       float* tile = ctx.params.dq_accumulator + (g.statistics_offset(ctx.task.batch, q_head) + q0) * D;
-      tma::reduce_add(tile + part * partial_floats, staging, partial_floats * sizeof(float));
+      tma::reduce_add(tile + part * dq_exchange::partial_floats, staging, dq_exchange::partial_floats * sizeof(float));
       tma::commit_stores();
     }
   }
@@ -258,12 +258,13 @@ struct dkdv_kernel : dkdv_plan<D> {
       warp::load(lse2, p.lse2 + statistics_offset);
       warp::load(delta, p.delta + statistics_offset);
       const stage& st = in.wait(at);
-      // S^T = K Q^T and dP^T = V dO^T
+      // S^T = K Q^T and dP^T = V dO^T, committed apart so that P^T is formed while dP^T runs.
       warpgroup::fence();
       warpgroup::mma<operand_major::k, operand_major::k>(s, k, 0, st.q, 0, false);
+      warpgroup::commit();
       warpgroup::mma<operand_major::k, operand_major::k>(grad_p, v, 0, st.grad_out, 0, false);
       warpgroup::commit();
-      warpgroup::wait<0>(s, grad_p);
+      warpgroup::wait<1>(s);
 
       // P^T = exp2(s2 - lse2[query]), 0 where the key is hidden from the query.
       warp::mul(s, s, g.scale_log2);
@@ -278,6 +279,7 @@ struct dkdv_kernel : dkdv_plan<D> {
       warpgroup::fence();
       warpgroup::mma<operand_major::mn>(state.grad_v, prob, st.grad_out, 0, true);
       warpgroup::commit();
+      warpgroup::wait<1>(grad_p);  // dP^T has landed; dV may still run
       // dS^T = P^T (dP^T - delta[query])
       warp::sub_col(grad_p, grad_p, delta);
       warp::mul(grad_p, grad_p, s);
@@ -493,13 +495,29 @@ int64_t statistics_floats(const backward_problem& pr) {
   return pr.q.batch * pr.q.heads * padded_statistics_rows(pr.q.rows);
 }
 
+// The one-pass method's fixed cost (zeroing, then converting, an fp32 copy of dq) pays off only
+// against enough score work per query row. Measured on the H100 (attention_notes.md, 2026-11-24,
+// bench_attention grid at 8f0d01d), one-pass / recompute time: at D = 128 0.94x from Nk = 8192
+// (causal 0.94-0.99x), 0.95-1.04x at Nk = 4096, 1.07-1.19x below; at D = 64 1.0-1.12x everywhere.
+constexpr int64_t ONE_PASS_MIN_KEYS = 8192;
+constexpr int64_t ONE_PASS_HEAD_DIM = 128;
+
+bool one_pass(const backward_problem& pr) {
+  switch (pr.method) {
+    case backward_method::recompute: return false;
+    case backward_method::one_pass: return true;
+    case backward_method::fastest: return pr.q.dim == ONE_PASS_HEAD_DIM && pr.k.rows >= ONE_PASS_MIN_KEYS;
+  }
+  return false;
+}
+
 int64_t dq_accumulator_floats(const backward_problem& pr) {
-  return pr.deterministic ? 0 : statistics_floats(pr) * pr.q.dim;
+  return one_pass(pr) ? statistics_floats(pr) * pr.q.dim : 0;
 }
 
 workspace_view split_workspace(const backward_problem& pr) {
   const int64_t rows = statistics_floats(pr);
-  return {pr.workspace, pr.workspace + rows, pr.deterministic ? nullptr : pr.workspace + 2 * rows};
+  return {pr.workspace, pr.workspace + rows, one_pass(pr) ? pr.workspace + 2 * rows : nullptr};
 }
 
 heads_view output_view(void* data, const heads_view& like) {
@@ -615,7 +633,7 @@ template <typename T, int D>
 cudaError_t run(const backward_problem& pr, cudaStream_t stream) {
   const workspace_view w = split_workspace(pr);
   if (const cudaError_t err = run_statistics<T>(pr, w, stream); err != cudaSuccess) return err;
-  if (pr.deterministic) {
+  if (!one_pass(pr)) {
     if (const cudaError_t err = run_dkdv<T, D, dq_method::recomputed>(pr, w, stream); err != cudaSuccess) return err;
     return run_dq<T, D>(pr, w, stream);
   }
