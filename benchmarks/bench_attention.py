@@ -3,8 +3,8 @@
 Shapes (../shared/anchors.md): N from 512 to 16384 with B = 16384 / N, D = 128 with H = 16 and
 D = 64 with H = 32, causal and not; GQA (B = 4, Hq = 32, Hkv = 8, N = 4096, D = 128); odd N
 (1000, 4097) at D = 128. TFLOP/s count 4 B H Nq Nk D for the forward (halved when causal) and 2.5x
-that for the backward. Each row names its pass (fwd; bwd, the default one-pass backward; bwd_det,
-the deterministic backward, against the same baseline backward) and its baseline (sdpa_cudnn,
+that for the backward. Each row names its pass (fwd; bwd, the default backward; bwd_one_pass, the
+one-pass dq method forced; bwd_det, deterministic=True; all three against the same baseline backward) and its baseline (sdpa_cudnn,
 sdpa_flash); writes benchmarks/results/attention.json and attention.png.
 
 Run from the repository root: python3 -m benchmarks.bench_attention [--out DIR] [--only grid gqa odd]
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import pathlib
 
 import torch
@@ -75,12 +76,25 @@ def ours_forward(case: Case):
     return lambda q, k, v, grad_out: torch.ops.tk.attention(q, k, v, case.causal, scale, False)
 
 
-def ours_backward(case: Case, inputs: tuple, deterministic: bool):
-    """The backward op alone, on the forward's own out and lse."""
+# Our backward passes: the default method for the shape, the one-pass method forced, the deterministic one.
+OUR_BACKWARDS = {"bwd": (False, None), "bwd_one_pass": (False, "one_pass"), "bwd_det": (True, None)}
+
+
+def ours_backward(case: Case, inputs: tuple, deterministic: bool, forced_method):
+    """The backward op alone, on the forward's own out and lse (TK_OPS_ATTENTION_BACKWARD = forced_method)."""
     scale = case.head_dim**-0.5
     q, k, v, grad_out = inputs
     out, lse = torch.ops.tk.attention(q, k, v, case.causal, scale, deterministic)
-    return lambda: torch.ops.tk.attention_bwd(grad_out, None, q, k, v, out, lse, case.causal, scale, deterministic)
+
+    def run():
+        if forced_method is not None:
+            os.environ["TK_OPS_ATTENTION_BACKWARD"] = forced_method
+        try:
+            return torch.ops.tk.attention_bwd(grad_out, None, q, k, v, out, lse, case.causal, scale, deterministic)
+        finally:
+            os.environ.pop("TK_OPS_ATTENTION_BACKWARD", None)
+
+    return run
 
 
 def sdpa_forward(case: Case, backend):
@@ -125,8 +139,8 @@ def run_case(case: Case) -> list[dict]:
     sets = [first] + [make_inputs(case) for _ in range(common.rotation_count(bytes_per_set, cap=4) - 1)]
     ours = {
         "fwd": timed_forward(ours_forward(case), sets),
-        "bwd": timed_backward(lambda s: ours_backward(case, s, deterministic=False), sets),
-        "bwd_det": timed_backward(lambda s: ours_backward(case, s, deterministic=True), sets),
+        **{pass_name: timed_backward(lambda s: ours_backward(case, s, *method), sets)
+           for pass_name, method in OUR_BACKWARDS.items()},
     }
     ours_out = ours_forward(case)(*first)[0]
     rows = []
@@ -141,8 +155,9 @@ def run_case(case: Case) -> list[dict]:
             print(f"{case.shape}: {name} unavailable ({str(error).splitlines()[0][:80]})")
             continue
         error = rel_err(ours_out, reference)
-        baseline["bwd_det"] = baseline["bwd"]  # our deterministic backward against the same baseline
-        for pass_name in ("fwd", "bwd", "bwd_det"):
+        for pass_name in OUR_BACKWARDS:  # each of our backwards against the same baseline backward
+            baseline[pass_name] = baseline["bwd"]
+        for pass_name in ("fwd", *OUR_BACKWARDS):
             flops = case.flops("fwd" if pass_name == "fwd" else "bwd")
             rows.append({
                 "group": case.group,
@@ -260,7 +275,7 @@ def main() -> None:
     for case in cases(set(args.only)):
         case_rows = run_case(case)
         rows += case_rows
-        for pass_name in ("fwd", "bwd", "bwd_det"):
+        for pass_name in ("fwd", *OUR_BACKWARDS):
             by = {r["baseline"]: r for r in case_rows if r["pass"] == pass_name}
             if not by:
                 continue
