@@ -3,7 +3,8 @@
 Shapes (../shared/anchors.md): N from 512 to 16384 with B = 16384 / N, D = 128 with H = 16 and
 D = 64 with H = 32, causal and not; GQA (B = 4, Hq = 32, Hkv = 8, N = 4096, D = 128); odd N
 (1000, 4097) at D = 128. TFLOP/s count 4 B H Nq Nk D for the forward (halved when causal) and 2.5x
-that for the backward. Each row names its pass (fwd, bwd) and its baseline (sdpa_cudnn,
+that for the backward. Each row names its pass (fwd; bwd, the default backward; bwd_one_pass, the
+one-pass dq method forced; bwd_det, deterministic=True; all three against the same baseline backward) and its baseline (sdpa_cudnn,
 sdpa_flash); writes benchmarks/results/attention.json and attention.png.
 
 Run from the repository root: python3 -m benchmarks.bench_attention [--out DIR] [--only grid gqa odd]
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import pathlib
 
 import torch
@@ -71,15 +73,28 @@ def make_inputs(case: Case) -> tuple:
 
 def ours_forward(case: Case):
     scale = case.head_dim**-0.5
-    return lambda q, k, v, grad_out: torch.ops.tk.attention(q, k, v, case.causal, scale)
+    return lambda q, k, v, grad_out: torch.ops.tk.attention(q, k, v, case.causal, scale, False)
 
 
-def ours_backward(case: Case, inputs: tuple):
-    """The backward op alone, on the forward's own out and lse."""
+# Our backward passes: the default method for the shape, the one-pass method forced, the deterministic one.
+OUR_BACKWARDS = {"bwd": (False, None), "bwd_one_pass": (False, "one_pass"), "bwd_det": (True, None)}
+
+
+def ours_backward(case: Case, inputs: tuple, deterministic: bool, forced_method):
+    """The backward op alone, on the forward's own out and lse (TK_OPS_ATTENTION_BACKWARD = forced_method)."""
     scale = case.head_dim**-0.5
     q, k, v, grad_out = inputs
-    out, lse = torch.ops.tk.attention(q, k, v, case.causal, scale)
-    return lambda: torch.ops.tk.attention_bwd(grad_out, None, q, k, v, out, lse, case.causal, scale)
+    out, lse = torch.ops.tk.attention(q, k, v, case.causal, scale, deterministic)
+
+    def run():
+        if forced_method is not None:
+            os.environ["TK_OPS_ATTENTION_BACKWARD"] = forced_method
+        try:
+            return torch.ops.tk.attention_bwd(grad_out, None, q, k, v, out, lse, case.causal, scale, deterministic)
+        finally:
+            os.environ.pop("TK_OPS_ATTENTION_BACKWARD", None)
+
+    return run
 
 
 def sdpa_forward(case: Case, backend):
@@ -124,7 +139,8 @@ def run_case(case: Case) -> list[dict]:
     sets = [first] + [make_inputs(case) for _ in range(common.rotation_count(bytes_per_set, cap=4) - 1)]
     ours = {
         "fwd": timed_forward(ours_forward(case), sets),
-        "bwd": timed_backward(lambda s: ours_backward(case, s), sets),
+        **{pass_name: timed_backward(lambda s: ours_backward(case, s, *method), sets)
+           for pass_name, method in OUR_BACKWARDS.items()},
     }
     ours_out = ours_forward(case)(*first)[0]
     rows = []
@@ -139,8 +155,10 @@ def run_case(case: Case) -> list[dict]:
             print(f"{case.shape}: {name} unavailable ({str(error).splitlines()[0][:80]})")
             continue
         error = rel_err(ours_out, reference)
-        for pass_name in ("fwd", "bwd"):
-            flops = case.flops(pass_name)
+        for pass_name in OUR_BACKWARDS:  # each of our backwards against the same baseline backward
+            baseline[pass_name] = baseline["bwd"]
+        for pass_name in ("fwd", *OUR_BACKWARDS):
+            flops = case.flops("fwd" if pass_name == "fwd" else "bwd")
             rows.append({
                 "group": case.group,
                 "pass": pass_name,
@@ -186,6 +204,11 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
                 ax.plot(xs, [r["baseline_tflops"] for r in mine], "s-", color=colors[name], label=name)
                 if name == "sdpa_cudnn":
                     ax.plot(xs, [r["ours_tflops"] for r in mine], "o-", color=colors["ours"], label="tk_ops")
+                    deterministic = [r for r in rows if r["group"] == "grid" and r["pass"] == "bwd_det"
+                                     and r["head_dim"] == head_dim and r["causal"] == causal and r["baseline"] == name]
+                    if pass_name == "bwd" and deterministic:
+                        ax.plot([r["n"] for r in deterministic], [r["ours_tflops"] for r in deterministic], "o--",
+                                color=colors["ours"], alpha=0.5, label="tk_ops deterministic")
             ax.set_xscale("log", base=2)
             ax.set_xlabel("N (B = 16384 / N)")
             ax.set_ylabel("TFLOP/s")
@@ -215,8 +238,11 @@ def check() -> None:
         k = torch.randn(batch, kv_heads, k_len, head_dim, device="cuda", dtype=torch.bfloat16)
         v = torch.randn_like(k)
         scale = head_dim**-0.5
-        out, lse = torch.ops.tk.attention(q, k, v, causal, scale)
-        grads = torch.ops.tk.attention_bwd(torch.randn_like(out), torch.randn_like(lse), q, k, v, out, lse, causal, scale)
+        out, lse = torch.ops.tk.attention(q, k, v, causal, scale, False)
+        grad_out, grad_lse = torch.randn_like(out), torch.randn_like(lse)
+        grads = torch.ops.tk.attention_bwd(grad_out, grad_lse, q, k, v, out, lse, causal, scale, False)
+        deterministic = torch.ops.tk.attention_bwd(grad_out, grad_lse, q, k, v, out, lse, causal, scale, True)
+        methods_err = max(rel_err(a, b) for a, b in zip(grads, deterministic))
         group = q_heads // kv_heads
         expected = F.scaled_dot_product_attention(
             q.double(), k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1),
@@ -224,8 +250,10 @@ def check() -> None:
             scale=scale)
         seen = torch.isfinite(lse)[..., None]
         err = rel_err(out.double() * seen, torch.nan_to_num(expected) * seen)
-        status = "ok" if err < 1e-2 and all(torch.isfinite(g).all() for g in grads) else "WRONG"
-        print(f"attention {batch}x{q_heads}/{kv_heads}x{q_len}x{k_len}x{head_dim} causal={causal}: rel err {err:.2e} {status}")
+        finite = all(torch.isfinite(g).all() for g in grads)
+        status = "ok" if err < 1e-2 and methods_err < 1e-2 and finite else "WRONG"
+        print(f"attention {batch}x{q_heads}/{kv_heads}x{q_len}x{k_len}x{head_dim} causal={causal}: rel err {err:.2e}, "
+              f"one-pass vs deterministic grads {methods_err:.2e} {status}")
         if status != "ok":
             raise SystemExit("attention check: wrong result")
     torch.cuda.synchronize()
@@ -247,7 +275,7 @@ def main() -> None:
     for case in cases(set(args.only)):
         case_rows = run_case(case)
         rows += case_rows
-        for pass_name in ("fwd", "bwd"):
+        for pass_name in ("fwd", *OUR_BACKWARDS):
             by = {r["baseline"]: r for r in case_rows if r["pass"] == pass_name}
             if not by:
                 continue

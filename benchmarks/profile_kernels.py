@@ -35,10 +35,10 @@ def attention(batch: int, heads: int, n: int, d: int, backward: bool):
     q, k, v = (torch.randn(batch, heads, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     scale = 1.0 / math.sqrt(d)
     if not backward:
-        return lambda: torch.ops.tk.attention.default(q, k, v, False, scale)
-    out, lse = torch.ops.tk.attention.default(q, k, v, False, scale)
+        return lambda: torch.ops.tk.attention.default(q, k, v, False, scale, False)
+    out, lse = torch.ops.tk.attention.default(q, k, v, False, scale, False)
     grad = torch.randn_like(out)
-    return lambda: torch.ops.tk.attention_bwd.default(grad, None, q, k, v, out, lse, False, scale)
+    return lambda: torch.ops.tk.attention_bwd.default(grad, None, q, k, v, out, lse, False, scale, False)
 
 
 def based_attention(batch: int, heads: int, n: int, backward: bool = False):

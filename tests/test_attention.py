@@ -13,6 +13,9 @@ import tk_testing
 from tk_ops.ops import attention as attention_module
 
 NEG_INF = float("-inf")
+# A relative difference as small as one bf16 rounding step (2^-8): what varying fp32 summation
+# order can leave after the result is rounded to bf16.
+BF16_ROUNDING = 2.0**-8
 
 
 def naive_attention(q, k, v, causal=False, scale=None):
@@ -52,11 +55,11 @@ def finite_lse_loss(out, lse, out_weight, lse_weight):
     return (out * out_weight).sum() + (lse.masked_fill(torch.isinf(lse), 0) * lse_weight).sum()
 
 
-def check_against_naive(q, k, v, causal, scale=None, out_tol=None, grad_tol=None):
+def check_against_naive(q, k, v, causal, scale=None, out_tol=None, grad_tol=None, deterministic=None):
     """Compare tk_ops.attention's out, lse and gradients (through out and lse) with naive_attention."""
     out_tol = tk_testing.TOLERANCE[q.dtype] if out_tol is None else out_tol
     grad_tol = 2 * out_tol if grad_tol is None else grad_tol
-    out, lse = tk_ops.attention(q, k, v, causal=causal, scale=scale, return_lse=True)
+    out, lse = tk_ops.attention(q, k, v, causal=causal, scale=scale, return_lse=True, deterministic=deterministic)
     assert out.dtype == q.dtype and lse.dtype == torch.float32
     assert out.shape == (*q.shape[:3], v.shape[3]) and lse.shape == q.shape[:3]
     assert out.is_contiguous() and lse.is_contiguous()
@@ -199,17 +202,38 @@ def test_many_blocks_match_naive(monkeypatch, q_len, key_len, causal):
 )
 def test_opcheck_forward(shape, causal):
     q, k, v = make_qkv(*shape)
-    torch.library.opcheck(torch.ops.tk.attention.default, (q, k, v, causal, 0.25))
+    torch.library.opcheck(torch.ops.tk.attention.default, (q, k, v, causal, 0.25, False))
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["one-pass", "deterministic"])
 @pytest.mark.parametrize("with_grad_lse", [False, True], ids=["no-grad-lse", "grad-lse"])
-def test_opcheck_backward(with_grad_lse):
+def test_opcheck_backward(with_grad_lse, deterministic):
     q, k, v = make_qkv(1, 4, 2, 15, 11, 24, requires_grad=False)
-    out, lse = torch.ops.tk.attention(q, k, v, True, 0.3)
+    out, lse = torch.ops.tk.attention(q, k, v, True, 0.3, deterministic)
     grad_lse = torch.randn_like(lse) if with_grad_lse else None
     torch.library.opcheck(
-        torch.ops.tk.attention_bwd.default, (torch.randn_like(out), grad_lse, q, k, v, out, lse, True, 0.3)
+        torch.ops.tk.attention_bwd.default,
+        (torch.randn_like(out), grad_lse, q, k, v, out, lse, True, 0.3, deterministic),
     )
+
+
+def test_deterministic_follows_torch_switch(monkeypatch):
+    """deterministic=None takes torch.are_deterministic_algorithms_enabled(); an explicit value wins."""
+    seen = []
+    forward = attention_module.attention_op
+    monkeypatch.setattr(attention_module, "attention_op", lambda *args: seen.append(args[-1]) or forward(*args))
+    q, k, v = make_qkv(1, 2, 2, 5, 5, 16, requires_grad=False)
+    was_enabled, was_warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        torch.use_deterministic_algorithms(False)
+        tk_ops.attention(q, k, v)
+        tk_ops.attention(q, k, v, deterministic=True)
+        torch.use_deterministic_algorithms(True)
+        tk_ops.attention(q, k, v)
+        tk_ops.attention(q, k, v, deterministic=False)
+    finally:
+        torch.use_deterministic_algorithms(was_enabled, warn_only=was_warn_only)
+    assert seen == [False, True, True, False]
 
 
 def test_compile_fullgraph_calls_tk_ops():
@@ -274,20 +298,62 @@ def test_device_mismatch():
 
 # ------------------------------------------------------------------------------ CUDA kernel
 
+# The backward's two dq methods on the kernels: the one-pass method forced through the environment
+# (by default it runs only where it is faster: long sequences at D = 128), and the deterministic one.
+BACKWARD_ENV = "TK_OPS_ATTENTION_BACKWARD"
+BACKWARD_METHODS = ["one_pass", "deterministic"]
+
+
+def use_backward_method(monkeypatch, method: str) -> bool:
+    """Select `method` for this test; returns the `deterministic` argument that goes with it."""
+    if method == "one_pass":
+        monkeypatch.setenv(BACKWARD_ENV, "one_pass")
+        return False
+    monkeypatch.delenv(BACKWARD_ENV, raising=False)
+    return True
+
+
 
 @tk_testing.requires_kernel("attention")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("q_len, key_len", [(1, 1), (17, 17), (1000, 1000), (4097, 4097), (300, 1000), (1000, 300)])
-def test_kernel_against_float64(dtype, head_dim, causal, q_len, key_len):
-    check_against_naive(*make_qkv(1, 4, 2, q_len, key_len, head_dim, dtype=dtype, device="cuda"), causal)
+@pytest.mark.parametrize("method", BACKWARD_METHODS)
+def test_kernel_against_float64(monkeypatch, dtype, head_dim, causal, q_len, key_len, method):
+    deterministic = use_backward_method(monkeypatch, method)
+    inputs = make_qkv(1, 4, 2, q_len, key_len, head_dim, dtype=dtype, device="cuda")
+    check_against_naive(*inputs, causal, deterministic=deterministic)
 
 
 @tk_testing.requires_kernel("attention")
 @pytest.mark.parametrize("q_heads, kv_heads", [(8, 1), (6, 6)], ids=["mqa", "mha"])
-def test_kernel_head_groups(q_heads, kv_heads):
-    check_against_naive(*make_qkv(2, q_heads, kv_heads, 333, 333, 128, dtype=torch.bfloat16, device="cuda"), True)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("method", BACKWARD_METHODS)
+def test_kernel_head_groups(monkeypatch, q_heads, kv_heads, head_dim, method):
+    deterministic = use_backward_method(monkeypatch, method)
+    inputs = make_qkv(2, q_heads, kv_heads, 333, 333, head_dim, dtype=torch.bfloat16, device="cuda")
+    check_against_naive(*inputs, True, deterministic=deterministic)
+
+
+@tk_testing.requires_kernel("attention")
+def test_kernel_deterministic_wins_over_forced_one_pass(monkeypatch):
+    monkeypatch.setenv(BACKWARD_ENV, "one_pass")
+    q, k, v = make_qkv(1, 4, 2, 300, 300, 128, dtype=torch.bfloat16, device="cuda", requires_grad=False)
+    out, lse = torch.ops.tk.attention(q, k, v, False, 0.1, True)
+    grad_out = torch.randn_like(out)
+    first, second = (torch.ops.tk.attention_bwd(grad_out, None, q, k, v, out, lse, False, 0.1, True) for _ in range(2))
+    for name, a, b in zip(("dq", "dk", "dv"), first, second):
+        assert torch.equal(a, b), name
+
+
+@tk_testing.requires_kernel("attention")
+def test_kernel_rejects_unknown_backward_method(monkeypatch):
+    monkeypatch.setenv(BACKWARD_ENV, "fast")
+    q, k, v = make_qkv(1, 2, 2, 16, 16, 64, dtype=torch.bfloat16, device="cuda", requires_grad=False)
+    out, lse = torch.ops.tk.attention(q, k, v, False, 0.1, False)
+    with pytest.raises(ValueError, match=BACKWARD_ENV):
+        torch.ops.tk.attention_bwd(torch.randn_like(out), None, q, k, v, out, lse, False, 0.1, False)
 
 
 @tk_testing.requires_kernel("attention")
@@ -300,13 +366,18 @@ def test_kernel_transposed_views():
 
 
 @tk_testing.requires_kernel("attention")
-def test_kernel_cuda_graph_capture_and_replay():
-    q, k, v = make_qkv(2, 4, 2, 511, 513, 128, dtype=torch.bfloat16, device="cuda", requires_grad=False)
-    grad_out = torch.randn(2, 4, 511, 128, dtype=torch.bfloat16, device="cuda")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("method", BACKWARD_METHODS)
+def test_kernel_cuda_graph_capture_and_replay(monkeypatch, head_dim, method):
+    """Replays equal eager calls: bitwise, except the one-pass dq, whose fp32 sums are added in
+    varying order (equal to within a bf16 rounding of some elements)."""
+    deterministic = use_backward_method(monkeypatch, method)
+    q, k, v = make_qkv(2, 4, 2, 511, 513, head_dim, dtype=torch.bfloat16, device="cuda", requires_grad=False)
+    grad_out = torch.randn(2, 4, 511, head_dim, dtype=torch.bfloat16, device="cuda")
 
     def step():
-        out, lse = torch.ops.tk.attention(q, k, v, True, 0.1)
-        grads = torch.ops.tk.attention_bwd(grad_out, None, q, k, v, out, lse, True, 0.1)
+        out, lse = torch.ops.tk.attention(q, k, v, True, 0.1, deterministic)
+        grads = torch.ops.tk.attention_bwd(grad_out, None, q, k, v, out, lse, True, 0.1, deterministic)
         return (out, lse, *grads)
 
     side = torch.cuda.Stream()
@@ -322,8 +393,11 @@ def test_kernel_cuda_graph_capture_and_replay():
         tensor.copy_(torch.randn_like(tensor))
     graph.replay()
     torch.cuda.synchronize()
-    for result, expected in zip(captured, step()):
-        torch.testing.assert_close(result, expected, rtol=0, atol=0)
+    for name, result, expected in zip(("out", "lse", "dq", "dk", "dv"), captured, step()):
+        if name == "dq" and not deterministic:
+            tk_testing.assert_rel_close(result, expected, BF16_ROUNDING, name)
+        else:
+            torch.testing.assert_close(result, expected, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
 
 
 def test_attention_follows_autocast_like_sdpa():

@@ -211,8 +211,9 @@ def test_sdpa_with_constant_mask_rewritten(rewrites, kind, nq, nk):
 
     inputs = [leaf(2, 2, nq, 64), leaf(2, 2, nk, 64), leaf(2, 2, nk, 64)]
     check_rewrite(fn, inputs, {"attention", "attention_bwd"})
-    [(*_, causal, _)] = call_arguments(compiled_step(fn, *inputs), "attention")
+    [(*_, causal, _scale, deterministic)] = call_arguments(compiled_step(fn, *inputs), "attention")
     assert causal == str(kind != "all")
+    assert deterministic == str(torch.are_deterministic_algorithms_enabled())
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,9 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <cstdlib>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -62,11 +64,12 @@ std::optional<attn::forward_problem> plan_forward(const at::Tensor& q, const at:
   return p;
 }
 
+// `deterministic` only concerns the backward; the forward takes it so that autograd can hand it on.
 std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                  bool causal, double scale) {
+                                                  bool causal, double scale, bool deterministic) {
   check_inputs("tk::attention", q, k, v);
   auto plan = plan_forward(q, k, v, causal, scale);
-  if (!plan) return fallback<&attention_cuda>("tk::attention_ref", q, k, v, causal, scale);
+  if (!plan) return fallback<&attention_cuda>("tk::attention_ref", q, k, v, causal, scale, deterministic);
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
   at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   plan->out = out.data_ptr();
@@ -75,9 +78,22 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at:
   return {out, lse};
 }
 
+// deterministic=True: the recompute method. Otherwise the faster method for the shape, unless the
+// environment variable TK_OPS_ATTENTION_BACKWARD names one ("one_pass" or "recompute"; read on
+// every call, for tests and benchmarks that compare the two).
+attn::backward_method backward_method(bool deterministic) {
+  if (deterministic) return attn::backward_method::recompute;
+  const char* forced = std::getenv("TK_OPS_ATTENTION_BACKWARD");
+  if (forced == nullptr || *forced == '\0') return attn::backward_method::fastest;
+  const std::string name(forced);
+  TORCH_CHECK_VALUE(name == "one_pass" || name == "recompute",
+                    "TK_OPS_ATTENTION_BACKWARD must be one_pass or recompute (or unset), got ", name);
+  return name == "one_pass" ? attn::backward_method::one_pass : attn::backward_method::recompute;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q, const at::Tensor& k,
-    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool causal, double scale) {
+    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool causal, double scale, bool deterministic) {
   check_inputs("tk::attention_bwd", q, k, v);
   const std::vector<int64_t> out_shape{q.size(0), q.size(1), q.size(2), v.size(3)};
   TORCH_CHECK_VALUE(out.sizes() == out_shape, "tk::attention_bwd: out must be ", out_shape, ", got ", out.sizes());
@@ -99,12 +115,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
     const auto qv = view_of(q), kv = view_of(k), vv = view_of(v), ov = view_of(out), gv = view_of(grad_out);
     if (qv && kv && vv && ov && gv) {
       attn::backward_problem p{element_of(q), causal, float(scale), *qv, *kv, *vv, *ov, *gv,
-                               nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+                               nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, backward_method(deterministic)};
       if (attn::unsupported_reason(p).empty()) plan = p;
     }
   }
   if (!plan) {
-    return fallback<&attention_bwd_cuda>("tk::attention_bwd_ref", grad_out, grad_lse, q, k, v, out, lse, causal, scale);
+    return fallback<&attention_bwd_cuda>("tk::attention_bwd_ref", grad_out, grad_lse, q, k, v, out, lse, causal, scale,
+                                         deterministic);
   }
 
   const at::Tensor lse_rows = lse.contiguous();
@@ -113,8 +130,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
   at::Tensor grad_q = at::empty(q.sizes(), q.options());
   at::Tensor grad_k = at::empty(k.sizes(), k.options());
   at::Tensor grad_v = at::empty(v.sizes(), v.options());
-  at::Tensor workspace =
-      at::empty({attn::backward_workspace_floats(q.size(0), q.size(1), q.size(2))}, q.options().dtype(at::kFloat));
+  at::Tensor workspace = at::empty({attn::backward_workspace_floats(*plan)}, q.options().dtype(at::kFloat));
   plan->lse = lse_rows.data_ptr<float>();
   plan->grad_lse = grad_lse_rows.has_value() ? grad_lse_rows->data_ptr<float>() : nullptr;
   plan->grad_q = grad_q.data_ptr();

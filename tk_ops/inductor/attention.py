@@ -219,8 +219,11 @@ def rewrite_attention(graph: torch.fx.Graph, options: RewriteOptions) -> int:
         scale = arguments.get("scale")
         if scale is None:
             scale = 1.0 / math.sqrt(_graph.fake_value(query).shape[-1])
+        # SDPA's backends follow torch's deterministic switch at run time; the rewrite at compile time.
+        deterministic = torch.are_deterministic_algorithms_enabled()
         out, lse = _graph.insert_call(
-            graph, forward, torch.ops.tk.attention.default, (query, key, value, causal, scale), 2, forward
+            graph, forward, torch.ops.tk.attention.default, (query, key, value, causal, scale, deterministic), 2,
+            forward
         )
         for item in users.get(0, []):
             item.replace_all_uses_with(out)
@@ -231,7 +234,7 @@ def rewrite_attention(graph: torch.fx.Graph, options: RewriteOptions) -> int:
                 graph,
                 backward,
                 torch.ops.tk.attention_bwd.default,
-                (grad_out, None, query, key, value, out, lse, causal, scale),
+                (grad_out, None, query, key, value, out, lse, causal, scale, deterministic),
                 _GRADS,
                 backward,
             )

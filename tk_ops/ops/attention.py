@@ -10,16 +10,26 @@ Causal masks are bottom-right aligned: query i sees key j iff j <= i + (Nk - Nq)
 sees no key has out = 0, lse = -inf and zero gradients.
 
 Forward op
-  tk::attention(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor out, Tensor lse)
+  tk::attention(Tensor q, Tensor k, Tensor v, bool causal, float scale, bool deterministic)
+      -> (Tensor out, Tensor lse)
       out (B, Hq, Nq, Dv) contiguous in q's dtype; lse (B, Hq, Nq) contiguous fp32, natural log.
+      ``deterministic`` only concerns the backward (autograd hands it on).
 Backward op
   tk::attention_bwd(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out,
-                    Tensor lse, bool causal, float scale) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)
+                    Tensor lse, bool causal, float scale, bool deterministic)
+      -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)
       grad_lse is None when lse was not used. With dP = dO v^T the gradient of P, and per row the
       Jacobians dP_i/dS_i = diag(P_i) - P_i P_i^T and dlse_i/dS_i = P_i:
         dS_ij = P_ij (dP_ij - delta_i) + dlse_i P_ij,  delta_i = sum_j P_ij dP_ij = rowsum(dO_i * out_i),
       so dS = P * (dP - (delta - dlse)),  dq = scale * dS k,  dk = scale * dS^T q,  dv = P^T dO,
       with dk, dv summed over the query heads of each group (shapes of k and v).
+      On the kernels dq has two methods. one-pass: the dk/dv pass also adds each block's dq
+      partial into an fp32 accumulator (bulk reductions in an order that varies between runs, so
+      dq may differ in its last bits from run to run), then a pass converts it. recompute: a second
+      kernel recomputes the scores per query block and sums dq in registers, bitwise reproducible.
+      deterministic=True always takes recompute; False takes the faster for the shape (one-pass at
+      D = 128 from Nk = 8192, as measured on the H100), or the method named by the environment
+      variable TK_OPS_ATTENTION_BACKWARD (one_pass / recompute). dk and dv are reproducible always.
 
 The kernels serve bf16/fp16 with D = Dv in {64, 128}; everything else runs the reference, which
 computes an exact softmax in fp32 (fp64 for fp64 inputs) over blocks of query rows, so that long
@@ -87,7 +97,7 @@ def _block_probabilities(q_rows, k_keys, start, q_len, key_len, causal, scale) -
     return torch.exp(scores - finite_lse.unsqueeze(-1)), lse
 
 
-def _attention_reference(q, k, v, causal, scale):
+def _attention_reference(q, k, v, causal, scale, deterministic):
     batch, q_heads, q_len, _ = q.shape
     kv_heads, key_len, value_dim = k.shape[1], k.shape[2], v.shape[3]
     group = q_heads // kv_heads
@@ -106,12 +116,12 @@ def _attention_reference(q, k, v, causal, scale):
     return out.view(batch, q_heads, q_len, value_dim), lse.view(batch, q_heads, q_len)
 
 
-def _attention_fake(q, k, v, causal, scale):
+def _attention_fake(q, k, v, causal, scale, deterministic):
     batch, q_heads, q_len, _ = q.shape
     return q.new_empty((batch, q_heads, q_len, v.shape[3])), q.new_empty((batch, q_heads, q_len), dtype=torch.float32)
 
 
-def _attention_bwd_reference(grad_out, grad_lse, q, k, v, out, lse, causal, scale):
+def _attention_bwd_reference(grad_out, grad_lse, q, k, v, out, lse, causal, scale, deterministic):
     """The formulas of the module docstring, block by block over query rows.
 
     The probabilities are recomputed with an exact softmax at the compute precision instead of
@@ -145,20 +155,20 @@ def _attention_bwd_reference(grad_out, grad_lse, q, k, v, out, lse, causal, scal
     return grad_q.view(q.shape), grad_k.to(k.dtype), grad_v.to(v.dtype)
 
 
-def _attention_bwd_fake(grad_out, grad_lse, q, k, v, out, lse, causal, scale):
+def _attention_bwd_fake(grad_out, grad_lse, q, k, v, out, lse, causal, scale, deterministic):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 attention_op = _library.define(
     "attention",
-    "(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor out, Tensor lse)",
+    "(Tensor q, Tensor k, Tensor v, bool causal, float scale, bool deterministic) -> (Tensor out, Tensor lse)",
     reference=_attention_reference,
     fake=_attention_fake,
 )
 attention_bwd_op = _library.define(
     "attention_bwd",
     "(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, "
-    "float scale) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)",
+    "float scale, bool deterministic) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)",
     reference=_attention_bwd_reference,
     fake=_attention_bwd_fake,
 )
@@ -168,10 +178,10 @@ attention_bwd_op = _library.define(
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale = inputs
+    q, k, v, causal, scale, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.causal, ctx.scale = causal, scale
+    ctx.causal, ctx.scale, ctx.deterministic = causal, scale, deterministic
     # An output that is not used gets no gradient (None), so the backward skips the lse term.
     ctx.set_materialize_grads(False)
 
@@ -183,9 +193,9 @@ def _backward(ctx, grad_out, grad_lse):
     if grad_lse is not None:
         grad_lse = _checks.unit_last_stride(grad_lse)
     grad_q, grad_k, grad_v = attention_bwd_op(
-        _checks.unit_last_stride(grad_out), grad_lse, q, k, v, out, lse, ctx.causal, ctx.scale
+        _checks.unit_last_stride(grad_out), grad_lse, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.deterministic
     )
-    return grad_q, grad_k, grad_v, None, None
+    return grad_q, grad_k, grad_v, None, None, None
 
 
 _library.register_autograd(attention_op, _backward, _setup_context)
@@ -221,6 +231,7 @@ def attention(
     causal: bool = False,
     scale: Optional[float] = None,
     return_lse: bool = False,
+    deterministic: Optional[bool] = None,
 ):
     """softmax(scale * q k^T + mask) v for q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv).
 
@@ -229,16 +240,25 @@ def attention(
     ``return_lse``: lse (B, Hq, Nq) fp32, the natural-log logsumexp of the masked scaled scores.
     Inputs may be views with any strides and a unit last stride, e.g.
     ``x.view(B, N, H, D).transpose(1, 2)``.
+
+    ``deterministic``: True makes the backward on the kernels bitwise reproducible (dq from a
+    second kernel that recomputes the scores); False (the default, as in FlashAttention) lets it
+    sum dq in the dk/dv pass with fp32 reductions in varying order where that is faster (D = 128,
+    Nk >= 8192: about 6% less backward time on the H100), so dq may differ in its last bits
+    between runs. None follows ``torch.are_deterministic_algorithms_enabled()``.
     """
     q, k, v = autocast_inputs(q, k, v)
     _check_inputs(q, k, v, scale)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[3])
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
     out, lse = attention_op(
         _checks.unit_last_stride(q),
         _checks.unit_last_stride(k),
         _checks.unit_last_stride(v),
         bool(causal),
         float(scale),
+        bool(deterministic),
     )
     return (out, lse) if return_lse else out

@@ -12,9 +12,11 @@
 //                                 2. dK, dV: a block owns 128 keys of one K/V head (resident K, V)
 //                                    and streams the 64-row query tiles of every query head of its
 //                                    group, so GQA sums stay in registers (no atomics, deterministic)
-//                                 3. dQ: a block owns 128 query rows (resident Q, dO) and streams
-//                                    K/V blocks, so dQ is summed in registers too (deterministic,
-//                                    no fp32 workspace)
+//                                 3. dQ, by default in the same pass: each step's dQ partial is
+//                                    added into an fp32 accumulator by bulk reductions, then
+//                                    converted; or (deterministic) a block owns 128 query rows
+//                                    (resident Q, dO) and streams K/V blocks, so dQ is summed in
+//                                    registers too
 //
 // Scores live in the log2 domain: s2 = scale * log2(e) * q.k, p = exp2(s2 - max2), so the softmax
 // scale folds into one multiply and exponentials are single ex2 instructions.
@@ -62,6 +64,16 @@ struct dkdv_plan : attention_plan {
   static constexpr int block_kv = consumer_warpgroups * rows_per_consumer;
   static constexpr int block_q = 64;  // one wgmma N: S^T = K Q^T is 64 keys x block_q queries per consumer
   static constexpr int stages = D == 128 ? 2 : 3;
+};
+
+// The one-pass backward's dQ partial per step: the step's 64 query rows by part_cols columns. At
+// D = 128 the consumers split dQ's columns and each sums over all 128 keys of the block (a 64 x 128
+// fp32 partial would not fit beside dK and dV in the registers); at D = 64 each sums over its own 64
+// keys, whole rows, and the two partials meet in the reduction.
+template <int D>
+struct dq_partial_plan {
+  static constexpr int column_parts = D == 128 ? 2 : 1;
+  static constexpr int part_cols = D / column_parts;
 };
 
 template <int D>

@@ -29,6 +29,14 @@ struct forward_problem {
   float* lse;  // (B, Hq, Nq) contiguous, natural log
 };
 
+// How the backward forms dq:
+//   recompute  a second kernel recomputes the scores per query block and sums dq in registers:
+//              bitwise reproducible (what deterministic=True asks for)
+//   one_pass   the dK/dV pass adds each step's dq partial into an fp32 accumulator with bulk
+//              reductions in varying order (dq reproducible only to fp32 rounding), then converts
+//   fastest    whichever measured faster for the shape (one_pass_pays in attention_bwd.cu)
+enum class backward_method { fastest, recompute, one_pass };
+
 struct backward_problem {
   element_type dtype;
   bool causal;
@@ -39,13 +47,15 @@ struct backward_problem {
   void* grad_q;           // (B, Hq, Nq, D) contiguous
   void* grad_k;           // (B, Hkv, Nk, D) contiguous
   void* grad_v;
-  // Workspace of backward_workspace_floats(B, Hq, Nq) floats: the per-row statistics the
-  // gradient kernels read (lse in base 2, rowsum(dO * O) - dlse).
+  // Workspace of backward_workspace_floats(*this) floats: the per-row statistics the gradient
+  // kernels read (lse in base 2, rowsum(dO * O) - dlse) and, for the one-pass method, the fp32 dq
+  // accumulator.
   float* workspace;
+  backward_method method;
 };
 
-// Floats of workspace the backward needs.
-int64_t backward_workspace_floats(int64_t batch, int64_t q_heads, int64_t q_rows);
+// Floats of workspace the backward needs (every field but the pointers set).
+int64_t backward_workspace_floats(const backward_problem& p);
 
 // Empty when the kernels can run the problem; otherwise why not (a head dim, a stride TMA cannot take).
 std::string unsupported_reason(const forward_problem& p);

@@ -3,17 +3,25 @@
 //   dS = P * (dP - delta),  dP = dO v^T,  delta = rowsum(dO * O) - dlse
 //   dq = scale * dS k,  dk = scale * dS^T q,  dv = P^T dO
 //
-// Three launches on one stream, none with atomics, so results are bitwise reproducible:
+// Two methods share the statistics pre-pass and the dK/dV kernel:
 //   statistics_kernel   per query row: lse2 = lse * log2(e) (+inf for rows that saw no key, so
 //                       their P is exactly 0) and delta; rows padded to STATISTICS_ROW_MULTIPLE
 //   dkdv_kernel         a block owns 128 keys of one K/V head (64 per consumer warpgroup) and
 //                       streams 64-row Q / dO tiles of every query head of the group:
 //                         S^T = K Q^T, dP^T = V dO^T (SS);  P^T = exp2(S^T - lse2);  dV += P^T dO (RS)
 //                         dS^T = P^T (dP^T - delta);  dK += dS^T Q (RS)
-//   dq_kernel           a block owns 128 query rows and streams K/V blocks:
-//                         S = Q K^T, dP = dO V^T (SS);  dS = P (dP - delta);  dQ += dS K (RS)
-// The dq pass recomputes S and dP instead of adding fp32 partial dq across key blocks with atomics:
-// that ordering is not deterministic, and CUDA-graph replays must reproduce eager results bitwise.
+// then, for dQ, either
+//   accumulated (one pass, the default): the dkdv kernel also writes each step's dS^T to shared
+//                       memory, forms the step's dQ partial dS K (SS) and adds it into an fp32
+//                       accumulator in global memory with a bulk reduction (the copy engine adds,
+//                       the consumers move on); dq_convert_kernel scales and converts it. The
+//                       order of the adds varies from run to run, so dq is not bitwise
+//                       reproducible (its rounding differs by a few fp32 ulps of the sum).
+//   recomputed (deterministic): dq_kernel, a block owning 128 query rows that streams K/V blocks
+//                       and recomputes S = Q K^T, dP = dO V^T;  dS = P (dP - delta);  dQ += dS K
+//                       in registers: no atomics, bitwise reproducible, ~40% more tensor work.
+#include <algorithm>
+#include <type_traits>
 #include <utility>
 
 #include "attention.cuh"
@@ -73,7 +81,10 @@ __global__ void __launch_bounds__(STATISTICS_THREADS) statistics_kernel(const st
 
 // ------------------------------------------------------------------------------------ dK, dV
 
-template <typename T, int D>
+// How the dK/dV kernel leaves dQ: to dq_kernel (recomputed) or summed itself (accumulated).
+enum class dq_method { recomputed, accumulated };
+
+template <typename T, int D, dq_method DQ>
 struct dkdv_kernel : dkdv_plan<D> {
   using plan = dkdv_plan<D>;
   using kv_tile = shared_tile<T, plan::rows_per_consumer, D>;  // one consumer's keys, later its dK / dV
@@ -82,6 +93,22 @@ struct dkdv_kernel : dkdv_plan<D> {
   using operand = register_tile<T, BASE_TILE, plan::block_q>;
   using gradient = warpgroup::accumulator<D>;
   using query_vector = per_col_vector<scores>;
+
+  // The accumulated method's dQ exchange: each consumer's dS^T (its keys x the step's queries)
+  // double-buffered by step parity (one consumer may write the next step's while the other still
+  // reads this one's), and each consumer's dQ partial staged in fragment order for the reduction.
+  static constexpr bool sums_dq = DQ == dq_method::accumulated;
+  using partials = dq_partial_plan<D>;
+  using score_tile = shared_tile<T, plan::rows_per_consumer, plan::block_q>;
+  using dq_partial = warpgroup::accumulator<partials::part_cols>;
+  static_assert(plan::block_q == warpgroup::WGMMA_M, "a dQ partial is one wgmma's rows");
+  struct dq_exchange {
+    static constexpr int score_buffers = 2;
+    static constexpr int partial_floats = plan::block_q * partials::part_cols;
+    score_tile grad_scores[score_buffers][plan::consumer_warpgroups];
+    alignas(tma::BULK_ALIGNMENT_BYTES) float partial[plan::consumer_warpgroups][partial_floats];
+  };
+  using scratch = std::conditional_t<sums_dq, dq_exchange, pipeline::none>;
 
   struct resident {
     kv_tile k[plan::consumer_warpgroups];
@@ -98,6 +125,7 @@ struct dkdv_kernel : dkdv_plan<D> {
     CUtensorMap q, k, v, grad_out, grad_k, grad_v;
     const float* lse2;
     const float* delta;
+    float* dq_accumulator;  // accumulated: (B * Hq, statistics_rows, D) fp32 in partial order; else null
     gradient_shape shape;
   };
   using context = pipeline::task_context<dkdv_kernel>;
@@ -108,7 +136,10 @@ struct dkdv_kernel : dkdv_plan<D> {
 
   enum class barrier_id : int {
     consumer_epilogue = FIRST_NAMED_BARRIER,
-    count = consumer_epilogue + plan::consumer_warpgroups,
+    scores_shared = consumer_epilogue + plan::consumer_warpgroups,
+    partial_staged = scores_shared + plan::consumer_warpgroups,
+    keys_read = partial_staged + plan::consumer_warpgroups,
+    count,
   };
   static_assert(fits_named_barriers<barrier_id>());
 
@@ -154,6 +185,54 @@ struct dkdv_kernel : dkdv_plan<D> {
     tma::load(s.grad_out, p.grad_out, full, index);
   }
 
+  __device__ static bool issues_copies() { return threadIdx.x % WARPGROUP_THREADS == 0; }
+
+  // Accumulated dQ, 1: this consumer's dS^T into shared memory, where every consumer that needs it
+  // can read it as dS (its MN-major view). The barrier also certifies that the previous step's
+  // partial staging has been read by its reduction.
+  __device__ static void share_grad_scores(const context& ctx, int step, const scores& grad_scores) {
+    if (issues_copies()) tma::wait_stores_read<0>();
+    warpgroup::store<0>(ctx.scratch.grad_scores[step % dq_exchange::score_buffers][ctx.consumer], grad_scores);
+    fence_async_shared();  // the stmatrix writes must be visible to wgmma
+    if constexpr (partials::column_parts == 1) {
+      barrier_sync(barrier_after(barrier_id::scores_shared, ctx.consumer), WARPGROUP_THREADS);
+    } else {
+      barrier_sync(barrier_id::scores_shared, plan::consumer_warpgroups * WARPGROUP_THREADS);
+    }
+  }
+
+  // Accumulated dQ, 2: the step's partial dQ[:, part] = dS K over the keys this consumer covers
+  // (issued, not waited for).
+  __device__ static void issue_dq_partial(const context& ctx, int step, dq_partial& dq) {
+    const auto& grad_scores = ctx.scratch.grad_scores[step % dq_exchange::score_buffers];
+    warpgroup::fence();
+    if constexpr (partials::column_parts == 1) {
+      warpgroup::mma<operand_major::mn, operand_major::mn>(dq, grad_scores[ctx.consumer], 0,
+                                                           ctx.resident.k[ctx.consumer], 0, false);
+    } else {
+      const int col0 = ctx.consumer * partials::part_cols;
+      for (int c = 0; c < plan::consumer_warpgroups; ++c) {
+        warpgroup::mma<operand_major::mn, operand_major::mn>(dq, grad_scores[c], 0, ctx.resident.k[c], col0, c > 0);
+      }
+    }
+    warpgroup::commit();
+  }
+
+  // Accumulated dQ, 3: stage the finished partial and add it into the query tile's accumulator.
+  __device__ static void add_dq_partial(const context& ctx, int q_head, int q0, const dq_partial& dq) {
+    float* staging = ctx.scratch.partial[ctx.consumer];
+    warp::store_fragments(staging, partials::part_cols / BASE_TILE, dq, warp_in_warpgroup());
+    fence_async_shared();  // the stores must be visible to the copy engine
+    barrier_sync(barrier_after(barrier_id::partial_staged, ctx.consumer), WARPGROUP_THREADS);
+    if (issues_copies()) {
+      const gradient_shape& g = ctx.params.shape;
+      const int part = partials::column_parts == 1 ? 0 : ctx.consumer;
+      float* tile = ctx.params.dq_accumulator + (g.statistics_offset(ctx.task.batch, q_head) + q0) * D;
+      tma::reduce_add(tile + part * dq_exchange::partial_floats, staging, dq_exchange::partial_floats * sizeof(float));
+      tma::commit_stores();
+    }
+  }
+
   __device__ static void compute(const context& ctx, consumer_state& state, pipeline::stage_inputs<dkdv_kernel>& in) {
     const params& p = ctx.params;
     const gradient_shape& g = p.shape;
@@ -165,24 +244,27 @@ struct dkdv_kernel : dkdv_plan<D> {
     warp::zero(state.grad_v);
     scores s, grad_p;  // S^T and dP^T: rows are keys, columns queries
     operand prob, grad_s;
+    dq_partial dq;
 
     const schedule sched = schedule_for(g, ctx.task);
     auto at = in.first();
     for (int step = 0; step < ctx.iterations; ++step, at.advance()) {
       const int q0 = sched.tile(step) * plan::block_q;
+      const int head = q_head(p, ctx.task, sched, step);
       // The statistics of this lane's query columns, fetched from global memory (L2) while the
       // tiles land and the products run.
-      const int64_t statistics_offset = g.statistics_offset(ctx.task.batch, q_head(p, ctx.task, sched, step)) + q0;
+      const int64_t statistics_offset = g.statistics_offset(ctx.task.batch, head) + q0;
       query_vector lse2, delta;
       warp::load(lse2, p.lse2 + statistics_offset);
       warp::load(delta, p.delta + statistics_offset);
       const stage& st = in.wait(at);
-      // S^T = K Q^T and dP^T = V dO^T
+      // S^T = K Q^T and dP^T = V dO^T, committed apart so that P^T is formed while dP^T runs.
       warpgroup::fence();
       warpgroup::mma<operand_major::k, operand_major::k>(s, k, 0, st.q, 0, false);
+      warpgroup::commit();
       warpgroup::mma<operand_major::k, operand_major::k>(grad_p, v, 0, st.grad_out, 0, false);
       warpgroup::commit();
-      warpgroup::wait<0>(s, grad_p);
+      warpgroup::wait<1>(s);
 
       // P^T = exp2(s2 - lse2[query]), 0 where the key is hidden from the query.
       warp::mul(s, s, g.scale_log2);
@@ -197,6 +279,7 @@ struct dkdv_kernel : dkdv_plan<D> {
       warpgroup::fence();
       warpgroup::mma<operand_major::mn>(state.grad_v, prob, st.grad_out, 0, true);
       warpgroup::commit();
+      warpgroup::wait<1>(grad_p);  // dP^T has landed; dV may still run
       // dS^T = P^T (dP^T - delta[query])
       warp::sub_col(grad_p, grad_p, delta);
       warp::mul(grad_p, grad_p, s);
@@ -204,14 +287,27 @@ struct dkdv_kernel : dkdv_plan<D> {
       warpgroup::fence();
       warpgroup::mma<operand_major::mn>(state.grad_k, grad_s, st.q, 0, true);
       warpgroup::commit();
-      warpgroup::wait<0>(state.grad_k, state.grad_v, prob, grad_s);
-      in.release(at);
+      if constexpr (sums_dq) {
+        share_grad_scores(ctx, step, grad_p);
+        issue_dq_partial(ctx, step, dq);
+        warpgroup::wait<0>(state.grad_k, state.grad_v, prob, grad_s, dq);
+        in.release(at);
+        add_dq_partial(ctx, head, q0, dq);
+      } else {
+        warpgroup::wait<0>(state.grad_k, state.grad_v, prob, grad_s);
+        in.release(at);
+      }
     }
   }
 
-  // dK and dV, staged in this consumer's K and V tiles.
+  // dK and dV, staged in this consumer's K and V tiles (their stores also wait for the reads of
+  // the last dQ partial: one bulk-group sequence per issuing thread). Where the consumers read each
+  // other's keys for dQ, neither overwrites its K before both have finished reading.
   __device__ static void store(const context& ctx, consumer_state& state) {
     const params& p = ctx.params;
+    if constexpr (sums_dq && partials::column_parts > 1) {
+      barrier_sync(barrier_id::keys_read, plan::consumer_warpgroups * WARPGROUP_THREADS);
+    }
     warp::mul(state.grad_k, state.grad_k, p.shape.scale);
     const int index[4] = {ctx.task.batch, ctx.task.head,
                           ctx.task.block * plan::block_kv + ctx.consumer * plan::rows_per_consumer, 0};
@@ -219,7 +315,46 @@ struct dkdv_kernel : dkdv_plan<D> {
                   staged(p.grad_k, ctx.resident.k[ctx.consumer], state.grad_k),
                   staged(p.grad_v, ctx.resident.v[ctx.consumer], state.grad_v));
   }
+
+  // The reductions must have landed before the dQ conversion reads the accumulator.
+  __device__ static void finish(const params&, scratch&, int) {
+    if (sums_dq && issues_copies()) tma::wait_stores<0>();
+  }
 };
+
+// --------------------------------------------------------------------------------- dQ convert
+
+// The accumulated method's last pass: dq = scale * the fp32 accumulator, one warpgroup per
+// 64-row query tile, each warp reading its rows' fragments back as the dkdv kernel wrote them.
+template <typename T>
+struct dq_convert_params {
+  const float* dq_accumulator;
+  T* grad_q;  // (B, Hq, Nq, D) contiguous
+  int q_rows, statistics_rows;
+  float scale;
+  int64_t tiles;  // B * Hq * statistics_rows / block_q
+};
+
+template <typename T, int D>
+__global__ void __launch_bounds__(WARPGROUP_THREADS) dq_convert_kernel(const dq_convert_params<T> p) {
+  using partials = dq_partial_plan<D>;
+  constexpr int block_q = dkdv_plan<D>::block_q;
+  constexpr int partial_floats = block_q * partials::part_cols;
+  const int tiles_per_head = p.statistics_rows / block_q;
+  for (int64_t tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
+    const int64_t head_row = tile / tiles_per_head;  // batch * Hq + head
+    const int row0 = int(tile % tiles_per_head) * block_q + warpgroup::warp_row();
+    const int rows = min(BASE_TILE, p.q_rows - row0);
+    if (rows <= 0) continue;  // padding rows: the whole warp skips them
+    for (int part = 0; part < partials::column_parts; ++part) {
+      warpgroup::accumulator<partials::part_cols> dq;
+      warp::load_fragments(dq, p.dq_accumulator + tile * block_q * D + part * partial_floats,
+                           partials::part_cols / BASE_TILE, warp_in_warpgroup());
+      warp::mul(dq, dq, p.scale);
+      warp::store(p.grad_q + (head_row * p.q_rows + row0) * D + part * partials::part_cols, D, dq, rows);
+    }
+  }
+}
 
 // ----------------------------------------------------------------------------------------- dQ
 
@@ -348,14 +483,41 @@ struct dq_kernel : dq_plan<D> {
 
 // ------------------------------------------------------------------------------------ host
 
+// The workspace: lse2 and delta per padded statistics row, then (accumulated dQ) the fp32 dQ
+// accumulator, D floats per padded row.
 struct workspace_view {
   float* lse2;
   float* delta;
+  float* dq_accumulator;  // null for the recomputed method
 };
 
+int64_t statistics_floats(const backward_problem& pr) {
+  return pr.q.batch * pr.q.heads * padded_statistics_rows(pr.q.rows);
+}
+
+// The one-pass method's fixed cost (zeroing, then converting, an fp32 copy of dq) pays off only
+// against enough score work per query row. Measured on the H100 (attention_notes.md, 2026-11-24,
+// bench_attention grid at 8f0d01d), one-pass / recompute time: at D = 128 0.94x from Nk = 8192
+// (causal 0.94-0.99x), 0.95-1.04x at Nk = 4096, 1.07-1.19x below; at D = 64 1.0-1.12x everywhere.
+constexpr int64_t ONE_PASS_MIN_KEYS = 8192;
+constexpr int64_t ONE_PASS_HEAD_DIM = 128;
+
+bool one_pass(const backward_problem& pr) {
+  switch (pr.method) {
+    case backward_method::recompute: return false;
+    case backward_method::one_pass: return true;
+    case backward_method::fastest: return pr.q.dim == ONE_PASS_HEAD_DIM && pr.k.rows >= ONE_PASS_MIN_KEYS;
+  }
+  return false;
+}
+
+int64_t dq_accumulator_floats(const backward_problem& pr) {
+  return one_pass(pr) ? statistics_floats(pr) * pr.q.dim : 0;
+}
+
 workspace_view split_workspace(const backward_problem& pr) {
-  const int64_t floats = pr.q.batch * pr.q.heads * padded_statistics_rows(pr.q.rows);
-  return {pr.workspace, pr.workspace + floats};
+  const int64_t rows = statistics_floats(pr);
+  return {pr.workspace, pr.workspace + rows, one_pass(pr) ? pr.workspace + 2 * rows : nullptr};
 }
 
 heads_view output_view(void* data, const heads_view& like) {
@@ -364,7 +526,7 @@ heads_view output_view(void* data, const heads_view& like) {
 
 template <typename T, int D>
 std::string reason_for(const backward_problem& pr) {
-  using KV = dkdv_kernel<T, D>;
+  using KV = dkdv_kernel<T, D, dq_method::recomputed>;  // both methods' tiles are the same
   using Q = dq_kernel<T, D>;
   if (pr.out.batch != pr.q.batch || pr.out.heads != pr.q.heads || pr.out.rows != pr.q.rows || pr.out.dim != pr.q.dim ||
       pr.grad_out.batch != pr.q.batch || pr.grad_out.heads != pr.q.heads || pr.grad_out.rows != pr.q.rows ||
@@ -419,9 +581,9 @@ cudaError_t run_statistics(const backward_problem& pr, const workspace_view& w, 
   return pipeline::launch(statistics_kernel<T>, blocks, STATISTICS_THREADS, 0, stream, p);
 }
 
-template <typename T, int D>
+template <typename T, int D, dq_method DQ>
 cudaError_t run_dkdv(const backward_problem& pr, const workspace_view& w, cudaStream_t stream) {
-  using K = dkdv_kernel<T, D>;
+  using K = dkdv_kernel<T, D, DQ>;
   typename K::params p;
   p.q = make_tma_map<typename K::q_tile>(heads_layout<T>(pr.q));
   p.grad_out = make_tma_map<typename K::q_tile>(heads_layout<T>(pr.grad_out));
@@ -431,8 +593,25 @@ cudaError_t run_dkdv(const backward_problem& pr, const workspace_view& w, cudaSt
   p.grad_v = make_tma_map<typename K::kv_tile>(heads_layout<T>(output_view(pr.grad_v, pr.v)));
   p.lse2 = w.lse2;
   p.delta = w.delta;
+  p.dq_accumulator = w.dq_accumulator;
   p.shape = shape_of(pr);
   return pipeline::launch<K>(p, K::tasks(p).count(), stream);
+}
+
+// One block per 64-row query tile, up to a grid's limit (the kernel strides over the rest).
+constexpr int64_t MAX_CONVERT_BLOCKS = int64_t(1) << 20;
+
+template <typename T, int D>
+cudaError_t run_dq_convert(const backward_problem& pr, const workspace_view& w, cudaStream_t stream) {
+  dq_convert_params<T> p;
+  p.dq_accumulator = w.dq_accumulator;
+  p.grad_q = static_cast<T*>(pr.grad_q);
+  p.q_rows = int(pr.q.rows);
+  p.statistics_rows = int(padded_statistics_rows(pr.q.rows));
+  p.scale = pr.scale;
+  p.tiles = statistics_floats(pr) / dkdv_plan<D>::block_q;
+  const unsigned blocks = unsigned(std::min(p.tiles, MAX_CONVERT_BLOCKS));
+  return pipeline::launch(dq_convert_kernel<T, D>, blocks, WARPGROUP_THREADS, 0, stream, p);
 }
 
 template <typename T, int D>
@@ -454,14 +633,22 @@ template <typename T, int D>
 cudaError_t run(const backward_problem& pr, cudaStream_t stream) {
   const workspace_view w = split_workspace(pr);
   if (const cudaError_t err = run_statistics<T>(pr, w, stream); err != cudaSuccess) return err;
-  if (const cudaError_t err = run_dkdv<T, D>(pr, w, stream); err != cudaSuccess) return err;
-  return run_dq<T, D>(pr, w, stream);
+  if (!one_pass(pr)) {
+    if (const cudaError_t err = run_dkdv<T, D, dq_method::recomputed>(pr, w, stream); err != cudaSuccess) return err;
+    return run_dq<T, D>(pr, w, stream);
+  }
+  const size_t accumulator_bytes = size_t(dq_accumulator_floats(pr)) * sizeof(float);
+  if (const cudaError_t err = cudaMemsetAsync(w.dq_accumulator, 0, accumulator_bytes, stream); err != cudaSuccess) {
+    return err;
+  }
+  if (const cudaError_t err = run_dkdv<T, D, dq_method::accumulated>(pr, w, stream); err != cudaSuccess) return err;
+  return run_dq_convert<T, D>(pr, w, stream);
 }
 
 }  // namespace
 
-int64_t backward_workspace_floats(int64_t batch, int64_t q_heads, int64_t q_rows) {
-  return 2 * batch * q_heads * padded_statistics_rows(q_rows);
+int64_t backward_workspace_floats(const backward_problem& p) {
+  return 2 * statistics_floats(p) + dq_accumulator_floats(p);
 }
 
 std::string unsupported_reason(const backward_problem& p) {

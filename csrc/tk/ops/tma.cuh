@@ -146,6 +146,19 @@ __device__ __forceinline__ void prefetch(const CUtensorMap& map, const int (&ind
   }
 }
 
+// Alignment of both ends of a bulk (non-tensor) copy or reduction, and the granule of its size.
+constexpr int BULK_ALIGNMENT_BYTES = 16;
+
+// dst[i] += src[i] for `bytes` of floats from shared to global memory, element-wise and atomic per
+// element (a bulk reduction: the copy engine does the adds, so the issuing warp moves on). One
+// thread; joins the thread's open bulk group like a store. Both addresses and bytes are multiples of
+// BULK_ALIGNMENT_BYTES.
+__device__ __forceinline__ void reduce_add(float* dst, const float* src, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+               ::"l"(dst), "r"(shared_address(src)), "r"(bytes)
+               : "memory");
+}
+
 // Close the bulk group of the stores issued so far by this thread.
 __device__ __forceinline__ void commit_stores() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 
