@@ -28,6 +28,8 @@ __device__ __forceinline__ int lane_id() { return threadIdx.x % WARP_THREADS; }
 __device__ __forceinline__ int warp_id() { return threadIdx.x / WARP_THREADS; }
 __device__ __forceinline__ int warpgroup_id() { return threadIdx.x / WARPGROUP_THREADS; }
 __device__ __forceinline__ int warp_in_warpgroup() { return warp_id() % WARPGROUP_WARPS; }
+// The one thread of each warpgroup that issues its TMA copies and bulk reductions and waits for them.
+__device__ __forceinline__ bool is_warpgroup_leader() { return threadIdx.x % WARPGROUP_THREADS == 0; }
 
 // Two elements of T packed in one register (the unit of most tensor-core and vector operations).
 template <typename T> struct packed_pair;

@@ -157,7 +157,7 @@ __device__ __forceinline__ void store_outputs(Id written, const int (&index)[4],
   (warpgroup::store<0>(outputs.staging, outputs.acc), ...);
   fence_async_shared();  // the stmatrix writes must be visible to the copy engine
   barrier_sync(written, WARPGROUP_THREADS);
-  if (threadIdx.x % WARPGROUP_THREADS == 0) {
+  if (is_warpgroup_leader()) {
     (tma::store(outputs.map, outputs.staging, index), ...);
     tma::commit_stores();
     tma::wait_stores_read<0>();

@@ -185,13 +185,11 @@ struct dkdv_kernel : dkdv_plan<D> {
     tma::load(s.grad_out, p.grad_out, full, index);
   }
 
-  __device__ static bool issues_copies() { return threadIdx.x % WARPGROUP_THREADS == 0; }
-
   // Accumulated dQ, 1: this consumer's dS^T into shared memory, where every consumer that needs it
   // can read it as dS (its MN-major view). The barrier also certifies that the previous step's
   // partial staging has been read by its reduction.
   __device__ static void share_grad_scores(const context& ctx, int step, const scores& grad_scores) {
-    if (issues_copies()) tma::wait_stores_read<0>();
+    if (is_warpgroup_leader()) tma::wait_stores_read<0>();
     warpgroup::store<0>(ctx.scratch.grad_scores[step % dq_exchange::score_buffers][ctx.consumer], grad_scores);
     fence_async_shared();  // the stmatrix writes must be visible to wgmma
     if constexpr (partials::column_parts == 1) {
@@ -224,7 +222,7 @@ struct dkdv_kernel : dkdv_plan<D> {
     warp::store_fragments(staging, partials::part_cols / BASE_TILE, dq, warp_in_warpgroup());
     fence_async_shared();  // the stores must be visible to the copy engine
     barrier_sync(barrier_after(barrier_id::partial_staged, ctx.consumer), WARPGROUP_THREADS);
-    if (issues_copies()) {
+    if (is_warpgroup_leader()) {
       const gradient_shape& g = ctx.params.shape;
       const int part = partials::column_parts == 1 ? 0 : ctx.consumer;
       float* tile = ctx.params.dq_accumulator + (g.statistics_offset(ctx.task.batch, q_head) + q0) * D;
@@ -318,7 +316,7 @@ struct dkdv_kernel : dkdv_plan<D> {
 
   // The reductions must have landed before the dQ conversion reads the accumulator.
   __device__ static void finish(const params&, scratch&, int) {
-    if (sums_dq && issues_copies()) tma::wait_stores<0>();
+    if (sums_dq && is_warpgroup_leader()) tma::wait_stores<0>();
   }
 };
 

@@ -86,7 +86,7 @@ struct forward_kernel : based_plan, chunked_causal::kernel_base<T, FEATURES, CHU
   __device__ static void compute(const context& ctx, consumer_state& st, inputs& in) {
     const params& p = ctx.params;
     const int warp_row0 = warpgroup::warp_row();
-    const bool leader = threadIdx.x % WARPGROUP_THREADS == 0;
+    const bool leader = is_warpgroup_leader();
     for (int t = 0; t < SLABS; ++t) warp::zero(st.m[t]);
     warp::zero(st.key_gram);
     warp::zero(st.key_sum);

@@ -137,7 +137,7 @@ struct kernel_base {
 
   template <typename Scratch>
   __device__ static void finish(const params&, Scratch&, int) {
-    if (threadIdx.x % WARPGROUP_THREADS == 0) tma::wait_stores_read<0>();
+    if (is_warpgroup_leader()) tma::wait_stores_read<0>();
   }
 
   // ------------------------------------------------------------------------------ host

@@ -149,7 +149,7 @@ struct gemm_kernel {
       warp::load(bias, p.bias + n0, p.n - n0);
       warp::add_col(state.acc, state.acc, bias);
     }
-    const bool issuer = threadIdx.x % WARPGROUP_THREADS == 0;
+    const bool issuer = is_warpgroup_leader();
     const barrier_id staging_barrier = barrier_after(barrier_id::consumer_store, ctx.consumer);
     [&]<int... CHUNK>(std::integer_sequence<int, CHUNK...>) {
       ([&] {
@@ -170,7 +170,7 @@ struct gemm_kernel {
 
   // The last stores must have read shared memory before the block exits and frees it.
   __device__ static void finish(const params&, scratch&, int) {
-    if (threadIdx.x % WARPGROUP_THREADS == 0) tma::wait_stores<0>();
+    if (is_warpgroup_leader()) tma::wait_stores<0>();
   }
 };
 

@@ -404,7 +404,7 @@ struct dkdv_kernel : gradient_common<T, FEATURES> {
   __device__ static void compute(const context& ctx, consumer_state& st, inputs& in) {
     const gradient_shape& sh = ctx.params.shape;
     const int warp_row0 = warpgroup::warp_row();
-    const bool leader = threadIdx.x % WARPGROUP_THREADS == 0;
+    const bool leader = is_warpgroup_leader();
     const bool carries_delta = sh.normalize && ctx.task.block == 0;
 #pragma unroll
     for (int t = 0; t < SLABS; ++t) {
@@ -528,7 +528,7 @@ struct dkdv_kernel : gradient_common<T, FEATURES> {
   __device__ static void store(const context&, consumer_state&) {}
 
   __device__ static void finish(const params&, scratch&, int) {
-    if (threadIdx.x % WARPGROUP_THREADS == 0) tma::wait_stores_read<0>();
+    if (is_warpgroup_leader()) tma::wait_stores_read<0>();
   }
 };
 

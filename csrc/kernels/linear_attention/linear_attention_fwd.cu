@@ -133,7 +133,7 @@ struct forward_kernel : linear_plan<FEATURES>, chunked_causal::kernel_base<T, FE
   __device__ static void compute(const context& ctx, consumer_state& st, inputs& in) {
     const params& p = ctx.params;
     const int warp_row0 = warpgroup::warp_row();
-    const bool leader = threadIdx.x % WARPGROUP_THREADS == 0;
+    const bool leader = is_warpgroup_leader();
 #pragma unroll
     for (int t = 0; t < SLABS; ++t) {
       warp::zero(st.s[t]);

@@ -680,7 +680,7 @@ struct backward_kernel : backward_plan<N, GATED> {
   __device__ static void compute(const context& ctx, consumer_state& st, inputs& in) {
     const params& p = ctx.params;
     const int warp = warp_in_warpgroup();
-    const bool leader = threadIdx.x % WARPGROUP_THREADS == 0;
+    const bool leader = is_warpgroup_leader();
     const float A = p.A[ctx.task.head];
     const step_column column{
         p.dt + int64_t(ctx.task.batch) * p.dt_batch_stride + int64_t(ctx.task.head) * p.dt_head_stride,
@@ -765,7 +765,7 @@ struct backward_kernel : backward_plan<N, GATED> {
 
   template <typename Scratch>
   __device__ static void finish(const params&, Scratch&, int) {
-    if (threadIdx.x % WARPGROUP_THREADS == 0) tma::wait_stores_read<0>();
+    if (is_warpgroup_leader()) tma::wait_stores_read<0>();
   }
 
   // ------------------------------------------------------------------------------ host

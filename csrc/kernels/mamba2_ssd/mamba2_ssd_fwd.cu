@@ -266,7 +266,7 @@ struct segment_ends_kernel : segment_ends_plan {
     const int next_chunk = (ctx.task.block + 1) * p.at.chunks_per_segment;
     const int64_t slot = p.at.chunk_state(ctx.task.batch, next_chunk, ctx.task.head);
     warp::store(p.end_states + slot * state_elements<N> + int64_t(warpgroup::warp_row()) * N, N, st.s);
-    if (threadIdx.x % WARPGROUP_THREADS == 0) {
+    if (is_warpgroup_leader()) {
       p.decays[p.at.sequence(ctx.task.batch, ctx.task.head) * state_elements<N> + ctx.task.block] = decay;
     }
   }
@@ -465,7 +465,7 @@ struct forward_kernel : ssd_plan<N, HEADS> {
     const params& p = ctx.params;
     const int warp = warp_in_warpgroup();
     const int row0 = warpgroup::warp_row();
-    const bool leader = threadIdx.x % WARPGROUP_THREADS == 0;
+    const bool leader = is_warpgroup_leader();
     const int first = p.at.first_block(ctx.task);
     const int head = head_of(ctx);
     head_scratch& mine = ctx.scratch.heads[ctx.consumer];
@@ -581,7 +581,7 @@ struct forward_kernel : ssd_plan<N, HEADS> {
 
   template <typename Scratch>
   __device__ static void finish(const params&, Scratch&, int) {
-    if (threadIdx.x % WARPGROUP_THREADS == 0) tma::wait_stores_read<0>();
+    if (is_warpgroup_leader()) tma::wait_stores_read<0>();
   }
 
   // ------------------------------------------------------------------------------ host
