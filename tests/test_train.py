@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from models import data, train
+from models import checkpoint, data, train
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 NOUNS = "king land city house people son daughter river mountain bread water fire servant law word day night".split()
@@ -179,7 +179,7 @@ def test_training_lowers_the_loss_and_writes_checkpoint_plot_summary(data_dir, t
 def test_checkpoint_loads_as_a_model_and_into_hugging_face(data_dir, tmp_path):
     transformers = pytest.importorskip("transformers", reason="needs transformers (pip install transformers)")
     run(tmp_path, data_dir, "--steps", "2", "--sample-tokens", "0")
-    model = train.load_model(tmp_path / "checkpoint.safetensors")
+    model = checkpoint.load_model(tmp_path / "checkpoint.safetensors")
     weights = load_file(str(tmp_path / "checkpoint.safetensors"))
     assert torch.equal(model.model.embed_tokens.weight, weights["model.model.embed_tokens.weight"])
     assert model.lm_head.weight is model.model.embed_tokens.weight
@@ -215,7 +215,7 @@ def test_linear_time_models_lower_the_loss_and_sample(data_dir, tmp_path, model)
     evals = losses(summary, "eval_loss")
     assert evals[-1] < evals[0] - 0.5
     assert summary["sample"].startswith("And God said")
-    reloaded = train.load_model(tmp_path / "checkpoint.safetensors", reference=True)
+    reloaded = checkpoint.load_model(tmp_path / "checkpoint.safetensors", reference=True)
     assert type(reloaded).__module__ == f"models.{model}"
 
 
