@@ -98,6 +98,20 @@ def test_prepare_rejects_short_text_and_bad_vocab(tmp_path):
         data.prepare(tmp_path, synthetic_text(10), vocab_size=2**16 + 1)
 
 
+def test_prepare_without_bible_kjv_says_what_is_missing(tmp_path):
+    """No traceback: what is missing, how to install it, and the --text alternative; exit status 1."""
+    result = subprocess.run(
+        [sys.executable, "-m", "models.data", "prepare", "--out", str(tmp_path)],
+        cwd=REPO_ROOT,
+        env={**os.environ, "PATH": str(tmp_path)},  # no `bible` program
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "bible-kjv" in result.stderr and "apt-get install -y bible-kjv" in result.stderr
+    assert "--text FILE" in result.stderr
+
+
 def test_clean_kjv_drops_verse_numbers():
     raw = "\nGenesis 1\n\n  1 In the beginning God created the heaven and the earth.\n  2 And the earth was.\n"
     assert (
