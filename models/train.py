@@ -40,7 +40,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -267,8 +267,17 @@ def make_batches(data: TokenData, config: TrainConfig, world_batch: int) -> tupl
 
 
 def train_loop(
-    model, optimizer, batches: Batches, eval_batches: Batches, step: int, history: dict, config, runtime, speed, save
-):
+    model,
+    optimizer,
+    batches: Batches,
+    eval_batches: Batches,
+    step: int,
+    history: dict,
+    config: TrainConfig,
+    runtime: Runtime,
+    speed: Callable[[float], dict],
+    save: Callable[[int], None],
+) -> tuple[int, float]:
     """Steps ``step`` .. ``config.stop_at``, appending to history; returns (tokens, seconds) of the
     timed steps (all but the first ``config.timing_warmup``). ``speed(tokens_per_s)`` -> progress
     postfix; ``save(step)`` writes the checkpoint."""
