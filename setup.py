@@ -2,7 +2,9 @@
 
 The extension is built when torch has CUDA and nvcc is found (and TK_OPS_NO_CUDA is not 1). Every
 kernel is its own translation unit so ninja compiles them in parallel (MAX_JOBS, default: all
-cores); only sm_90a code is generated, which keeps a cold build short.
+cores); only sm_90a code is generated, which keeps a cold build short. It is compiled against the
+installed torch, so the build runs without pip's build isolation (``pip install
+--no-build-isolation``). The package's metadata and dependencies are in pyproject.toml.
 """
 
 import glob
@@ -14,8 +16,15 @@ from setuptools import find_packages, setup
 def cuda_extension_modules():
     if os.environ.get("TK_OPS_NO_CUDA") == "1":
         return [], {}
-    import torch
-    from torch.utils import cpp_extension
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError:
+        raise SystemExit(
+            "tk_ops builds against the installed torch, which this build cannot import: install torch "
+            "first, then `pip install --no-build-isolation -e .` (pip's build isolation hides the installed "
+            "torch; TK_OPS_NO_CUDA=1 builds the pure-Python package without it)"
+        ) from None
 
     if not torch.version.cuda or cpp_extension.CUDA_HOME is None:
         return [], {}
@@ -54,12 +63,7 @@ def cuda_extension_modules():
 ext_modules, cmdclass = cuda_extension_modules()
 
 setup(
-    name="tk_ops",
-    version="0.1.0",
-    description="PyTorch operators on Hopper kernels written on a ThunderKittens-style tile core",
     packages=find_packages(include=["tk_ops", "tk_ops.*"]),
-    python_requires=">=3.10",
-    install_requires=["torch>=2.11"],
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

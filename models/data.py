@@ -54,8 +54,9 @@ def kjv_text() -> str:
     """The King James Bible as plain text: chapter headings, then one verse per line."""
     if shutil.which("bible") is None:
         raise SystemExit(
-            "the corpus comes from Debian's bible-kjv package: run `apt-get install -y bible-kjv` "
-            "(or pass --text FILE with any UTF-8 text)"
+            "no corpus: the King James Bible comes from Debian's bible-kjv package, whose `bible` program "
+            "is not on PATH. Install it with `apt-get install -y bible-kjv` (Debian or Ubuntu, as root), "
+            "or train on any UTF-8 text file: `python -m models.data prepare --text FILE`"
         )
     # a very wide line so that no verse is wrapped
     raw = subprocess.run(["bible", "-l100000", "gen1:1-rev22:21"], check=True, capture_output=True, text=True).stdout
@@ -256,6 +257,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     )
     prep.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
     args = parser.parse_args(argv)
+    if args.text and not args.text.is_file():
+        parser.error(f"--text: no file {args.text}")
     text = args.text.read_text(encoding="utf-8") if args.text else None
     meta = prepare(args.out, text, source=str(args.text or ""), vocab_size=args.vocab_size)
     size = sum(f.stat().st_size for f in args.out.iterdir())

@@ -1,9 +1,14 @@
 """The package itself: every contract op exists as a tk op with a backward op, the CUDA extension
-is optional, and ``tk_ops.backends()`` says what serves each op."""
+is optional, ``tk_ops.backends()`` says what serves each op, and the set-up (README, CI,
+pyproject.toml) holds together."""
 
+import ast
+import importlib.metadata
+import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +16,8 @@ import torch
 import tk_ops
 from tk_ops import _library
 from tk_testing import IS_HOPPER, requires_cuda
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # Every public op and the tk ops behind it (forward, dedicated backward).
 CONTRACT = {
@@ -105,3 +112,58 @@ def test_extension_loaded_on_hopper():
     if IS_HOPPER:
         assert tk_ops.extension_status() == "loaded"
         assert tk_ops.backends()["matmul"] == "cuda kernel"
+
+
+# ------------------------------------------------------------------- set-up: README, CI, pyproject
+
+# the benchmarks' GPU baselines: imported only where installed (the tests that need one skip)
+OPTIONAL_BASELINES = {"fla", "liger_kernel", "mamba_ssm"}
+
+
+def readme_command(heading: str) -> str:
+    """The command of the README's section ``heading``: its ```bash block, which must be one line."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    section = readme.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    lines = section.split("```bash\n", 1)[1].split("```", 1)[0].strip().splitlines()
+    assert len(lines) == 1, f"the README's {heading!r} is not one command: {lines}"
+    return lines[0]
+
+
+def test_ci_runs_exactly_the_readme_commands():
+    ci = (REPO_ROOT / ".ci" / "run").read_text().splitlines()
+    ci_commands = [line for line in ci if re.match(r"(pip|python -m) ", line)]
+    assert ci_commands == [readme_command("Set up and run the demo"), readme_command("Test")]
+
+
+def test_readme_set_up_installs_every_extra():
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert f'-e ".[{",".join(sorted(extras))}]"' in readme_command("Set up and run the demo")
+
+
+def _distribution(requirement: str) -> str:
+    return re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9._-]+", requirement).group()).lower()
+
+
+def _third_party_imports(folders: tuple[str, ...]) -> set[str]:
+    local = {path.stem for path in REPO_ROOT.iterdir()} | {path.stem for path in (REPO_ROOT / "tests").rglob("*.py")}
+    names = set()
+    for path in (path for folder in folders for path in (REPO_ROOT / folder).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names.add(node.module.split(".")[0])
+    return names - set(sys.stdlib_module_names) - local
+
+
+@pytest.mark.parametrize("extra, folders", [("demo", ("models",)), ("test", ("tests", "models", "benchmarks"))])
+def test_pyproject_declares_what_the_demo_and_the_tests_import(extra, folders):
+    """Each third-party module the demo (models/) or the tests (which also run models/ and benchmarks/)
+    import comes from torch or the extra."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    declared = {_distribution(r) for r in project["dependencies"] + project["optional-dependencies"][extra]}
+    distributions = importlib.metadata.packages_distributions()
+    names = _third_party_imports(folders) - OPTIONAL_BASELINES
+    assert {_distribution(distributions.get(name, [name])[0]) for name in names} <= declared

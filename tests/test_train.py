@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from models import data, train
+from models import checkpoint, data, train
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 NOUNS = "king land city house people son daughter river mountain bread water fire servant law word day night".split()
@@ -96,6 +96,20 @@ def test_prepare_rejects_short_text_and_bad_vocab(tmp_path):
         data.prepare(tmp_path, "Too short.\n", vocab_size=300)
     with pytest.raises(ValueError, match="vocab_size"):
         data.prepare(tmp_path, synthetic_text(10), vocab_size=2**16 + 1)
+
+
+def test_prepare_without_bible_kjv_says_what_is_missing(tmp_path):
+    """No traceback: what is missing, how to install it, and the --text alternative; exit status 1."""
+    result = subprocess.run(
+        [sys.executable, "-m", "models.data", "prepare", "--out", str(tmp_path)],
+        cwd=REPO_ROOT,
+        env={**os.environ, "PATH": str(tmp_path)},  # no `bible` program
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "bible-kjv" in result.stderr and "apt-get install -y bible-kjv" in result.stderr
+    assert "--text FILE" in result.stderr
 
 
 def test_clean_kjv_drops_verse_numbers():
@@ -179,7 +193,7 @@ def test_training_lowers_the_loss_and_writes_checkpoint_plot_summary(data_dir, t
 def test_checkpoint_loads_as_a_model_and_into_hugging_face(data_dir, tmp_path):
     transformers = pytest.importorskip("transformers", reason="needs transformers (pip install transformers)")
     run(tmp_path, data_dir, "--steps", "2", "--sample-tokens", "0")
-    model = train.load_model(tmp_path / "checkpoint.safetensors")
+    model = checkpoint.load_model(tmp_path / "checkpoint.safetensors")
     weights = load_file(str(tmp_path / "checkpoint.safetensors"))
     assert torch.equal(model.model.embed_tokens.weight, weights["model.model.embed_tokens.weight"])
     assert model.lm_head.weight is model.model.embed_tokens.weight
@@ -215,7 +229,7 @@ def test_linear_time_models_lower_the_loss_and_sample(data_dir, tmp_path, model)
     evals = losses(summary, "eval_loss")
     assert evals[-1] < evals[0] - 0.5
     assert summary["sample"].startswith("And God said")
-    reloaded = train.load_model(tmp_path / "checkpoint.safetensors", reference=True)
+    reloaded = checkpoint.load_model(tmp_path / "checkpoint.safetensors", reference=True)
     assert type(reloaded).__module__ == f"models.{model}"
 
 
