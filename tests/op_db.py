@@ -109,8 +109,28 @@ def _op_calls(*rows: tuple) -> tuple[BadInput, ...]:
     return tuple(BadInput(*row[:4], calls_op=True, kernel=row[4] if len(row) > 4 else None) for row in rows)
 
 
+def _device_mismatches(function, make_inputs, first: str, names) -> tuple[BadInput, ...]:
+    """``function(**make_inputs())`` on CUDA inputs with one of ``names`` moved to the CPU raises a ValueError
+    naming it and ``first`` (the argument whose device the others must share)."""
+
+    def case(name):
+        def call():
+            inputs = make_inputs()
+            return function(**dict(inputs, **{name: inputs[name].cpu()}))
+
+        return BadInput(f"{name}-on-the-cpu", call, ValueError, f"{name} must be on {first}'s device")
+
+    return tuple(case(name) for name in names)
+
+
 def _randn(*shapes, requires_grad=False, **kwargs) -> list[torch.Tensor]:
     return [torch.randn(*s, **kwargs).requires_grad_(requires_grad) for s in shapes]
+
+
+def _random_projection(*outputs: torch.Tensor) -> torch.Tensor:
+    """sum(out * g) over the outputs, g random but the same in every run: a loss with a dense gradient."""
+    generator = torch.Generator().manual_seed(0)
+    return sum((out * torch.randn(out.shape, generator=generator, dtype=out.dtype)).sum() for out in outputs)
 
 
 def _grad_leaves(tensors) -> tuple:
@@ -212,9 +232,8 @@ MATMUL = OpInfo(
          lambda: torch.ops.tk.matmul(torch.randn(3, 4, device="cuda").half(), torch.randn(5, 2, device="cuda").half()),
          ValueError, r"b.shape\[0\] must equal a.shape\[1\]", "matmul"),
     ),
-    device_mismatches=_bad(
-        ("matmul-b", lambda: tk_ops.matmul(torch.randn(3, 4, device="cuda"), torch.randn(4, 2)), ValueError,
-         "b must be on a's device"),
+    device_mismatches=_device_mismatches(
+        tk_ops.matmul, lambda: dict(a=torch.randn(3, 4, device="cuda"), b=torch.randn(4, 2, device="cuda")), "a", "b"
     ),
 )
 
@@ -247,6 +266,11 @@ def _attention_kernel_samples(dtype):
 def _attention_inputs(q_shape=(2, 4, 9, 40), k_shape=(2, 2, 11, 40), v_shape=None, dtype=torch.float32):
     v_shape = k_shape if v_shape is None else v_shape
     return [torch.randn(s, dtype=dtype) for s in (q_shape, k_shape, v_shape)]
+
+
+def _attention_with_fp64_k():
+    q, k, v = _attention_inputs()
+    return tk_ops.attention(q, k.double(), v)
 
 
 class _CausalAttention(torch.nn.Module):
@@ -285,9 +309,8 @@ ATTENTION = OpInfo(
     bad_inputs=_bad(
         ("int-dtype", lambda: tk_ops.attention(torch.ones(2, 4, 9, 40, dtype=torch.int32), *_attention_inputs()[1:]),
          TypeError, "q"),
-        ("not-a-tensor", lambda: tk_ops.attention([1.0], *_attention_inputs()[1:]), TypeError, "q"),
-        ("dtype-mismatch", lambda: tk_ops.attention(*(t.double() if i == 1 else t
-                                                      for i, t in enumerate(_attention_inputs()))), TypeError, "k"),
+        ("not-a-tensor", lambda: tk_ops.attention([[1.0]], *_attention_inputs()[1:]), TypeError, "q"),
+        ("dtype-mismatch", _attention_with_fp64_k, TypeError, "k"),
         ("rank", lambda: tk_ops.attention(_attention_inputs()[0][0], *_attention_inputs()[1:]), ValueError, "q"),
         ("v-rank", lambda: tk_ops.attention(*_attention_inputs(v_shape=(2, 2, 11))), ValueError, "v"),
         ("batch", lambda: tk_ops.attention(*_attention_inputs(k_shape=(3, 2, 11, 40))), ValueError, "k"),
@@ -301,9 +324,8 @@ ATTENTION = OpInfo(
         ("nan-scale", lambda: tk_ops.attention(*_attention_inputs(), scale=float("nan")), ValueError, "scale"),
         ("inf-scale", lambda: tk_ops.attention(*_attention_inputs(), scale=float("inf")), ValueError, "scale"),
     ),
-    device_mismatches=_bad(
-        ("k", lambda: tk_ops.attention(*(t if i == 1 else t.cuda() for i, t in enumerate(_attention_inputs()))),
-         ValueError, "k must be on q's device"),
+    device_mismatches=_device_mismatches(
+        tk_ops.attention, lambda: dict(zip("qkv", (t.cuda() for t in _attention_inputs()))), "q", "k"
     ),
 )
 
@@ -373,6 +395,10 @@ def _layer_norm(x=None, weight=None, bias=None, **kwargs):
     return tk_ops.layer_norm(x, weight, bias, **kwargs)
 
 
+def _norm_on_the_gpu():
+    return dict(zip(("x", "weight", "residual"), _randn((4, 16), (16,), (4, 16), device="cuda")))
+
+
 def _norm_loss(out, h):
     return (out * out).sum() + (h * out).sum()
 
@@ -410,7 +436,8 @@ LAYER_NORM = OpInfo(
          r"weight.shape\[0\] must equal x.shape\[-1\]"),
         ("weight-rank", lambda: _layer_norm(weight=torch.randn(1, 16)), ValueError, "weight must have 1 dimensions"),
         ("weight-dtype", lambda: _layer_norm(torch.randn(4, 16, dtype=torch.bfloat16),
-                                             torch.randn(16, dtype=torch.float16)), TypeError, "weight must have dtype"),
+                                             torch.randn(16, dtype=torch.float16)),
+         TypeError, "weight must have dtype"),
         ("bias-size", lambda: _layer_norm(bias=torch.randn(17)), ValueError, r"bias.shape\[0\] must equal"),
         ("residual-shape", lambda: _layer_norm(residual=torch.randn(3, 16)), ValueError,
          "residual must have x's shape"),
@@ -427,12 +454,9 @@ LAYER_NORM = OpInfo(
          lambda: torch.ops.tk.layer_norm(torch.randn(4, 16), None, None, None, None, LAYER_NORM_EPS, 0.5),
          (ValueError, RuntimeError), "dropout_seed"),
     ),
-    device_mismatches=_bad(
-        ("weight", lambda: tk_ops.layer_norm(torch.randn(4, 16, device="cuda"), torch.randn(16), None), ValueError,
-         "weight must be on x's device"),
-        ("residual", lambda: tk_ops.layer_norm(torch.randn(4, 16, device="cuda"), None, None,
-                                               residual=torch.randn(4, 16)), ValueError,
-         "residual must be on x's device"),
+    device_mismatches=_device_mismatches(
+        lambda x, weight, residual: tk_ops.layer_norm(x, weight, None, residual=residual), _norm_on_the_gpu, "x",
+        ("weight", "residual"),
     ),
 )
 
@@ -484,7 +508,7 @@ RMS_NORM = OpInfo(
     samples=_norm_samples("rms_norm", ("bare", "residual", "bf16-fp32-residual"), _rms_norm_args,
                           _rms_norm_backward_args),
     kernel_dtypes=KERNEL_16_BIT,
-    kernel_samples=lambda dtype: _norm_kernel_samples("rms_norm", "16-bit-fp32-residual", _rms_norm_args,
+    kernel_samples=lambda dtype: _norm_kernel_samples("rms_norm", "fp32-residual", _rms_norm_args,
                                                       _rms_norm_backward_args, dtype),
     compile=(
         CompileSample(
@@ -510,16 +534,15 @@ RMS_NORM = OpInfo(
          TypeError, "weight must have dtype"),
         ("residual-shape", lambda: _rms_norm(residual=torch.randn(4, 1, 16)), ValueError,
          "residual must have x's shape"),
-        ("residual-dtype", lambda: _rms_norm(torch.randn(4, 16).half(), residual=torch.randn(4, 16, dtype=torch.float64)),
+        ("residual-dtype", lambda: _rms_norm(torch.randn(4, 16).half(),
+                                             residual=torch.randn(4, 16, dtype=torch.float64)),
          TypeError, "residual must have dtype"),
         ("eps-negative", lambda: _rms_norm(eps=-1e-6), ValueError, "eps must be > 0"),
         ("eps-None", lambda: _rms_norm(eps=None), TypeError, "eps must be a float"),
     ),
-    device_mismatches=_bad(
-        ("weight", lambda: tk_ops.rms_norm(torch.randn(4, 16, device="cuda"), torch.randn(16)), ValueError,
-         "weight must be on x's device"),
-        ("residual", lambda: tk_ops.rms_norm(torch.randn(4, 16, device="cuda"), None, residual=torch.randn(4, 16)),
-         ValueError, "residual must be on x's device"),
+    device_mismatches=_device_mismatches(
+        lambda x, weight, residual: tk_ops.rms_norm(x, weight, residual=residual), _norm_on_the_gpu, "x",
+        ("weight", "residual"),
     ),
 )
 
@@ -590,6 +613,12 @@ def _tables(*shape, dtype=torch.float32, requiring_grad=None):
     if requiring_grad is not None:
         tables[requiring_grad].requires_grad_()
     return tables["cos"], tables["sin"]
+
+
+def _rope_on_the_gpu(*names):
+    """(2, 3, 5, 16) tensors by name and (5, 8) tables, on the GPU."""
+    tensors = dict(zip(names, _randn(*[(2, 3, 5, 16)] * len(names), device="cuda")))
+    return dict(tensors, **dict(zip(("cos", "sin"), _randn((5, 8), (5, 8), device="cuda"))))
 
 
 def _rope_kernel_call(call):
@@ -682,22 +711,12 @@ ROPE = OpInfo(
         ("kernel-rope_qk-table-dtype", _rope_kernel_call(lambda x, cos, sin: torch.ops.tk.rope_qk(
             x, x, cos.half(), sin.half(), False)), TypeError, "cos and sin must have q's dtype", "rope_qk"),
     ),
-    device_mismatches=_bad(
-        ("rope-tables", lambda: tk_ops.rope(torch.randn(2, 3, 5, 16, device="cuda"), *_tables(5, 8)), ValueError,
-         "cos must be on x's device"),
-        ("rope_qk-k", lambda: tk_ops.rope_qk(torch.randn(2, 3, 5, 16, device="cuda"), _x(2, 3, 5, 16),
-                                             *_tables(5, 8)), ValueError, "k must be on q's device"),
-    ),
+    device_mismatches=_device_mismatches(tk_ops.rope, lambda: _rope_on_the_gpu("x"), "x", ("cos", "sin"))
+    + _device_mismatches(tk_ops.rope_qk, lambda: _rope_on_the_gpu("q", "k"), "q", "k"),
 )
 
 
 # ----------------------------------------------------------------------- linear_attention, based_attention
-
-
-def _random_projection(*outputs: torch.Tensor) -> torch.Tensor:
-    """sum(out * g) over the outputs, g random but the same in every run: a loss with a dense gradient."""
-    generator = torch.Generator().manual_seed(0)
-    return sum((out * torch.randn(out.shape, generator=generator, dtype=out.dtype)).sum() for out in outputs)
 
 
 def _small_chunks(module):
@@ -761,15 +780,31 @@ def _causal_linear_call(function, make_inputs, **changes):
     return lambda: function(**args)
 
 
-def _linear_attention(**changes):
-    return _causal_linear_call(tk_ops.linear_attention, _linear_attention_inputs, **changes)
+def _linear_attention_bad_inputs():
+    B, H, F, DV = test_linear_attention.B, test_linear_attention.H, test_linear_attention.F, test_linear_attention.DV
 
+    def call(**changes):
+        return _causal_linear_call(tk_ops.linear_attention, _linear_attention_inputs, **changes)
 
-def _based_attention(**changes):
-    return _causal_linear_call(tk_ops.based_attention, _based_attention_inputs, **changes)
+    return _bad(
+        ("q-not-a-tensor", call(q=[[1.0]]), TypeError, "q"),
+        ("q-integer", call(q=torch.ones(B, H, 9, F, dtype=torch.int32)), TypeError, "q"),
+        ("k-fp64", call(k=torch.randn(B, H, 9, F, dtype=torch.float64)), TypeError, "k"),
+        ("v-bf16", call(v=torch.randn(B, H, 9, DV, dtype=torch.bfloat16)), TypeError, "v"),
+        ("q-rank-3", call(q=torch.randn(H, 9, F)), ValueError, "q"),
+        ("v-rank-5", call(v=torch.randn(1, B, H, 9, DV)), ValueError, "v"),
+        ("k-feature-dim", call(k=torch.randn(B, H, 9, F + 1)), ValueError, r"k.*feature dim"),
+        ("k-batch", call(k=torch.randn(B + 1, H, 9, F)), ValueError, r"k.*batch"),
+        ("v-heads", call(v=torch.randn(B, H + 1, 9, DV)), ValueError, r"v.*heads"),
+        ("v-sequence-length", call(v=torch.randn(B, H, 10, DV)), ValueError, r"v.*sequence length"),
+        ("empty-sequence", call(q=torch.randn(B, H, 0, F), k=torch.randn(B, H, 0, F), v=torch.randn(B, H, 0, DV)),
+         ValueError, "q"),
+        ("v-empty-value-dim", call(v=torch.randn(B, H, 9, 0)), ValueError, "v"),
+        ("eps-negative", call(eps=-1e-6), ValueError, "eps"),
+        ("eps-nan", call(eps=float("nan")), ValueError, "eps"),
+        ("eps-tensor", call(eps=torch.tensor(1e-6)), TypeError, "eps"),
+    )
 
-
-B, H, F, DV = test_linear_attention.B, test_linear_attention.H, test_linear_attention.F, test_linear_attention.DV
 
 LINEAR_ATTENTION = OpInfo(
     name="linear_attention",
@@ -782,33 +817,38 @@ LINEAR_ATTENTION = OpInfo(
     compile=_causal_linear_compile(tk_ops.linear_attention, _linear_attention_inputs),
     export=(ExportSample("normalized", _LinearAttentionMixer,
                          lambda: _linear_attention_inputs(19, True, dtype=torch.float32), ("linear_attention",)),),
-    bad_inputs=_bad(
-        ("q-not-a-tensor", _linear_attention(q=[[1.0]]), TypeError, "q"),
-        ("q-integer", _linear_attention(q=torch.ones(B, H, 9, F, dtype=torch.int32)), TypeError, "q"),
-        ("k-fp64", _linear_attention(k=torch.randn(B, H, 9, F, dtype=torch.float64)), TypeError, "k"),
-        ("v-bf16", _linear_attention(v=torch.randn(B, H, 9, DV, dtype=torch.bfloat16)), TypeError, "v"),
-        ("q-rank-3", _linear_attention(q=torch.randn(H, 9, F)), ValueError, "q"),
-        ("v-rank-5", _linear_attention(v=torch.randn(1, B, H, 9, DV)), ValueError, "v"),
-        ("k-feature-dim", _linear_attention(k=torch.randn(B, H, 9, F + 1)), ValueError, r"k.*feature dim"),
-        ("k-batch", _linear_attention(k=torch.randn(B + 1, H, 9, F)), ValueError, r"k.*batch"),
-        ("v-heads", _linear_attention(v=torch.randn(B, H + 1, 9, DV)), ValueError, r"v.*heads"),
-        ("v-sequence-length", _linear_attention(v=torch.randn(B, H, 10, DV)), ValueError, r"v.*sequence length"),
-        ("empty-sequence", _linear_attention(q=torch.randn(B, H, 0, F), k=torch.randn(B, H, 0, F),
-                                             v=torch.randn(B, H, 0, DV)), ValueError, "q"),
-        ("v-empty-value-dim", _linear_attention(v=torch.randn(B, H, 9, 0)), ValueError, "v"),
-        ("eps-negative", _linear_attention(eps=-1e-6), ValueError, "eps"),
-        ("eps-nan", _linear_attention(eps=float("nan")), ValueError, "eps"),
-        ("eps-tensor", _linear_attention(eps=torch.tensor(1e-6)), TypeError, "eps"),
-    ),
-    device_mismatches=_bad(
-        ("k", lambda: tk_ops.linear_attention(*(t if i != 1 else t.cpu() for i, t in enumerate(
-            _linear_attention_inputs(9, False, dtype=torch.bfloat16, device="cuda")))),
-         ValueError, "k must be on q's device"),
+    bad_inputs=_linear_attention_bad_inputs(),
+    device_mismatches=_device_mismatches(
+        tk_ops.linear_attention,
+        lambda: dict(zip("qkv", _linear_attention_inputs(9, False, dtype=torch.bfloat16, device="cuda"))), "q", "k",
     ),
 )
 
-BASED_B, BASED_H, BASED_F, BASED_DV = (test_based_attention.B, test_based_attention.H, test_based_attention.F,
-                                       test_based_attention.DV)
+def _based_attention_bad_inputs():
+    B, H, F, DV = test_based_attention.B, test_based_attention.H, test_based_attention.F, test_based_attention.DV
+
+    def call(**changes):
+        return _causal_linear_call(tk_ops.based_attention, _based_attention_inputs, **changes)
+
+    return _bad(
+        ("k-None", call(k=None), TypeError, "k"),
+        ("q-integer", call(q=torch.ones(B, H, 9, F, dtype=torch.int64)), TypeError, "q"),
+        ("k-fp16", call(k=torch.randn(B, H, 9, F, dtype=torch.float16)), TypeError, "k"),
+        ("v-fp64", call(v=torch.randn(B, H, 9, DV, dtype=torch.float64)), TypeError, "v"),
+        ("q-rank-3", call(q=torch.randn(B * H, 9, F)), ValueError, "q"),
+        ("k-rank-5", call(k=torch.randn(1, B, H, 9, F)), ValueError, "k"),
+        ("k-feature-dim", call(k=torch.randn(B, H, 9, F - 1)), ValueError, r"k.*feature dim"),
+        ("v-batch", call(v=torch.randn(B + 1, H, 9, DV)), ValueError, r"v.*batch"),
+        ("k-heads", call(k=torch.randn(B, H + 2, 9, F)), ValueError, r"k.*heads"),
+        ("k-sequence-length", call(k=torch.randn(B, H, 8, F)), ValueError, r"k.*sequence length"),
+        ("empty-batch", call(q=torch.randn(0, H, 9, F), k=torch.randn(0, H, 9, F), v=torch.randn(0, H, 9, DV)),
+         ValueError, "q"),
+        ("v-empty-value-dim", call(v=torch.randn(B, H, 9, 0)), ValueError, "v"),
+        ("eps-negative", call(eps=-1.0), ValueError, "eps"),
+        ("eps-inf", call(eps=float("inf")), ValueError, "eps"),
+        ("eps-string", call(eps="1e-6"), TypeError, "eps"),
+    )
+
 
 BASED_ATTENTION = OpInfo(
     name="based_attention",
@@ -821,33 +861,11 @@ BASED_ATTENTION = OpInfo(
     compile=_causal_linear_compile(tk_ops.based_attention, _based_attention_inputs),
     export=(ExportSample("normalized", _BasedMixer, lambda: _based_attention_inputs(19, True, dtype=torch.float32),
                          ("based_attention",)),),
-    bad_inputs=_bad(
-        ("k-None", _based_attention(k=None), TypeError, "k"),
-        ("q-integer", _based_attention(q=torch.ones(BASED_B, BASED_H, 9, BASED_F, dtype=torch.int64)), TypeError,
-         "q"),
-        ("k-fp16", _based_attention(k=torch.randn(BASED_B, BASED_H, 9, BASED_F, dtype=torch.float16)), TypeError,
-         "k"),
-        ("v-fp64", _based_attention(v=torch.randn(BASED_B, BASED_H, 9, BASED_DV, dtype=torch.float64)), TypeError,
-         "v"),
-        ("q-rank-3", _based_attention(q=torch.randn(BASED_B * BASED_H, 9, BASED_F)), ValueError, "q"),
-        ("k-rank-5", _based_attention(k=torch.randn(1, BASED_B, BASED_H, 9, BASED_F)), ValueError, "k"),
-        ("k-feature-dim", _based_attention(k=torch.randn(BASED_B, BASED_H, 9, BASED_F - 1)), ValueError,
-         r"k.*feature dim"),
-        ("v-batch", _based_attention(v=torch.randn(BASED_B + 1, BASED_H, 9, BASED_DV)), ValueError, r"v.*batch"),
-        ("k-heads", _based_attention(k=torch.randn(BASED_B, BASED_H + 2, 9, BASED_F)), ValueError, r"k.*heads"),
-        ("k-sequence-length", _based_attention(k=torch.randn(BASED_B, BASED_H, 8, BASED_F)), ValueError,
-         r"k.*sequence length"),
-        ("empty-batch", _based_attention(q=torch.randn(0, BASED_H, 9, BASED_F), k=torch.randn(0, BASED_H, 9, BASED_F),
-                                         v=torch.randn(0, BASED_H, 9, BASED_DV)), ValueError, "q"),
-        ("v-empty-value-dim", _based_attention(v=torch.randn(BASED_B, BASED_H, 9, 0)), ValueError, "v"),
-        ("eps-negative", _based_attention(eps=-1.0), ValueError, "eps"),
-        ("eps-inf", _based_attention(eps=float("inf")), ValueError, "eps"),
-        ("eps-string", _based_attention(eps="1e-6"), TypeError, "eps"),
-    ),
-    device_mismatches=_bad(
-        ("v", lambda: tk_ops.based_attention(*(t if i != 2 else t.cpu() for i, t in enumerate(
-            _based_attention_inputs(9, True, f=16, dv=64, dtype=torch.bfloat16, device="cuda")))),
-         ValueError, "v must be on q's device"),
+    bad_inputs=_based_attention_bad_inputs(),
+    device_mismatches=_device_mismatches(
+        tk_ops.based_attention,
+        lambda: dict(zip("qkv", _based_attention_inputs(9, True, f=16, dv=64, dtype=torch.bfloat16, device="cuda"))),
+        "q", "v",
     ),
 )
 
@@ -959,13 +977,9 @@ def _ssd_bad_inputs():
     )
 
 
-def _ssd_with_one_on_the_cpu(name):
-    def call():
-        inputs, _ = test_mamba2_ssd.make_inputs(2, 10, 4, 64, 2, 64, dtype=torch.bfloat16, D="H", initial=True,
-                                                device="cuda")
-        return test_mamba2_ssd.ssd(dict(inputs, **{name: inputs[name].cpu()}), False, 64)
-
-    return (name, call, ValueError, f"{name} must be on x's device")
+def _ssd_on_the_gpu():
+    return test_mamba2_ssd.make_inputs(2, 10, 4, 64, 2, 64, dtype=torch.bfloat16, D="H", initial=True,
+                                       device="cuda")[0]
 
 
 MAMBA2_SSD = OpInfo(
@@ -987,7 +1001,8 @@ MAMBA2_SSD = OpInfo(
                            ("mamba2_ssd", "mamba2_ssd_bwd"), loss=_random_projection, tol=1e-6),),
     export=(ExportSample("mixer", _SSDMixer, _ssd_export_args, ("mamba2_ssd",), tol=1e-6),),
     bad_inputs=_ssd_bad_inputs(),
-    device_mismatches=_bad(*(_ssd_with_one_on_the_cpu(name) for name in ("dt", "A", "B", "D", "initial_states"))),
+    device_mismatches=_device_mismatches(lambda **inputs: test_mamba2_ssd.ssd(inputs, False, 64), _ssd_on_the_gpu,
+                                         "x", ("dt", "A", "B", "D", "initial_states")),
 )
 
 
@@ -1060,15 +1075,6 @@ def _conv1d_bad_inputs():
     )
 
 
-def _conv1d_with_one_on_the_cpu(name):
-    def call():
-        inputs = dict(zip(("x", "weight", "bias"), test_causal_conv1d.make_inputs(
-            2, 3, 16, 4, dtype=torch.bfloat16, device="cuda")))
-        return tk_ops.causal_conv1d(**dict(inputs, **{name: inputs[name].cpu()}))
-
-    return (name, call, ValueError, f"{name} must be on x's device")
-
-
 CAUSAL_CONV1D = OpInfo(
     name="causal_conv1d",
     functions={"causal_conv1d": ("causal_conv1d", "causal_conv1d_bwd")},
@@ -1095,7 +1101,12 @@ CAUSAL_CONV1D = OpInfo(
     export=(ExportSample("mixer-layout", _ShortConv, lambda: (torch.randn(2, 50, 6),), ("causal_conv1d",),
                          tol=1e-6),),
     bad_inputs=_conv1d_bad_inputs(),
-    device_mismatches=_bad(*(_conv1d_with_one_on_the_cpu(name) for name in ("weight", "bias"))),
+    device_mismatches=_device_mismatches(
+        tk_ops.causal_conv1d,
+        lambda: dict(zip(("x", "weight", "bias"), test_causal_conv1d.make_inputs(2, 3, 16, 4, dtype=torch.bfloat16,
+                                                                                 device="cuda"))),
+        "x", ("weight", "bias"),
+    ),
 )
 
 
@@ -1163,14 +1174,6 @@ def _fftconv_kernel_call(grad):
     return call
 
 
-def _fftconv_with_one_on_the_cpu(name):
-    def call():
-        inputs = dict(zip("ukD", test_fftconv.make_inputs(2, 3, 16, 5, dtype=torch.bfloat16, device="cuda")))
-        return tk_ops.fftconv(**dict(inputs, **{name: inputs[name].cpu()}))
-
-    return (name, call, ValueError, f"{name} must be on u's device")
-
-
 FFTCONV = OpInfo(
     name="fftconv",
     functions={"fftconv": ("fftconv", "fftconv_bwd")},
@@ -1194,7 +1197,10 @@ FFTCONV = OpInfo(
         ("kernel-grad-dtype", _fftconv_kernel_call(lambda u: torch.randn_like(u).half()), TypeError,
          "grad must have u's dtype", "fftconv_bwd"),
     ),
-    device_mismatches=_bad(*(_fftconv_with_one_on_the_cpu(name) for name in "kD")),
+    device_mismatches=_device_mismatches(
+        tk_ops.fftconv,
+        lambda: dict(zip("ukD", test_fftconv.make_inputs(2, 3, 16, 5, dtype=torch.bfloat16, device="cuda"))), "u", "kD"
+    ),
 )
 
 

@@ -17,7 +17,7 @@ IS_HOPPER = HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
 
 
 def _gpu_marks(skip_condition: bool, reason: str) -> tuple:
-    """The marks of a GPU test: ``gpu`` (the device script selects them with ``-m gpu``) and a skip where it can't run."""
+    """A GPU test's marks: ``gpu`` (the device script selects them with ``-m gpu``) and a skip where it can't run."""
     return (pytest.mark.gpu, pytest.mark.skipif(skip_condition, reason=reason))
 
 
