@@ -1057,7 +1057,7 @@ def _conv1d_bad_inputs():
         ("integer-x", lambda: conv(x.to(torch.int32), weight), TypeError, "x"),
         ("weight-not-a-tensor", lambda: conv(x, weight.tolist()), TypeError, "weight"),
         ("weight-rank-1", lambda: conv(x, weight[0]), ValueError, "weight must have 2"),
-        ("conv1d-weight-(D, 1, W)", lambda: conv(x, weight[:, None]), ValueError, r"squeeze\(1\)"),
+        ("conv1d-weight-D-1-W", lambda: conv(x, weight[:, None]), ValueError, r"squeeze\(1\)"),
         ("W-0", lambda: conv(x, weight[:, :0]), ValueError, r"kernel width W\) must be >= 1"),
         ("weight-channels-not-D", lambda: conv(x, torch.randn(4, 4)), ValueError, r"weight\.shape\[0\].*D"),
         ("bias-rank-2", lambda: conv(x, weight, bias[None]), ValueError, "bias must have 1"),
