@@ -361,8 +361,9 @@ def _layer_norm_backward_args(case: str, all_gradients: bool, **kwargs):
     return (torch.randn_like(x), grad_h, *saved, [True, residual is not None, weight is not None, bias is not None])
 
 
-def _norm_samples(op: str, cases: tuple[str, ...], forward_args, backward_args) -> tuple[Sample, ...]:
-    """Forward opchecks per case; backward opchecks per case with every gradient and with none."""
+def _norm_samples(op: str, cases: tuple[str, ...], forward_args, backward_args) -> dict:
+    """OpInfo's samples of a norm: forward opchecks per case, backward opchecks per case with every gradient and
+    with none; on the GPU, the last case (16-bit x, fp32 residual) forward and backward in each kernel dtype."""
     forward = tuple(Sample(case, op, lambda case=case: forward_args(case)) for case in cases)
     backward = tuple(
         Sample(f"{op}_bwd-{case}-{'all' if every else 'no'}-gradients", f"{op}_bwd",
@@ -370,13 +371,48 @@ def _norm_samples(op: str, cases: tuple[str, ...], forward_args, backward_args) 
         for case in cases
         for every in (True, False)
     )
-    return forward + backward
+
+    def kernel_samples(dtype):
+        case = cases[-1]
+        return (
+            Sample(case, op, lambda: _grad_leaves(forward_args(case, dtype=dtype, device="cuda"))),
+            Sample(f"{op}_bwd-{case}", f"{op}_bwd", lambda: backward_args(case, True, dtype=dtype, device="cuda")),
+        )
+
+    return dict(samples=forward + backward, kernel_dtypes=KERNEL_16_BIT, kernel_samples=kernel_samples)
 
 
-def _norm_kernel_samples(op: str, case: str, forward_args, backward_args, dtype) -> tuple[Sample, ...]:
-    return (
-        Sample(case, op, lambda: _grad_leaves(forward_args(case, dtype=dtype, device="cuda"))),
-        Sample(f"{op}_bwd-{case}", f"{op}_bwd", lambda: backward_args(case, True, dtype=dtype, device="cuda")),
+def _norm_bad_inputs(norm) -> tuple[BadInput, ...]:
+    """The checks both norms make, on ``norm(x, weight, **kwargs)`` with x (4, 16) fp32 by default."""
+
+    def call(x=None, weight=None, **kwargs):
+        return lambda: norm(torch.randn(4, 16) if x is None else x, weight, **kwargs)
+
+    bf16, fp16 = torch.randn(4, 16, dtype=torch.bfloat16), torch.randn(4, 16, dtype=torch.float16)
+    return _bad(
+        ("x-not-a-tensor", call([[1.0]]), TypeError, "x must be a torch.Tensor"),
+        ("x-int32", call(torch.ones(4, 16, dtype=torch.int32)), TypeError, "x must have dtype"),
+        ("x-int64", call(torch.ones(4, 16, dtype=torch.int64)), TypeError, "x must have dtype"),
+        ("x-0-dim", call(torch.tensor(1.0)), ValueError, "x must have at least 1 dimension"),
+        ("x-no-rows", call(torch.randn(0, 16)), ValueError, "x must not be empty"),
+        ("x-hidden-0", call(torch.randn(4, 0)), ValueError, "x must not be empty"),
+        ("weight-size", call(weight=torch.randn(15)), ValueError, r"weight.shape\[0\] must equal x.shape\[-1\]"),
+        ("weight-rank-2-1x16", call(weight=torch.randn(1, 16)), ValueError, "weight must have 1 dimensions"),
+        ("weight-rank-2-16x1", call(weight=torch.randn(16, 1)), ValueError, "weight must have 1 dimensions"),
+        ("weight-fp16-for-bf16-x", call(bf16, torch.randn(16, dtype=torch.float16)), TypeError,
+         "weight must have dtype"),
+        ("weight-bf16-for-fp16-x", call(fp16, torch.randn(16, dtype=torch.bfloat16)), TypeError,
+         "weight must have dtype"),
+        ("residual-shape-3x16", call(residual=torch.randn(3, 16)), ValueError, "residual must have x's shape"),
+        ("residual-shape-4x1x16", call(residual=torch.randn(4, 1, 16)), ValueError, "residual must have x's shape"),
+        ("residual-fp16-for-bf16-x", call(bf16, residual=torch.randn(4, 16).half()), TypeError,
+         "residual must have dtype"),
+        ("residual-fp64-for-fp16-x", call(fp16, residual=torch.randn(4, 16, dtype=torch.float64)), TypeError,
+         "residual must have dtype"),
+        ("eps-zero", call(eps=0.0), ValueError, "eps must be > 0"),
+        ("eps-negative", call(eps=-1e-6), ValueError, "eps must be > 0"),
+        ("eps-string", call(eps="1e-5"), TypeError, "eps must be a float"),
+        ("eps-None", call(eps=None), TypeError, "eps must be a float"),
     )
 
 
@@ -390,9 +426,8 @@ class _PostLayerNorm(torch.nn.Module):
         return tk_ops.layer_norm(x, self.weight, self.bias, residual=residual)
 
 
-def _layer_norm(x=None, weight=None, bias=None, **kwargs):
-    x = torch.randn(4, 16) if x is None else x
-    return tk_ops.layer_norm(x, weight, bias, **kwargs)
+def _layer_norm(**kwargs):
+    return tk_ops.layer_norm(torch.randn(4, 16), None, None, **kwargs)
 
 
 def _norm_on_the_gpu():
@@ -406,11 +441,8 @@ def _norm_loss(out, h):
 LAYER_NORM = OpInfo(
     name="layer_norm",
     functions={"layer_norm": ("layer_norm", "layer_norm_bwd")},
-    samples=_norm_samples("layer_norm", ("bare", "residual", "dropout-fp32-residual"), _layer_norm_args,
-                          _layer_norm_backward_args),
-    kernel_dtypes=KERNEL_16_BIT,
-    kernel_samples=lambda dtype: _norm_kernel_samples("layer_norm", "dropout-fp32-residual", _layer_norm_args,
-                                                      _layer_norm_backward_args, dtype),
+    **_norm_samples("layer_norm", ("bare", "residual", "dropout-fp32-residual"), _layer_norm_args,
+                    _layer_norm_backward_args),
     compile=(
         CompileSample(
             "residual-dropout",
@@ -427,25 +459,9 @@ LAYER_NORM = OpInfo(
     ),
     export=(ExportSample("residual", _PostLayerNorm, lambda: (torch.randn(5, 37), torch.randn(5, 37)),
                          ("layer_norm",), tol=0),),
-    bad_inputs=_bad(
-        ("x-not-a-tensor", lambda: tk_ops.layer_norm([[1.0]], None, None), TypeError, "x must be a torch.Tensor"),
-        ("x-integer", lambda: _layer_norm(torch.ones(4, 16, dtype=torch.int32)), TypeError, "x must have dtype"),
-        ("x-0-dim", lambda: _layer_norm(torch.tensor(1.0)), ValueError, "x must have at least 1 dimension"),
-        ("x-empty", lambda: _layer_norm(torch.randn(0, 16)), ValueError, "x must not be empty"),
-        ("weight-size", lambda: _layer_norm(weight=torch.randn(15)), ValueError,
-         r"weight.shape\[0\] must equal x.shape\[-1\]"),
-        ("weight-rank", lambda: _layer_norm(weight=torch.randn(1, 16)), ValueError, "weight must have 1 dimensions"),
-        ("weight-dtype", lambda: _layer_norm(torch.randn(4, 16, dtype=torch.bfloat16),
-                                             torch.randn(16, dtype=torch.float16)),
-         TypeError, "weight must have dtype"),
-        ("bias-size", lambda: _layer_norm(bias=torch.randn(17)), ValueError, r"bias.shape\[0\] must equal"),
-        ("residual-shape", lambda: _layer_norm(residual=torch.randn(3, 16)), ValueError,
-         "residual must have x's shape"),
-        ("residual-dtype", lambda: _layer_norm(torch.randn(4, 16, dtype=torch.bfloat16),
-                                               residual=torch.randn(4, 16).half()), TypeError,
-         "residual must have dtype"),
-        ("eps-zero", lambda: _layer_norm(eps=0.0), ValueError, "eps must be > 0"),
-        ("eps-not-a-number", lambda: _layer_norm(eps="1e-5"), TypeError, "eps must be a float"),
+    bad_inputs=_norm_bad_inputs(lambda x, weight, **kwargs: tk_ops.layer_norm(x, weight, None, **kwargs)) + _bad(
+        ("bias-size", lambda: tk_ops.layer_norm(torch.randn(4, 16), None, torch.randn(17)), ValueError,
+         r"bias.shape\[0\] must equal"),
         ("dropout_p-one", lambda: _layer_norm(dropout_p=1.0), ValueError, r"dropout_p must be in \[0, 1\)"),
         ("dropout_p-negative", lambda: _layer_norm(dropout_p=-0.1), ValueError, r"dropout_p must be in \[0, 1\)"),
         ("dropout_p-not-a-number", lambda: _layer_norm(dropout_p="0.1"), TypeError, "dropout_p must be a float"),
@@ -497,19 +513,10 @@ class _PreRMSNorm(torch.nn.Module):
         return tk_ops.rms_norm(x, self.weight, residual=residual, return_residual=True)
 
 
-def _rms_norm(x=None, weight=None, **kwargs):
-    x = torch.randn(4, 16) if x is None else x
-    return tk_ops.rms_norm(x, weight, **kwargs)
-
-
 RMS_NORM = OpInfo(
     name="rms_norm",
     functions={"rms_norm": ("rms_norm", "rms_norm_bwd")},
-    samples=_norm_samples("rms_norm", ("bare", "residual", "bf16-fp32-residual"), _rms_norm_args,
-                          _rms_norm_backward_args),
-    kernel_dtypes=KERNEL_16_BIT,
-    kernel_samples=lambda dtype: _norm_kernel_samples("rms_norm", "fp32-residual", _rms_norm_args,
-                                                      _rms_norm_backward_args, dtype),
+    **_norm_samples("rms_norm", ("bare", "residual", "bf16-fp32-residual"), _rms_norm_args, _rms_norm_backward_args),
     compile=(
         CompileSample(
             "residual",
@@ -522,24 +529,7 @@ RMS_NORM = OpInfo(
     ),
     export=(ExportSample("residual", _PreRMSNorm, lambda: (torch.randn(5, 37), torch.randn(5, 37)), ("rms_norm",),
                          tol=0),),
-    bad_inputs=_bad(
-        ("x-not-a-tensor", lambda: tk_ops.rms_norm([[1.0]], None), TypeError, "x must be a torch.Tensor"),
-        ("x-integer", lambda: _rms_norm(torch.ones(4, 16, dtype=torch.int64)), TypeError, "x must have dtype"),
-        ("x-0-dim", lambda: _rms_norm(torch.tensor(1.0)), ValueError, "x must have at least 1 dimension"),
-        ("x-empty", lambda: _rms_norm(torch.randn(4, 0)), ValueError, "x must not be empty"),
-        ("weight-size", lambda: _rms_norm(weight=torch.randn(15)), ValueError,
-         r"weight.shape\[0\] must equal x.shape\[-1\]"),
-        ("weight-rank", lambda: _rms_norm(weight=torch.randn(16, 1)), ValueError, "weight must have 1 dimensions"),
-        ("weight-dtype", lambda: _rms_norm(torch.randn(4, 16).half(), torch.randn(16, dtype=torch.bfloat16)),
-         TypeError, "weight must have dtype"),
-        ("residual-shape", lambda: _rms_norm(residual=torch.randn(4, 1, 16)), ValueError,
-         "residual must have x's shape"),
-        ("residual-dtype", lambda: _rms_norm(torch.randn(4, 16).half(),
-                                             residual=torch.randn(4, 16, dtype=torch.float64)),
-         TypeError, "residual must have dtype"),
-        ("eps-negative", lambda: _rms_norm(eps=-1e-6), ValueError, "eps must be > 0"),
-        ("eps-None", lambda: _rms_norm(eps=None), TypeError, "eps must be a float"),
-    ),
+    bad_inputs=_norm_bad_inputs(tk_ops.rms_norm),
     device_mismatches=_device_mismatches(
         lambda x, weight, residual: tk_ops.rms_norm(x, weight, residual=residual), _norm_on_the_gpu, "x",
         ("weight", "residual"),
@@ -752,122 +742,90 @@ def _based_attention_inputs(n, normalize, **kwargs):
     return test_based_attention.make_inputs(n, **kwargs)
 
 
-def _causal_linear_compile(function, make_inputs) -> tuple[CompileSample, ...]:
-    return tuple(
-        CompileSample("normalized" if normalize else "unnormalized",
-                      lambda q, k, v, normalize=normalize: function(q, k, v, normalize=normalize),
-                      lambda normalize=normalize: list(make_inputs(29, normalize, dtype=torch.float32,
-                                                                   requires_grad=True)),
-                      (function.__name__, f"{function.__name__}_bwd"), loss=_random_projection)
-        for normalize in (False, True)
-    )
+class _CausalLinearMixer(torch.nn.Module):
+    def __init__(self, function):
+        super().__init__()
+        self.function = function
 
-
-class _LinearAttentionMixer(torch.nn.Module):
     def forward(self, q, k, v):
-        return tk_ops.linear_attention(q, k, v, normalize=True, eps=1e-6)
+        return self.function(q, k, v, normalize=True, eps=1e-6)
 
 
-class _BasedMixer(torch.nn.Module):
-    def forward(self, q, k, v):
-        return tk_ops.based_attention(q, k, v, eps=1e-6)
-
-
-def _causal_linear_call(function, make_inputs, **changes):
-    """``function`` on valid fp32 inputs (N = 9, eps = 1e-12) with some of them replaced."""
+def _causal_linear_bad_inputs(function, make_inputs, B, H, F, DV) -> tuple[BadInput, ...]:
+    """``function`` on valid fp32 (B, H, 9, F) q, k and (B, H, 9, DV) v (eps = 1e-12), one argument replaced."""
     q, k, v = make_inputs(9, False, dtype=torch.float32)
-    args = dict(q=q, k=k, v=v, eps=1e-12) | changes
-    return lambda: function(**args)
-
-
-def _linear_attention_bad_inputs():
-    B, H, F, DV = test_linear_attention.B, test_linear_attention.H, test_linear_attention.F, test_linear_attention.DV
 
     def call(**changes):
-        return _causal_linear_call(tk_ops.linear_attention, _linear_attention_inputs, **changes)
+        return lambda: function(**(dict(q=q, k=k, v=v, eps=1e-12) | changes))
 
     return _bad(
         ("q-not-a-tensor", call(q=[[1.0]]), TypeError, "q"),
-        ("q-integer", call(q=torch.ones(B, H, 9, F, dtype=torch.int32)), TypeError, "q"),
+        ("k-None", call(k=None), TypeError, "k"),
+        ("q-int32", call(q=torch.ones(B, H, 9, F, dtype=torch.int32)), TypeError, "q"),
+        ("q-int64", call(q=torch.ones(B, H, 9, F, dtype=torch.int64)), TypeError, "q"),
         ("k-fp64", call(k=torch.randn(B, H, 9, F, dtype=torch.float64)), TypeError, "k"),
+        ("k-fp16", call(k=torch.randn(B, H, 9, F, dtype=torch.float16)), TypeError, "k"),
         ("v-bf16", call(v=torch.randn(B, H, 9, DV, dtype=torch.bfloat16)), TypeError, "v"),
-        ("q-rank-3", call(q=torch.randn(H, 9, F)), ValueError, "q"),
+        ("v-fp64", call(v=torch.randn(B, H, 9, DV, dtype=torch.float64)), TypeError, "v"),
+        ("q-rank-3-heads", call(q=torch.randn(H, 9, F)), ValueError, "q"),
+        ("q-rank-3-batch-heads", call(q=torch.randn(B * H, 9, F)), ValueError, "q"),
+        ("k-rank-5", call(k=torch.randn(1, B, H, 9, F)), ValueError, "k"),
         ("v-rank-5", call(v=torch.randn(1, B, H, 9, DV)), ValueError, "v"),
-        ("k-feature-dim", call(k=torch.randn(B, H, 9, F + 1)), ValueError, r"k.*feature dim"),
+        ("k-feature-dim-plus-1", call(k=torch.randn(B, H, 9, F + 1)), ValueError, r"k.*feature dim"),
+        ("k-feature-dim-minus-1", call(k=torch.randn(B, H, 9, F - 1)), ValueError, r"k.*feature dim"),
         ("k-batch", call(k=torch.randn(B + 1, H, 9, F)), ValueError, r"k.*batch"),
+        ("v-batch", call(v=torch.randn(B + 1, H, 9, DV)), ValueError, r"v.*batch"),
+        ("k-heads", call(k=torch.randn(B, H + 2, 9, F)), ValueError, r"k.*heads"),
         ("v-heads", call(v=torch.randn(B, H + 1, 9, DV)), ValueError, r"v.*heads"),
+        ("k-sequence-length", call(k=torch.randn(B, H, 8, F)), ValueError, r"k.*sequence length"),
         ("v-sequence-length", call(v=torch.randn(B, H, 10, DV)), ValueError, r"v.*sequence length"),
         ("empty-sequence", call(q=torch.randn(B, H, 0, F), k=torch.randn(B, H, 0, F), v=torch.randn(B, H, 0, DV)),
          ValueError, "q"),
-        ("v-empty-value-dim", call(v=torch.randn(B, H, 9, 0)), ValueError, "v"),
-        ("eps-negative", call(eps=-1e-6), ValueError, "eps"),
-        ("eps-nan", call(eps=float("nan")), ValueError, "eps"),
-        ("eps-tensor", call(eps=torch.tensor(1e-6)), TypeError, "eps"),
-    )
-
-
-LINEAR_ATTENTION = OpInfo(
-    name="linear_attention",
-    functions={"linear_attention": ("linear_attention", "linear_attention_bwd")},
-    samples=_causal_linear_samples("linear_attention", _linear_attention_inputs, dtype=torch.float32,
-                                   context=_small_chunks(linear_attention_module)),
-    kernel_dtypes=KERNEL_16_BIT,
-    kernel_samples=lambda dtype: _causal_linear_samples("linear_attention", _linear_attention_inputs, f=16, dv=64,
-                                                        dtype=dtype, device="cuda"),
-    compile=_causal_linear_compile(tk_ops.linear_attention, _linear_attention_inputs),
-    export=(ExportSample("normalized", _LinearAttentionMixer,
-                         lambda: _linear_attention_inputs(19, True, dtype=torch.float32), ("linear_attention",)),),
-    bad_inputs=_linear_attention_bad_inputs(),
-    device_mismatches=_device_mismatches(
-        tk_ops.linear_attention,
-        lambda: dict(zip("qkv", _linear_attention_inputs(9, False, dtype=torch.bfloat16, device="cuda"))), "q", "k",
-    ),
-)
-
-def _based_attention_bad_inputs():
-    B, H, F, DV = test_based_attention.B, test_based_attention.H, test_based_attention.F, test_based_attention.DV
-
-    def call(**changes):
-        return _causal_linear_call(tk_ops.based_attention, _based_attention_inputs, **changes)
-
-    return _bad(
-        ("k-None", call(k=None), TypeError, "k"),
-        ("q-integer", call(q=torch.ones(B, H, 9, F, dtype=torch.int64)), TypeError, "q"),
-        ("k-fp16", call(k=torch.randn(B, H, 9, F, dtype=torch.float16)), TypeError, "k"),
-        ("v-fp64", call(v=torch.randn(B, H, 9, DV, dtype=torch.float64)), TypeError, "v"),
-        ("q-rank-3", call(q=torch.randn(B * H, 9, F)), ValueError, "q"),
-        ("k-rank-5", call(k=torch.randn(1, B, H, 9, F)), ValueError, "k"),
-        ("k-feature-dim", call(k=torch.randn(B, H, 9, F - 1)), ValueError, r"k.*feature dim"),
-        ("v-batch", call(v=torch.randn(B + 1, H, 9, DV)), ValueError, r"v.*batch"),
-        ("k-heads", call(k=torch.randn(B, H + 2, 9, F)), ValueError, r"k.*heads"),
-        ("k-sequence-length", call(k=torch.randn(B, H, 8, F)), ValueError, r"k.*sequence length"),
         ("empty-batch", call(q=torch.randn(0, H, 9, F), k=torch.randn(0, H, 9, F), v=torch.randn(0, H, 9, DV)),
          ValueError, "q"),
         ("v-empty-value-dim", call(v=torch.randn(B, H, 9, 0)), ValueError, "v"),
-        ("eps-negative", call(eps=-1.0), ValueError, "eps"),
+        ("eps-negative", call(eps=-1e-6), ValueError, "eps"),
+        ("eps-minus-one", call(eps=-1.0), ValueError, "eps"),
+        ("eps-nan", call(eps=float("nan")), ValueError, "eps"),
         ("eps-inf", call(eps=float("inf")), ValueError, "eps"),
+        ("eps-tensor", call(eps=torch.tensor(1e-6)), TypeError, "eps"),
         ("eps-string", call(eps="1e-6"), TypeError, "eps"),
     )
 
 
-BASED_ATTENTION = OpInfo(
-    name="based_attention",
-    functions={"based_attention": ("based_attention", "based_attention_bwd")},
-    samples=_causal_linear_samples("based_attention", _based_attention_inputs, dtype=torch.float32,
-                                   context=_small_chunks(based_attention_module)),
-    kernel_dtypes=KERNEL_16_BIT,
-    kernel_samples=lambda dtype: _causal_linear_samples("based_attention", _based_attention_inputs, f=16, dv=64,
-                                                        dtype=dtype, device="cuda"),
-    compile=_causal_linear_compile(tk_ops.based_attention, _based_attention_inputs),
-    export=(ExportSample("normalized", _BasedMixer, lambda: _based_attention_inputs(19, True, dtype=torch.float32),
-                         ("based_attention",)),),
-    bad_inputs=_based_attention_bad_inputs(),
-    device_mismatches=_device_mismatches(
-        tk_ops.based_attention,
-        lambda: dict(zip("qkv", _based_attention_inputs(9, True, f=16, dv=64, dtype=torch.bfloat16, device="cuda"))),
-        "q", "v",
-    ),
-)
+def _causal_linear_info(function, make_inputs, test_module, reference_module) -> OpInfo:
+    """linear_attention and based_attention: one engine behind two ops, one contract. ``make_inputs(n, normalize,
+    **kwargs)`` gives q, k, v; the kernels take F = 16, Dv = 64."""
+    name = function.__name__
+    on_the_gpu = dict(f=16, dv=64, device="cuda")
+    return OpInfo(
+        name=name,
+        functions={name: (name, f"{name}_bwd")},
+        samples=_causal_linear_samples(name, make_inputs, dtype=torch.float32, context=_small_chunks(reference_module)),
+        kernel_dtypes=KERNEL_16_BIT,
+        kernel_samples=lambda dtype: _causal_linear_samples(name, make_inputs, dtype=dtype, **on_the_gpu),
+        compile=tuple(
+            CompileSample("normalized" if normalize else "unnormalized",
+                          lambda q, k, v, normalize=normalize: function(q, k, v, normalize=normalize),
+                          lambda normalize=normalize: list(make_inputs(29, normalize, dtype=torch.float32,
+                                                                       requires_grad=True)),
+                          (name, f"{name}_bwd"), loss=_random_projection)
+            for normalize in (False, True)
+        ),
+        export=(ExportSample("normalized", lambda: _CausalLinearMixer(function),
+                             lambda: make_inputs(19, True, dtype=torch.float32), (name,)),),
+        bad_inputs=_causal_linear_bad_inputs(function, make_inputs, test_module.B, test_module.H, test_module.F,
+                                             test_module.DV),
+        device_mismatches=_device_mismatches(
+            function, lambda: dict(zip("qkv", make_inputs(9, True, dtype=torch.bfloat16, **on_the_gpu))), "q", "kv"
+        ),
+    )
+
+
+LINEAR_ATTENTION = _causal_linear_info(tk_ops.linear_attention, _linear_attention_inputs, test_linear_attention,
+                                       linear_attention_module)
+BASED_ATTENTION = _causal_linear_info(tk_ops.based_attention, _based_attention_inputs, test_based_attention,
+                                      based_attention_module)
 
 
 # ------------------------------------------------------------------------------------------- mamba2_ssd
