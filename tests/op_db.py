@@ -243,24 +243,30 @@ MATMUL = OpInfo(
 
 def _attention_forward(shape, causal, **kwargs) -> Sample:
     def make():
-        return (*test_attention.make_qkv(*shape, **kwargs), causal, 0.25)
+        return (*test_attention.make_qkv(*shape, **kwargs), causal, 0.25, False)
 
     return Sample("-".join(("causal" if causal else "full", *map(str, shape))), "attention", make)
 
 
-def _attention_backward(shape, with_grad_lse, **kwargs) -> Sample:
+def _attention_backward(shape, with_grad_lse, deterministic, **kwargs) -> Sample:
     def make():
         q, k, v = test_attention.make_qkv(*shape, requires_grad=False, **kwargs)
-        out, lse = torch.ops.tk.attention(q, k, v, True, 0.3)
+        out, lse = torch.ops.tk.attention(q, k, v, True, 0.3, deterministic)
         grad_lse = torch.randn_like(lse) if with_grad_lse else None
-        return (torch.randn_like(out), grad_lse, q, k, v, out, lse, True, 0.3)
+        return (torch.randn_like(out), grad_lse, q, k, v, out, lse, True, 0.3, deterministic)
 
-    return Sample("attention_bwd-" + ("grad-lse" if with_grad_lse else "no-grad-lse"), "attention_bwd", make)
+    lse = "grad-lse" if with_grad_lse else "no-grad-lse"
+    return Sample(f"attention_bwd-{lse}-{'deterministic' if deterministic else 'one-pass'}", "attention_bwd", make)
+
+
+def _attention_backward_samples(shape, **kwargs) -> tuple[Sample, ...]:
+    return tuple(_attention_backward(shape, with_grad_lse, deterministic, **kwargs)
+                 for deterministic in (False, True) for with_grad_lse in (False, True))
 
 
 def _attention_kernel_samples(dtype):
     shape, options = (1, 4, 2, 17, 23, 64), dict(dtype=dtype, device="cuda")
-    return (_attention_forward(shape, True, **options), _attention_backward(shape, True, **options))
+    return (_attention_forward(shape, True, **options), *_attention_backward_samples(shape, **options))
 
 
 def _attention_inputs(q_shape=(2, 4, 9, 40), k_shape=(2, 2, 11, 40), v_shape=None, dtype=torch.float32):
@@ -290,8 +296,7 @@ ATTENTION = OpInfo(
         _attention_forward((2, 4, 2, 17, 23, 40), False),  # GQA
         _attention_forward((1, 2, 1, 19, 7, 24), True),  # MQA, rows that see no key
         _attention_forward((1, 3, 3, 9, 9, 16), True),
-        _attention_backward((1, 4, 2, 15, 11, 24), False),
-        _attention_backward((1, 4, 2, 15, 11, 24), True),
+        *_attention_backward_samples((1, 4, 2, 15, 11, 24)),
     ),
     kernel_dtypes=KERNEL_16_BIT,
     kernel_samples=_attention_kernel_samples,
