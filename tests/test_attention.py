@@ -1,4 +1,5 @@
-"""tk_ops.attention against a naive float64 attention, SDPA, opcheck, compile/export, bad inputs."""
+"""tk_ops.attention against a naive float64 attention and SDPA, and the Hopper kernels (the op contract:
+tests/test_op_contract.py)."""
 
 from __future__ import annotations
 
@@ -192,29 +193,7 @@ def test_many_blocks_match_naive(monkeypatch, q_len, key_len, causal):
     check_against_naive(q, k, v, causal)
 
 
-# ------------------------------------------------------------------------ opcheck, compile, export
-
-
-@pytest.mark.parametrize(
-    "shape, causal",
-    [((2, 4, 2, 17, 23, 40), False), ((1, 2, 1, 19, 7, 24), True), ((1, 3, 3, 9, 9, 16), True)],
-    ids=["gqa", "mqa-hidden-rows", "mha-causal"],
-)
-def test_opcheck_forward(shape, causal):
-    q, k, v = make_qkv(*shape)
-    torch.library.opcheck(torch.ops.tk.attention.default, (q, k, v, causal, 0.25, False))
-
-
-@pytest.mark.parametrize("deterministic", [False, True], ids=["one-pass", "deterministic"])
-@pytest.mark.parametrize("with_grad_lse", [False, True], ids=["no-grad-lse", "grad-lse"])
-def test_opcheck_backward(with_grad_lse, deterministic):
-    q, k, v = make_qkv(1, 4, 2, 15, 11, 24, requires_grad=False)
-    out, lse = torch.ops.tk.attention(q, k, v, True, 0.3, deterministic)
-    grad_lse = torch.randn_like(lse) if with_grad_lse else None
-    torch.library.opcheck(
-        torch.ops.tk.attention_bwd.default,
-        (torch.randn_like(out), grad_lse, q, k, v, out, lse, True, 0.3, deterministic),
-    )
+# -------------------------------------------------------------------------------- deterministic
 
 
 def test_deterministic_follows_torch_switch(monkeypatch):
@@ -234,66 +213,6 @@ def test_deterministic_follows_torch_switch(monkeypatch):
     finally:
         torch.use_deterministic_algorithms(was_enabled, warn_only=was_warn_only)
     assert seen == [False, True, True, False]
-
-
-def test_compile_fullgraph_calls_tk_ops():
-    def attend(q, k, v):
-        out, lse = tk_ops.attention(q, k, v, causal=True, return_lse=True)
-        return out.square().sum() + lse.sum()
-
-    tk_testing.check_compile_fullgraph(
-        attend, make_qkv(2, 4, 2, 19, 21, 64, dtype=torch.float32), ["attention", "attention_bwd"]
-    )
-
-
-def test_export_keeps_tk_attention():
-    class Attention(torch.nn.Module):
-        def forward(self, q, k, v):
-            return tk_ops.attention(q, k, v, causal=True)
-
-    q, k, v = make_qkv(1, 4, 2, 11, 13, 40, dtype=torch.float32, requires_grad=False)
-    tk_testing.check_export(Attention(), (q, k, v), ["attention"])
-
-
-# ---------------------------------------------------------------------------------- bad inputs
-
-
-def _inputs(q_shape=(2, 4, 9, 40), k_shape=(2, 2, 11, 40), v_shape=None, dtype=torch.float32):
-    v_shape = k_shape if v_shape is None else v_shape
-    return [torch.randn(s, dtype=dtype) for s in (q_shape, k_shape, v_shape)]
-
-
-@pytest.mark.parametrize(
-    "inputs, kwargs, error, match",
-    [
-        (lambda: [torch.ones(2, 4, 9, 40, dtype=torch.int32), *_inputs()[1:]], {}, TypeError, "q"),
-        (lambda: [[1.0], *_inputs()[1:]], {}, TypeError, "q"),
-        (lambda: [_inputs()[0], _inputs()[1].double(), _inputs()[2]], {}, TypeError, "k"),
-        (lambda: [_inputs()[0][0], *_inputs()[1:]], {}, ValueError, "q"),
-        (lambda: _inputs(v_shape=(2, 2, 11)), {}, ValueError, "v"),
-        (lambda: _inputs(k_shape=(3, 2, 11, 40)), {}, ValueError, "k"),
-        (lambda: _inputs(k_shape=(2, 2, 11, 32), v_shape=(2, 2, 11, 40)), {}, ValueError, "k"),
-        (lambda: _inputs(v_shape=(2, 2, 12, 40)), {}, ValueError, "v"),
-        (lambda: _inputs(v_shape=(2, 1, 11, 40)), {}, ValueError, "v"),
-        (lambda: _inputs(k_shape=(2, 3, 11, 40)), {}, ValueError, "Hq .*Hkv"),
-        (lambda: _inputs(q_shape=(2, 4, 0, 40)), {}, ValueError, "q"),
-        (lambda: _inputs(k_shape=(2, 2, 0, 40)), {}, ValueError, "k"),
-        (lambda: _inputs(), {"scale": float("nan")}, ValueError, "scale"),
-        (lambda: _inputs(), {"scale": float("inf")}, ValueError, "scale"),
-    ],
-    ids=["int-dtype", "not-a-tensor", "dtype-mismatch", "rank", "v-rank", "batch", "head-dim", "kv-length",
-         "kv-heads", "group", "empty-q", "empty-k", "nan-scale", "inf-scale"],
-)
-def test_bad_inputs(inputs, kwargs, error, match):
-    with pytest.raises(error, match=match):
-        tk_ops.attention(*inputs(), **kwargs)
-
-
-@tk_testing.requires_cuda
-def test_device_mismatch():
-    q, k, v = _inputs()
-    with pytest.raises(ValueError, match="k"):
-        tk_ops.attention(q.cuda(), k, v.cuda())
 
 
 # ------------------------------------------------------------------------------ CUDA kernel

@@ -289,115 +289,7 @@ def test_channel_first_view_with_unit_last_stride_is_not_copied():
     assert_rel_close(out, conv1d_reference(x, weight, bias), TOLERANCE[torch.float64])
 
 
-# ------------------------------------------------------------------------ opcheck, compile, export
-
-
-OPCHECK_CASES = [
-    ("fp64 bias silu", torch.float64, torch.float64, True, True, False),
-    ("fp32 no bias", torch.float32, torch.float32, False, False, False),
-    ("bf16 fp32 params silu", torch.bfloat16, torch.float32, True, True, False),
-    ("fp64 channel-last", torch.float64, torch.float64, True, True, True),
-]
-
-
-def opcheck_inputs(dtype, param_dtype, with_bias, channel_last):
-    x, weight, bias = make_inputs(2, 3, 23, 4, dtype=dtype, param_dtype=param_dtype, with_bias=with_bias)
-    if channel_last:
-        x = x.transpose(1, 2).contiguous().transpose(1, 2)
-    return x, weight, bias
-
-
-@tk_testing.parametrize_with_ids("dtype, param_dtype, with_bias, silu, channel_last", OPCHECK_CASES)
-def test_opcheck_forward(dtype, param_dtype, with_bias, silu, channel_last):
-    x, weight, bias = opcheck_inputs(dtype, param_dtype, with_bias, channel_last)
-    args = [t.requires_grad_() if t is not None else None for t in (x, weight, bias)]
-    torch.library.opcheck(torch.ops.tk.causal_conv1d.default, (*args, silu))
-
-
-@tk_testing.parametrize_with_ids("dtype, param_dtype, with_bias, silu, channel_last", OPCHECK_CASES)
-def test_opcheck_backward(dtype, param_dtype, with_bias, silu, channel_last):
-    x, weight, bias = opcheck_inputs(dtype, param_dtype, with_bias, channel_last)
-    grad = torch.randn_like(x)
-    torch.library.opcheck(torch.ops.tk.causal_conv1d_bwd.default, (grad, x, weight, bias, silu))
-
-
-@pytest.mark.parametrize("channel_last", [False, True])
-def test_compile_fullgraph_forward_and_backward(channel_last):
-    x, weight, bias = make_inputs(2, 6, 45, 4, dtype=torch.float32)
-    if channel_last:
-        x = x.transpose(1, 2).contiguous().transpose(1, 2)
-    inputs = [t.requires_grad_() for t in (x, weight, bias)]
-    grad = torch.randn(x.shape)
-    tk_testing.check_compile_fullgraph(
-        lambda x, weight, bias: tk_ops.causal_conv1d(x, weight, bias, activation="silu") * 2.0,
-        inputs,
-        ["causal_conv1d", "causal_conv1d_bwd"],
-        loss=lambda out: (out * grad).sum(),
-        tol=1e-6,
-    )
-
-
-def test_export():
-    class ShortConv(torch.nn.Module):
-        def __init__(self, dim, width):
-            super().__init__()
-            self.weight = torch.nn.Parameter(torch.randn(dim, width) / width**0.5)
-            self.bias = torch.nn.Parameter(torch.randn(dim))
-
-        def forward(self, x):  # x (B, L, D), as a mixer has it
-            return tk_ops.causal_conv1d(x.transpose(1, 2), self.weight, self.bias, activation="silu").transpose(1, 2)
-
-    tk_testing.check_export(ShortConv(6, 4), (torch.randn(2, 50, 6),), ["causal_conv1d"], tol=1e-6)
-
-
-# ---------------------------------------------------------------------------------- bad inputs
-
-
-def _bad_inputs():
-    x, weight, bias = make_inputs(2, 3, 16, 4, dtype=torch.float32)
-    return [
-        ("x not a tensor", lambda: tk_ops.causal_conv1d(x.tolist(), weight), TypeError, "x"),
-        ("x rank 2", lambda: tk_ops.causal_conv1d(x[0], weight), ValueError, "x must have 3"),
-        ("x rank 4", lambda: tk_ops.causal_conv1d(x[None], weight), ValueError, "x must have 3"),
-        ("integer x", lambda: tk_ops.causal_conv1d(x.to(torch.int32), weight), TypeError, "x"),
-        ("weight not a tensor", lambda: tk_ops.causal_conv1d(x, weight.tolist()), TypeError, "weight"),
-        ("weight rank 1", lambda: tk_ops.causal_conv1d(x, weight[0]), ValueError, "weight must have 2"),
-        ("conv1d weight (D, 1, W)", lambda: tk_ops.causal_conv1d(x, weight[:, None]), ValueError, r"squeeze\(1\)"),
-        ("W = 0", lambda: tk_ops.causal_conv1d(x, weight[:, :0]), ValueError, r"kernel width W\) must be >= 1"),
-        ("weight channels != D", lambda: tk_ops.causal_conv1d(x, torch.randn(4, 4)), ValueError, r"weight\.shape\[0\].*D"),
-        ("bias rank 2", lambda: tk_ops.causal_conv1d(x, weight, bias[None]), ValueError, "bias must have 1"),
-        ("bias length != D", lambda: tk_ops.causal_conv1d(x, weight, torch.randn(4)), ValueError, r"bias\.shape\[0\]"),
-        ("fp64 weight with fp32 x", lambda: tk_ops.causal_conv1d(x, weight.double()), TypeError, "weight"),
-        ("bf16 weight with fp32 x", lambda: tk_ops.causal_conv1d(x, weight.bfloat16()), TypeError, "weight"),
-        ("fp16 weight with bf16 x", lambda: tk_ops.causal_conv1d(x.bfloat16(), weight.half()), TypeError, "weight"),
-        ("fp16 bias with bf16 x", lambda: tk_ops.causal_conv1d(x.bfloat16(), weight, bias.half()), TypeError, "bias"),
-        ("integer weight", lambda: tk_ops.causal_conv1d(x, weight.to(torch.int32)), TypeError, "weight"),
-        ("activation relu", lambda: tk_ops.causal_conv1d(x, weight, activation="relu"), ValueError, "activation"),
-        ("activation True", lambda: tk_ops.causal_conv1d(x, weight, activation=True), ValueError, "activation"),
-        ("activation SiLU", lambda: tk_ops.causal_conv1d(x, weight, activation="SiLU"), ValueError, "activation"),
-        ("empty batch", lambda: tk_ops.causal_conv1d(x[:0], weight), ValueError, "x must not be empty"),
-        ("empty L", lambda: tk_ops.causal_conv1d(x[..., :0], weight), ValueError, "x must not be empty"),
-    ]
-
-
-@tk_testing.parametrize_with_ids("call, error, match", _bad_inputs())
-def test_bad_inputs(call, error, match):
-    with tk_testing.RecordTkCalls() as recorder:
-        with pytest.raises(error, match=match):
-            call()
-    assert recorder.calls == {}  # raised before any tk op ran
-
-
 # ------------------------------------------------------------------------------------------ GPU
-
-
-@requires_cuda
-def test_device_mismatch():
-    x, weight, bias = make_inputs(2, 3, 16, 4, dtype=torch.bfloat16, device="cuda")
-    with pytest.raises(ValueError, match="weight"):
-        tk_ops.causal_conv1d(x, weight.cpu())
-    with pytest.raises(ValueError, match="bias"):
-        tk_ops.causal_conv1d(x, weight, bias.cpu())
 
 
 @requires_cuda
@@ -649,15 +541,6 @@ def test_kernel_cuda_graph_capture_and_replay(layout):
     for got, want, old in zip(captured, forward_backward(), before):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
         assert not torch.equal(got, old)
-
-
-@requires_kernel("causal_conv1d")
-def test_kernel_opcheck():
-    x, weight, bias = make_inputs(2, 256, 1000, 4, dtype=torch.bfloat16, device="cuda")
-    torch.library.opcheck(torch.ops.tk.causal_conv1d_bwd.default, (torch.randn_like(x), x, weight, bias, True))
-    torch.library.opcheck(torch.ops.tk.causal_conv1d.default, (x.requires_grad_(), weight.requires_grad_(), bias.requires_grad_(), True))
-    channel_last = x.detach().transpose(1, 2).contiguous().transpose(1, 2)
-    torch.library.opcheck(torch.ops.tk.causal_conv1d_bwd.default, (torch.randn_like(channel_last), channel_last, weight, bias, True))
 
 
 def _unsupported_cases():

@@ -13,7 +13,7 @@ import tk_ops
 from tk_ops import _library
 from tk_ops.ops import mamba2_ssd as mamba2_ssd_module
 import tk_testing
-from tk_testing import TOLERANCE, assert_rel_close, requires_cuda, requires_kernel
+from tk_testing import TOLERANCE, assert_rel_close, requires_kernel
 
 NAMES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
 
@@ -223,70 +223,6 @@ def test_op_outputs_and_gradient_dtypes():
     assert [t.grad.dtype for t in leaves] == [torch.bfloat16] * 5  # autograd casts grad_A to A's dtype
 
 
-def _opcheck_inputs(config, dtype, param_dtype):
-    inputs, softplus = make_inputs(**config, dtype=dtype, param_dtype=param_dtype)
-    tensors = [None if inputs[n] is None else inputs[n].requires_grad_() for n in NAMES]
-    x, dt, A, B, C, D, z, dt_bias, initial = tensors
-    return (x, dt, A, B, C, config["chunk_size"], D, z, dt_bias, softplus, initial)
-
-
-OPCHECK_CASES = {
-    "float64, all options": (dict(CASES["all options"], L=11, chunk_size=4), torch.float64, torch.float64),
-    "bf16, fp32 parameters, no options": (dict(CASES["plain"], L=9, chunk_size=4), torch.bfloat16, torch.float32),
-}
-
-
-@pytest.mark.parametrize("case", OPCHECK_CASES)
-def test_opcheck_forward(case):
-    torch.library.opcheck(torch.ops.tk.mamba2_ssd.default, _opcheck_inputs(*OPCHECK_CASES[case]))
-
-
-@pytest.mark.parametrize(
-    "case, with_final_grad", [("float64, all options", True), ("bf16, fp32 parameters, no options", False)]
-)
-def test_opcheck_backward(case, with_final_grad):
-    args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in _opcheck_inputs(*OPCHECK_CASES[case]))
-    y, final, chunk_states = torch.ops.tk.mamba2_ssd(*args)
-    grad_final = torch.randn_like(final) if with_final_grad else None
-    torch.library.opcheck(torch.ops.tk.mamba2_ssd_bwd.default, (torch.randn_like(y), grad_final, *args, chunk_states))
-
-
-def test_compile_fullgraph_forward_and_backward():
-    inputs, softplus = make_inputs(**CASES["all options"], dtype=torch.float32)
-    grad_y, grad_final = torch.randn_like(inputs["x"]), torch.randn(2, 4, 5, 3)
-
-    def model(*tensors):
-        y, final = ssd(dict(zip(NAMES, tensors)), softplus, 16)
-        return y * 2.0, final
-
-    tk_testing.check_compile_fullgraph(
-        model,
-        [inputs[name].requires_grad_() for name in NAMES],
-        ["mamba2_ssd", "mamba2_ssd_bwd"],
-        loss=lambda y, final: (y * grad_y).sum() + (final * grad_final).sum(),
-        tol=1e-6,
-    )
-
-
-def test_export():
-    class Mixer(torch.nn.Module):
-        def __init__(self, heads, head_dim):
-            super().__init__()
-            self.A_log = torch.nn.Parameter(torch.rand(heads))
-            self.D = torch.nn.Parameter(torch.randn(heads))
-            self.dt_bias = torch.nn.Parameter(torch.randn(heads) * 0.3)
-
-        def forward(self, x, dt, B, C, z):
-            return tk_ops.mamba2_ssd(
-                x, dt, -torch.exp(self.A_log), B, C, chunk_size=8, D=self.D, z=z, dt_bias=self.dt_bias,
-                dt_softplus=True,
-            )
-
-    inputs, _ = make_inputs(2, 21, 4, 5, 2, 3, z=True, dt_softplus=True, dtype=torch.float32)
-    args = tuple(inputs[name] for name in ("x", "dt", "B", "C", "z"))
-    tk_testing.check_export(Mixer(4, 5), args, ["mamba2_ssd"], tol=1e-6)
-
-
 def x_dt_B_strides(recorder: tk_testing.RecordTkCalls) -> list[tuple[tuple[int, ...], ...]]:
     """The strides of x, dt and B in each call of tk.mamba2_ssd."""
     return [(x.stride(), dt.stride(), B.stride()) for x, dt, _, B, *_ in recorder.calls["mamba2_ssd"]]
@@ -322,68 +258,6 @@ def test_strided_views():
     want = gradients(lambda t: recurrence(t, softplus), inputs, grad_y, None)
     for name in got:
         assert_rel_close(got[name], want[name], TOLERANCE[torch.float64], f"grad_{name}")
-
-
-def _bad_inputs():
-    inputs, _ = make_inputs(2, 10, 4, 3, 2, 5, dtype=torch.float32, D="H", z=True, dt_bias=True, initial=True)
-    x, dt, A, B, C = (inputs[name] for name in ("x", "dt", "A", "B", "C"))
-
-    def call(**changes):
-        args = dict(inputs, **changes)
-        chunk_size = args.pop("chunk_size", 4)
-        return lambda: tk_ops.mamba2_ssd(
-            args["x"], args["dt"], args["A"], args["B"], args["C"], chunk_size=chunk_size, D=args["D"],
-            z=args["z"], dt_bias=args["dt_bias"], initial_states=args["initial_states"],
-        )
-
-    return [
-        ("x not a tensor", call(x=x.tolist()), TypeError, "x"),
-        ("x rank 3", call(x=x[0]), ValueError, "x"),
-        ("dt rank 2", call(dt=dt[0]), ValueError, "dt"),
-        ("A rank 2", call(A=A[None]), ValueError, "A"),
-        ("B rank 3", call(B=B[0]), ValueError, "B"),
-        ("C rank 5", call(C=C[None]), ValueError, "C"),
-        ("D rank 3", call(D=torch.randn(4, 3, 1)), ValueError, "D"),
-        ("integer x", call(x=x.to(torch.int32)), TypeError, "x"),
-        ("integer dt", call(dt=dt.to(torch.int64)), TypeError, "dt"),
-        ("bf16 B with fp32 x", call(B=B.bfloat16()), TypeError, "B"),
-        ("fp64 C with fp32 x", call(C=C.double()), TypeError, "C"),
-        ("fp16 z with fp32 x", call(z=inputs["z"].half()), TypeError, "z"),
-        ("dt batch", call(dt=dt[:1]), ValueError, r"dt\.shape\[0\]"),
-        ("dt seqlen", call(dt=dt[:, :9]), ValueError, r"dt\.shape\[1\]"),
-        ("dt heads", call(dt=dt[..., :3]), ValueError, r"dt\.shape\[2\]"),
-        ("A heads", call(A=A[:3]), ValueError, r"A\.shape\[0\]"),
-        ("B seqlen", call(B=B[:, :9]), ValueError, r"B\.shape\[1\]"),
-        ("H not a multiple of G", call(B=torch.randn(2, 10, 3, 5), C=torch.randn(2, 10, 3, 5)), ValueError,
-         r"H = x\.shape\[2\] \(4\) must be a multiple of the number of groups G = B\.shape\[2\] \(3\)"),
-        ("C state size", call(C=C[..., :4]), ValueError, "C must have B's shape"),
-        ("z shape", call(z=inputs["z"][..., :2]), ValueError, "z must have x's shape"),
-        ("D shape", call(D=torch.randn(4, 2)), ValueError, r"D must have shape \(4,\) or \(4, 3\)"),
-        ("dt_bias heads", call(dt_bias=torch.randn(3)), ValueError, r"dt_bias\.shape\[0\]"),
-        ("initial_states shape", call(initial_states=torch.randn(2, 4, 5, 3)), ValueError, "initial_states"),
-        ("chunk_size 0", call(chunk_size=0), ValueError, "chunk_size"),
-        ("chunk_size float", call(chunk_size=8.0), TypeError, "chunk_size"),
-        ("chunk_size bool", call(chunk_size=True), TypeError, "chunk_size"),
-        ("empty seqlen", call(x=x[:, :0], dt=dt[:, :0], B=B[:, :0], C=C[:, :0]), ValueError, "x"),
-        ("empty head dim", call(x=x[..., :0], z=None, D=None, initial_states=None), ValueError, "x"),
-        ("empty state", call(B=B[..., :0], C=C[..., :0], initial_states=None), ValueError, "B"),
-        ("empty initial_states", call(initial_states=torch.randn(2, 4, 3, 0)), ValueError, "initial_states"),
-    ]
-
-
-@tk_testing.parametrize_with_ids("call, error, match", _bad_inputs())
-def test_bad_inputs(call, error, match):
-    with pytest.raises(error, match=match):
-        call()
-
-
-@requires_cuda
-def test_device_mismatch():
-    inputs, _ = make_inputs(2, 10, 4, 64, 2, 64, dtype=torch.bfloat16, D="H", initial=True, device="cuda")
-    for name in ("dt", "A", "B", "D", "initial_states"):
-        moved = dict(inputs, **{name: inputs[name].cpu()})
-        with pytest.raises(ValueError, match=name):
-            ssd(moved, False, 64)
 
 
 # --------------------------------------------------------------------------------- CUDA kernel
@@ -431,22 +305,6 @@ def test_kernel_unsupported_sizes_fall_back():
     want_y, want_final = recurrence(inputs, softplus)
     assert_rel_close(y, want_y, TOLERANCE[torch.bfloat16], "y")
     assert_rel_close(final, want_final, KERNEL_TOLERANCE[torch.bfloat16], "final_states")
-
-
-@requires_kernel("mamba2_ssd")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_kernel_opcheck(dtype):
-    config = dict(Bt=2, L=150, H=4, P=64, G=2, N=64, chunk_size=64, D="H", z=True, dt_bias=True,
-                  dt_softplus=True, initial=True)
-    inputs, softplus = make_inputs(**config, dtype=dtype, param_dtype=torch.float32, device="cuda")
-    tensors = [None if inputs[n] is None else inputs[n].requires_grad_() for n in NAMES]
-    x, dt, A, B, C, D, z, dt_bias, initial = tensors
-    args = (x, dt, A, B, C, 64, D, z, dt_bias, softplus, initial)
-    torch.library.opcheck(torch.ops.tk.mamba2_ssd.default, args)
-    plain = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
-    y, final, chunk_states = torch.ops.tk.mamba2_ssd(*plain)
-    bwd_args = (torch.randn_like(y), torch.randn_like(final), *plain, chunk_states)
-    torch.library.opcheck(torch.ops.tk.mamba2_ssd_bwd.default, bwd_args)
 
 
 # ------------------------------------------------------------------ the kernel: every option, tails

@@ -10,7 +10,7 @@ import torch
 import tk_ops
 import tk_testing
 from tk_ops import _library
-from tk_testing import TOLERANCE, assert_rel_close, rel_err, requires_cuda, requires_kernel
+from tk_testing import TOLERANCE, assert_rel_close, rel_err, requires_kernel
 
 # (M, K, N): odd sizes, a size of 1 in each position, nothing a multiple of 16.
 SHAPES = [(7, 13, 5), (1, 9, 3), (11, 1, 6), (5, 8, 1), (3, 17, 19)]
@@ -130,91 +130,6 @@ def test_backward_ops_return_empty_for_unrequested_gradients():
     assert grad_a.shape == a.shape and grad_b.numel() == 0
     grad_x, grad_w, grad_bias = torch.ops.tk.linear_bwd(grad, a, b.mT, [False, True, False])
     assert grad_x.numel() == 0 and grad_w.shape == (3, 5) and grad_bias.numel() == 0
-
-
-# ------------------------------------------------------------------------- opcheck, compile, export
-
-
-def test_opcheck_forward_ops():
-    a = torch.randn(5, 7, requires_grad=True)
-    b = torch.randn(7, 3, requires_grad=True)
-    torch.library.opcheck(torch.ops.tk.matmul.default, (a, b))
-    torch.library.opcheck(torch.ops.tk.matmul.default, (b.mT, a.mT))
-    weight, bias = torch.randn(4, 7, requires_grad=True), torch.randn(4, requires_grad=True)
-    torch.library.opcheck(torch.ops.tk.linear.default, (a, weight, bias))
-    torch.library.opcheck(torch.ops.tk.linear.default, (a, weight, None))
-
-
-def test_opcheck_backward_ops():
-    grad, a, b = torch.randn(5, 3), torch.randn(5, 7), torch.randn(7, 3)
-    torch.library.opcheck(torch.ops.tk.matmul_bwd.default, (grad, a, b, [True, True]))
-    torch.library.opcheck(torch.ops.tk.matmul_bwd.default, (grad, a, b, [False, True]))
-    weight = torch.randn(3, 7)
-    torch.library.opcheck(torch.ops.tk.linear_bwd.default, (grad, a, weight, [True, True, True]))
-
-
-def test_compile_fullgraph_calls_tk_forward_and_backward_ops():
-    def loss(x, weight, bias, b):
-        return tk_ops.matmul(tk_ops.linear(x, weight, bias), b).square().sum()
-
-    inputs = [torch.randn(*s, requires_grad=True) for s in ((6, 5), (4, 5), (4,), (4, 3))]
-    tk_testing.check_compile_fullgraph(loss, inputs, ["matmul", "matmul_bwd", "linear", "linear_bwd"])
-
-
-def test_export_contains_tk_ops():
-    class Block(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.weight = torch.nn.Parameter(torch.randn(4, 5))
-            self.bias = torch.nn.Parameter(torch.randn(4))
-
-        def forward(self, x, b):
-            return tk_ops.matmul(tk_ops.linear(x, self.weight, self.bias), b)
-
-    tk_testing.check_export(Block(), (torch.randn(3, 5), torch.randn(4, 2)), ["linear", "matmul"])
-
-
-# ------------------------------------------------------------------------------- bad inputs
-
-
-@pytest.mark.parametrize(
-    "a, b, error, match",
-    [
-        (torch.randn(3, 4), [[1.0]], TypeError, "b must be a torch.Tensor"),
-        (torch.randint(0, 3, (3, 4)), torch.randint(0, 3, (4, 2)), TypeError, "a must have dtype"),
-        (torch.randn(3, 4), torch.randn(4, 2, dtype=torch.float64), TypeError, "b must have a's dtype"),
-        (torch.randn(3, 4, 1), torch.randn(4, 2), ValueError, "a must have 2 dimensions"),
-        (torch.randn(3, 4), torch.randn(4), ValueError, "b must have 2 dimensions"),
-        (torch.randn(3, 4), torch.randn(5, 2), ValueError, r"b.shape\[0\] must equal a.shape\[1\]"),
-        (torch.randn(0, 4), torch.randn(4, 2), ValueError, "a must not be empty"),
-        (torch.randn(3, 4), torch.randn(4, 0), ValueError, "b must not be empty"),
-    ],
-)
-def test_matmul_rejects_bad_inputs(a, b, error, match):
-    with pytest.raises(error, match=match):
-        tk_ops.matmul(a, b)
-
-
-@pytest.mark.parametrize(
-    "x, weight, bias, error, match",
-    [
-        (torch.randn(3, 4), torch.randn(2, 5), None, ValueError, r"weight.shape\[1\] must equal x.shape\[-1\]"),
-        (torch.randn(3, 4), torch.randn(2, 4, 1), None, ValueError, "weight must have 2 dimensions"),
-        (torch.randn(3, 4), torch.randn(2, 4), torch.randn(3), ValueError, r"bias.shape\[0\] must equal"),
-        (torch.randn(3, 4), torch.randn(2, 4), torch.randn(2, 1), ValueError, "bias must have 1 dimensions"),
-        (torch.randn(3, 4), torch.randn(2, 4), torch.randn(2).half(), TypeError, "bias must have x's dtype"),
-        (torch.randn(()), torch.randn(2, 4), None, ValueError, "x must have"),
-    ],
-)
-def test_linear_rejects_bad_inputs(x, weight, bias, error, match):
-    with pytest.raises(error, match=match):
-        tk_ops.linear(x, weight, bias)
-
-
-@requires_cuda
-def test_device_mismatch_is_rejected():
-    with pytest.raises(ValueError, match="b must be on a's device"):
-        tk_ops.matmul(torch.randn(3, 4, device="cuda"), torch.randn(4, 2))
 
 
 # ------------------------------------------------------------------------------ Hopper kernel
@@ -378,22 +293,6 @@ def test_matmul_kernel_in_cuda_graph():
     torch.cuda.synchronize()
     assert not torch.equal(out, expected)
     assert torch.equal(out, tk_ops.matmul(a, b))
-
-
-@requires_kernel("matmul")
-def test_opcheck_on_the_kernel():
-    a = torch.randn(130, 72, dtype=torch.bfloat16, device="cuda", requires_grad=True)
-    b = torch.randn(72, 264, dtype=torch.bfloat16, device="cuda", requires_grad=True)
-    torch.library.opcheck(torch.ops.tk.matmul.default, (a, b))
-    torch.library.opcheck(torch.ops.tk.matmul_bwd.default, (torch.randn_like(a @ b), a, b, [True, True]))
-    weight, bias = torch.randn(40, 72, dtype=torch.bfloat16, device="cuda"), torch.randn(40, dtype=torch.bfloat16, device="cuda")
-    torch.library.opcheck(torch.ops.tk.linear.default, (a, weight, bias))
-
-
-@requires_kernel("matmul")
-def test_cpp_checks_raise_value_error():
-    with pytest.raises(ValueError, match="b.shape\\[0\\] must equal a.shape\\[1\\]"):
-        torch.ops.tk.matmul(torch.randn(3, 4, device="cuda").half(), torch.randn(5, 2, device="cuda").half())
 
 
 # ------------------------------------------------------------------------------------- autocast

@@ -1,6 +1,6 @@
-"""The package itself: every contract op exists as a tk op with a backward op, the CUDA extension
-is optional, ``tk_ops.backends()`` says what serves each op, and the set-up (README, CI,
-pyproject.toml) holds together."""
+"""The package itself: the CUDA extension is optional, ``tk_ops.backends()`` says what serves each
+op, and the set-up (README, CI, pyproject.toml) holds together (that every public op is a tk op
+with a backward op: tests/test_op_contract.py)."""
 
 import ast
 import importlib.metadata
@@ -18,32 +18,6 @@ from tk_ops import _library
 from tk_testing import IS_HOPPER, requires_cuda
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-
-# Every public op and the tk ops behind it (forward, dedicated backward).
-CONTRACT = {
-    "matmul": ("matmul", "matmul_bwd"),
-    "linear": ("linear", "linear_bwd"),
-    "attention": ("attention", "attention_bwd"),
-    "layer_norm": ("layer_norm", "layer_norm_bwd"),
-    "rms_norm": ("rms_norm", "rms_norm_bwd"),
-    "rope": ("rope", "rope_bwd"),
-    "rope_qk": ("rope_qk", "rope_qk_bwd"),
-    "based_attention": ("based_attention", "based_attention_bwd"),
-    "linear_attention": ("linear_attention", "linear_attention_bwd"),
-    "mamba2_ssd": ("mamba2_ssd", "mamba2_ssd_bwd"),
-    "fftconv": ("fftconv", "fftconv_bwd"),
-    "causal_conv1d": ("causal_conv1d", "causal_conv1d_bwd"),
-}
-
-
-@pytest.mark.parametrize("public_name", sorted(CONTRACT))
-def test_every_public_op_is_a_tk_op_with_backward_and_fallback_twin(public_name):
-    assert callable(getattr(tk_ops, public_name))
-    for op_name in CONTRACT[public_name]:
-        for name in (op_name, f"{op_name}_ref"):
-            op = getattr(torch.ops.tk, name).default
-            assert torch.Tag.pt2_compliant_tag in op.tags
-        assert op_name in tk_ops.backends()
 
 
 def test_nn_modules_exist():

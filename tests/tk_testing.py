@@ -15,25 +15,35 @@ from tk_ops import _library
 HAS_CUDA = torch.cuda.is_available()
 IS_HOPPER = HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
 
-def _gpu_test(skip_condition: bool, reason: str):
-    """Mark a test ``gpu`` (the device script selects them with ``-m gpu``) and skip it where it can't run."""
-    skip = pytest.mark.skipif(skip_condition, reason=reason)
 
+def _gpu_marks(skip_condition: bool, reason: str) -> tuple:
+    """A GPU test's marks: ``gpu`` (the device script selects them with ``-m gpu``) and a skip where it can't run."""
+    return (pytest.mark.gpu, pytest.mark.skipif(skip_condition, reason=reason))
+
+
+def _marked(marks: tuple):
     def apply(test):
-        return pytest.mark.gpu(skip(test))
+        for mark in marks:
+            test = mark(test)
+        return test
 
     return apply
 
 
-requires_cuda = _gpu_test(not HAS_CUDA, "needs a CUDA device")
+CUDA_MARKS = _gpu_marks(not HAS_CUDA, "needs a CUDA device")
+requires_cuda = _marked(CUDA_MARKS)
 
 
-def requires_kernel(op_name: str):
+def kernel_marks(op_name: str) -> tuple:
     """Skip unless a Hopper GPU is present and tk_ops._C registered a CUDA kernel for the op."""
-    return _gpu_test(
+    return _gpu_marks(
         not (IS_HOPPER and _library.has_cuda_kernel(op_name)),
         f"needs an sm_90 GPU and the tk_ops CUDA kernel for tk.{op_name} (extension: {tk_ops.extension_status()})",
     )
+
+
+def requires_kernel(op_name: str):
+    return _marked(kernel_marks(op_name))
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -115,6 +125,7 @@ def check_compile_fullgraph(
     *,
     loss: Callable[..., torch.Tensor] | None = None,
     tol: float | None = None,
+    seed: int | None = None,
 ) -> None:
     """``torch.compile(fn, fullgraph=True)`` runs forward and backward with ``torch.ops.tk.<op>.default`` for
     every name in ``ops`` in its generated code, and gives eager's outputs and input gradients.
@@ -122,9 +133,12 @@ def check_compile_fullgraph(
     ``fn`` returns a tensor or a tuple of tensors; backward starts from ``loss(*outputs)``, or from the
     output itself when ``loss`` is None. Both runs use fresh leaves with the ``requires_grad`` of ``inputs``;
     outputs and gradients are compared within the relative error ``tol`` (None: assert_close's defaults).
+    With a ``seed``, both runs start from ``torch.manual_seed(seed)`` (for an ``fn`` that draws random numbers).
     """
 
     def forward_backward(run):
+        if seed is not None:
+            torch.manual_seed(seed)
         leaves = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
         outputs = _as_tuple(run(*leaves))
         (outputs[0] if loss is None else loss(*outputs)).backward()

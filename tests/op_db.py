@@ -1,0 +1,1171 @@
+"""The op-contract table, in the spirit of PyTorch's OpInfo: one entry per op family (``tk_ops/ops/<name>.py``)
+with its public functions and their tk ops, opcheck samples on the CPU and, for every dtype its CUDA kernels
+serve, on the GPU, compile and export samples, and bad inputs with the error each raises.
+
+``tests/test_op_contract.py`` runs every check over this table; ``tests/test_<name>.py`` keeps the numerics
+(and the input builders this table borrows). Tensors are built when a case runs (CUDA ones only there), except
+for bad inputs on the CPU, whose values do not matter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from unittest import mock
+
+import torch
+
+import test_attention
+import test_based_attention
+import test_causal_conv1d
+import test_fftconv
+import test_layer_norm
+import test_linear_attention
+import test_mamba2_ssd
+import test_rms_norm
+import test_rope
+import tk_ops
+from tk_ops.ops import based_attention as based_attention_module
+from tk_ops.ops import linear_attention as linear_attention_module
+
+KERNEL_16_BIT = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """The arguments of one call of ``torch.ops.tk.<op>``, built by ``make()`` inside ``context()``."""
+
+    id: str
+    op: str
+    make: Callable[[], tuple]
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+
+
+@dataclass(frozen=True)
+class CompileSample:
+    """``torch.compile(fn, fullgraph=True)`` on ``make_inputs()`` calls every tk op of ``ops`` in its forward
+    and backward code and matches eager (tk_testing.check_compile_fullgraph's ``loss``, ``tol`` and ``seed``),
+    under the Inductor options ``inductor_config``."""
+
+    id: str
+    fn: Callable
+    make_inputs: Callable[[], list[torch.Tensor]]
+    ops: tuple[str, ...]
+    loss: Callable | None = None
+    tol: float | None = None
+    seed: int | None = None
+    inductor_config: tuple[tuple[str, object], ...] = ()
+
+
+@dataclass(frozen=True)
+class ExportSample:
+    """``torch.export`` of ``make_module()`` on ``make_args()`` keeps the tk ops ``ops`` (tk_testing.check_export)."""
+
+    id: str
+    make_module: Callable[[], torch.nn.Module]
+    make_args: Callable[[], tuple]
+    ops: tuple[str, ...]
+    tol: float | None = None
+
+
+@dataclass(frozen=True)
+class BadInput:
+    """``call()`` raises ``error`` with a message matching ``match``: in the public function, before any tk op
+    runs, unless ``calls_op`` (the case calls a tk op directly). ``kernel``: the case needs that op's CUDA
+    kernel (its C++ checks)."""
+
+    id: str
+    call: Callable[[], object]
+    error: type[Exception] | tuple[type[Exception], ...]
+    match: str
+    calls_op: bool = False
+    kernel: str | None = None
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    """One op family. ``functions``: public function -> (forward tk op, backward tk op); ``kernel_dtypes``: the
+    input dtypes its CUDA kernels serve, each opchecked on the GPU with ``kernel_samples(dtype)``;
+    ``device_mismatches``: CUDA calls with one tensor left on the CPU."""
+
+    name: str
+    functions: dict[str, tuple[str, str]]
+    samples: tuple[Sample, ...]
+    kernel_dtypes: tuple[torch.dtype, ...]
+    kernel_samples: Callable[[torch.dtype], tuple[Sample, ...]]
+    compile: tuple[CompileSample, ...]
+    export: tuple[ExportSample, ...]
+    bad_inputs: tuple[BadInput, ...]
+    device_mismatches: tuple[BadInput, ...]
+
+
+def _bad(*rows: tuple) -> tuple[BadInput, ...]:
+    return tuple(BadInput(*row) for row in rows)
+
+
+def _op_calls(*rows: tuple) -> tuple[BadInput, ...]:
+    """Bad inputs that call a tk op directly: rows (id, call, error, match[, kernel])."""
+    return tuple(BadInput(*row[:4], calls_op=True, kernel=row[4] if len(row) > 4 else None) for row in rows)
+
+
+def _device_mismatches(function, make_inputs, first: str, names) -> tuple[BadInput, ...]:
+    """``function(**make_inputs())`` on CUDA inputs with one of ``names`` moved to the CPU raises a ValueError
+    naming it and ``first`` (the argument whose device the others must share)."""
+
+    def case(name):
+        def call():
+            inputs = make_inputs()
+            return function(**dict(inputs, **{name: inputs[name].cpu()}))
+
+        return BadInput(f"{name}-on-the-cpu", call, ValueError, f"{name} must be on {first}'s device")
+
+    return tuple(case(name) for name in names)
+
+
+def _randn(*shapes, requires_grad=False, **kwargs) -> list[torch.Tensor]:
+    return [torch.randn(*s, **kwargs).requires_grad_(requires_grad) for s in shapes]
+
+
+def _random_projection(*outputs: torch.Tensor) -> torch.Tensor:
+    """sum(out * g) over the outputs, g random but the same in every run: a loss with a dense gradient."""
+    generator = torch.Generator().manual_seed(0)
+    return sum((out * torch.randn(out.shape, generator=generator, dtype=out.dtype)).sum() for out in outputs)
+
+
+def _grad_leaves(tensors) -> tuple:
+    """The tensors detached, floating ones requiring grad (None and non-tensors as they are)."""
+    return tuple(
+        t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t for t in tensors
+    )
+
+
+# --------------------------------------------------------------------------------------- matmul, linear
+
+
+def _matmul_samples(dtype=torch.float32, device="cpu", sizes=(5, 7, 3, 4)):
+    M, K, N, out_features = sizes
+
+    def operands(requires_grad=True):
+        return _randn((M, K), (K, N), requires_grad=requires_grad, dtype=dtype, device=device)
+
+    def linear_args(bias: bool):
+        (a, _), weight, b = operands(), *_randn((out_features, K), (out_features,), dtype=dtype, device=device)
+        return (a, weight.requires_grad_(), b.requires_grad_() if bias else None)
+
+    def backward_args(mask):
+        a, b = operands(requires_grad=False)
+        return (torch.randn(M, N, dtype=dtype, device=device), a, b, mask)
+
+    def linear_backward_args():
+        a, weight = _randn((M, K), (N, K), dtype=dtype, device=device)
+        return (torch.randn(M, N, dtype=dtype, device=device), a, weight, [True, True, True])
+
+    return (
+        Sample("matmul", "matmul", operands),
+        Sample("matmul-transposed-views", "matmul", lambda: tuple(t.mT for t in reversed(operands()))),
+        Sample("linear-bias", "linear", lambda: linear_args(True)),
+        Sample("linear-no-bias", "linear", lambda: linear_args(False)),
+        Sample("matmul_bwd", "matmul_bwd", lambda: backward_args([True, True])),
+        Sample("matmul_bwd-grad-b-only", "matmul_bwd", lambda: backward_args([False, True])),
+        Sample("linear_bwd", "linear_bwd", linear_backward_args),
+    )
+
+
+class _LinearThenMatmul(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(4, 5))
+        self.bias = torch.nn.Parameter(torch.randn(4))
+
+    def forward(self, x, b):
+        return tk_ops.matmul(tk_ops.linear(x, self.weight, self.bias), b)
+
+
+MATMUL = OpInfo(
+    name="matmul",
+    functions={"matmul": ("matmul", "matmul_bwd"), "linear": ("linear", "linear_bwd")},
+    samples=_matmul_samples(),
+    kernel_dtypes=KERNEL_16_BIT,
+    # Sizes the kernel takes: rows of 16-byte multiples, tails in M.
+    kernel_samples=lambda dtype: _matmul_samples(dtype, "cuda", sizes=(130, 72, 264, 40)),
+    compile=(
+        CompileSample(
+            "linear-then-matmul",
+            lambda x, weight, bias, b: tk_ops.matmul(tk_ops.linear(x, weight, bias), b).square().sum(),
+            lambda: _randn((6, 5), (4, 5), (4,), (4, 3), requires_grad=True),
+            ("matmul", "matmul_bwd", "linear", "linear_bwd"),
+        ),
+    ),
+    export=(ExportSample("linear-then-matmul", _LinearThenMatmul, lambda: (torch.randn(3, 5), torch.randn(4, 2)),
+                         ("linear", "matmul")),),
+    bad_inputs=_bad(
+        ("matmul-b-not-a-tensor", lambda: tk_ops.matmul(torch.randn(3, 4), [[1.0]]), TypeError,
+         "b must be a torch.Tensor"),
+        ("matmul-integer", lambda: tk_ops.matmul(torch.randint(0, 3, (3, 4)), torch.randint(0, 3, (4, 2))),
+         TypeError, "a must have dtype"),
+        ("matmul-dtype-mismatch", lambda: tk_ops.matmul(torch.randn(3, 4), torch.randn(4, 2, dtype=torch.float64)),
+         TypeError, "b must have a's dtype"),
+        ("matmul-a-rank-3", lambda: tk_ops.matmul(torch.randn(3, 4, 1), torch.randn(4, 2)), ValueError,
+         "a must have 2 dimensions"),
+        ("matmul-b-rank-1", lambda: tk_ops.matmul(torch.randn(3, 4), torch.randn(4)), ValueError,
+         "b must have 2 dimensions"),
+        ("matmul-inner-size", lambda: tk_ops.matmul(torch.randn(3, 4), torch.randn(5, 2)), ValueError,
+         r"b.shape\[0\] must equal a.shape\[1\]"),
+        ("matmul-empty-a", lambda: tk_ops.matmul(torch.randn(0, 4), torch.randn(4, 2)), ValueError,
+         "a must not be empty"),
+        ("matmul-empty-b", lambda: tk_ops.matmul(torch.randn(3, 4), torch.randn(4, 0)), ValueError,
+         "b must not be empty"),
+        ("linear-in-features", lambda: tk_ops.linear(torch.randn(3, 4), torch.randn(2, 5)), ValueError,
+         r"weight.shape\[1\] must equal x.shape\[-1\]"),
+        ("linear-weight-rank-3", lambda: tk_ops.linear(torch.randn(3, 4), torch.randn(2, 4, 1)), ValueError,
+         "weight must have 2 dimensions"),
+        ("linear-bias-size", lambda: tk_ops.linear(torch.randn(3, 4), torch.randn(2, 4), torch.randn(3)),
+         ValueError, r"bias.shape\[0\] must equal"),
+        ("linear-bias-rank-2", lambda: tk_ops.linear(torch.randn(3, 4), torch.randn(2, 4), torch.randn(2, 1)),
+         ValueError, "bias must have 1 dimensions"),
+        ("linear-bias-dtype", lambda: tk_ops.linear(torch.randn(3, 4), torch.randn(2, 4), torch.randn(2).half()),
+         TypeError, "bias must have x's dtype"),
+        ("linear-x-0-dim", lambda: tk_ops.linear(torch.randn(()), torch.randn(2, 4)), ValueError, "x must have"),
+    ) + _op_calls(
+        ("kernel-inner-size",
+         lambda: torch.ops.tk.matmul(torch.randn(3, 4, device="cuda").half(), torch.randn(5, 2, device="cuda").half()),
+         ValueError, r"b.shape\[0\] must equal a.shape\[1\]", "matmul"),
+    ),
+    device_mismatches=_device_mismatches(
+        tk_ops.matmul, lambda: dict(a=torch.randn(3, 4, device="cuda"), b=torch.randn(4, 2, device="cuda")), "a", "b"
+    ),
+)
+
+
+# -------------------------------------------------------------------------------------------- attention
+
+
+def _attention_forward(shape, causal, **kwargs) -> Sample:
+    def make():
+        return (*test_attention.make_qkv(*shape, **kwargs), causal, 0.25, False)
+
+    return Sample("-".join(("causal" if causal else "full", *map(str, shape))), "attention", make)
+
+
+def _attention_backward(shape, with_grad_lse, deterministic, **kwargs) -> Sample:
+    def make():
+        q, k, v = test_attention.make_qkv(*shape, requires_grad=False, **kwargs)
+        out, lse = torch.ops.tk.attention(q, k, v, True, 0.3, deterministic)
+        grad_lse = torch.randn_like(lse) if with_grad_lse else None
+        return (torch.randn_like(out), grad_lse, q, k, v, out, lse, True, 0.3, deterministic)
+
+    lse = "grad-lse" if with_grad_lse else "no-grad-lse"
+    return Sample(f"attention_bwd-{lse}-{'deterministic' if deterministic else 'one-pass'}", "attention_bwd", make)
+
+
+def _attention_backward_samples(shape, **kwargs) -> tuple[Sample, ...]:
+    return tuple(_attention_backward(shape, with_grad_lse, deterministic, **kwargs)
+                 for deterministic in (False, True) for with_grad_lse in (False, True))
+
+
+def _attention_kernel_samples(dtype):
+    shape, options = (1, 4, 2, 17, 23, 64), dict(dtype=dtype, device="cuda")
+    return (_attention_forward(shape, True, **options), *_attention_backward_samples(shape, **options))
+
+
+def _attention_inputs(q_shape=(2, 4, 9, 40), k_shape=(2, 2, 11, 40), v_shape=None, dtype=torch.float32):
+    v_shape = k_shape if v_shape is None else v_shape
+    return [torch.randn(s, dtype=dtype) for s in (q_shape, k_shape, v_shape)]
+
+
+def _attention_with_fp64_k():
+    q, k, v = _attention_inputs()
+    return tk_ops.attention(q, k.double(), v)
+
+
+class _CausalAttention(torch.nn.Module):
+    def forward(self, q, k, v):
+        return tk_ops.attention(q, k, v, causal=True)
+
+
+def _attend_with_lse(q, k, v):
+    out, lse = tk_ops.attention(q, k, v, causal=True, return_lse=True)
+    return out.square().sum() + lse.sum()
+
+
+ATTENTION = OpInfo(
+    name="attention",
+    functions={"attention": ("attention", "attention_bwd")},
+    samples=(
+        _attention_forward((2, 4, 2, 17, 23, 40), False),  # GQA
+        _attention_forward((1, 2, 1, 19, 7, 24), True),  # MQA, rows that see no key
+        _attention_forward((1, 3, 3, 9, 9, 16), True),
+        *_attention_backward_samples((1, 4, 2, 15, 11, 24)),
+    ),
+    kernel_dtypes=KERNEL_16_BIT,
+    kernel_samples=_attention_kernel_samples,
+    compile=(
+        CompileSample("causal-lse", _attend_with_lse,
+                      lambda: test_attention.make_qkv(2, 4, 2, 19, 21, 64, dtype=torch.float32),
+                      ("attention", "attention_bwd")),
+    ),
+    export=(
+        ExportSample("causal", _CausalAttention,
+                     lambda: tuple(test_attention.make_qkv(1, 4, 2, 11, 13, 40, dtype=torch.float32,
+                                                           requires_grad=False)),
+                     ("attention",)),
+    ),
+    bad_inputs=_bad(
+        ("int-dtype", lambda: tk_ops.attention(torch.ones(2, 4, 9, 40, dtype=torch.int32), *_attention_inputs()[1:]),
+         TypeError, "q"),
+        ("not-a-tensor", lambda: tk_ops.attention([[1.0]], *_attention_inputs()[1:]), TypeError, "q"),
+        ("dtype-mismatch", _attention_with_fp64_k, TypeError, "k"),
+        ("rank", lambda: tk_ops.attention(_attention_inputs()[0][0], *_attention_inputs()[1:]), ValueError, "q"),
+        ("v-rank", lambda: tk_ops.attention(*_attention_inputs(v_shape=(2, 2, 11))), ValueError, "v"),
+        ("batch", lambda: tk_ops.attention(*_attention_inputs(k_shape=(3, 2, 11, 40))), ValueError, "k"),
+        ("head-dim", lambda: tk_ops.attention(*_attention_inputs(k_shape=(2, 2, 11, 32), v_shape=(2, 2, 11, 40))),
+         ValueError, "k"),
+        ("kv-length", lambda: tk_ops.attention(*_attention_inputs(v_shape=(2, 2, 12, 40))), ValueError, "v"),
+        ("kv-heads", lambda: tk_ops.attention(*_attention_inputs(v_shape=(2, 1, 11, 40))), ValueError, "v"),
+        ("group", lambda: tk_ops.attention(*_attention_inputs(k_shape=(2, 3, 11, 40))), ValueError, "Hq .*Hkv"),
+        ("empty-q", lambda: tk_ops.attention(*_attention_inputs(q_shape=(2, 4, 0, 40))), ValueError, "q"),
+        ("empty-k", lambda: tk_ops.attention(*_attention_inputs(k_shape=(2, 2, 0, 40))), ValueError, "k"),
+        ("nan-scale", lambda: tk_ops.attention(*_attention_inputs(), scale=float("nan")), ValueError, "scale"),
+        ("inf-scale", lambda: tk_ops.attention(*_attention_inputs(), scale=float("inf")), ValueError, "scale"),
+    ),
+    device_mismatches=_device_mismatches(
+        tk_ops.attention, lambda: dict(zip("qkv", (t.cuda() for t in _attention_inputs()))), "q", "k"
+    ),
+)
+
+
+# -------------------------------------------------------------------------------------------- layer_norm
+
+LAYER_NORM_EPS = test_layer_norm.EPS
+
+
+def _layer_norm_args(case: str, dtype=torch.bfloat16, device="cpu"):
+    """Arguments of tk::layer_norm for a case: leading dims odd, hidden 37, x a transposed view."""
+    x = torch.randn(7, 3, 37, device=device).transpose(0, 1).requires_grad_()
+    weight, bias = _randn((37,), (37,), requires_grad=True, device=device)
+    if case == "bare":
+        return (x, None, None, None, None, LAYER_NORM_EPS, 0.0)
+    residual = torch.randn(3, 7, 37, requires_grad=True, device=device)
+    if case == "residual":
+        return (x, weight, bias, residual, None, LAYER_NORM_EPS, 0.0)
+    seed = torch.tensor(0x1234_5678_9ABC, dtype=torch.int64, device=device)
+    return (x.detach().to(dtype).requires_grad_(), weight, None, residual, seed, LAYER_NORM_EPS, 0.25)
+
+
+def _layer_norm_backward_args(case: str, all_gradients: bool, **kwargs):
+    x, weight, bias, residual, seed, eps, dropout_p = [
+        a.detach() if isinstance(a, torch.Tensor) else a for a in _layer_norm_args(case, **kwargs)
+    ]
+    _, h, mean, rstd = torch.ops.tk.layer_norm(x, weight, bias, residual, seed, eps, dropout_p)
+    h = h if h.numel() else x
+    saved = (h, weight, bias, mean, rstd, seed, dropout_p)
+    if not all_gradients:
+        return (torch.randn_like(x), None, *saved, [False] * 4)
+    grad_h = torch.randn_like(h) if residual is not None else None
+    return (torch.randn_like(x), grad_h, *saved, [True, residual is not None, weight is not None, bias is not None])
+
+
+def _norm_samples(op: str, cases: tuple[str, ...], forward_args, backward_args) -> dict:
+    """OpInfo's samples of a norm: forward opchecks per case, backward opchecks per case with every gradient and
+    with none; on the GPU, the last case (16-bit x, fp32 residual) forward and backward in each kernel dtype."""
+    forward = tuple(Sample(case, op, lambda case=case: forward_args(case)) for case in cases)
+    backward = tuple(
+        Sample(f"{op}_bwd-{case}-{'all' if every else 'no'}-gradients", f"{op}_bwd",
+               lambda case=case, every=every: backward_args(case, every))
+        for case in cases
+        for every in (True, False)
+    )
+
+    def kernel_samples(dtype):
+        case = cases[-1]
+        return (
+            Sample(case, op, lambda: _grad_leaves(forward_args(case, dtype=dtype, device="cuda"))),
+            Sample(f"{op}_bwd-{case}", f"{op}_bwd", lambda: backward_args(case, True, dtype=dtype, device="cuda")),
+        )
+
+    return dict(samples=forward + backward, kernel_dtypes=KERNEL_16_BIT, kernel_samples=kernel_samples)
+
+
+def _norm_bad_inputs(norm) -> tuple[BadInput, ...]:
+    """The checks both norms make, on ``norm(x, weight, **kwargs)`` with x (4, 16) fp32 by default."""
+
+    def call(x=None, weight=None, **kwargs):
+        return lambda: norm(torch.randn(4, 16) if x is None else x, weight, **kwargs)
+
+    bf16, fp16 = torch.randn(4, 16, dtype=torch.bfloat16), torch.randn(4, 16, dtype=torch.float16)
+    return _bad(
+        ("x-not-a-tensor", call([[1.0]]), TypeError, "x must be a torch.Tensor"),
+        ("x-int32", call(torch.ones(4, 16, dtype=torch.int32)), TypeError, "x must have dtype"),
+        ("x-int64", call(torch.ones(4, 16, dtype=torch.int64)), TypeError, "x must have dtype"),
+        ("x-0-dim", call(torch.tensor(1.0)), ValueError, "x must have at least 1 dimension"),
+        ("x-no-rows", call(torch.randn(0, 16)), ValueError, "x must not be empty"),
+        ("x-hidden-0", call(torch.randn(4, 0)), ValueError, "x must not be empty"),
+        ("weight-size", call(weight=torch.randn(15)), ValueError, r"weight.shape\[0\] must equal x.shape\[-1\]"),
+        ("weight-rank-2-1x16", call(weight=torch.randn(1, 16)), ValueError, "weight must have 1 dimensions"),
+        ("weight-rank-2-16x1", call(weight=torch.randn(16, 1)), ValueError, "weight must have 1 dimensions"),
+        ("weight-fp16-for-bf16-x", call(bf16, torch.randn(16, dtype=torch.float16)), TypeError,
+         "weight must have dtype"),
+        ("weight-bf16-for-fp16-x", call(fp16, torch.randn(16, dtype=torch.bfloat16)), TypeError,
+         "weight must have dtype"),
+        ("residual-shape-3x16", call(residual=torch.randn(3, 16)), ValueError, "residual must have x's shape"),
+        ("residual-shape-4x1x16", call(residual=torch.randn(4, 1, 16)), ValueError, "residual must have x's shape"),
+        ("residual-fp16-for-bf16-x", call(bf16, residual=torch.randn(4, 16).half()), TypeError,
+         "residual must have dtype"),
+        ("residual-fp64-for-fp16-x", call(fp16, residual=torch.randn(4, 16, dtype=torch.float64)), TypeError,
+         "residual must have dtype"),
+        ("eps-zero", call(eps=0.0), ValueError, "eps must be > 0"),
+        ("eps-negative", call(eps=-1e-6), ValueError, "eps must be > 0"),
+        ("eps-string", call(eps="1e-5"), TypeError, "eps must be a float"),
+        ("eps-None", call(eps=None), TypeError, "eps must be a float"),
+    )
+
+
+class _PostLayerNorm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(37))
+        self.bias = torch.nn.Parameter(torch.randn(37))
+
+    def forward(self, x, residual):
+        return tk_ops.layer_norm(x, self.weight, self.bias, residual=residual)
+
+
+def _layer_norm(**kwargs):
+    return tk_ops.layer_norm(torch.randn(4, 16), None, None, **kwargs)
+
+
+def _norm_on_the_gpu():
+    return dict(zip(("x", "weight", "residual"), _randn((4, 16), (16,), (4, 16), device="cuda")))
+
+
+def _norm_loss(out, h):
+    return (out * out).sum() + (h * out).sum()
+
+
+LAYER_NORM = OpInfo(
+    name="layer_norm",
+    functions={"layer_norm": ("layer_norm", "layer_norm_bwd")},
+    **_norm_samples("layer_norm", ("bare", "residual", "dropout-fp32-residual"), _layer_norm_args,
+                    _layer_norm_backward_args),
+    compile=(
+        CompileSample(
+            "residual-dropout",
+            lambda x, weight, bias, residual: tk_ops.layer_norm(x, weight, bias, residual=residual, dropout_p=0.2,
+                                                                return_residual=True),
+            lambda: list(test_layer_norm.make_inputs((2, 9, 40), torch.float32, residual_dtype=torch.float32,
+                                                     requires_grad=True)),
+            ("layer_norm", "layer_norm_bwd"),
+            loss=_norm_loss,
+            # The compiled seed draw uses torch's generator, as eager does.
+            seed=11,
+            inductor_config=(("fallback_random", True),),
+        ),
+    ),
+    export=(ExportSample("residual", _PostLayerNorm, lambda: (torch.randn(5, 37), torch.randn(5, 37)),
+                         ("layer_norm",), tol=0),),
+    bad_inputs=_norm_bad_inputs(lambda x, weight, **kwargs: tk_ops.layer_norm(x, weight, None, **kwargs)) + _bad(
+        ("bias-size", lambda: tk_ops.layer_norm(torch.randn(4, 16), None, torch.randn(17)), ValueError,
+         r"bias.shape\[0\] must equal"),
+        ("dropout_p-one", lambda: _layer_norm(dropout_p=1.0), ValueError, r"dropout_p must be in \[0, 1\)"),
+        ("dropout_p-negative", lambda: _layer_norm(dropout_p=-0.1), ValueError, r"dropout_p must be in \[0, 1\)"),
+        ("dropout_p-not-a-number", lambda: _layer_norm(dropout_p="0.1"), TypeError, "dropout_p must be a float"),
+    ) + _op_calls(
+        ("op-without-seed",
+         lambda: torch.ops.tk.layer_norm(torch.randn(4, 16), None, None, None, None, LAYER_NORM_EPS, 0.5),
+         (ValueError, RuntimeError), "dropout_seed"),
+    ),
+    device_mismatches=_device_mismatches(
+        lambda x, weight, residual: tk_ops.layer_norm(x, weight, None, residual=residual), _norm_on_the_gpu, "x",
+        ("weight", "residual"),
+    ),
+)
+
+
+# ---------------------------------------------------------------------------------------------- rms_norm
+
+RMS_NORM_EPS = test_rms_norm.EPS
+
+
+def _rms_norm_args(case: str, dtype=torch.bfloat16, device="cpu"):
+    """Arguments of tk::rms_norm for a case: leading dims odd, hidden 37, x a transposed view."""
+    x = torch.randn(7, 3, 37, device=device).transpose(0, 1).requires_grad_()
+    if case == "bare":
+        return (x, None, None, RMS_NORM_EPS)
+    weight, residual = _randn((37,), (3, 7, 37), requires_grad=True, device=device)
+    if case == "residual":
+        return (x, weight, residual, RMS_NORM_EPS)
+    return (x.detach().to(dtype).requires_grad_(), weight, residual, RMS_NORM_EPS)
+
+
+def _rms_norm_backward_args(case: str, all_gradients: bool, **kwargs):
+    x, weight, residual, eps = [a.detach() if isinstance(a, torch.Tensor) else a
+                                for a in _rms_norm_args(case, **kwargs)]
+    _, h, rstd = torch.ops.tk.rms_norm(x, weight, residual, eps)
+    h = h if h.numel() else x
+    if not all_gradients:
+        return (torch.randn_like(x), None, h, weight, rstd, [False] * 3)
+    grad_h = torch.randn_like(h) if residual is not None else None
+    return (torch.randn_like(x), grad_h, h, weight, rstd, [True, residual is not None, weight is not None])
+
+
+class _PreRMSNorm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(37))
+
+    def forward(self, x, residual):
+        return tk_ops.rms_norm(x, self.weight, residual=residual, return_residual=True)
+
+
+RMS_NORM = OpInfo(
+    name="rms_norm",
+    functions={"rms_norm": ("rms_norm", "rms_norm_bwd")},
+    **_norm_samples("rms_norm", ("bare", "residual", "bf16-fp32-residual"), _rms_norm_args, _rms_norm_backward_args),
+    compile=(
+        CompileSample(
+            "residual",
+            lambda x, weight, residual: tk_ops.rms_norm(x, weight, residual=residual, return_residual=True),
+            lambda: list(test_rms_norm.make_inputs((2, 9, 40), torch.float32, residual_dtype=torch.float32,
+                                                   requires_grad=True)),
+            ("rms_norm", "rms_norm_bwd"),
+            loss=_norm_loss,
+        ),
+    ),
+    export=(ExportSample("residual", _PreRMSNorm, lambda: (torch.randn(5, 37), torch.randn(5, 37)), ("rms_norm",),
+                         tol=0),),
+    bad_inputs=_norm_bad_inputs(tk_ops.rms_norm),
+    device_mismatches=_device_mismatches(
+        lambda x, weight, residual: tk_ops.rms_norm(x, weight, residual=residual), _norm_on_the_gpu, "x",
+        ("weight", "residual"),
+    ),
+)
+
+
+# -------------------------------------------------------------------------------------------------- rope
+
+
+def _rope_args(dtype=torch.float32, device="cpu", requires_grad=True, sizes=(2, 3, 1, 5, 24, 16)):
+    """q (B, H, N, D) a transposed (B, N, H, D) tensor, k (B, Hk, N, D), fp32 tables (B, N, R/2)."""
+    B, H, Hk, N, D, R = sizes
+    q = torch.randn(B, N, H, D, dtype=dtype, device=device).transpose(1, 2).requires_grad_(requires_grad)
+    k = torch.randn(B, Hk, N, D, dtype=dtype, device=device, requires_grad=requires_grad)
+    cos, sin = test_rope.tables(test_rope.random_angles(B, N, R, device=device), torch.float32)
+    return q, k, cos, sin
+
+
+def _rope_samples(**kwargs) -> tuple[Sample, ...]:
+    def rope(interleaved):
+        q, _, cos, sin = _rope_args(**kwargs)
+        return (q, cos, sin, interleaved)
+
+    def rope_qk(interleaved):
+        return (*_rope_args(**kwargs), interleaved)
+
+    def rope_bwd():
+        q, _, cos, sin = _rope_args(requires_grad=False, **kwargs)
+        return (q, cos[:1], sin[:1], True)
+
+    forward = []
+    for interleaved, form in ((False, "neox"), (True, "gptj")):
+        forward.append(Sample(f"rope-{form}", "rope", lambda interleaved=interleaved: rope(interleaved)))
+        forward.append(Sample(f"rope_qk-{form}", "rope_qk", lambda interleaved=interleaved: rope_qk(interleaved)))
+    return (
+        *forward,
+        Sample("rope_bwd-gptj-shared-tables", "rope_bwd", rope_bwd),
+        Sample("rope_qk_bwd-gptj", "rope_qk_bwd", lambda: (*_rope_args(requires_grad=False, **kwargs), True)),
+    )
+
+
+def _rope_compile_inputs():
+    """(B, N, H, D) q viewed as (B, H, N, D), GQA k and v, and (1, N, D/2) tables (not differentiated)."""
+    B, Hq, Hk, N, D = 2, 3, 1, 7, 32
+    q = torch.randn(B, N, Hq, D).transpose(1, 2).requires_grad_()
+    k, v = _randn((B, Hk, N, D), (B, Hk, N, D), requires_grad=True)
+    return [q, k, v, *test_rope.tables(test_rope.random_angles(1, N, D), torch.float32)]
+
+
+def _rope_qk_then_rope(q, k, v, cos, sin):
+    """rope_qk with HF-form (duplicated) tables, then an interleaved rope with the half form."""
+    hf_cos, hf_sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+    q_out, k_out = tk_ops.rope_qk(q, k, hf_cos, hf_sin)
+    v_out = tk_ops.rope(v, cos[0], sin[0], interleaved=True)
+    return (q_out.sum(1, keepdim=True) * k_out * v_out).sum()
+
+
+class _Rotate(torch.nn.Module):
+    def forward(self, q, k, cos, sin):
+        q_out, k_out = tk_ops.rope_qk(q, k, cos, sin)
+        return q_out, k_out, tk_ops.rope(q, cos, sin, interleaved=True)
+
+
+def _x(*shape, dtype=torch.float32):
+    return torch.randn(*shape, dtype=dtype)
+
+
+def _tables(*shape, dtype=torch.float32, requiring_grad=None):
+    tables = {"cos": _x(*shape, dtype=dtype), "sin": _x(*shape, dtype=dtype)}
+    if requiring_grad is not None:
+        tables[requiring_grad].requires_grad_()
+    return tables["cos"], tables["sin"]
+
+
+def _rope_on_the_gpu(*names):
+    """(2, 3, 5, 16) tensors by name and (5, 8) tables, on the GPU."""
+    tensors = dict(zip(names, _randn(*[(2, 3, 5, 16)] * len(names), device="cuda")))
+    return dict(tensors, **dict(zip(("cos", "sin"), _randn((5, 8), (5, 8), device="cuda"))))
+
+
+def _rope_kernel_call(call):
+    """``call(x, cos, sin)`` on bf16 x (2, 3, 5, 16) and fp32 (1, 5, 8) tables on the GPU, below the public checks."""
+
+    def run():
+        cos, sin = torch.randn(2, 1, 5, 8, device="cuda").unbind(0)
+        return call(torch.randn(2, 3, 5, 16, device="cuda", dtype=torch.bfloat16), cos, sin)
+
+    return run
+
+
+def _tables_requiring_grad_rejected():
+    rows = []
+    for name in ("cos", "sin"):
+        rows.append((f"rope-{name}-requires-grad", lambda name=name: tk_ops.rope(
+            _x(2, 3, 5, 16), *_tables(5, 8, requiring_grad=name)), ValueError, f"{name} must not require grad"))
+        rows.append((f"rope_qk-{name}-requires-grad", lambda name=name: tk_ops.rope_qk(
+            *[_x(2, 3, 5, 16)] * 2, *_tables(5, 8, requiring_grad=name)), ValueError, f"{name} must not require grad"))
+    return _bad(*rows)
+
+
+ROPE = OpInfo(
+    name="rope",
+    functions={"rope": ("rope", "rope_bwd"), "rope_qk": ("rope_qk", "rope_qk_bwd")},
+    samples=_rope_samples(),
+    kernel_dtypes=(torch.bfloat16, torch.float16, torch.float32),
+    kernel_samples=lambda dtype: _rope_samples(dtype=dtype, device="cuda", sizes=(2, 3, 1, 5, 64, 64)),
+    compile=(CompileSample("rope_qk-hf-tables-then-rope-gptj", _rope_qk_then_rope, _rope_compile_inputs,
+                           ("rope_qk", "rope_qk_bwd", "rope", "rope_bwd")),),
+    export=(ExportSample("rope_qk-and-rope", _Rotate, lambda: _rope_args(requires_grad=False), ("rope_qk", "rope"),
+                         tol=0),),
+    bad_inputs=_bad(
+        ("x-not-a-tensor", lambda: tk_ops.rope([[1.0]], *_tables(5, 8)), TypeError, "x must be a torch.Tensor"),
+        ("x-rank-3", lambda: tk_ops.rope(_x(3, 5, 16), *_tables(5, 8)), ValueError, "x must have 4 dimensions"),
+        ("x-integer", lambda: tk_ops.rope(torch.ones(2, 3, 5, 16, dtype=torch.int32), *_tables(5, 8)), TypeError,
+         "x must have dtype"),
+        ("x-empty", lambda: tk_ops.rope(_x(0, 3, 5, 16), *_tables(5, 8)), ValueError, "x must not be empty"),
+        ("cos-not-a-tensor", lambda: tk_ops.rope(_x(2, 3, 5, 16), None, _x(5, 8)), TypeError,
+         "cos must be a torch.Tensor"),
+        ("cos-rank-1", lambda: tk_ops.rope(_x(2, 3, 5, 16), *_tables(8)), ValueError,
+         "cos must have 2 or 3 or 4 dimensions"),
+        ("cos-rank-5", lambda: tk_ops.rope(_x(2, 3, 5, 16), *_tables(1, 1, 1, 5, 8)), ValueError,
+         "cos must have 2 or 3 or 4"),
+        ("cos-empty", lambda: tk_ops.rope(_x(2, 3, 5, 16), *_tables(5, 0)), ValueError, "cos must not be empty"),
+        ("cos-fp16-for-bf16-x", lambda: tk_ops.rope(_x(2, 3, 5, 16, dtype=torch.bfloat16),
+                                                    *_tables(5, 8, dtype=torch.float16)), TypeError,
+         r"cos must have dtype in \(bfloat16, float32\)"),
+        ("cos-fp64-for-fp32-x", lambda: tk_ops.rope(_x(2, 3, 5, 16), *_tables(5, 8, dtype=torch.float64)),
+         TypeError, r"cos must have dtype in \(float32\)"),
+        ("sin-shape", lambda: tk_ops.rope(_x(2, 3, 5, 16), _x(5, 8), _x(5, 6)), ValueError,
+         "sin must have cos's shape"),
+        ("sin-dtype", lambda: tk_ops.rope(_x(2, 3, 5, 16, dtype=torch.bfloat16), _x(5, 8),
+                                          _x(5, 8, dtype=torch.bfloat16)), TypeError, "sin must have cos's dtype"),
+        ("cos-N", lambda: tk_ops.rope(_x(2, 3, 5, 16), *_tables(6, 8)), ValueError,
+         r"cos.shape\[-2\] must equal x.shape\[2\] \(N\)"),
+        ("cos-batch", lambda: tk_ops.rope(_x(2, 3, 5, 16), *_tables(3, 5, 8)), ValueError,
+         r"cos.shape\[0\] must be 1 or x.shape\[0\]"),
+        ("cos-per-head", lambda: tk_ops.rope(_x(2, 3, 5, 16), *_tables(2, 3, 5, 8)), ValueError,
+         r"cos.shape\[1\] must be 1"),
+        ("cos-last-dim", lambda: tk_ops.rope(_x(2, 3, 5, 16), *_tables(5, 9)), ValueError,
+         r"cos.shape\[-1\] must be R/2"),
+        ("cos-last-dim-2D", lambda: tk_ops.rope(_x(2, 3, 5, 16), *_tables(5, 32)), ValueError,
+         r"cos.shape\[-1\] must be R/2"),
+        ("hf-form-odd-D", lambda: tk_ops.rope(_x(2, 3, 5, 15), *_tables(5, 15)), ValueError,
+         r"cos.shape\[-1\] must be R/2"),
+        ("rope_qk-k-rank-3", lambda: tk_ops.rope_qk(_x(2, 3, 5, 16), _x(3, 5, 16), *_tables(5, 8)), ValueError,
+         "k must have 4 dimensions"),
+        ("rope_qk-k-batch", lambda: tk_ops.rope_qk(_x(2, 3, 5, 16), _x(1, 3, 5, 16), *_tables(5, 8)), ValueError,
+         r"k.shape\[0\] must equal q.shape\[0\] \(B\)"),
+        ("rope_qk-k-seq-len", lambda: tk_ops.rope_qk(_x(2, 3, 5, 16), _x(2, 1, 4, 16), *_tables(5, 8)), ValueError,
+         r"k.shape\[2\] must equal q.shape\[2\] \(N\)"),
+        ("rope_qk-k-head-dim", lambda: tk_ops.rope_qk(_x(2, 3, 5, 16), _x(2, 1, 5, 32), *_tables(5, 8)),
+         ValueError, r"k.shape\[3\] must equal q.shape\[3\] \(D\)"),
+        ("rope_qk-k-dtype", lambda: tk_ops.rope_qk(_x(2, 3, 5, 16), _x(2, 1, 5, 16, dtype=torch.bfloat16),
+                                                   *_tables(5, 8)), TypeError, "k must have q's dtype"),
+        ("rope_qk-k-empty", lambda: tk_ops.rope_qk(_x(2, 3, 5, 16), _x(2, 0, 5, 16), *_tables(5, 8)), ValueError,
+         "k must not be empty"),
+    ) + _tables_requiring_grad_rejected() + _op_calls(
+        ("kernel-rope-table-length", _rope_kernel_call(lambda x, cos, sin: torch.ops.tk.rope(
+            x, cos[:, :4], sin[:, :4], False)), ValueError, r"cos.shape\[1\] must equal N", "rope"),
+        ("kernel-rope-table-rank", _rope_kernel_call(lambda x, cos, sin: torch.ops.tk.rope(
+            x, cos[0], sin[0], False)), ValueError, "cos must be 3-D", "rope"),
+        ("kernel-rope_bwd-sin-shape", _rope_kernel_call(lambda x, cos, sin: torch.ops.tk.rope_bwd(
+            x, cos, sin[..., :4], False)), ValueError, "sin must have cos's shape", "rope_bwd"),
+        ("kernel-rope-rotary-dim", _rope_kernel_call(lambda x, cos, sin: torch.ops.tk.rope(
+            x, cos.repeat(1, 1, 3), sin.repeat(1, 1, 3), True)), ValueError, r"cos.shape\[2\] must be R/2", "rope"),
+        ("kernel-rope_qk-k-shape", _rope_kernel_call(lambda x, cos, sin: torch.ops.tk.rope_qk(
+            x, x[..., :8], cos, sin, False)), ValueError, "k must be", "rope_qk"),
+        ("kernel-rope_qk-table-dtype", _rope_kernel_call(lambda x, cos, sin: torch.ops.tk.rope_qk(
+            x, x, cos.half(), sin.half(), False)), TypeError, "cos and sin must have q's dtype", "rope_qk"),
+    ),
+    device_mismatches=_device_mismatches(tk_ops.rope, lambda: _rope_on_the_gpu("x"), "x", ("cos", "sin"))
+    + _device_mismatches(tk_ops.rope_qk, lambda: _rope_on_the_gpu("q", "k"), "q", "k"),
+)
+
+
+# ----------------------------------------------------------------------- linear_attention, based_attention
+
+
+def _small_chunks(module):
+    """Chunks of 16 positions in the op's reference, so that short sequences cross several chunk boundaries."""
+    return lambda: mock.patch.object(module, "CHUNK_SIZE", 16)
+
+
+def _causal_linear_samples(op: str, make_inputs, context=contextlib.nullcontext, **kwargs) -> tuple[Sample, ...]:
+    """Forward and backward opchecks of tk.<op>(q, k, v, eps, normalize), normalised and not, on N = 37;
+    ``make_inputs(n, normalize, **kwargs)`` gives q, k, v."""
+
+    def forward(normalize):
+        return (*make_inputs(37, normalize, requires_grad=True, **kwargs), 1e-6, normalize)
+
+    def backward(normalize):
+        q, k, v = make_inputs(37, normalize, **kwargs)
+        out, denominator = getattr(torch.ops.tk, op)(q, k, v, 1e-6, normalize)
+        return (torch.randn_like(out), q, k, v, out, denominator, 1e-6, normalize)
+
+    return tuple(
+        Sample(f"{name}-{'normalized' if normalize else 'unnormalized'}", name,
+               lambda make=make, normalize=normalize: make(normalize), context)
+        for name, make in ((op, forward), (f"{op}_bwd", backward))
+        for normalize in (False, True)
+    )
+
+
+def _linear_attention_inputs(n, normalize, **kwargs):
+    return test_linear_attention.make_inputs(n, normalize=normalize, **kwargs)
+
+
+def _based_attention_inputs(n, normalize, **kwargs):
+    return test_based_attention.make_inputs(n, **kwargs)
+
+
+class _CausalLinearMixer(torch.nn.Module):
+    def __init__(self, function):
+        super().__init__()
+        self.function = function
+
+    def forward(self, q, k, v):
+        return self.function(q, k, v, normalize=True, eps=1e-6)
+
+
+def _causal_linear_bad_inputs(function, make_inputs, B, H, F, DV) -> tuple[BadInput, ...]:
+    """``function`` on valid fp32 (B, H, 9, F) q, k and (B, H, 9, DV) v (eps = 1e-12), one argument replaced."""
+    q, k, v = make_inputs(9, False, dtype=torch.float32)
+
+    def call(**changes):
+        return lambda: function(**(dict(q=q, k=k, v=v, eps=1e-12) | changes))
+
+    return _bad(
+        ("q-not-a-tensor", call(q=[[1.0]]), TypeError, "q"),
+        ("k-None", call(k=None), TypeError, "k"),
+        ("q-int32", call(q=torch.ones(B, H, 9, F, dtype=torch.int32)), TypeError, "q"),
+        ("q-int64", call(q=torch.ones(B, H, 9, F, dtype=torch.int64)), TypeError, "q"),
+        ("k-fp64", call(k=torch.randn(B, H, 9, F, dtype=torch.float64)), TypeError, "k"),
+        ("k-fp16", call(k=torch.randn(B, H, 9, F, dtype=torch.float16)), TypeError, "k"),
+        ("v-bf16", call(v=torch.randn(B, H, 9, DV, dtype=torch.bfloat16)), TypeError, "v"),
+        ("v-fp64", call(v=torch.randn(B, H, 9, DV, dtype=torch.float64)), TypeError, "v"),
+        ("q-rank-3-heads", call(q=torch.randn(H, 9, F)), ValueError, "q"),
+        ("q-rank-3-batch-heads", call(q=torch.randn(B * H, 9, F)), ValueError, "q"),
+        ("k-rank-5", call(k=torch.randn(1, B, H, 9, F)), ValueError, "k"),
+        ("v-rank-5", call(v=torch.randn(1, B, H, 9, DV)), ValueError, "v"),
+        ("k-feature-dim-plus-1", call(k=torch.randn(B, H, 9, F + 1)), ValueError, r"k.*feature dim"),
+        ("k-feature-dim-minus-1", call(k=torch.randn(B, H, 9, F - 1)), ValueError, r"k.*feature dim"),
+        ("k-batch", call(k=torch.randn(B + 1, H, 9, F)), ValueError, r"k.*batch"),
+        ("v-batch", call(v=torch.randn(B + 1, H, 9, DV)), ValueError, r"v.*batch"),
+        ("k-heads", call(k=torch.randn(B, H + 2, 9, F)), ValueError, r"k.*heads"),
+        ("v-heads", call(v=torch.randn(B, H + 1, 9, DV)), ValueError, r"v.*heads"),
+        ("k-sequence-length", call(k=torch.randn(B, H, 8, F)), ValueError, r"k.*sequence length"),
+        ("v-sequence-length", call(v=torch.randn(B, H, 10, DV)), ValueError, r"v.*sequence length"),
+        ("empty-sequence", call(q=torch.randn(B, H, 0, F), k=torch.randn(B, H, 0, F), v=torch.randn(B, H, 0, DV)),
+         ValueError, "q"),
+        ("empty-batch", call(q=torch.randn(0, H, 9, F), k=torch.randn(0, H, 9, F), v=torch.randn(0, H, 9, DV)),
+         ValueError, "q"),
+        ("v-empty-value-dim", call(v=torch.randn(B, H, 9, 0)), ValueError, "v"),
+        ("eps-negative", call(eps=-1e-6), ValueError, "eps"),
+        ("eps-minus-one", call(eps=-1.0), ValueError, "eps"),
+        ("eps-nan", call(eps=float("nan")), ValueError, "eps"),
+        ("eps-inf", call(eps=float("inf")), ValueError, "eps"),
+        ("eps-tensor", call(eps=torch.tensor(1e-6)), TypeError, "eps"),
+        ("eps-string", call(eps="1e-6"), TypeError, "eps"),
+    )
+
+
+def _causal_linear_info(function, make_inputs, test_module, reference_module) -> OpInfo:
+    """linear_attention and based_attention: one engine behind two ops, one contract. ``make_inputs(n, normalize,
+    **kwargs)`` gives q, k, v; the kernels take F = 16, Dv = 64."""
+    name = function.__name__
+    on_the_gpu = dict(f=16, dv=64, device="cuda")
+    return OpInfo(
+        name=name,
+        functions={name: (name, f"{name}_bwd")},
+        samples=_causal_linear_samples(name, make_inputs, dtype=torch.float32, context=_small_chunks(reference_module)),
+        kernel_dtypes=KERNEL_16_BIT,
+        kernel_samples=lambda dtype: _causal_linear_samples(name, make_inputs, dtype=dtype, **on_the_gpu),
+        compile=tuple(
+            CompileSample("normalized" if normalize else "unnormalized",
+                          lambda q, k, v, normalize=normalize: function(q, k, v, normalize=normalize),
+                          lambda normalize=normalize: list(make_inputs(29, normalize, dtype=torch.float32,
+                                                                       requires_grad=True)),
+                          (name, f"{name}_bwd"), loss=_random_projection)
+            for normalize in (False, True)
+        ),
+        export=(ExportSample("normalized", lambda: _CausalLinearMixer(function),
+                             lambda: make_inputs(19, True, dtype=torch.float32), (name,)),),
+        bad_inputs=_causal_linear_bad_inputs(function, make_inputs, test_module.B, test_module.H, test_module.F,
+                                             test_module.DV),
+        device_mismatches=_device_mismatches(
+            function, lambda: dict(zip("qkv", make_inputs(9, True, dtype=torch.bfloat16, **on_the_gpu))), "q", "kv"
+        ),
+    )
+
+
+LINEAR_ATTENTION = _causal_linear_info(tk_ops.linear_attention, _linear_attention_inputs, test_linear_attention,
+                                       linear_attention_module)
+BASED_ATTENTION = _causal_linear_info(tk_ops.based_attention, _based_attention_inputs, test_based_attention,
+                                      based_attention_module)
+
+
+# ------------------------------------------------------------------------------------------- mamba2_ssd
+
+SSD_NAMES = test_mamba2_ssd.NAMES
+SSD_CASES = test_mamba2_ssd.CASES
+
+
+def _ssd_args(config, dtype, param_dtype, device="cpu"):
+    """tk.mamba2_ssd's arguments (x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, initial_states)."""
+    inputs, softplus = test_mamba2_ssd.make_inputs(**config, dtype=dtype, param_dtype=param_dtype, device=device)
+    x, dt, A, B, C, D, z, dt_bias, initial = (None if inputs[n] is None else inputs[n].requires_grad_()
+                                              for n in SSD_NAMES)
+    return (x, dt, A, B, C, config["chunk_size"], D, z, dt_bias, softplus, initial)
+
+
+def _ssd_backward_args(config, dtype, param_dtype, with_final_grad, device="cpu"):
+    args = tuple(a.detach() if isinstance(a, torch.Tensor) else a
+                 for a in _ssd_args(config, dtype, param_dtype, device))
+    y, final, chunk_states = torch.ops.tk.mamba2_ssd(*args)
+    grad_final = torch.randn_like(final) if with_final_grad else None
+    return (torch.randn_like(y), grad_final, *args, chunk_states)
+
+
+def _ssd_samples(id, config, dtype, param_dtype, with_final_grad, device="cpu"):
+    return (
+        Sample(id, "mamba2_ssd", lambda: _ssd_args(config, dtype, param_dtype, device)),
+        Sample(f"mamba2_ssd_bwd-{id}", "mamba2_ssd_bwd",
+               lambda: _ssd_backward_args(config, dtype, param_dtype, with_final_grad, device)),
+    )
+
+
+def _ssd_returning_final_states(*tensors):
+    y, final = test_mamba2_ssd.ssd(dict(zip(SSD_NAMES, tensors)), True, 16)
+    return y * 2.0, final
+
+
+def _ssd_compile_inputs():
+    inputs, softplus = test_mamba2_ssd.make_inputs(**SSD_CASES["all options"], dtype=torch.float32)
+    assert softplus
+    return [inputs[name].requires_grad_() for name in SSD_NAMES]
+
+
+class _SSDMixer(torch.nn.Module):
+    def __init__(self, heads=4):
+        super().__init__()
+        self.A_log = torch.nn.Parameter(torch.rand(heads))
+        self.D = torch.nn.Parameter(torch.randn(heads))
+        self.dt_bias = torch.nn.Parameter(torch.randn(heads) * 0.3)
+
+    def forward(self, x, dt, B, C, z):
+        return tk_ops.mamba2_ssd(
+            x, dt, -torch.exp(self.A_log), B, C, chunk_size=8, D=self.D, z=z, dt_bias=self.dt_bias, dt_softplus=True
+        )
+
+
+def _ssd_export_args():
+    inputs, _ = test_mamba2_ssd.make_inputs(2, 21, 4, 5, 2, 3, z=True, dt_softplus=True, dtype=torch.float32)
+    return tuple(inputs[name] for name in ("x", "dt", "B", "C", "z"))
+
+
+def _ssd_bad_inputs():
+    inputs, _ = test_mamba2_ssd.make_inputs(2, 10, 4, 3, 2, 5, dtype=torch.float32, D="H", z=True, dt_bias=True,
+                                            initial=True)
+    x, dt, A, B, C = (inputs[name] for name in ("x", "dt", "A", "B", "C"))
+
+    def call(**changes):
+        args = dict(inputs, **changes)
+        chunk_size = args.pop("chunk_size", 4)
+        return lambda: tk_ops.mamba2_ssd(
+            args["x"], args["dt"], args["A"], args["B"], args["C"], chunk_size=chunk_size, D=args["D"],
+            z=args["z"], dt_bias=args["dt_bias"], initial_states=args["initial_states"],
+        )
+
+    return _bad(
+        ("x-not-a-tensor", call(x=x.tolist()), TypeError, "x"),
+        ("x-rank-3", call(x=x[0]), ValueError, "x"),
+        ("dt-rank-2", call(dt=dt[0]), ValueError, "dt"),
+        ("A-rank-2", call(A=A[None]), ValueError, "A"),
+        ("B-rank-3", call(B=B[0]), ValueError, "B"),
+        ("C-rank-5", call(C=C[None]), ValueError, "C"),
+        ("D-rank-3", call(D=torch.randn(4, 3, 1)), ValueError, "D"),
+        ("integer-x", call(x=x.to(torch.int32)), TypeError, "x"),
+        ("integer-dt", call(dt=dt.to(torch.int64)), TypeError, "dt"),
+        ("bf16-B-with-fp32-x", call(B=B.bfloat16()), TypeError, "B"),
+        ("fp64-C-with-fp32-x", call(C=C.double()), TypeError, "C"),
+        ("fp16-z-with-fp32-x", call(z=inputs["z"].half()), TypeError, "z"),
+        ("dt-batch", call(dt=dt[:1]), ValueError, r"dt\.shape\[0\]"),
+        ("dt-seqlen", call(dt=dt[:, :9]), ValueError, r"dt\.shape\[1\]"),
+        ("dt-heads", call(dt=dt[..., :3]), ValueError, r"dt\.shape\[2\]"),
+        ("A-heads", call(A=A[:3]), ValueError, r"A\.shape\[0\]"),
+        ("B-seqlen", call(B=B[:, :9]), ValueError, r"B\.shape\[1\]"),
+        ("H-not-a-multiple-of-G", call(B=torch.randn(2, 10, 3, 5), C=torch.randn(2, 10, 3, 5)), ValueError,
+         r"H = x\.shape\[2\] \(4\) must be a multiple of the number of groups G = B\.shape\[2\] \(3\)"),
+        ("C-state-size", call(C=C[..., :4]), ValueError, "C must have B's shape"),
+        ("z-shape", call(z=inputs["z"][..., :2]), ValueError, "z must have x's shape"),
+        ("D-shape", call(D=torch.randn(4, 2)), ValueError, r"D must have shape \(4,\) or \(4, 3\)"),
+        ("dt_bias-heads", call(dt_bias=torch.randn(3)), ValueError, r"dt_bias\.shape\[0\]"),
+        ("initial_states-shape", call(initial_states=torch.randn(2, 4, 5, 3)), ValueError, "initial_states"),
+        ("chunk_size-0", call(chunk_size=0), ValueError, "chunk_size"),
+        ("chunk_size-float", call(chunk_size=8.0), TypeError, "chunk_size"),
+        ("chunk_size-bool", call(chunk_size=True), TypeError, "chunk_size"),
+        ("empty-seqlen", call(x=x[:, :0], dt=dt[:, :0], B=B[:, :0], C=C[:, :0]), ValueError, "x"),
+        ("empty-head-dim", call(x=x[..., :0], z=None, D=None, initial_states=None), ValueError, "x"),
+        ("empty-state", call(B=B[..., :0], C=C[..., :0], initial_states=None), ValueError, "B"),
+        ("empty-initial_states", call(initial_states=torch.randn(2, 4, 3, 0)), ValueError, "initial_states"),
+    )
+
+
+def _ssd_on_the_gpu():
+    return test_mamba2_ssd.make_inputs(2, 10, 4, 64, 2, 64, dtype=torch.bfloat16, D="H", initial=True,
+                                       device="cuda")[0]
+
+
+MAMBA2_SSD = OpInfo(
+    name="mamba2_ssd",
+    functions={"mamba2_ssd": ("mamba2_ssd", "mamba2_ssd_bwd")},
+    samples=(
+        *_ssd_samples("fp64-all-options", dict(SSD_CASES["all options"], L=11, chunk_size=4), torch.float64,
+                      torch.float64, with_final_grad=True),
+        *_ssd_samples("bf16-fp32-parameters-no-options", dict(SSD_CASES["plain"], L=9, chunk_size=4),
+                      torch.bfloat16, torch.float32, with_final_grad=False),
+    ),
+    kernel_dtypes=KERNEL_16_BIT,
+    kernel_samples=lambda dtype: _ssd_samples(
+        "all-options", dict(Bt=2, L=150, H=4, P=64, G=2, N=64, chunk_size=64, D="H", z=True, dt_bias=True,
+                            dt_softplus=True, initial=True),
+        dtype, torch.float32, with_final_grad=True, device="cuda",
+    ),
+    compile=(CompileSample("all-options", _ssd_returning_final_states, _ssd_compile_inputs,
+                           ("mamba2_ssd", "mamba2_ssd_bwd"), loss=_random_projection, tol=1e-6),),
+    export=(ExportSample("mixer", _SSDMixer, _ssd_export_args, ("mamba2_ssd",), tol=1e-6),),
+    bad_inputs=_ssd_bad_inputs(),
+    device_mismatches=_device_mismatches(lambda **inputs: test_mamba2_ssd.ssd(inputs, False, 64), _ssd_on_the_gpu,
+                                         "x", ("dt", "A", "B", "D", "initial_states")),
+)
+
+
+# ---------------------------------------------------------------------------------------- causal_conv1d
+
+
+def _conv1d_inputs(dtype, param_dtype=None, with_bias=True, channel_last=False, shape=(2, 3, 23, 4), device="cpu"):
+    x, weight, bias = test_causal_conv1d.make_inputs(*shape, dtype=dtype, param_dtype=param_dtype,
+                                                     with_bias=with_bias, device=device)
+    if channel_last:
+        x = x.transpose(1, 2).contiguous().transpose(1, 2)
+    return x, weight, bias
+
+
+def _conv1d_samples(id, dtype, param_dtype=None, with_bias=True, silu=True, channel_last=False, **kwargs):
+    def forward():
+        x, weight, bias = _conv1d_inputs(dtype, param_dtype, with_bias, channel_last, **kwargs)
+        return (*(None if t is None else t.requires_grad_() for t in (x, weight, bias)), silu)
+
+    def backward():
+        x, weight, bias = _conv1d_inputs(dtype, param_dtype, with_bias, channel_last, **kwargs)
+        return (torch.randn_like(x), x, weight, bias, silu)
+
+    return (Sample(id, "causal_conv1d", forward), Sample(f"causal_conv1d_bwd-{id}", "causal_conv1d_bwd", backward))
+
+
+def _conv1d_kernel_samples(dtype):
+    options = dict(shape=(2, 256, 1000, 4), device="cuda")
+    return (
+        *_conv1d_samples("bias-silu", dtype, **options),
+        _conv1d_samples("channel-last", dtype, channel_last=True, **options)[1],
+    )
+
+
+class _ShortConv(torch.nn.Module):
+    def __init__(self, dim=6, width=4):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(dim, width) / width**0.5)
+        self.bias = torch.nn.Parameter(torch.randn(dim))
+
+    def forward(self, x):  # x (B, L, D), as a mixer has it
+        return tk_ops.causal_conv1d(x.transpose(1, 2), self.weight, self.bias, activation="silu").transpose(1, 2)
+
+
+def _conv1d_bad_inputs():
+    x, weight, bias = test_causal_conv1d.make_inputs(2, 3, 16, 4, dtype=torch.float32)
+    conv = tk_ops.causal_conv1d
+    return _bad(
+        ("x-not-a-tensor", lambda: conv(x.tolist(), weight), TypeError, "x"),
+        ("x-rank-2", lambda: conv(x[0], weight), ValueError, "x must have 3"),
+        ("x-rank-4", lambda: conv(x[None], weight), ValueError, "x must have 3"),
+        ("integer-x", lambda: conv(x.to(torch.int32), weight), TypeError, "x"),
+        ("weight-not-a-tensor", lambda: conv(x, weight.tolist()), TypeError, "weight"),
+        ("weight-rank-1", lambda: conv(x, weight[0]), ValueError, "weight must have 2"),
+        ("conv1d-weight-D-1-W", lambda: conv(x, weight[:, None]), ValueError, r"squeeze\(1\)"),
+        ("W-0", lambda: conv(x, weight[:, :0]), ValueError, r"kernel width W\) must be >= 1"),
+        ("weight-channels-not-D", lambda: conv(x, torch.randn(4, 4)), ValueError, r"weight\.shape\[0\].*D"),
+        ("bias-rank-2", lambda: conv(x, weight, bias[None]), ValueError, "bias must have 1"),
+        ("bias-length-not-D", lambda: conv(x, weight, torch.randn(4)), ValueError, r"bias\.shape\[0\]"),
+        ("fp64-weight-with-fp32-x", lambda: conv(x, weight.double()), TypeError, "weight"),
+        ("bf16-weight-with-fp32-x", lambda: conv(x, weight.bfloat16()), TypeError, "weight"),
+        ("fp16-weight-with-bf16-x", lambda: conv(x.bfloat16(), weight.half()), TypeError, "weight"),
+        ("fp16-bias-with-bf16-x", lambda: conv(x.bfloat16(), weight, bias.half()), TypeError, "bias"),
+        ("integer-weight", lambda: conv(x, weight.to(torch.int32)), TypeError, "weight"),
+        ("activation-relu", lambda: conv(x, weight, activation="relu"), ValueError, "activation"),
+        ("activation-True", lambda: conv(x, weight, activation=True), ValueError, "activation"),
+        ("activation-SiLU", lambda: conv(x, weight, activation="SiLU"), ValueError, "activation"),
+        ("empty-batch", lambda: conv(x[:0], weight), ValueError, "x must not be empty"),
+        ("empty-L", lambda: conv(x[..., :0], weight), ValueError, "x must not be empty"),
+    )
+
+
+CAUSAL_CONV1D = OpInfo(
+    name="causal_conv1d",
+    functions={"causal_conv1d": ("causal_conv1d", "causal_conv1d_bwd")},
+    samples=(
+        *_conv1d_samples("fp64-bias-silu", torch.float64),
+        *_conv1d_samples("fp32-no-bias", torch.float32, with_bias=False, silu=False),
+        *_conv1d_samples("bf16-fp32-params-silu", torch.bfloat16, torch.float32),
+        *_conv1d_samples("fp64-channel-last", torch.float64, channel_last=True),
+    ),
+    kernel_dtypes=(torch.bfloat16, torch.float16, torch.float32),
+    kernel_samples=_conv1d_kernel_samples,
+    compile=tuple(
+        CompileSample(
+            "channel-last" if channel_last else "channel-first",
+            lambda x, weight, bias: tk_ops.causal_conv1d(x, weight, bias, activation="silu") * 2.0,
+            lambda channel_last=channel_last: [
+                t.requires_grad_() for t in _conv1d_inputs(torch.float32, channel_last=channel_last,
+                                                           shape=(2, 6, 45, 4))
+            ],
+            ("causal_conv1d", "causal_conv1d_bwd"), loss=_random_projection, tol=1e-6,
+        )
+        for channel_last in (False, True)
+    ),
+    export=(ExportSample("mixer-layout", _ShortConv, lambda: (torch.randn(2, 50, 6),), ("causal_conv1d",),
+                         tol=1e-6),),
+    bad_inputs=_conv1d_bad_inputs(),
+    device_mismatches=_device_mismatches(
+        tk_ops.causal_conv1d,
+        lambda: dict(zip(("x", "weight", "bias"), test_causal_conv1d.make_inputs(2, 3, 16, 4, dtype=torch.bfloat16,
+                                                                                 device="cuda"))),
+        "x", ("weight", "bias"),
+    ),
+)
+
+
+# ---------------------------------------------------------------------------------------------- fftconv
+
+
+def _fftconv_samples(dtype, param_dtype=None, with_D=True, shape=(2, 3, 23, 9), device="cpu", forward=True,
+                     backward=True):
+    def inputs():
+        return test_fftconv.make_inputs(*shape, dtype=dtype, param_dtype=param_dtype, with_D=with_D, device=device)
+
+    def forward_args():
+        return tuple(None if t is None else t.requires_grad_() for t in inputs())
+
+    def backward_args():
+        u, k, D = inputs()
+        return (torch.randn_like(u), u, k, D)
+
+    id = f"{str(dtype)[6:]}-{str(param_dtype or dtype)[6:]}-{'D' if with_D else 'no-D'}"
+    return (Sample(id, "fftconv", forward_args),) * forward + (
+        Sample(f"fftconv_bwd-{id}", "fftconv_bwd", backward_args),) * backward
+
+
+class _LongConv(torch.nn.Module):
+    def __init__(self, heads=3, filter_len=21):
+        super().__init__()
+        self.k = torch.nn.Parameter(torch.randn(heads, filter_len) / filter_len**0.5)
+        self.D = torch.nn.Parameter(torch.randn(heads))
+
+    def forward(self, u):
+        return tk_ops.fftconv(u, self.k, D=self.D)
+
+
+def _fftconv_bad_inputs():
+    u, k, D = test_fftconv.make_inputs(2, 3, 16, 5, dtype=torch.float32)
+    fftconv = tk_ops.fftconv
+    return _bad(
+        ("u-not-a-tensor", lambda: fftconv(u.tolist(), k), TypeError, "u"),
+        ("u-rank-2", lambda: fftconv(u[0], k), ValueError, "u"),
+        ("k-rank-1", lambda: fftconv(u, k[0]), ValueError, "k"),
+        ("k-rank-3", lambda: fftconv(u, k[None]), ValueError, "k"),
+        ("D-rank-2", lambda: fftconv(u, k, D=D[None]), ValueError, "D"),
+        ("integer-u", lambda: fftconv(u.to(torch.int32), k), TypeError, "u"),
+        ("fp16-k-with-bf16-u", lambda: fftconv(u.bfloat16(), k.half()), TypeError, "k"),
+        ("fp32-k-with-fp64-u", lambda: fftconv(u.double(), k), TypeError, "k"),
+        ("bf16-k-with-fp32-u", lambda: fftconv(u, k.bfloat16()), TypeError, "k"),
+        ("fp16-D-with-bf16-u", lambda: fftconv(u.bfloat16(), k, D=D.half()), TypeError, "D"),
+        ("k-heads-not-H", lambda: fftconv(u, torch.randn(4, 5)), ValueError, r"k\.shape\[0\].*H"),
+        ("L-above-N", lambda: fftconv(u, torch.randn(3, 17)), ValueError, r"k\.shape\[1\].*N = 16"),
+        ("D-length-not-H", lambda: fftconv(u, k, D=torch.randn(4)), ValueError, r"D\.shape\[0\]"),
+        ("empty-u", lambda: fftconv(u[:0], k), ValueError, "u"),
+        ("empty-k", lambda: fftconv(u, k[:, :0]), ValueError, "k"),
+        ("empty-N", lambda: fftconv(u[..., :0], k[:, :0]), ValueError, "u"),
+    )
+
+
+def _fftconv_kernel_call(grad):
+    """tk.fftconv_bwd straight to the kernel, with ``grad(u)`` as the output gradient of bf16 u (2, 3, 256)."""
+
+    def call():
+        u, k, D = test_fftconv.make_inputs(2, 3, 256, 17, dtype=torch.bfloat16, param_dtype=torch.float32,
+                                           device="cuda")
+        return torch.ops.tk.fftconv_bwd.default(grad(u), u, k, D)
+
+    return call
+
+
+FFTCONV = OpInfo(
+    name="fftconv",
+    functions={"fftconv": ("fftconv", "fftconv_bwd")},
+    samples=(
+        *_fftconv_samples(torch.float64, backward=False),
+        *_fftconv_samples(torch.float32, with_D=False, backward=False),
+        *_fftconv_samples(torch.bfloat16, torch.float32, backward=False),
+        *_fftconv_samples(torch.float64, with_D=False, forward=False),
+        *_fftconv_samples(torch.float64, forward=False),
+    ),
+    kernel_dtypes=(torch.bfloat16, torch.float16, torch.float32),
+    kernel_samples=lambda dtype: _fftconv_samples(dtype, torch.float32, shape=(2, 3, 1024, 333), device="cuda"),
+    compile=(CompileSample("D", lambda u, k, D: tk_ops.fftconv(u, k, D=D) * 2.0,
+                           lambda: [t.requires_grad_() for t in test_fftconv.make_inputs(2, 3, 45, 17,
+                                                                                         dtype=torch.float32)],
+                           ("fftconv", "fftconv_bwd"), loss=_random_projection, tol=1e-6),),
+    export=(ExportSample("long-conv", _LongConv, lambda: (torch.randn(2, 3, 50),), ("fftconv",), tol=1e-6),),
+    bad_inputs=_fftconv_bad_inputs() + _op_calls(
+        ("kernel-grad-shape", _fftconv_kernel_call(lambda u: torch.randn(2, 3, 255, device="cuda").bfloat16()),
+         ValueError, "grad must have u's shape", "fftconv_bwd"),
+        ("kernel-grad-dtype", _fftconv_kernel_call(lambda u: torch.randn_like(u).half()), TypeError,
+         "grad must have u's dtype", "fftconv_bwd"),
+    ),
+    device_mismatches=_device_mismatches(
+        tk_ops.fftconv,
+        lambda: dict(zip("ukD", test_fftconv.make_inputs(2, 3, 16, 5, dtype=torch.bfloat16, device="cuda"))), "u", "kD"
+    ),
+)
+
+
+OP_DB = (MATMUL, ATTENTION, LAYER_NORM, RMS_NORM, ROPE, LINEAR_ATTENTION, BASED_ATTENTION, MAMBA2_SSD, CAUSAL_CONV1D,
+         FFTCONV)
