@@ -152,13 +152,14 @@ BENCH = common.Bench(
     panel=lambda row: row["kind"], tick=lambda row: row["shape"].split(" ", 1)[1])
 
 
-def measured_in_subprocess(shape: Shape, pass_: str, name: str) -> dict:
+def measured_in_subprocess(shape: Shape, pass_: str, name: str, dry_run: bool) -> dict:
     """common.measure's dict of one fla baseline, measured in a fresh process, so that a fault in it
     (fla 0.6.0's linear-attention kernels hit an illegal address on the H100 when timed in the same
     process as ours) costs only its own row."""
     fields = [shape.kind, shape.batch, shape.heads, shape.seq_len, shape.features, shape.value_dim, pass_, name]
     command = [sys.executable, "-m", "benchmarks.bench_linear_attention", "--time-baseline", *map(str, fields)]
-    done = subprocess.run(command, capture_output=True, text=True)
+    command += ["--dry-run"] if dry_run else []
+    done = subprocess.run(command, capture_output=True, text=True, cwd=common.ROOT)
     for line in done.stdout.splitlines():
         if line.startswith("BASELINE "):
             return json.loads(line.removeprefix("BASELINE "))
@@ -166,16 +167,17 @@ def measured_in_subprocess(shape: Shape, pass_: str, name: str) -> dict:
     return {"error": f"subprocess exit {done.returncode}: {tail}"}
 
 
-def time_one_baseline(fields: list[str]) -> None:
+def time_one_baseline(fields: list[str], dry_run: bool) -> None:
     """--time-baseline: ours' outputs on the first set, then the fla baseline checked against them and
-    timed; prints its measure dict as one line."""
+    timed (on the CPU with --dry-run: run once); prints its measure dict as one line."""
     kind, b, h, n, f, dv, pass_, name = fields
-    shape = Shape(kind, int(b), int(h), int(n), int(f), int(dv))
-    count = common.input_set_count(shape.hbm_bytes(pass_), "cuda")
-    sets = [input_set(shape, "cuda", DTYPE, pass_ == "fwd+bwd") for _ in range(count)]
-    reference = common.measure(OURS, shape, pass_, sets[:1], timer=None).get("outputs", [])
+    shape, device = Shape(kind, int(b), int(h), int(n), int(f), int(dv)), "cpu" if dry_run else "cuda"
+    count = common.input_set_count(shape.hbm_bytes(pass_), device)
+    sets = [input_set(shape, device, DTYPE, pass_ == "fwd+bwd") for _ in range(count)]
+    ours_outputs = common.measure(OURS, shape, pass_, sets[:1], timer=None).get("outputs", [])
     provider = next(p for p in FLA_PROVIDERS if p.name == name)
-    print("BASELINE", json.dumps(common.measure(provider, shape, pass_, sets, common.time_ms, reference)))
+    timer = common.run_once if dry_run else common.time_ms
+    print("BASELINE", json.dumps(common.measure(provider, shape, pass_, sets, timer, ours_outputs)))
 
 
 # ---------------------------------------------------------------------------------- correctness
@@ -273,8 +275,8 @@ def selected_bench(args: argparse.Namespace) -> common.Bench:
     """The fla baselines of --baseline, each in a process of its own with --isolate-baselines."""
     baselines = [p for p in FLA_PROVIDERS if not args.baselines or p.name in args.baselines]
     if args.isolate_baselines:
-        baselines = [dataclasses.replace(p, measured_by=functools.partial(measured_in_subprocess, name=p.name))
-                     for p in baselines]
+        baselines = [dataclasses.replace(p, measured_by=functools.partial(measured_in_subprocess, name=p.name,
+                                                                          dry_run=args.dry_run)) for p in baselines]
     return dataclasses.replace(BENCH, baselines=tuple(baselines))
 
 
@@ -282,7 +284,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     torch.manual_seed(0)
     if args.time_baseline:
-        return time_one_baseline(args.time_baseline)
+        return time_one_baseline(args.time_baseline, args.dry_run)
     if args.plot_from:
         return common.replot(args.plot_from, BENCH)
     if args.dry_run:

@@ -413,11 +413,11 @@ def largest_difference(got: Sequence[Optional[torch.Tensor]], reference: Sequenc
 
 
 def measure(provider: Provider, case, pass_: str, sets: Sequence[tuple], timer: Optional[Callable],
-            reference: Optional[list] = None, graph_below_ms: Optional[float] = None) -> Optional[dict]:
+            ours_outputs: Optional[list] = None, graph_below_ms: Optional[float] = None) -> Optional[dict]:
     """One provider on one case and pass: None where it has no form of them; else a dict of "ms"
     (timer(fn, sets); none without a timer), "graph_ms" (where ms < graph_below_ms), "outputs" of the
-    first call on the first set (ours: no reference) or "rel_diff" of them from `reference`, and
-    "error" for what failed."""
+    first call on the first set (ours, measured without ours_outputs) or "rel_diff" of ours_outputs
+    from them (a baseline's outputs are the reference), and "error" for what failed."""
     result = {}
     try:
         fn = provider.build(case, pass_)
@@ -430,11 +430,11 @@ def measure(provider: Provider, case, pass_: str, sets: Sequence[tuple], timer: 
         outputs = tensors_of(fn(*sets[0]))  # also the first call: lazy initialisation, compiling
         if provider.as_ours is not None:
             outputs = provider.as_ours(case, pass_, outputs)
-        if reference is None:
+        if ours_outputs is None:
             result["outputs"] = outputs
         else:
             try:
-                result["rel_diff"] = largest_difference(outputs, reference)
+                result["rel_diff"] = largest_difference(ours_outputs, outputs)
             except Exception as error:  # the timing stands
                 result["error"] = f"no relative difference: {describe_error(error)}"
         del outputs
@@ -459,17 +459,17 @@ def measure_case(bench: Bench, case, passes: Sequence[str], device, timer: Calla
         count = input_set_count(bench.set_bytes(case, pass_, first), device, bench.max_sets)
         sets = [first] + [bench.inputs(case, pass_, device) for _ in range(count - 1)]
         ours = measure(bench.ours, case, pass_, sets, timer, graph_below_ms=graph_below_ms if bench.ours.graph else None)
-        reference = ours.pop("outputs", [])
+        ours_outputs = ours.pop("outputs", [])
         baseline_graph = math.inf if "graph_ms" in ours else None  # the baselines' replays where ours has one
         pass_rows = []
         for provider in bench.baselines:
-            theirs = measure(provider, case, pass_, sets, timer, reference, baseline_graph if provider.graph else None)
+            theirs = measure(provider, case, pass_, sets, timer, ours_outputs, baseline_graph if provider.graph else None)
             if theirs is not None:
                 pass_rows.append(comparison_row(case, pass_, provider.name, ours, theirs, bench.tolerance, copy_gbps,
                                                 tflops_ceiling))
         mark_best(pass_rows)
         rows += [{**row, **fields} for row in pass_rows]
-        del first, sets, reference
+        del first, sets, ours_outputs
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows
