@@ -211,10 +211,8 @@ def main(argv=None) -> None:
     parser = common.arguments(__doc__)
     parser.add_argument("--only", nargs="*", choices=GROUPS, default=list(GROUPS))
     args = parser.parse_args(argv)
-    if args.plot_from:
-        return common.replot(args.plot_from, BENCH)
-    if args.dry_run:
-        return common.run(BENCH, [case for case in DRY_RUN_CASES if case.group in args.only], device="cpu", out=args.out)
+    if common.without_gpu(args, BENCH, [case for case in DRY_RUN_CASES if case.group in args.only]):
+        return
     assert tk_ops.backends()["attention"] == "cuda kernel", f"tk_ops extension: {tk_ops.extension_status()}"
     if args.check:
         return check()

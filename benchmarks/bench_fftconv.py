@@ -188,11 +188,8 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16", help="u's dtype in the timed sweep")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    if args.plot_from:
-        return common.replot(args.plot_from, bench(args.dtype))
-    if args.dry_run:
-        return common.run(bench(args.dtype), shapes_for(args.dtype, DRY_RUN_SHAPES), device="cpu", passes=args.passes,
-                          out=args.out)
+    if common.without_gpu(args, bench(args.dtype), shapes_for(args.dtype, DRY_RUN_SHAPES)):
+        return
     run_check("cuda")
     if args.check:
         return

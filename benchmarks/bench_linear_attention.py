@@ -285,10 +285,8 @@ def main(argv=None) -> None:
     torch.manual_seed(0)
     if args.time_baseline:
         return time_one_baseline(args.time_baseline, args.dry_run)
-    if args.plot_from:
-        return common.replot(args.plot_from, BENCH)
-    if args.dry_run:
-        return common.run(selected_bench(args), selected_shapes(args), device="cpu", passes=args.passes, out=args.out)
+    if common.without_gpu(args, selected_bench(args), selected_shapes(args)):
+        return
     run_check("cuda")
     if args.check:
         return

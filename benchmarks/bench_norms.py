@@ -286,10 +286,8 @@ BENCH = common.Bench(
 def main(argv=None) -> None:
     args = common.arguments(__doc__, PASSES).parse_args(argv)
     torch.manual_seed(0)
-    if args.plot_from:
-        return common.replot(args.plot_from, BENCH)
-    if args.dry_run:
-        return common.run(BENCH, DRY_RUN_CASES, device="cpu", passes=args.passes, out=args.out)
+    if common.without_gpu(args, BENCH, DRY_RUN_CASES):
+        return
     run_check()
     if args.check:
         return

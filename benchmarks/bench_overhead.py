@@ -89,9 +89,8 @@ BENCH = common.Bench(
 
 def main(argv=None) -> None:
     args = common.arguments(__doc__, check=False).parse_args(argv)
-    if args.plot_from:
-        return common.replot(args.plot_from, BENCH)
-    common.run(BENCH, CASES, device="cpu" if args.dry_run else "cuda", out=args.out)
+    if not common.without_gpu(args, BENCH, CASES):
+        common.run(BENCH, CASES, out=args.out)
 
 
 if __name__ == "__main__":

@@ -264,11 +264,8 @@ def main(argv=None) -> None:
     parser = common.arguments(__doc__, PASSES)
     parser.add_argument("--only", nargs="*", help="case names (default: all)")
     args = parser.parse_args(argv)
-    if args.plot_from:
-        return common.replot(args.plot_from, BENCH)
-    if args.dry_run:
-        return common.run(BENCH, [c for c in DRY_RUN_CASES if not args.only or c.name in args.only], device="cpu",
-                          passes=args.passes, out=args.out)
+    if common.without_gpu(args, BENCH, [c for c in DRY_RUN_CASES if not args.only or c.name in args.only]):
+        return
     assert tk_ops.backends()["rope_qk"] == "cuda kernel", f"tk_ops extension: {tk_ops.extension_status()}"
     if args.check:
         return check()

@@ -25,6 +25,7 @@ import datetime
 import functools
 import importlib
 import importlib.metadata
+import itertools
 import json
 import math
 import os
@@ -550,19 +551,20 @@ def plot(rows: Sequence[dict], path: pathlib.Path, title: str, device_name: str,
 
     groups = list(dict.fromkeys(map(panel, rows)))
     passes = list(dict.fromkeys(row["pass"] for row in rows))
+    panels = [(group, pass_) for group in groups for pass_ in passes]  # a row of passes per group
+    columns = len(passes) if len(passes) > 1 else min(2, len(groups))
     flops = any(row.get("flops") for row in rows)
     most_ticks = max(len({tick(row) for row in rows if panel(row) == group}) for group in groups)
-    fig, axes = plt.subplots(len(groups), len(passes), squeeze=False,
-                             figsize=(max(7.0, 3 + 0.7 * most_ticks) * len(passes), 4.8 * len(groups)))
-    for i, group in enumerate(groups):
-        for j, pass_ in enumerate(passes):
-            selected = [row for row in rows if panel(row) == group and row["pass"] == pass_]
-            if selected:
-                bar_panel(axes[i][j], selected, " ".join(filter(None, (group, pass_))), tick, flops)
-            else:
-                axes[i][j].axis("off")
-    fig.suptitle(f"{title} on {device_name}, same run ({'TFLOP/s, higher' if flops else 'ms, lower'} is better)")
-    fig.tight_layout()
+    fig, axes = plt.subplots(math.ceil(len(panels) / columns), columns, squeeze=False, layout="constrained",
+                             figsize=(max(7.0, 3 + 0.7 * most_ticks) * columns, 4.8 * math.ceil(len(panels) / columns)))
+    for ax, (group, pass_) in itertools.zip_longest(axes.flat, panels, fillvalue=(None, None)):
+        selected = [row for row in rows if panel(row) == group and row["pass"] == pass_]
+        if selected:
+            bar_panel(ax, selected, " ".join(filter(None, (group, pass_))), tick, flops)
+        else:
+            ax.axis("off")
+    fig.suptitle(f"{title} on {device_name}, same run ({'TFLOP/s, higher' if flops else 'ms, lower'} is better)",
+                 fontsize=10)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -598,12 +600,6 @@ def bar_panel(ax, rows: Sequence[dict], title: str, tick: Callable[[dict], str],
     ax.legend(fontsize=7)
 
 
-def replot(path: pathlib.Path, bench: Bench) -> None:
-    """--plot-from: redraw NAME.png next to a results file this bench wrote."""
-    document = json.loads(path.read_text())
-    plot(document["rows"], path.with_suffix(".png"), bench.title, document.get("gpu") or "CPU", bench.panel, bench.tick)
-
-
 # ------------------------------------------------------------------------------- the command line
 
 
@@ -621,6 +617,18 @@ def arguments(description: Optional[str], passes: Sequence[str] = (), check: boo
         parser.add_argument("--pass", dest="passes", choices=passes, action="append",
                             help="only this pass (repeatable; default: all)")
     return parser
+
+
+def without_gpu(args: argparse.Namespace, bench: Bench, dry_run_cases: Sequence) -> bool:
+    """--plot-from (redraw NAME.png next to a results file the bench wrote) and --dry-run (the run of
+    dry_run_cases on the CPU): True where one of them ran."""
+    if args.plot_from:
+        document = json.loads(args.plot_from.read_text())
+        plot(document["rows"], args.plot_from.with_suffix(".png"), bench.title, document.get("gpu") or "CPU", bench.panel,
+             bench.tick)
+    elif args.dry_run:
+        run(bench, dry_run_cases, device="cpu", passes=getattr(args, "passes", None), out=args.out)
+    return bool(args.plot_from or args.dry_run)
 
 
 def finish_check(summary: str, failures: Sequence[str], exit_on_failure: bool = True) -> None:

@@ -254,6 +254,9 @@ def test_gemm_dry_run(tmp_path):
     tk_testing.assert_bench_rows(rows, bench_gemm.DRY_RUN_CASES, ["fwd"], lambda case, pass_: cublas[case.op])
     assert {row["group"] for row in rows} == set(bench_gemm.GROUPS)
     assert all(row["rel_diff_vs_baseline"] < 1e-2 and row["flops"] == 2 * row["m"] * row["n"] * row["k"] for row in rows)
+    (tmp_path / "gemm.png").unlink()
+    bench_gemm.main(["--plot-from", str(tmp_path / "gemm.json")])  # redrawn from the results file
+    assert (tmp_path / "gemm.png").stat().st_size > 0
 
 
 def test_attention_dry_run(tmp_path):
