@@ -16,8 +16,9 @@ softplus of a log-uniform step in [1e-3, 1e-1], dt ~ N(0, 1) before bias and sof
 Each side runs at every chunk size of --chunks (default 64, 128, 256). Per shape and pass: a row
 per chunk size, ours against mamba_ssm at that size (baseline "mamba_ssm@256"), and a row of each
 at its own fastest size ("mamba_ssm@best"; ours_chunk and baseline_chunk say which). A row
-(benchmarks/common.py's schema, with the chunk sizes and peaks added) has both times (CUDA events after warm-up, median over rounds of back-to-back calls, inputs rotated
-through more than twice the L2), ratio = baseline_ms / ours_ms (above 1 we are faster), both peak
+(benchmarks/common.py's schema, with the chunk sizes and peaks added) has both times (CUDA events
+after warm-up, median over rounds of back-to-back calls, inputs rotated through more than twice
+the L2), ratio = baseline_ms / ours_ms (above 1 we are faster), both peak
 memories in MiB (torch.cuda.max_memory_allocated during one call, less what was allocated before
 it: the inputs) and peak_ratio = ours / mamba_ssm's, the relative difference of our y (and for
 fwd+bwd of our gradients: the largest) from mamba_ssm's, and the HBM floor: the bytes that must

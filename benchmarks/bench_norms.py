@@ -236,10 +236,12 @@ def forms(name: str, norm: str) -> tuple:
     if name == "tk_ops":
         return (lambda x, w: tk_ops.rms_norm(x, w, EPS),
                 lambda x, r, w: tk_ops.rms_norm(x, w, EPS, residual=r, return_residual=True))
-    if name == "liger":  # no residual form
-        liger = common.need(*LIGER)
-        layer_norm, rms_norm = liger.liger_layer_norm, liger.liger_rms_norm
-        return (lambda x, w, b: layer_norm(x, w, b, EPS)) if norm == "layer" else (lambda x, w: rms_norm(x, w, EPS, in_place=False)), None
+    if name == "liger" and norm == "layer":  # no residual form
+        layer_norm = common.need(*LIGER).liger_layer_norm
+        return lambda x, w, b: layer_norm(x, w, b, EPS), None
+    if name == "liger":
+        rms_norm = common.need(*LIGER).liger_rms_norm
+        return lambda x, w: rms_norm(x, w, EPS, in_place=False), None
     return (layer_norm_eager, layer_norm_residual_eager) if norm == "layer" else (rms_norm_eager, rms_norm_residual_eager)
 
 

@@ -482,6 +482,9 @@ def run(bench: Bench, cases: Sequence, *, device="cuda", passes: Optional[Sequen
     """Measures every case (printing its rows, rewriting NAME.json after each), then plots NAME.png:
     into benchmarks/results and `out`; on the CPU (a dry run: each provider called once per set,
     nothing timed) into `out` only. `header`: the results file's fields beside the environment's."""
+    if not cases:
+        print("no cases selected")
+        return []
     dry_run = device != "cuda"
     timer = run_once if dry_run else bench.timer
     out_dirs = ([] if dry_run else [RESULTS]) + ([out] if out else [])
