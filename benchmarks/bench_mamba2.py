@@ -371,7 +371,7 @@ def panel(row: dict) -> str:
 
 
 def table(shapes: tuple[Shape, ...], chunks: tuple[int, ...]) -> common.Table:
-    return common.Table(shapes, [f"{BASELINE}@{chunk}" for chunk in (*chunks, "best")],
+    return common.Table(shapes, PASSES, [f"{BASELINE}@{chunk}" for chunk in (*chunks, "best")],
                         extra=("ours_chunk", "baseline_chunk", "ours_peak_mib", "baseline_peak_mib", "peak_ratio"))
 
 

@@ -488,11 +488,12 @@ def run(bench: Bench, cases: Sequence, *, device="cuda", passes: Optional[Sequen
     dry_run = device != "cuda"
     timer = run_once if dry_run else bench.timer
     out_dirs = ([] if dry_run else [RESULTS]) + ([out] if out else [])
-    table = Table(cases, [provider.name for provider in bench.baselines], graph=bench.graph_below_ms is not None)
+    passes = passes or bench.passes
+    table = Table(cases, passes, [provider.name for provider in bench.baselines], graph=bench.graph_below_ms is not None)
     print(table.header(), flush=True)
     rows = []
     for case in cases:
-        case_rows = measure_case(bench, case, passes or bench.passes, device, timer, copy_gbps, tflops_ceiling)
+        case_rows = measure_case(bench, case, passes, device, timer, copy_gbps, tflops_ceiling)
         table.print(case_rows)
         rows += case_rows
         write_results(bench.name, rows, out_dirs, rel_diff_tolerance=bench.tolerance, **header)
@@ -512,8 +513,10 @@ class Table:
     """The printed rows: shape, pass and baseline, the columns the cases have, `extra` as key=value,
     then the flags (a mismatch, an error)."""
 
-    def __init__(self, cases: Sequence, baselines: Sequence[str], graph: bool = False, extra: Sequence[str] = ()):
-        self.widths = (max(len(case.label) for case in cases), max(len("baseline"), *map(len, baselines)))
+    def __init__(self, cases: Sequence, passes: Sequence[str], baselines: Sequence[str], graph: bool = False,
+                 extra: Sequence[str] = ()):
+        self.widths = (max(len(case.label) for case in cases), max(len("pass"), *map(len, passes)),
+                       max(len("baseline"), *map(len, baselines)))
         self.columns = [("ours ms", "ours_ms", ".4f"), ("base ms", "baseline_ms", ".4f"), ("ratio", "ratio", ".3f")]
         if graph:
             self.columns.append(("graph x", "graph_ratio", ".3f"))
@@ -525,15 +528,16 @@ class Table:
         self.extra = extra
 
     def header(self) -> str:
-        shape, baseline = self.widths
-        return f"{'shape':{shape}} {'pass':7} {'baseline':{baseline}} " + " ".join(f"{title:>10}" for title, _, _ in self.columns)
+        shape, pass_, baseline = self.widths
+        return f"{'shape':{shape}} {'pass':{pass_}} {'baseline':{baseline}} " + " ".join(
+            f"{title:>10}" for title, _, _ in self.columns)
 
     def line(self, row: dict) -> str:
-        shape, baseline = self.widths
+        shape, pass_, baseline = self.widths
         cells = [f"{row[key]:>10{spec}}" if row.get(key) is not None else f"{'-':>10}" for _, key, spec in self.columns]
         notes = "".join(f" {key}={row.get(key)}" for key in self.extra)
         notes += " MISMATCH" * bool(row.get("mismatch")) + (f"  ({row['error']})" if "error" in row else "")
-        return f"{row['shape']:{shape}} {row['pass']:7} {row['baseline']:{baseline}} {' '.join(cells)}{notes}"
+        return f"{row['shape']:{shape}} {row['pass']:{pass_}} {row['baseline']:{baseline}} {' '.join(cells)}{notes}"
 
     def print(self, rows: Sequence[dict]) -> None:
         for row in rows:
