@@ -9,14 +9,15 @@ weight and bias for a given output gradient, in x's layout as a mixer's would be
 Baselines (the causal_conv1d package's own reference form):
   eager     F.silu(F.conv1d(x, weight.unsqueeze(1), bias, padding=W - 1, groups=D)[..., :L])
   compiled  the same under torch.compile(fullgraph=True, dynamic=False)
-Each row also has the relative difference of the baseline's forward output from ours.
+Each row also has the relative difference of ours from the baseline (output, and for fwd+bwd the
+gradients).
 
 HBM floor: the bytes that must cross HBM once (forward: x read and out written, plus weight and
 bias; forward + backward adds x and the output gradient read and grad_x written: with SiLU the
 backward recomputes the pre-activation from x) over the device-to-device copy bandwidth measured in
-this run. Rows: shape, pass, baseline, ours_ms, baseline_ms, ratio (baseline_ms / ours_ms: above 1
-we are faster), floor_ms, the fraction of the floor each reaches, hbm_bytes, and the error of a
-baseline that could not run. Writes benchmarks/results/conv1d.json and conv1d.png (and into --out).
+this run. Rows: benchmarks/common.py's schema (ratio = baseline_ms / ours_ms: above 1 we are faster,
+floor_ms and the fraction of it each side reaches). Writes benchmarks/results/conv1d.json and
+conv1d.png (and into --out).
 "ours" is the CUDA kernel where tk_ops._C is built for the GPU, the PyTorch reference otherwise
 (``tk_ops.backends()`` says which; the header records it).
 
@@ -33,17 +34,14 @@ baseline that could not run. Writes benchmarks/results/conv1d.json and conv1d.pn
                                   should run; exits non-zero on a failure
   python3 -m benchmarks.bench_conv1d --dry-run [--out DIR]
                                   CPU, tiny shapes, nothing timed: runs every implementation once
-                                  and builds and prints the rows (and the plot into --out)
+                                  and builds and prints the rows (the JSON and plot into --out)
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
-import pathlib
 import warnings
-from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -54,7 +52,6 @@ from tk_ops import _library
 
 DTYPE = torch.bfloat16
 PASSES = ("fwd", "fwd+bwd")
-BASELINES = ("eager", "compiled")
 ACTIVATION = "silu"
 
 
@@ -72,13 +69,13 @@ class Shape:
     def label(self) -> str:
         return f"B={self.batch} D={self.dim} L={self.seq_len} W={self.width} {self.layout}"
 
-    def hbm_bytes(self, pass_: str, element: int) -> int:
+    def hbm_bytes(self, pass_: str) -> int:
         """x read and out written once, weight and bias read; forward + backward adds x and grad_out
         read and grad_x written (grad_weight and grad_bias are D (W + 1) elements)."""
         activations = self.batch * self.dim * self.seq_len
         parameters = self.dim * (self.width + 1)
         forward = 2 * activations + parameters
-        return element * (forward if pass_ == "fwd" else forward + 3 * activations + parameters)
+        return DTYPE.itemsize * (forward if pass_ == "fwd" else forward + 3 * activations + parameters)
 
 
 MAMBA2_DIM = 4096 + 2 * 128
@@ -91,7 +88,7 @@ SHAPES = (
 DRY_RUN_SHAPES = (Shape(2, 24, 33, 4, "bdl"), Shape(2, 24, 33, 4, "bld"))
 
 
-# ---------------------------------------------------------------------------------- the callables
+# ------------------------------------------------------------------------------ providers and inputs
 
 
 def ours(x, weight, bias):
@@ -102,17 +99,6 @@ def conv1d_silu(x, weight, bias):
     """causal_conv1d's reference form."""
     out = F.conv1d(x, weight.unsqueeze(1), bias, padding=weight.shape[1] - 1, groups=weight.shape[0])
     return F.silu(out[..., : x.shape[-1]])
-
-
-def implementations() -> dict[str, Callable]:
-    return {
-        "tk_ops": ours,
-        "eager": conv1d_silu,
-        "compiled": torch.compile(conv1d_silu, fullgraph=True, dynamic=False),
-    }
-
-
-# ---------------------------------------------------------------------------------------- inputs
 
 
 ROW_ALIGNMENT = 8  # elements of a "bdl-padded" row: 16 bytes of bf16/fp16
@@ -139,71 +125,14 @@ def input_set(shape: Shape, device, dtype, backward: bool) -> tuple:
     return x, weight, bias, grad_out
 
 
-def step(fn: Callable, backward: bool) -> Callable:
-    """fn's forward on (x, weight, bias), and with backward its gradients w.r.t. all three."""
-
-    def run(x, weight, bias, grad_out):
-        out = fn(x, weight, bias)
-        if backward:
-            torch.autograd.grad(out, (x, weight, bias), grad_out)
-
-    return run
-
-
-# ------------------------------------------------------------------------------------------- rows
-
-
-def measure(shape: Shape, device, timer: Callable, copy_gbps: Optional[float], passes=PASSES) -> list[dict]:
-    """The rows of one shape: per pass, ours against each baseline (ours timed once per pass)."""
-    torch._dynamo.reset()  # each shape compiles afresh, never against the recompile limit
-    functions = implementations()
-    x, weight, bias, _ = input_set(shape, device, DTYPE, backward=False)
-    rel_diffs, errors = {}, {}
-    with torch.no_grad():
-        ours_out = ours(x, weight, bias)
-        for name in BASELINES:
-            try:
-                rel_diffs[name] = common.relative_difference(functions[name](x, weight, bias), ours_out)
-            except Exception as error:  # a baseline that cannot run this shape is reported, not fatal
-                errors[name] = common.describe_error(error)
-    del x, weight, bias, ours_out
-
-    rows = []
-    for pass_ in passes:
-        backward = pass_ == "fwd+bwd"
-        count = common.input_set_count(shape.hbm_bytes(pass_, DTYPE.itemsize), device)
-        sets = [input_set(shape, device, DTYPE, backward) for _ in range(count)]
-        ours_ms = timer(step(ours, backward), sets)
-        for name in BASELINES:
-            baseline_ms, error = None, errors.get(name)
-            if error is None:
-                try:
-                    baseline_ms = timer(step(functions[name], backward), sets)
-                except Exception as failure:
-                    error = common.describe_error(failure)
-            rows.append(common.floor_row(shape, pass_, name, ours_ms, baseline_ms, copy_gbps, DTYPE.itemsize, rel_diffs.get(name), error))
-        del sets
-        if device == "cuda":
-            torch.cuda.empty_cache()
-    return rows
-
-
-def plot(rows: list[dict], path: pathlib.Path, device_name: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = [pass_ for pass_ in PASSES if any(row["pass"] == pass_ for row in rows)]
-    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.8), squeeze=False)
-    colors = {"tk_ops": "tab:red", "eager": "tab:gray", "compiled": "tab:blue"}
-    names = ("tk_ops", *BASELINES)
-    for c, pass_ in enumerate(panels):
-        common.floor_bar_panel(axes[0][c], [row for row in rows if row["pass"] == pass_], names, colors,
-                               f"causal conv1d + SiLU, {pass_}")
-    fig.suptitle(f"Causal conv1d on {device_name}: tk_ops vs F.conv1d + SiLU (bf16; lower is better)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+BENCH = common.Bench(
+    "conv1d", "Causal conv1d: tk_ops vs F.conv1d + SiLU (bf16)",
+    ours=common.stepped("tk_ops", ours),
+    baselines=(common.stepped("eager", conv1d_silu),
+               common.stepped("compiled", torch.compile(conv1d_silu, fullgraph=True, dynamic=False))),
+    inputs=lambda shape, pass_, device: input_set(shape, device, DTYPE, pass_ == "fwd+bwd"),
+    passes=PASSES,
+)
 
 
 # ---------------------------------------------------------------------------------- correctness
@@ -279,34 +208,17 @@ def run_check(device) -> None:
 # ------------------------------------------------------------------------------------------ main
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = common.sweep_arguments(__doc__, PASSES)
-    return parser.parse_args(argv)
-
-
-ROW_WIDTHS = (32, 9)  # printed columns: shape, baseline
-
-
-def dry_run(args: argparse.Namespace) -> list[dict]:
-    passes = tuple(args.passes or PASSES)
-    rows = [row for shape in DRY_RUN_SHAPES for row in measure(shape, "cpu", common.run_once, None, passes)]
-    return common.finish_dry_run("conv1d", rows, ROW_WIDTHS, args.out, plot)
-
-
 def main(argv=None) -> None:
-    args = parse_args(argv)
+    args = common.arguments(__doc__, PASSES).parse_args(argv)
     torch.manual_seed(0)
-    if args.dry_run:
-        dry_run(args)
+    if common.without_gpu(args, BENCH, DRY_RUN_SHAPES):
         return
     run_check("cuda")
     if args.check:
         return
     copy, ceiling = common.measured_copy_ceiling()
-    passes = tuple(args.passes or PASSES)
-    common.sweep_shapes("conv1d", SHAPES, lambda shape: measure(shape, "cuda", common.time_ms, copy, passes),
-                        ROW_WIDTHS, args.out, plot, **ceiling, dtype="bf16", activation=ACTIVATION,
-                        ours_backend=tk_ops.backends()["causal_conv1d"])
+    common.run(BENCH, SHAPES, passes=args.passes, out=args.out, copy_gbps=copy, **ceiling, dtype="bf16",
+               activation=ACTIVATION, ours_backend=tk_ops.backends()["causal_conv1d"])
 
 
 if __name__ == "__main__":

@@ -8,14 +8,14 @@ D. The baseline is the convolution the op computes, written directly in torch.ff
 under torch.compile.
 Forward, and forward + backward (the gradients of u, k and D for a given output gradient; our
 backward runs its kernels: grad_u on the forward's kernel with conj(K), grad_k and grad_D on the
-filter-gradient kernel). Each row also has the relative difference of the
-baseline's forward output from ours.
+filter-gradient kernel). Each row also has the relative difference of ours from the baseline
+(the output, and for fwd+bwd the gradients).
 
 HBM floor: the bytes that must cross HBM once (forward: u read, y written, k and D read; forward +
 backward adds the output gradient and u read, grad_u written, k's and D's gradients written) over
-the device-to-device copy bandwidth measured in this run. Rows: shape, pass, baseline, ours_ms,
-baseline_ms, ratio (baseline_ms / ours_ms: above 1 we are faster), floor_ms, the fraction of the
-floor each reaches. Writes benchmarks/results/fftconv.json and fftconv.png (fftconv_fp32.* for fp32
+the device-to-device copy bandwidth measured in this run. Rows: benchmarks/common.py's schema
+(ratio = baseline_ms / ours_ms: above 1 we are faster; floor_ms and the fraction of it each side
+reaches). Writes benchmarks/results/fftconv.json and fftconv.png (fftconv_fp32.* for fp32
 u; and into --out).
 
   python3 -m benchmarks.bench_fftconv [--out DIR] [--pass fwd|fwd+bwd] [--dtype bf16|fp32]
@@ -26,16 +26,14 @@ u; and into --out).
                                   forward and the backward (grad_u, grad_k, grad_D) against float64
                                   FFTs; exits non-zero on a failure
   python3 -m benchmarks.bench_fftconv --dry-run [--out DIR]
-                                  CPU, tiny shapes, nothing timed: builds and prints the rows
+                                  CPU, tiny shapes, nothing timed: builds and prints the rows (the JSON
+                                  and plot into --out)
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
-import pathlib
-from typing import Callable, Optional
 
 import torch
 
@@ -45,7 +43,6 @@ from benchmarks import common
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # of u (--dtype)
 PARAM_DTYPE = torch.float32
 PASSES = ("fwd", "fwd+bwd")
-BASELINES = ("torch.fft eager", "torch.fft compiled")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,15 +50,16 @@ class Shape:
     batch: int
     heads: int
     seq_len: int
+    dtype: str = "bf16"  # u's (--dtype)
 
     @property
     def label(self) -> str:
         return f"B={self.batch} H={self.heads} N={self.seq_len}"
 
-    def hbm_bytes(self, pass_: str, element: int) -> int:
+    def hbm_bytes(self, pass_: str) -> int:
         """u read and y written once, k and D (fp32) read; forward + backward adds grad_out and u read,
         grad_u written, and k's and D's gradients written."""
-        sequence = self.batch * self.heads * self.seq_len * element
+        sequence = self.batch * self.heads * self.seq_len * DTYPES[self.dtype].itemsize
         parameters = self.heads * (self.seq_len + 1) * PARAM_DTYPE.itemsize
         forward = 2 * sequence + parameters
         return forward if pass_ == "fwd" else forward + 3 * sequence + parameters
@@ -73,13 +71,10 @@ DRY_RUN_SHAPES = (Shape(2, 3, 256), Shape(3, 2, 1024))
 FP32_KERNEL_MAX_SEQ_LEN = 8192  # fp32 u: the split-operand kernels' longest N
 
 
-def shapes_for(dtype: torch.dtype) -> tuple[Shape, ...]:
-    """The timed shapes for u of `dtype`: those its kernels take."""
-    return tuple(s for s in SHAPES if dtype != torch.float32 or s.seq_len <= FP32_KERNEL_MAX_SEQ_LEN)
-
-
-def results_name(dtype: torch.dtype) -> str:
-    return "fftconv" if dtype == torch.bfloat16 else "fftconv_fp32"
+def shapes_for(dtype: str, shapes: tuple[Shape, ...] = SHAPES) -> tuple[Shape, ...]:
+    """The shapes for u of `dtype` (bf16 or fp32): those its kernels take."""
+    return tuple(dataclasses.replace(s, dtype=dtype) for s in shapes
+                 if dtype != "fp32" or s.seq_len <= FP32_KERNEL_MAX_SEQ_LEN)
 
 
 # ---------------------------------------------------------------------------------- the callables
@@ -102,10 +97,6 @@ def torch_fft(u, k, D):
     return (y + D.float()[:, None] * u32).to(u.dtype)
 
 
-def baselines() -> dict[str, Callable]:
-    return {"torch.fft eager": torch_fft, "torch.fft compiled": torch.compile(torch_fft)}
-
-
 def input_set(shape: Shape, device, backward: bool, dtype: torch.dtype = torch.bfloat16) -> tuple:
     """(u, k, D, grad_out): u ~ N(0, 1) in `dtype`, k ~ N(0, 1/L) and D in fp32, L = N."""
     u = torch.randn(shape.batch, shape.heads, shape.seq_len, device=device).to(dtype)
@@ -117,66 +108,14 @@ def input_set(shape: Shape, device, backward: bool, dtype: torch.dtype = torch.b
     return u, k, D, grad_out
 
 
-def step(fn: Callable, backward: bool) -> Callable:
-    def run(u, k, D, grad_out):
-        out = fn(u, k, D)
-        if backward:
-            torch.autograd.grad(out, (u, k, D), grad_out)
-
-    return run
-
-
-def measure(shape: Shape, device, timer: Callable, copy_gbps: Optional[float], passes=PASSES,
-            dtype: torch.dtype = torch.bfloat16) -> list[dict]:
-    """The rows of one shape: per pass, ours against each baseline (ours timed once per pass)."""
-    torch._dynamo.reset()  # each shape compiles afresh: past 8 recompiles dynamo silently ran eager
-    functions = baselines()
-    first = input_set(shape, device, backward=False, dtype=dtype)
-    rel_diffs, errors = {}, {}
-    with torch.no_grad():
-        ours_out = ours(*first[:3])
-        for name, fn in functions.items():
-            try:
-                rel_diffs[name] = common.relative_difference(fn(*first[:3]), ours_out)
-            except Exception as error:  # a baseline that cannot run is reported, not fatal
-                errors[name] = common.describe_error(error)
-    del first, ours_out
-    rows = []
-    for pass_ in passes:
-        backward = pass_ == "fwd+bwd"
-        bytes_per_set = shape.hbm_bytes(pass_, dtype.itemsize)
-        sets = [input_set(shape, device, backward, dtype) for _ in range(common.input_set_count(bytes_per_set, device))]
-        ours_ms = timer(step(ours, backward), sets)
-        for name, fn in functions.items():
-            baseline_ms, error = None, errors.get(name)
-            if error is None:
-                try:
-                    baseline_ms = timer(step(fn, backward), sets)
-                except Exception as failure:
-                    error = common.describe_error(failure)
-            rows.append(common.floor_row(shape, pass_, name, ours_ms, baseline_ms, copy_gbps, dtype.itemsize,
-                                         rel_diffs.get(name), error))
-        del sets
-        if device == "cuda":
-            torch.cuda.empty_cache()
-    return rows
-
-
-def plot(rows: list[dict], path: pathlib.Path, device_name: str, dtype_name: str = "bf16") -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    passes = [pass_ for pass_ in PASSES if any(row["pass"] == pass_ for row in rows)]
-    fig, axes = plt.subplots(1, len(passes), figsize=(8 * len(passes), 4.8), squeeze=False)
-    colors = {"tk_ops": "tab:red", BASELINES[0]: "tab:blue", BASELINES[1]: "tab:green"}
-    for c, pass_ in enumerate(passes):
-        common.floor_bar_panel(axes[0][c], [row for row in rows if row["pass"] == pass_], ("tk_ops", *BASELINES),
-                               colors, f"FFT convolution, {pass_}")
-    fig.suptitle(f"FFT long convolution on {device_name}: tk_ops vs torch.fft ({dtype_name} u; lower is better)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+def bench(dtype: str) -> common.Bench:
+    """fftconv.json for bf16 u, fftconv_fp32.json for fp32 u (whose outputs agree to ~1e-5)."""
+    return common.Bench(
+        "fftconv" if dtype == "bf16" else "fftconv_fp32", f"FFT long convolution: tk_ops vs torch.fft ({dtype} u)",
+        ours=common.stepped("tk_ops", ours),
+        baselines=(common.stepped("torch.fft eager", torch_fft), common.stepped("torch.fft compiled", torch.compile(torch_fft))),
+        inputs=lambda shape, pass_, device: input_set(shape, device, pass_ == "fwd+bwd", DTYPES[shape.dtype]),
+        passes=PASSES, tolerance=5e-2 if dtype == "bf16" else 1e-3)
 
 
 # ---------------------------------------------------------------------------------- correctness
@@ -244,39 +183,20 @@ def run_check(device) -> None:
 # ------------------------------------------------------------------------------------------ main
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = common.sweep_arguments(__doc__, PASSES)
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16", help="u's dtype in the timed sweep")
-    return parser.parse_args(argv)
-
-
-ROW_WIDTHS = (22, 20)  # printed columns: shape, baseline
-
-
-def dry_run(args: argparse.Namespace) -> list[dict]:
-    dtype = DTYPES[args.dtype]
-    rows = [row for shape in DRY_RUN_SHAPES for row in measure(shape, "cpu", common.run_once, None, dtype=dtype)]
-    return common.finish_dry_run(results_name(dtype), rows, ROW_WIDTHS, args.out,
-                                 lambda *a: plot(*a, dtype_name=args.dtype))
-
-
 def main(argv=None) -> None:
-    args = parse_args(argv)
+    parser = common.arguments(__doc__, PASSES)
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16", help="u's dtype in the timed sweep")
+    args = parser.parse_args(argv)
     torch.manual_seed(0)
-    if args.dry_run:
-        dry_run(args)
+    if common.without_gpu(args, bench(args.dtype), shapes_for(args.dtype, DRY_RUN_SHAPES)):
         return
     run_check("cuda")
     if args.check:
         return
     copy, ceiling = common.measured_copy_ceiling()
-    passes = tuple(args.passes or PASSES)
-    dtype = DTYPES[args.dtype]
-    common.sweep_shapes(results_name(dtype), shapes_for(dtype),
-                        lambda shape: measure(shape, "cuda", common.time_ms, copy, passes, dtype),
-                        ROW_WIDTHS, args.out, lambda *a: plot(*a, dtype_name=args.dtype), **ceiling,
-                        dtype=f"{args.dtype} u, fp32 k and D",
-                        ours_backends={op: tk_ops.backends()[op] for op in ("fftconv", "fftconv_bwd")})
+    common.run(bench(args.dtype), shapes_for(args.dtype), passes=args.passes, out=args.out, copy_gbps=copy, **ceiling,
+               dtype=f"{args.dtype} u, fp32 k and D",
+               ours_backends={op: tk_ops.backends()[op] for op in ("fftconv", "fftconv_bwd")})
 
 
 if __name__ == "__main__":

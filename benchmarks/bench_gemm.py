@@ -5,20 +5,18 @@ from both sides (the eager numbers include our Python op layer; the host cost pe
 printed first). Shapes: M = N = K from 1024 to 16384; M = N = 4096 with K from 64 to 1024; the Llama MLP linear
 (T = 16384, K = 4096, N = 11008) with the weight row-major and column-major; all four operand
 layouts at 8192^3; bf16 and fp16. Prints TFLOP/s (2 M N K per product), the ratio to cuBLAS and
-the fraction of the cuBLAS bf16 8192^3 rate measured in this run; writes
-benchmarks/results/gemm.json and gemm.png.
+the fraction of the cuBLAS bf16 8192^3 rate measured in this run, and the relative difference of
+ours from cuBLAS; writes benchmarks/results/gemm.json and gemm.png (benchmarks/common.py's rows).
 
 Run from the repository root: python3 -m benchmarks.bench_gemm [--out DIR] [--only square ...];
 redraw the plot from a results file: python3 -m benchmarks.bench_gemm --plot-from benchmarks/results/gemm.json
 A small correctness pass (what compute-sanitizer runs): python3 -m benchmarks.bench_gemm --check
+On the CPU, tiny cases, nothing timed: python3 -m benchmarks.bench_gemm --dry-run [--out DIR]
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import pathlib
 
 import torch
 import torch.nn.functional as F
@@ -26,8 +24,8 @@ import torch.nn.functional as F
 import tk_ops
 from benchmarks import common
 
-BASELINE = {"matmul": "torch.matmul (cuBLAS)", "linear": "F.linear (cuBLAS)"}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+GROUPS = ("square", "k_sweep", "layouts", "llama")
 GRAPH_BELOW_MS = 0.1  # eager times this short are dominated by launch overhead: also time graph replays
 
 
@@ -41,12 +39,11 @@ class Case:
     layout: str  # matmul: A then B, n = row-major, t = column-major view; linear: weight row/col-major
     dtype: str
 
-    @property
-    def flops(self) -> float:
+    def flops(self, pass_: str) -> float:
         return 2.0 * self.m * self.n * self.k
 
     @property
-    def shape(self) -> str:
+    def label(self) -> str:
         return f"M={self.m} N={self.n} K={self.k}"
 
 
@@ -64,114 +61,40 @@ def cases(groups: set[str]) -> list[Case]:
     return out
 
 
-def make_inputs(case: Case) -> tuple:
+# --dry-run: each group's operand layouts at sizes a CPU runs in a moment
+DRY_RUN_CASES = [Case("square", "matmul", 48, 48, 48, "nn", "bf16"), Case("k_sweep", "matmul", 40, 48, 8, "nn", "fp16"),
+                 Case("layouts", "matmul", 40, 24, 56, "tt", "bf16"), Case("llama", "linear", 32, 40, 24, "weight-col-major", "bf16")]
+
+
+def make_inputs(case: Case, device="cuda") -> tuple:
     dtype = DTYPES[case.dtype]
 
     def matrix(rows, cols, column_major):
         if column_major:
-            return torch.randn(cols, rows, device="cuda", dtype=dtype).mT
-        return torch.randn(rows, cols, device="cuda", dtype=dtype)
+            return torch.randn(cols, rows, device=device, dtype=dtype).mT
+        return torch.randn(rows, cols, device=device, dtype=dtype)
 
     if case.op == "matmul":
         return matrix(case.m, case.k, case.layout[0] == "t"), matrix(case.k, case.n, case.layout[1] == "t")
-    x = torch.randn(case.m, case.k, device="cuda", dtype=dtype)
+    x = torch.randn(case.m, case.k, device=device, dtype=dtype)
     weight = matrix(case.n, case.k, case.layout == "weight-col-major") / case.k**0.5
     return x, weight
 
 
-def functions(case: Case):
-    if case.op == "matmul":
-        return tk_ops.matmul, torch.matmul
-    return tk_ops.linear, F.linear
+def cublas(name: str, op: str, fn) -> common.Provider:
+    """cuBLAS through torch on one op's cases (matmul or linear)."""
+    return common.Provider(name, lambda case, pass_: fn if case.op == op else None, graph=True)
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-
-
-def run_case(case: Case) -> dict:
-    ours, baseline = functions(case)
-    first = make_inputs(case)
-    bytes_per_set = sum(t.numel() * t.element_size() for t in first) + case.m * case.n * first[0].element_size()
-    sets = [first] + [make_inputs(case) for _ in range(common.rotation_count(bytes_per_set) - 1)]
-    error = rel_err(ours(*first), baseline(*first))
-    ours_ms = common.time_ms(ours, sets)
-    baseline_ms = common.time_ms(baseline, sets)
-    graph = {}
-    if ours_ms < GRAPH_BELOW_MS:
-        ours_graph_ms = common.time_graph_ms(ours, sets)
-        baseline_graph_ms = common.time_graph_ms(baseline, sets)
-        graph = {
-            "ours_graph_ms": round(ours_graph_ms, 5),
-            "baseline_graph_ms": round(baseline_graph_ms, 5),
-            "graph_ratio": round(baseline_graph_ms / ours_graph_ms, 4),
-        }
-    del sets, first
-    torch.cuda.empty_cache()
-    return {
-        "group": case.group,
-        "op": case.op,
-        "shape": case.shape,
-        "m": case.m,
-        "n": case.n,
-        "k": case.k,
-        "dtype": case.dtype,
-        "layout": case.layout,
-        "ours_ms": round(ours_ms, 5),
-        "baseline": BASELINE[case.op],
-        "baseline_ms": round(baseline_ms, 5),
-        "ratio": round(baseline_ms / ours_ms, 4),
-        "ours_tflops": round(case.flops / ours_ms / 1e9, 1),
-        "baseline_tflops": round(case.flops / baseline_ms / 1e9, 1),
-        "rel_err_vs_baseline": float(f"{error:.3e}"),
-        **graph,
-    }
-
-
-def tflops(row: dict, key: str) -> float | None:
-    return None if key not in row else 2.0 * row["m"] * row["n"] * row["k"] / row[key] / 1e9
-
-
-def plot(rows: list[dict], ceiling: float, path: pathlib.Path) -> None:
-    """Squares and the K sweep as lines (CUDA-graph rates dashed where measured), the rest as bars."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
-    panels = [("square", "M = N = K"), ("k_sweep", "K  (M = N = 4096)")]
-    for ax, (group, xlabel) in zip(axes, panels):
-        for dtype, marker in (("bf16", "o"), ("fp16", "^")):
-            sel = [r for r in rows if r["group"] == group and r["dtype"] == dtype]
-            if not sel:
-                continue
-            xs = [r["k"] for r in sel]
-            for who, color in (("ours", "tab:red"), ("baseline", "tab:gray")):
-                name = "tk_ops" if who == "ours" else "cuBLAS"
-                ax.plot(xs, [tflops(r, f"{who}_ms") for r in sel], marker + "-", color=color, label=f"{name} {dtype}")
-                graph = [(x, tflops(r, f"{who}_graph_ms")) for x, r in zip(xs, sel) if f"{who}_graph_ms" in r]
-                if graph:
-                    ax.plot(*zip(*graph), marker + "--", color=color, alpha=0.55, label=f"{name} {dtype}, CUDA graph")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("TFLOP/s")
-        ax.axhline(ceiling, color="black", lw=0.6, ls=":", label="cuBLAS bf16 8192^3")
-        ax.legend(fontsize=6)
-        ax.grid(alpha=0.3)
-    bars = [r for r in rows if r["group"] in ("layouts", "llama")]
-    short = {"weight-row-major": "Llama W", "weight-col-major": "Llama W^T"}
-    labels = [f"{short.get(r['layout'], r['layout'])}\n{r['dtype']}" for r in bars]
-    xs = range(len(bars))
-    axes[2].bar([x - 0.2 for x in xs], [r["ours_tflops"] for r in bars], 0.4, color="tab:red", label="tk_ops")
-    axes[2].bar([x + 0.2 for x in xs], [r["baseline_tflops"] for r in bars], 0.4, color="tab:gray", label="cuBLAS")
-    axes[2].set_xticks(list(xs), labels, fontsize=7)
-    axes[2].set_title("8192^3 layouts (A, B: n row-major, t column-major) and the Llama linear", fontsize=8)
-    axes[2].set_ylabel("TFLOP/s")
-    axes[2].legend(fontsize=7)
-    fig.suptitle("GEMM: tk_ops vs cuBLAS, same run (solid: eager, through the Python op; dashed: CUDA-graph replay)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+BENCH = common.Bench(
+    "gemm", "GEMM: tk_ops vs cuBLAS (solid: eager, through the Python op; hatched: CUDA-graph replay)",
+    ours=common.Provider("tk_ops", lambda case, pass_: tk_ops.matmul if case.op == "matmul" else tk_ops.linear, graph=True),
+    baselines=(cublas("torch.matmul (cuBLAS)", "matmul", torch.matmul), cublas("F.linear (cuBLAS)", "linear", F.linear)),
+    inputs=lambda case, pass_, device: make_inputs(case, device),
+    set_bytes=lambda case, pass_, inputs: common.tensor_bytes(inputs) + case.m * case.n * inputs[0].element_size(),
+    graph_below_ms=GRAPH_BELOW_MS,
+    tick=lambda row: f"{row['shape']} {row['layout']} {row['dtype']}",
+)
 
 
 # ---------------------------------------------------------------------------------- correctness
@@ -185,7 +108,7 @@ def check() -> None:
     against float64; exits non-zero on a wrong result."""
 
     def expect(name: str, out: torch.Tensor, expected: torch.Tensor) -> None:
-        err = rel_err(out, expected)
+        err = common.relative_difference(out, expected)
         print(f"{name:50} rel err {err:.2e} {'ok' if err < 1e-2 else 'WRONG'}")
         if not err < 1e-2:
             raise SystemExit(f"{name}: relative error {err:.2e}")
@@ -212,25 +135,18 @@ def check() -> None:
     torch.cuda.synchronize()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=pathlib.Path, help="also write the results and plot into this folder")
-    parser.add_argument("--only", nargs="*", default=["square", "k_sweep", "layouts", "llama"])
-    parser.add_argument("--plot-from", type=pathlib.Path, help="only redraw gemm.png next to this results file")
-    parser.add_argument("--check", action="store_true", help="only the small correctness pass against float64")
-    args = parser.parse_args()
-    if args.plot_from:
-        document = json.loads(args.plot_from.read_text())
-        plot(document["rows"], document["ceiling_tflops"], args.plot_from.with_suffix(".png"))
+def main(argv=None) -> None:
+    parser = common.arguments(__doc__)
+    parser.add_argument("--only", nargs="*", choices=GROUPS, default=list(GROUPS))
+    args = parser.parse_args(argv)
+    if common.without_gpu(args, BENCH, [case for case in DRY_RUN_CASES if case.group in args.only]):
         return
-
     assert tk_ops.backends()["matmul"] == "cuda kernel", f"tk_ops extension: {tk_ops.extension_status()}"
     if args.check:
-        check()
-        return
+        return check()
     ceiling_case = Case("ceiling", "matmul", 8192, 8192, 8192, "nn", "bf16")
     ceiling_sets = [make_inputs(ceiling_case) for _ in range(2)]
-    ceiling = ceiling_case.flops / common.time_ms(torch.matmul, ceiling_sets) / 1e9
+    ceiling = ceiling_case.flops("fwd") / common.time_ms(torch.matmul, ceiling_sets) / 1e9
     del ceiling_sets
     print(f"cuBLAS bf16 8192^3 in this run: {ceiling:.1f} TFLOP/s")
     tiny = make_inputs(Case("host", "matmul", 256, 256, 256, "nn", "bf16"))
@@ -240,27 +156,9 @@ def main() -> None:
         "torch.matmul": common.host_us_per_call(torch.matmul, tiny),
     }
     print("host us per call (256^3, launch-bound): " + ", ".join(f"{k} {v:.1f}" for k, v in host_us.items()))
-
-    rows = []
-    header = (f"{'op':7} {'shape':26} {'dtype':5} {'layout':17} {'ours ms':>9} {'ours TF/s':>9} {'cuBLAS TF/s':>11} "
-              f"{'ratio':>6} {'of ceil':>7} {'err':>9} {'graph ratio':>11}")
-    print(header)
-    for case in cases(set(args.only)):
-        row = run_case(case)
-        row["fraction_of_ceiling"] = round(row["ours_tflops"] / ceiling, 3)
-        rows.append(row)
-        print(
-            f"{row['op']:7} {row['shape']:26} {row['dtype']:5} {row['layout']:17} {row['ours_ms']:9.4f} "
-            f"{row['ours_tflops']:9.1f} {row['baseline_tflops']:11.1f} {row['ratio']:6.3f} "
-            f"{row['fraction_of_ceiling']:7.3f} {row['rel_err_vs_baseline']:9.2e} {row.get('graph_ratio', ''):>11}"
-        )
-
-    out_dirs = [common.RESULTS] + ([args.out] if args.out else [])
-    common.write_results("gemm", rows, out_dirs, ceiling_tflops=round(ceiling, 1),
-                         ceiling="torch.matmul bf16 8192^3 (cuBLAS), this run",
-                         host_us_per_call={k: round(v, 1) for k, v in host_us.items()})
-    for directory in out_dirs:
-        plot(rows, ceiling, directory / "gemm.png")
+    common.run(BENCH, cases(set(args.only)), out=args.out, tflops_ceiling=ceiling, ceiling_tflops=round(ceiling, 1),
+               ceiling="torch.matmul bf16 8192^3 (cuBLAS), this run",
+               host_us_per_call={k: round(v, 1) for k, v in host_us.items()})
 
 
 if __name__ == "__main__":

@@ -13,13 +13,14 @@ Conventions, so that both compute the same numbers (peers.md section 2):
            ours: based_attention(q, k, v, eps=1e-6) (1/sqrt(F) is inside our feature map).
   generic  fla: chunk_linear_attn(q, k, v, scale=1.0, normalize=False)[0] (its default scale
            F**-0.5 would scale the output); ours: linear_attention(q, k, v, normalize=False).
-Each row also has the relative difference of the baseline's forward output from ours.
+Each row also has the relative difference of ours from the baseline (the output, and for fwd+bwd
+the gradients).
 
 HBM floor: the bytes that must cross HBM once (forward: q, k, v read and out written; forward +
 backward adds q, k, v and the output gradient read and their gradients written) over the
-device-to-device copy bandwidth measured in this run. Rows: shape, pass, baseline, ours_ms,
-baseline_ms, ratio (baseline_ms / ours_ms: above 1 we are faster), floor_ms, the fraction of the
-floor each reaches, and the error of a baseline that could not run. Writes
+device-to-device copy bandwidth measured in this run. Rows: benchmarks/common.py's schema (ratio =
+baseline_ms / ours_ms: above 1 we are faster; floor_ms and the fraction of it each side reaches;
+the error of a baseline that could not run). Writes
 benchmarks/results/linear_attention.json and linear_attention.png (and into --out).
 
   python3 -m benchmarks.bench_linear_attention [--out DIR] [--only based|generic] [--pass fwd|fwd+bwd]
@@ -31,7 +32,7 @@ benchmarks/results/linear_attention.json and linear_attention.png (and into --ou
                                   float64 quadratic form; exits non-zero on a failure
   python3 -m benchmarks.bench_linear_attention --dry-run [--out DIR]
                                   CPU, tiny shapes, nothing timed: builds and prints the rows
-                                  (and the plot into --out), to check the script without a GPU
+                                  (the JSON and plot into --out), to check the script without a GPU
 fla comes from the carried wheels (.baselines, see gpu_session.sh); without it, or where one of
 its kernels fails, the baseline's row says why and ours is still measured.
 """
@@ -40,11 +41,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import json
 import math
-import pathlib
 import subprocess
 import sys
-from typing import Callable, Optional, Sequence
+from typing import Callable
 
 import torch
 
@@ -55,6 +57,7 @@ DTYPE = torch.bfloat16
 PASSES = ("fwd", "fwd+bwd")
 FLA_BASED_EPS = 1e-6  # the epsilon parallel_based / fused_chunk_based add to the denominator
 GENERIC_NORMALIZE = False
+FLA = "fla-core"  # the distribution of the fla package
 BASELINES = {
     "based": ("parallel_based", "fused_chunk_based"),
     "generic": ("chunk_linear_attn", "fused_chunk_linear_attn"),
@@ -74,13 +77,13 @@ class Shape:
     def label(self) -> str:
         return f"{self.kind} B={self.batch} H={self.heads} N={self.seq_len} F={self.features} Dv={self.value_dim}"
 
-    def hbm_bytes(self, pass_: str, element: int) -> int:
+    def hbm_bytes(self, pass_: str) -> int:
         """q, k, v read and out written once; forward + backward adds q, k, v, grad_out read and
         grad_q, grad_k, grad_v written."""
         rows = self.batch * self.heads * self.seq_len
         qk, v = 2 * rows * self.features, rows * self.value_dim
         forward = qk + 2 * v
-        return element * (forward if pass_ == "fwd" else forward + 2 * qk + 3 * v)
+        return DTYPE.itemsize * (forward if pass_ == "fwd" else forward + 2 * qk + 3 * v)
 
 
 BASED_SHAPES = tuple(Shape("based", 32768 // n, 16, n, 16, 64) for n in (1024, 2048, 4096, 8192, 16384))
@@ -91,7 +94,7 @@ DRY_RUN_SHAPES = tuple(Shape("based", 64 // n, 2, n, 16, 64) for n in (16, 32)) 
 )
 
 
-# ---------------------------------------------------------------------------------- the callables
+# ------------------------------------------------------------------------------ providers and inputs
 
 
 def ours(kind: str) -> Callable:
@@ -101,29 +104,20 @@ def ours(kind: str) -> Callable:
     return lambda q, k, v: tk_ops.linear_attention(q, k, v, normalize=GENERIC_NORMALIZE)
 
 
-def fla_baselines(kind: str) -> tuple[dict[str, Callable], str]:
-    """(name -> fla's op on (B, N, H, F) q, k and (B, N, H, Dv) v, fla's version or why it is missing)."""
-    try:
-        import fla
-        from fla.ops.based import fused_chunk_based, parallel_based
-        from fla.ops.linear_attn import chunk_linear_attn, fused_chunk_linear_attn
-    except Exception as error:  # not carried, or triton missing: the baselines are skipped
-        return {}, f"fla not importable ({type(error).__name__}: {error})"
+def fla(kind: str) -> dict[str, Callable]:
+    """fla's ops of a kind by name, on (B, N, H, F) q, k and (B, N, H, Dv) v (Missing without fla)."""
     if kind == "based":
-        functions = {
-            "parallel_based": lambda q, k, v: parallel_based(q, k, v, scale=q.shape[-1] ** -0.5, use_norm=True),
-            "fused_chunk_based": lambda q, k, v: fused_chunk_based(q, k, v, scale=q.shape[-1] ** -0.5, use_norm=True),
+        based = common.need("fla.ops.based", FLA)
+        return {
+            "parallel_based": lambda q, k, v: based.parallel_based(q, k, v, scale=q.shape[-1] ** -0.5, use_norm=True),
+            "fused_chunk_based": lambda q, k, v: based.fused_chunk_based(q, k, v, scale=q.shape[-1] ** -0.5, use_norm=True),
         }
-    else:
-        functions = {
-            "chunk_linear_attn": lambda q, k, v: chunk_linear_attn(q, k, v, scale=1.0, normalize=GENERIC_NORMALIZE)[0],
-            "fused_chunk_linear_attn": lambda q, k, v: fused_chunk_linear_attn(
-                q, k, v, scale=1.0, normalize=GENERIC_NORMALIZE)[0],
-        }
-    return functions, f"fla-core {getattr(fla, '__version__', '?')}"
-
-
-# ---------------------------------------------------------------------------------------- inputs
+    linear = common.need("fla.ops.linear_attn", FLA)
+    return {
+        "chunk_linear_attn": lambda q, k, v: linear.chunk_linear_attn(q, k, v, scale=1.0, normalize=GENERIC_NORMALIZE)[0],
+        "fused_chunk_linear_attn": lambda q, k, v: linear.fused_chunk_linear_attn(
+            q, k, v, scale=1.0, normalize=GENERIC_NORMALIZE)[0],
+    }
 
 
 def input_set(shape: Shape, device, dtype, backward: bool) -> tuple[tuple, tuple]:
@@ -141,123 +135,49 @@ def input_set(shape: Shape, device, dtype, backward: bool) -> tuple[tuple, tuple
     return tuple(bhnd), tuple(bnhd)
 
 
-def step(fn: Callable, backward: bool) -> Callable:
-    """fn's forward on (q, k, v, grad_out), and with backward its gradients w.r.t. q, k, v."""
-
-    def run(q, k, v, grad_out):
-        out = fn(q, k, v)
-        if backward:
-            torch.autograd.grad(out, (q, k, v), grad_out)
-
-    return run
+def fla_provider(kind: str, name: str) -> common.Provider:
+    """One fla op on its (B, N, H, .) half of each input set, its outputs seen as (B, H, N, .) for the check."""
+    return common.Provider(
+        name, lambda shape, pass_: common.step(fla(kind)[name], pass_ != "fwd") if shape.kind == kind else None,
+        prepare=lambda shape, pass_, inputs: inputs[1],
+        as_ours=lambda shape, pass_, outputs: [t.transpose(1, 2) for t in outputs])
 
 
-# ------------------------------------------------------------------------------------------- rows
+OURS = common.Provider("tk_ops", lambda shape, pass_: common.step(ours(shape.kind), pass_ != "fwd"),
+                       prepare=lambda shape, pass_, inputs: inputs[0])
+FLA_PROVIDERS = tuple(fla_provider(kind, name) for kind, names in BASELINES.items() for name in names)
+BENCH = common.Bench(
+    "linear_attention", "Linear attention: tk_ops vs flash-linear-attention (bf16)", OURS, FLA_PROVIDERS,
+    inputs=lambda shape, pass_, device: input_set(shape, device, DTYPE, pass_ == "fwd+bwd"), passes=PASSES,
+    panel=lambda row: row["kind"], tick=lambda row: row["shape"].split(" ", 1)[1])
 
 
-def measure(shape: Shape, device, timer: Callable, copy_gbps: Optional[float], passes=PASSES,
-            isolate: bool = False, only_baselines: Optional[Sequence[str]] = None) -> list[dict]:
-    """The rows of one shape: per pass, ours against each baseline (ours timed once per pass), or
-    against those of `only_baselines`. With `isolate`, each baseline runs in a process of its own
-    (time_baseline_in_subprocess)."""
-    names = [name for name in BASELINES[shape.kind] if not only_baselines or name in only_baselines]
-    baselines, missing = fla_baselines(shape.kind)
-    ours_fn = ours(shape.kind)
-    first_ours, first_fla = input_set(shape, device, DTYPE, backward=False)
-    with torch.no_grad():
-        ours_out = ours_fn(*first_ours[:3])
-    rel_diffs, errors = {}, {}
-    for name in names:
-        if name not in baselines:
-            errors[name] = missing
-            continue
-        if isolate:
-            continue  # measured in the baseline's own process, with its timing
-        try:
-            with torch.no_grad():
-                rel_diffs[name] = common.relative_difference(baselines[name](*first_fla[:3]).transpose(1, 2), ours_out)
-        except Exception as error:  # a baseline that cannot run this shape is reported, not fatal
-            errors[name] = common.describe_error(error)
-    del first_ours, first_fla, ours_out
-
-    rows = []
-    for pass_ in passes:
-        backward = pass_ == "fwd+bwd"
-        bytes_per_set = shape.hbm_bytes(pass_, DTYPE.itemsize)
-        sets = [input_set(shape, device, DTYPE, backward) for _ in range(common.input_set_count(bytes_per_set, device))]
-        ours_ms = timer(step(ours_fn, backward), [s[0] for s in sets])
-        for name in names:
-            baseline_ms, error = None, errors.get(name)
-            if error is None and isolate:
-                baseline_ms, diff, error = time_baseline_in_subprocess(shape, pass_, name)
-                if diff is not None:
-                    rel_diffs[name] = diff
-            elif error is None:
-                try:
-                    baseline_ms = timer(step(baselines[name], backward), [s[1] for s in sets])
-                except Exception as failure:
-                    error = common.describe_error(failure)
-            rows.append(common.floor_row(shape, pass_, name, ours_ms, baseline_ms, copy_gbps, DTYPE.itemsize, rel_diffs.get(name), error))
-        del sets
-        if device == "cuda":
-            torch.cuda.empty_cache()
-    return rows
-
-
-def time_baseline_in_subprocess(shape: Shape, pass_: str, name: str) -> tuple[Optional[float], Optional[float], Optional[str]]:
-    """(ms, relative difference from ours, error) of one fla baseline, timed in a fresh process, so
-    that a fault in it (fla 0.6.0's linear-attention kernels hit an illegal address on the H100 when
-    timed in the same process as ours) costs only its own row."""
+def measured_in_subprocess(shape: Shape, pass_: str, name: str, dry_run: bool) -> dict:
+    """common.measure's dict of one fla baseline, measured in a fresh process, so that a fault in it
+    (fla 0.6.0's linear-attention kernels hit an illegal address on the H100 when timed in the same
+    process as ours) costs only its own row."""
     fields = [shape.kind, shape.batch, shape.heads, shape.seq_len, shape.features, shape.value_dim, pass_, name]
     command = [sys.executable, "-m", "benchmarks.bench_linear_attention", "--time-baseline", *map(str, fields)]
-    done = subprocess.run(command, capture_output=True, text=True)
+    command += ["--dry-run"] if dry_run else []
+    done = subprocess.run(command, capture_output=True, text=True, cwd=common.ROOT)
     for line in done.stdout.splitlines():
         if line.startswith("BASELINE "):
-            _, ms, diff = line.split()
-            return float(ms), float(diff), None
+            return json.loads(line.removeprefix("BASELINE "))
     tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-    return None, None, f"subprocess exit {done.returncode}: {tail}"
+    return {"error": f"subprocess exit {done.returncode}: {tail}"}
 
 
-def time_one_baseline(fields: list[str]) -> None:
-    """--time-baseline: fla's output against ours once, then fla alone timed; prints one line."""
+def time_one_baseline(fields: list[str], dry_run: bool) -> None:
+    """--time-baseline: ours' outputs on the first set, then the fla baseline checked against them and
+    timed (on the CPU with --dry-run: run once); prints its measure dict as one line."""
     kind, b, h, n, f, dv, pass_, name = fields
-    shape = Shape(kind, int(b), int(h), int(n), int(f), int(dv))
-    baselines, missing = fla_baselines(kind)
-    if name not in baselines:
-        raise SystemExit(missing)
-    backward = pass_ == "fwd+bwd"
-    first_ours, first_fla = input_set(shape, "cuda", DTYPE, backward=False)
-    with torch.no_grad():
-        theirs = baselines[name](*first_fla[:3]).transpose(1, 2)
-        diff = common.relative_difference(theirs, ours(kind)(*first_ours[:3]))
-    del first_ours, first_fla, theirs
-    bytes_per_set = shape.hbm_bytes(pass_, DTYPE.itemsize)
-    sets = [input_set(shape, "cuda", DTYPE, backward) for _ in range(common.input_set_count(bytes_per_set, "cuda"))]
-    ms = common.time_ms(step(baselines[name], backward), [s[1] for s in sets])
-    print(f"BASELINE {ms} {diff}")
-
-
-def plot(rows: list[dict], path: pathlib.Path, device_name: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    kinds = [kind for kind in BASELINES if any(row["kind"] == kind for row in rows)]
-    panels = [(kind, pass_) for kind in kinds for pass_ in PASSES
-              if any(row["kind"] == kind and row["pass"] == pass_ for row in rows)]  # measured ones only
-    fig, axes = plt.subplots(1, len(panels), figsize=(8 * len(panels), 4.8), squeeze=False)
-    colors = {"tk_ops": "tab:red", BASELINES["based"][0]: "tab:blue", BASELINES["based"][1]: "tab:green",
-              BASELINES["generic"][0]: "tab:blue", BASELINES["generic"][1]: "tab:green"}
-    for c, (kind, pass_) in enumerate(panels):
-        selected = [row for row in rows if row["kind"] == kind and row["pass"] == pass_]
-        title = f"{'Based' if kind == 'based' else 'generic linear attention'}, {pass_}"
-        common.floor_bar_panel(axes[0][c], selected, ("tk_ops", *BASELINES[kind]), colors, title,
-                               tick=lambda shape: shape.split(" ", 1)[1])
-    fig.suptitle(f"Linear attention on {device_name}: tk_ops vs flash-linear-attention (bf16; lower is better)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    shape, device = Shape(kind, int(b), int(h), int(n), int(f), int(dv)), "cpu" if dry_run else "cuda"
+    count = common.input_set_count(shape.hbm_bytes(pass_), device)
+    sets = [input_set(shape, device, DTYPE, pass_ == "fwd+bwd") for _ in range(count)]
+    ours_outputs = common.measure(OURS, shape, pass_, sets[:1], timer=None).get("outputs", [])
+    provider = next(p for p in FLA_PROVIDERS if p.name == name)
+    timer = common.run_once if dry_run else common.time_ms
+    print("BASELINE", json.dumps(common.measure(provider, shape, pass_, sets, timer, ours_outputs)))
 
 
 # ---------------------------------------------------------------------------------- correctness
@@ -333,7 +253,7 @@ def run_check(device) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = common.sweep_arguments(__doc__, PASSES)
+    parser = common.arguments(__doc__, PASSES)
     parser.add_argument("--only", choices=tuple(BASELINES), help="only the Based or only the generic shapes")
     parser.add_argument("--isolate-baselines", action="store_true",
                         help="time each fla baseline in a process of its own (a fault costs only its row)")
@@ -351,34 +271,29 @@ def selected_shapes(args: argparse.Namespace) -> tuple[Shape, ...]:
                  if args.only in (None, shape.kind) and (not args.features or shape.features in args.features))
 
 
-ROW_WIDTHS = (44, 24)  # printed columns: shape, baseline
-
-
-def dry_run(args: argparse.Namespace) -> list[dict]:
-    rows = [row for shape in selected_shapes(args) for row in measure(shape, "cpu", common.run_once, None)]
-    return common.finish_dry_run("linear_attention", rows, ROW_WIDTHS, args.out, plot)
+def selected_bench(args: argparse.Namespace) -> common.Bench:
+    """The fla baselines of --baseline, each in a process of its own with --isolate-baselines."""
+    baselines = [p for p in FLA_PROVIDERS if not args.baselines or p.name in args.baselines]
+    if args.isolate_baselines:
+        baselines = [dataclasses.replace(p, measured_by=functools.partial(measured_in_subprocess, name=p.name,
+                                                                          dry_run=args.dry_run)) for p in baselines]
+    return dataclasses.replace(BENCH, baselines=tuple(baselines))
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.manual_seed(0)
     if args.time_baseline:
-        time_one_baseline(args.time_baseline)
-        return
-    if args.dry_run:
-        dry_run(args)
+        return time_one_baseline(args.time_baseline, args.dry_run)
+    if common.without_gpu(args, selected_bench(args), selected_shapes(args)):
         return
     run_check("cuda")
     if args.check:
         return
     copy, ceiling = common.measured_copy_ceiling()
-    passes = tuple(args.passes or PASSES)
-    common.sweep_shapes(
-        "linear_attention", selected_shapes(args),
-        lambda shape: measure(shape, "cuda", common.time_ms, copy, passes, args.isolate_baselines, args.baselines),
-        ROW_WIDTHS, args.out, plot, **ceiling, dtype="bf16", fla=fla_baselines("based")[1], based_eps=FLA_BASED_EPS,
-        generic_normalize=GENERIC_NORMALIZE,
-        ours_backends={op: tk_ops.backends()[op] for op in ("based_attention", "linear_attention")})
+    common.run(selected_bench(args), selected_shapes(args), passes=args.passes, out=args.out, copy_gbps=copy, **ceiling,
+               dtype="bf16", fla=common.peer("fla", FLA)[1], based_eps=FLA_BASED_EPS, generic_normalize=GENERIC_NORMALIZE,
+               ours_backends={op: tk_ops.backends()[op] for op in ("based_attention", "linear_attention")})
 
 
 if __name__ == "__main__":

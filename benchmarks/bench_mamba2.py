@@ -15,12 +15,13 @@ softplus of a log-uniform step in [1e-3, 1e-1], dt ~ N(0, 1) before bias and sof
 
 Each side runs at every chunk size of --chunks (default 64, 128, 256). Per shape and pass: a row
 per chunk size, ours against mamba_ssm at that size (baseline "mamba_ssm@256"), and a row of each
-at its own fastest size ("mamba_ssm@best"; ours_chunk and baseline_chunk say which). A row has
-both times (CUDA events after warm-up, median over rounds of back-to-back calls, inputs rotated
-through more than twice the L2), ratio = baseline_ms / ours_ms (above 1 we are faster), both peak
+at its own fastest size ("mamba_ssm@best"; ours_chunk and baseline_chunk say which). A row
+(benchmarks/common.py's schema, with the chunk sizes and peaks added) has both times (CUDA events
+after warm-up, median over rounds of back-to-back calls, inputs rotated through more than twice
+the L2), ratio = baseline_ms / ours_ms (above 1 we are faster), both peak
 memories in MiB (torch.cuda.max_memory_allocated during one call, less what was allocated before
-it: the inputs) and peak_ratio = ours / mamba_ssm's, the relative difference of mamba_ssm's y
-(and for fwd+bwd of its gradients: the largest) from ours, and the HBM floor: the bytes that must
+it: the inputs) and peak_ratio = ours / mamba_ssm's, the relative difference of our y (and for
+fwd+bwd of our gradients: the largest) from mamba_ssm's, and the HBM floor: the bytes that must
 cross HBM once (forward: x, dt, B, C read and y written; forward + backward adds x, dt, B, C and
 the output gradient read and their gradients written) over the device-to-device copy bandwidth
 measured in the run, with each side's fraction of it. Writes benchmarks/results/mamba2.json after
@@ -84,6 +85,8 @@ CALL = ("D (H,), dt_bias, dt_softplus=True, z=None, no initial_states, return_fi
 # tokens takes a fraction of a second; a forward, a fraction of a millisecond).
 BATCH_MS, TIMED_MS = 20.0, 400.0
 MIB = 2**20
+TOLERANCE = 5e-2  # the largest relative difference from mamba_ssm's outputs that is not flagged a mismatch
+TITLE = "Mamba-2 SSD: tk_ops vs mamba_ssm's Triton SSD (bf16)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,11 +102,11 @@ class Shape:
     def label(self) -> str:
         return f"Bt={self.batch} L={self.seq_len} H={self.heads} N={self.state_size}"
 
-    def hbm_bytes(self, pass_: str, element: int) -> int:
+    def hbm_bytes(self, pass_: str) -> int:
         """x, dt, B, C read and y written once (and A, D, dt_bias read); forward + backward adds x,
         dt, B, C and grad_y read and grad_x, grad_dt, grad_B, grad_C written (and the parameters
         read again and their gradients written)."""
-        tokens = self.batch * self.seq_len
+        element, tokens = DTYPE.itemsize, self.batch * self.seq_len
         activation = tokens * self.heads * self.head_dim  # x, y, grad_y or grad_x
         b_and_c = 2 * tokens * self.groups * self.state_size
         steps, parameters = tokens * self.heads, 3 * self.heads
@@ -131,18 +134,6 @@ def ours(chunk: int) -> Callable:
 def theirs(scan: Callable, chunk: int) -> Callable:
     """mamba_chunk_scan_combined, whose chunk_size is positional and has no default."""
     return lambda x, dt, A, B, C, D, dt_bias: scan(x, dt, A, B, C, chunk, D=D, dt_bias=dt_bias, dt_softplus=True)
-
-
-def step(fn: Callable, backward: bool) -> Callable:
-    """fn's forward on (x, dt, A, B, C, D, dt_bias, grad_y), and with backward the gradients of the seven inputs."""
-
-    def run(*inputs):
-        *leaves, grad_y = inputs
-        y = fn(*leaves)
-        if backward:
-            torch.autograd.grad(y, leaves, grad_y)
-
-    return run
 
 
 # ---------------------------------------------------------------------------------------- inputs
@@ -174,7 +165,7 @@ def input_set(shape: Shape, device, backward: bool, seed: int = 0) -> tuple:
 
 def input_sets(shape: Shape, pass_: str, device) -> list[tuple]:
     """Enough sets that a rotation through them exceeds twice the L2 (one on the CPU)."""
-    count = common.input_set_count(shape.hbm_bytes(pass_, DTYPE.itemsize), device)
+    count = common.input_set_count(shape.hbm_bytes(pass_), device)
     return [input_set(shape, device, pass_ == "fwd+bwd", seed) for seed in range(count)]
 
 
@@ -226,18 +217,10 @@ def measure(fn: Callable, sets: list[tuple], device) -> dict:
     return {"ms": gpu_ms(fn, sets), "peak_bytes": peak, "first_call_s": first_call_s}
 
 
-def outputs(fn: Callable, inputs: tuple, backward: bool) -> list[torch.Tensor]:
-    """y, and with backward the gradients of the seven inputs."""
-    *leaves, grad_y = inputs
-    y = fn(*leaves)
-    return [y, *torch.autograd.grad(y, leaves, grad_y)] if backward else [y]
-
-
-def agreement(scan: Callable, chunk: int, inputs: tuple, backward: bool) -> float:
-    """The largest relative difference of mamba_ssm's y (and gradients) from ours, at one chunk size."""
-    reference = outputs(ours(chunk), inputs, backward)
-    got = outputs(theirs(scan, chunk), inputs, backward)
-    return max(common.relative_difference(g, r) for g, r in zip(got, reference))
+def agreement(scan: Callable, chunk: int, inputs: tuple, backward: bool) -> Optional[float]:
+    """The largest relative difference of our y (and gradients) from mamba_ssm's, at one chunk size."""
+    ours_outputs, theirs_outputs = (common.tensors_of(common.step(fn, backward)(*inputs)) for fn in (ours(chunk), theirs(scan, chunk)))
+    return common.largest_difference(ours_outputs, theirs_outputs)
 
 
 # ---------------------------------------------------------------------- mamba_ssm in its own process
@@ -278,7 +261,7 @@ def measure_baseline(scan: Callable, shape: Shape, pass_: str, chunk: int, devic
     mamba_ssm did not, and the timing stands."""
     backward = pass_ == "fwd+bwd"
     sets = input_sets(shape, pass_, device)
-    result = measure(step(theirs(scan, chunk), backward), sets, device)
+    result = measure(common.step(theirs(scan, chunk), backward), sets, device)
     try:
         result["rel_diff"] = agreement(scan, chunk, sets[0], backward)
     except Exception as error:
@@ -373,20 +356,23 @@ def rows_of(shape: Shape, pass_: str, ours_results: dict[int, dict], theirs_resu
         # a side with no timed chunk size shows the error of its first
         mine = ours_results[ours_chunk] if ours_chunk is not None else next(iter(ours_results.values()))
         other = theirs_results[theirs_chunk] if theirs_chunk is not None else next(iter(theirs_results.values()))
-        error = "; ".join(f"{side}: {result['error']}" for side, result in (("tk_ops", mine), (BASELINE, other))
-                          if "error" in result)
-        row = common.floor_row(shape, pass_, name, mine.get("ms"), other.get("ms"), copy_gbps, DTYPE.itemsize,
-                               other.get("rel_diff"), error or None)
+        row = common.comparison_row(shape, pass_, name, mine, other, TOLERANCE, copy_gbps)
         row.update(ours_chunk=ours_chunk, baseline_chunk=theirs_chunk, ours_peak_mib=mib(mine.get("peak_bytes")),
                    baseline_peak_mib=mib(other.get("peak_bytes")),
                    peak_ratio=common.ratio(mine.get("peak_bytes"), other.get("peak_bytes")))
         rows.append(row)
+    common.mark_best(rows)
     return rows
 
 
-def print_rows(rows: list[dict]) -> None:
-    common.print_floor_rows(rows, 25, 14, extra=("ours_chunk", "baseline_chunk", "ours_peak_mib", "baseline_peak_mib",
-                                                 "peak_ratio", "rel_diff_vs_ours"))
+def panel(row: dict) -> str:
+    """The plot's panel of a row: both sides at one chunk size, or each at its fastest."""
+    return row["baseline"]
+
+
+def table(shapes: tuple[Shape, ...], chunks: tuple[int, ...]) -> common.Table:
+    return common.Table(shapes, PASSES, [f"{BASELINE}@{chunk}" for chunk in (*chunks, "best")],
+                        extra=("ours_chunk", "baseline_chunk", "ours_peak_mib", "baseline_peak_mib", "peak_ratio"))
 
 
 def progress(shape: Shape, pass_: str, side: str, chunk: int, result: dict, started: float) -> None:
@@ -395,7 +381,7 @@ def progress(shape: Shape, pass_: str, side: str, chunk: int, result: dict, star
     if "ms" in result:
         what.append(f"{result['ms']:.4f} ms, peak {mib(result['peak_bytes'])} MiB, first call {result['first_call_s']} s")
     if "rel_diff" in result:
-        what.append(f"rel diff from ours {result['rel_diff']:.2e}")
+        what.append(f"rel diff of ours from it {result['rel_diff']:.2e}")
     if "error" in result:
         what.append(result["error"])
     print(f"  {shape.label} {pass_} {side}@{chunk}: {'; '.join(what)} ({time.perf_counter() - started:.1f} s in all)",
@@ -411,7 +397,7 @@ def measure_shape(shape: Shape, pass_: str, chunks: tuple[int, ...], device, wor
     for chunk in chunks:
         started = time.perf_counter()
         try:
-            ours_results[chunk] = measure(step(ours(chunk), backward), sets, device)
+            ours_results[chunk] = measure(common.step(ours(chunk), backward), sets, device)
         except Exception as error:  # e.g. out of memory: the rows say so
             ours_results[chunk] = {"error": common.describe_error(error)}
         progress(shape, pass_, "tk_ops", chunk, ours_results[chunk], started)
@@ -432,37 +418,19 @@ def benchmark(args: argparse.Namespace, shapes: tuple[Shape, ...], device, copy_
     shape (so that a run cut short keeps what it measured), the plot at the end."""
     chunks = tuple(args.chunks)
     rows = []
+    printed = table(shapes, chunks)
+    print(printed.header())
     with contextlib.closing(BaselineWorker(args.dry_run)) as worker:
         for pass_ in args.passes or PASSES:
             for shape in shapes:
                 shape_rows = measure_shape(shape, pass_, chunks, device, worker, copy_gbps)
-                print_rows(shape_rows)
+                printed.print(shape_rows)
                 rows += shape_rows
                 common.write_results("mamba2", rows, out_dirs, **header, chunks=list(chunks),
-                                     mamba_ssm=worker.versions or worker.missing)
+                                     mamba_ssm=worker.versions or worker.missing, rel_diff_tolerance=TOLERANCE)
     for directory in out_dirs:
-        plot(rows, chunks, directory / "mamba2.png", device_name)
+        common.plot(rows, directory / "mamba2.png", TITLE, device_name, panel=panel)
     return rows
-
-
-def plot(rows: list[dict], chunks: tuple[int, ...], path: pathlib.Path, device_name: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    passes = [pass_ for pass_ in PASSES if any(row["pass"] == pass_ for row in rows)]  # measured ones only
-    panels = ((f"{BASELINE}@{max(chunks)}", f"both at chunk {max(chunks)}"),
-              (f"{BASELINE}@best", "each at its fastest chunk size"))
-    fig, axes = plt.subplots(len(passes), len(panels), figsize=(7 * len(panels), 4.8 * len(passes)), squeeze=False)
-    colors = {"tk_ops": "tab:red", panels[0][0]: "tab:blue", panels[1][0]: "tab:green"}
-    for r, pass_ in enumerate(passes):
-        for c, (name, title) in enumerate(panels):
-            selected = [row for row in rows if row["pass"] == pass_ and row["baseline"] == name]
-            common.floor_bar_panel(axes[r][c], selected, ("tk_ops", name), colors, f"{pass_}, {title}")
-    fig.suptitle(f"Mamba-2 SSD on {device_name}: tk_ops vs mamba_ssm's Triton SSD (bf16; lower is better)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 # ---------------------------------------------------------------------------------- correctness
@@ -574,7 +542,7 @@ def run_check(device) -> tuple[str, list[str], dict]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = common.sweep_arguments(__doc__, PASSES)
+    parser = common.arguments(__doc__, PASSES)
     parser.add_argument("--chunks", type=int, nargs="+", choices=CHUNKS, default=list(CHUNKS),
                         help="the chunk sizes both sides run at (default: 64 128 256)")
     parser.add_argument("--baseline-worker", action="store_true", help=argparse.SUPPRESS)
@@ -587,6 +555,10 @@ def main(argv=None) -> None:
     if args.baseline_worker:
         baseline_worker(args.dry_run)
         return
+    if args.plot_from:
+        document = json.loads(args.plot_from.read_text())
+        return common.plot(document["rows"], args.plot_from.with_suffix(".png"), TITLE, document.get("gpu") or "CPU",
+                           panel=panel)
     header = dict(dtype="bf16", call=CALL,
                   ours_backends={op: tk_ops.backends()[op] for op in ("mamba2_ssd", "mamba2_ssd_bwd")})
     if args.dry_run:

@@ -1,26 +1,29 @@
 """tk_ops.layer_norm / tk_ops.rms_norm against Liger, torch eager and torch.compile in the same run.
 
-Rows = 32768, hidden 256, 1000, 1024, 4000, 4096, 8192 (1000 and 4000: not powers of two), bf16. Cases per norm:
-  fwd       out = norm(x)
+Rows = 32768, hidden 256, 1000, 1024, 4000, 4096, 8192 (1000 and 4000: not powers of two), bf16. Passes per norm:
+  fwd       out = norm(x)                                    (eager, Liger)
   fwd+res   out, h = norm(x + residual), h returned (the pre-norm residual stream), bf16 residual
-  fwd+bwd   forward, then grad of x and the parameters for a given grad_out
+                                                             (eager, compiled)
+  fwd+bwd   forward, then grad of x and the parameters for a given grad_out  (eager, Liger, compiled)
 GB/s counts the bytes that must cross HBM (inputs read once, outputs written once: fwd 2 x 2 B per
 element, fwd+res 4 x 2 B, fwd+bwd 5 x 2 B; parameters and statistics on top), and is also shown as
-a fraction of the device-to-device copy bandwidth measured in this run. `ratio` is the best
-baseline's time over ours. Writes benchmarks/results/norms.json and norms.png (and into --out).
+a fraction of the device-to-device copy bandwidth measured in this run (ours_of_floor); ours is
+also replayed in a CUDA graph (device time without host overhead). Rows: benchmarks/common.py's, a
+row per baseline; ratio_vs_best is the best baseline's time over ours. Writes
+benchmarks/results/norms.json and norms.png (and into --out).
 
-  python3 -m benchmarks.bench_norms [--out DIR]     benchmark (checks every kernel path first)
+  python3 -m benchmarks.bench_norms [--out DIR] [--pass P]  benchmark (checks every kernel path first)
   python3 -m benchmarks.bench_norms --check         only the correctness sweep (small shapes, also
                                                     what compute-sanitizer runs)
-Liger comes from the carried wheels (.baselines); without it its columns stay empty.
+  python3 -m benchmarks.bench_norms --dry-run [--out DIR]   CPU, tiny cases, nothing timed
+Liger comes from the carried wheels (.baselines); without it its rows say why.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
+import dataclasses
 import math
-import pathlib
 import warnings
 
 import torch
@@ -34,12 +37,7 @@ ROWS = 32768
 HIDDEN_SIZES = (256, 1000, 1024, 4000, 4096, 8192)
 EPS = 1e-5
 DTYPE = torch.bfloat16
-COPY_BYTES = 2**30
-
-try:
-    from liger_kernel.transformers.functional import liger_layer_norm, liger_rms_norm
-except ImportError:  # the wheels were not carried
-    liger_layer_norm = liger_rms_norm = None
+LIGER = ("liger_kernel.transformers.functional", "liger-kernel")  # the module and its distribution
 
 
 # ---------------------------------------------------------------------------------- correctness
@@ -55,13 +53,6 @@ PARAMETER_CANARY = 8  # elements
 # row with 1 / 2 / 4 accesses, several warps per row with a partial last warp, and the largest.
 CHECK_HIDDEN = (37, 200, 256, 512, 1000, 1001, 1032, 4000, 8192)
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-4}
-
-
-def rel_err(got: torch.Tensor, expected: torch.Tensor) -> float:
-    got, expected = got.double(), expected.double()
-    if not torch.isfinite(got).all():
-        return math.inf
-    return ((got - expected).norm() / expected.norm().clamp_min(1e-30)).item()
 
 
 @contextlib.contextmanager
@@ -105,7 +96,7 @@ def compare(name: str, got, expected, failures: list) -> None:
             assert g.numel() == 0, f"{name}[{label}]: expected an empty output"
             continue
         tol = TOLERANCE.get(e.dtype, 1e-4)
-        err = rel_err(g, e)
+        err = common.relative_difference(g, e)
         if not (err <= tol) or g.dtype != e.dtype or g.shape != e.shape:
             failures.append(f"{name}[{label}]: rel err {err:.2e} (tol {tol:.0e}), {g.dtype}{tuple(g.shape)} vs {e.dtype}{tuple(e.shape)}")
 
@@ -193,11 +184,29 @@ def run_check() -> None:
 # ------------------------------------------------------------------------------------ benchmark
 
 
-def copy_gbps() -> float:
-    sets = [(torch.empty(COPY_BYTES, dtype=torch.uint8, device="cuda"),
-             torch.randint(0, 255, (COPY_BYTES,), dtype=torch.uint8, device="cuda")) for _ in range(2)]
-    ms = common.time_ms(lambda dst, src: dst.copy_(src), sets)
-    return 2 * COPY_BYTES / ms / 1e6
+@dataclasses.dataclass(frozen=True)
+class Case:
+    norm: str  # "layer" or "rms"
+    hidden: int
+    rows: int = ROWS
+    dtype: str = "bf16"
+
+    @property
+    def label(self) -> str:
+        return f"{self.norm} hidden={self.hidden}"
+
+    def hbm_bytes(self, pass_: str) -> int:
+        element = DTYPE.itemsize
+        tensors = {"fwd": 2, "fwd+res": 4, "fwd+bwd": 5}[pass_]
+        twice = 2 if pass_ == "fwd+bwd" else 1
+        parameters = (2 if self.norm == "layer" else 1) * self.hidden * element * twice
+        statistics = self.rows * 4 * (2 if self.norm == "layer" else 1) * twice
+        return self.rows * self.hidden * element * tensors + parameters + statistics
+
+
+PASSES = ("fwd", "fwd+res", "fwd+bwd")
+CASES = [Case(norm, hidden) for hidden in HIDDEN_SIZES for norm in ("layer", "rms")]
+DRY_RUN_CASES = [Case("layer", 40, rows=16), Case("rms", 40, rows=16)]
 
 
 def layer_norm_eager(x, weight, bias):
@@ -218,170 +227,74 @@ def rms_norm_residual_eager(x, residual, weight):
     return F.rms_norm(h, (x.shape[-1],), weight, EPS), h
 
 
-def compiled(fn):
-    return torch.compile(fn, dynamic=False, fullgraph=True)
+def forms(name: str, norm: str) -> tuple:
+    """(the plain form on (x, weight[, bias]), the residual form on (x, residual, weight[, bias])) of
+    one implementation of one norm; "compiled" compiles eager's."""
+    if name == "tk_ops" and norm == "layer":
+        return (lambda x, w, b: tk_ops.layer_norm(x, w, b, EPS),
+                lambda x, r, w, b: tk_ops.layer_norm(x, w, b, EPS, residual=r, return_residual=True))
+    if name == "tk_ops":
+        return (lambda x, w: tk_ops.rms_norm(x, w, EPS),
+                lambda x, r, w: tk_ops.rms_norm(x, w, EPS, residual=r, return_residual=True))
+    if name == "liger" and norm == "layer":  # no residual form
+        layer_norm = common.need(*LIGER).liger_layer_norm
+        return lambda x, w, b: layer_norm(x, w, b, EPS), None
+    if name == "liger":
+        rms_norm = common.need(*LIGER).liger_rms_norm
+        return lambda x, w: rms_norm(x, w, EPS, in_place=False), None
+    return (layer_norm_eager, layer_norm_residual_eager) if norm == "layer" else (rms_norm_eager, rms_norm_residual_eager)
 
 
-def implementations(kind: str, case: str) -> dict:
-    """name -> function of the case's inputs (ours first)."""
-    if kind == "layer":
-        if case == "fwd+res":
-            return {"tk_ops": lambda x, r, w, b: tk_ops.layer_norm(x, w, b, EPS, residual=r, return_residual=True),
-                    "eager": layer_norm_residual_eager, "compiled": compiled(layer_norm_residual_eager)}
-        impls = {"tk_ops": lambda x, w, b: tk_ops.layer_norm(x, w, b, EPS), "eager": layer_norm_eager}
-        if liger_layer_norm is not None:
-            impls["liger"] = lambda x, w, b: liger_layer_norm(x, w, b, EPS)
-        if case == "fwd+bwd":
-            impls["compiled"] = compiled(layer_norm_eager)
-        return impls
-    if case == "fwd+res":
-        return {"tk_ops": lambda x, r, w: tk_ops.rms_norm(x, w, EPS, residual=r, return_residual=True),
-                "eager": rms_norm_residual_eager, "compiled": compiled(rms_norm_residual_eager)}
-    impls = {"tk_ops": lambda x, w: tk_ops.rms_norm(x, w, EPS), "eager": rms_norm_eager}
-    if liger_rms_norm is not None:
-        impls["liger"] = lambda x, w: liger_rms_norm(x, w, EPS, in_place=False)
-    if case == "fwd+bwd":
-        impls["compiled"] = compiled(rms_norm_eager)
-    return impls
+NOT_TIMED = {("compiled", "fwd"), ("liger", "fwd+res")}  # (provider, pass)
 
 
-def make_inputs(kind: str, case: str, hidden: int) -> tuple:
-    x = torch.randn(ROWS, hidden, device="cuda", dtype=DTYPE)
-    params = [1 + 0.5 * torch.randn(hidden, device="cuda", dtype=DTYPE)]
-    if kind == "layer":
-        params.append(torch.randn(hidden, device="cuda", dtype=DTYPE))
-    if case == "fwd+res":
+def provider(name: str, **options) -> common.Provider:
+    """fwd: norm(x); fwd+res: norm(x + residual) and the sum; fwd+bwd: the forward, then the gradients
+    of x and the parameters for a given grad_out."""
+
+    def build(case: Case, pass_: str):
+        if (name, pass_) in NOT_TIMED:
+            return None
+        plain, residual = forms(name, case.norm)
+        fn = residual if pass_ == "fwd+res" else plain
+        fn = torch.compile(fn, dynamic=False, fullgraph=True) if name == "compiled" else fn
+        return common.step(fn, backward=True) if pass_ == "fwd+bwd" else fn
+
+    return common.Provider(name, build, **options)
+
+
+def make_inputs(case: Case, pass_: str, device) -> tuple:
+    """fwd: (x, weight[, bias]); fwd+res: (x, residual, weight[, bias]); fwd+bwd: (x, weight[, bias], grad_out)."""
+    x = torch.randn(case.rows, case.hidden, device=device, dtype=DTYPE)
+    params = [1 + 0.5 * torch.randn(case.hidden, device=device, dtype=DTYPE)]
+    if case.norm == "layer":
+        params.append(torch.randn(case.hidden, device=device, dtype=DTYPE))
+    if pass_ == "fwd+res":
         return (x, torch.randn_like(x), *params)
-    if case == "fwd+bwd":
-        return (x.requires_grad_(), torch.randn_like(x), *(p.requires_grad_() for p in params))
+    if pass_ == "fwd+bwd":
+        return (x.requires_grad_(), *(p.requires_grad_() for p in params), torch.randn_like(x))
     return (x, *params)
 
 
-def timed_function(fn, case: str):
-    if case != "fwd+bwd":
-        return fn
-
-    def forward_backward(x, grad_out, *params):
-        out = fn(x, *params)
-        return torch.autograd.grad(out, (x, *params), grad_out)
-
-    return forward_backward
+BENCH = common.Bench(
+    "norms", "Norms: tk_ops vs Liger, eager, torch.compile (bf16; hatched: ours in a CUDA graph)",
+    ours=provider("tk_ops", graph=True),  # ours also replayed in a CUDA graph: device time alone
+    baselines=(provider("eager"), provider("liger"), provider("compiled")),
+    inputs=make_inputs, passes=PASSES, set_bytes=lambda case, pass_, inputs: 2 * common.tensor_bytes(inputs),
+    graph_below_ms=math.inf, panel=lambda row: row["norm"], tick=lambda row: str(row["hidden"]),
+)
 
 
-def hbm_bytes(kind: str, case: str, hidden: int) -> int:
-    element = torch.finfo(DTYPE).bits // 8
-    tensors = {"fwd": 2, "fwd+res": 4, "fwd+bwd": 5}[case]
-    parameters = (2 if kind == "layer" else 1) * hidden * element * (2 if case == "fwd+bwd" else 1)
-    statistics = ROWS * 4 * (2 if kind == "layer" else 1) * (2 if case == "fwd+bwd" else 1)
-    return ROWS * hidden * element * tensors + parameters + statistics
-
-
-def first_output(result):
-    return result[0] if isinstance(result, (tuple, list)) else result
-
-
-def run_case(kind: str, case: str, hidden: int, copy: float) -> dict:
-    first = make_inputs(kind, case, hidden)
-    bytes_per_set = sum(t.numel() * t.element_size() for t in first) * 2
-    sets = [first] + [make_inputs(kind, case, hidden) for _ in range(common.rotation_count(bytes_per_set) - 1)]
-    impls = implementations(kind, case)
-    timings, errors = {}, {}
-    ours = first_output(timed_function(impls["tk_ops"], case)(*first))
-    for name, fn in impls.items():
-        timed = timed_function(fn, case)
-        errors[name] = rel_err(first_output(timed(*first)).float(), ours.float()) if name != "tk_ops" else 0.0
-        timings[name] = common.time_ms(timed, sets)
-    # Ours again as one CUDA-graph replay: device time alone, to tell host-bound sizes apart.
-    try:
-        ours_graph_ms = common.time_graph_ms(timed_function(impls["tk_ops"], case), sets)
-    except RuntimeError as error:  # a capture failure must not cost the run its other numbers
-        print(f"CUDA-graph timing failed for {kind} {case} {hidden}: {error}")
-        ours_graph_ms = float("nan")
-    del sets, first
-    torch.cuda.empty_cache()
-    moved = hbm_bytes(kind, case, hidden)
-    baselines = {name: ms for name, ms in timings.items() if name != "tk_ops"}
-    best = min(baselines, key=baselines.get)
-    row = {
-        "norm": kind, "case": case, "rows": ROWS, "hidden": hidden, "dtype": "bf16", "hbm_bytes": moved,
-        "ours_ms": round(timings["tk_ops"], 5),
-        "ours_graph_ms": round(ours_graph_ms, 5),
-        "graph_fraction_of_copy": round(moved / ours_graph_ms / 1e6 / copy, 3),
-        "ours_gbps": round(moved / timings["tk_ops"] / 1e6, 1),
-        "fraction_of_copy": round(moved / timings["tk_ops"] / 1e6 / copy, 3),
-        "best_baseline": best,
-        "ratio_vs_best": round(baselines[best] / timings["tk_ops"], 3),
-    }
-    for name, ms in baselines.items():
-        row[f"{name}_ms"] = round(ms, 5)
-        row[f"{name}_gbps"] = round(moved / ms / 1e6, 1)
-        row[f"{name}_rel_diff"] = float(f"{errors[name]:.2e}")
-    return row
-
-
-def plot(rows: list[dict], copy: float, path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cases = ("fwd", "fwd+res", "fwd+bwd")
-    fig, axes = plt.subplots(2, 3, figsize=(17, 8.5))
-    colors = {"tk_ops": "tab:red", "liger": "tab:blue", "eager": "tab:gray", "compiled": "tab:green"}
-    for r, kind in enumerate(("layer", "rms")):
-        for c, case in enumerate(cases):
-            ax = axes[r][c]
-            sel = [row for row in rows if row["norm"] == kind and row["case"] == case]
-            if not sel:
-                continue
-            xs = [row["hidden"] for row in sel]
-            for name, color in colors.items():
-                key = "ours_gbps" if name == "tk_ops" else f"{name}_gbps"
-                if key in sel[0]:
-                    ax.plot(xs, [row[key] for row in sel], "o-", color=color, label=name)
-            ax.axhline(copy, color="black", lw=0.8, ls=":", label="copy bandwidth")
-            ax.axhline(0.9 * copy, color="black", lw=0.6, ls="--", label="90% of copy")
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("hidden (rows = 32768, bf16)")
-            ax.set_ylabel("GB/s of bytes that must cross HBM")
-            ax.set_title(f"{'LayerNorm' if kind == 'layer' else 'RMSNorm'} {case}")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
-    fig.suptitle(f"Norms on {torch.cuda.get_device_name()}: tk_ops vs Liger, eager, torch.compile (same run)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=pathlib.Path, help="also write the results and plot into this folder")
-    parser.add_argument("--check", action="store_true", help="only the correctness sweep")
-    args = parser.parse_args()
+def main(argv=None) -> None:
+    args = common.arguments(__doc__, PASSES).parse_args(argv)
     torch.manual_seed(0)
+    if common.without_gpu(args, BENCH, DRY_RUN_CASES):
+        return
     run_check()
     if args.check:
         return
-    copy = copy_gbps()
-    print(f"device-to-device copy in this run: {copy:.0f} GB/s")
-    out_dirs = [common.RESULTS] + ([args.out] if args.out else [])
-    rows = []
-    print(f"{'norm':5} {'case':8} {'hidden':>6} {'ours ms':>8} {'GB/s':>6} {'of copy':>7} {'liger':>7} {'eager':>7} {'compiled':>8} {'best':>8} {'ratio':>6} {'graph ms':>8}")
-    for hidden in HIDDEN_SIZES:
-        for kind in ("layer", "rms"):
-            for case in ("fwd", "fwd+res", "fwd+bwd"):
-                row = run_case(kind, case, hidden, copy)
-                rows.append(row)
-                cells = [f"{row[f'{n}_ms']:7.4f}" if f"{n}_ms" in row else f"{'-':>7}" for n in ("liger", "eager")]
-                compiled_cell = f"{row['compiled_ms']:8.4f}" if "compiled_ms" in row else f"{'-':>8}"
-                print(f"{kind:5} {case:8} {hidden:6} {row['ours_ms']:8.4f} {row['ours_gbps']:6.0f} "
-                      f"{row['fraction_of_copy']:7.3f} {cells[0]} {cells[1]} {compiled_cell} {row['best_baseline']:>8} "
-                      f"{row['ratio_vs_best']:6.2f} {row['ours_graph_ms']:8.4f}")
-        # Written after every size, so a run cut short still leaves its numbers.
-        common.write_results("norms", rows, out_dirs, copy_gbps=round(copy, 1),
-                             ceiling="device-to-device copy (read + write), this run",
-                             liger="liger-kernel " + ("missing" if liger_layer_norm is None else "0.8.5"))
-    for directory in out_dirs:
-        plot(rows, copy, directory / "norms.png")
+    copy, ceiling = common.measured_copy_ceiling()
+    common.run(BENCH, CASES, passes=args.passes, out=args.out, copy_gbps=copy, **ceiling, liger=common.peer(*LIGER)[1])
 
 
 if __name__ == "__main__":

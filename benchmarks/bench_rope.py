@@ -5,23 +5,24 @@ Cases: the anchor (Llama GQA: q (8, 32, 4096, 128), k (8, 8, 4096, 128), bf16, H
 with q and k stored (B, H, N, D) and as the (B, N, H, D) projection view, multi-head D = 64, partial
 rotary (D = 80, R = 32, fp16), GPT-J interleaved (D = 256, R = 64) and a single tensor. Forward and
 forward + backward (the gradients through the autograd of each implementation). Liger runs on its
-own storage order (B, N, H, D), in place, with no copies; it has no interleaved or single-tensor form.
+own storage order (B, N, H, D) (the same values, copied there outside the timing), in place; it has
+no interleaved or single-tensor form.
 
 GB/s counts the bytes that must cross HBM: q and k read once, the outputs written once, cos and sin
-read once (fwd+bwd: the gradients too, twice in all); "of copy" is that rate over the
-device-to-device copy bandwidth measured in this run. Writes benchmarks/results/rope.json and rope.png.
+read once (fwd_bwd: the gradients too, twice in all); ours_of_floor is that rate over the
+device-to-device copy bandwidth measured in this run. Rows: benchmarks/common.py's, a row per
+baseline, with rel_err_vs_fp32_formula (ours against HF's formula in fp32). Writes
+benchmarks/results/rope.json and rope.png.
 
-Run from the repository root: python3 -m benchmarks.bench_rope [--out DIR] [--check]
+Run from the repository root: python3 -m benchmarks.bench_rope [--out DIR] [--only CASE ...] [--check]
 --check checks awkward shapes of every kernel path against float64 and times nothing (the run that
-compute-sanitizer watches).
+compute-sanitizer watches); --dry-run runs every case tiny on the CPU, nothing timed.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import pathlib
-import traceback
+import functools
 
 import torch
 
@@ -30,7 +31,7 @@ from benchmarks import common
 
 DEVICE = "cuda"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-IMPLEMENTATIONS = ("tk_ops", "eager", "compiled", "liger")
+PASSES = ("fwd", "fwd_bwd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,15 +48,17 @@ class Case:
     interleaved: bool = False
 
     @property
-    def shape(self) -> str:
+    def label(self) -> str:
         k = f" k ({self.batch},{self.k_heads},{self.seq_len},{self.head_dim})" if self.k_heads else ""
         return f"q ({self.batch},{self.q_heads},{self.seq_len},{self.head_dim}){k} R={self.rotary_dim}"
 
-    def forward_bytes(self) -> int:
+    def hbm_bytes(self, pass_: str) -> int:
+        """q and k read and written once, cos and sin read once; fwd_bwd: the gradients too."""
         element = DTYPES[self.dtype].itemsize
         rows = self.batch * (self.q_heads + self.k_heads) * self.seq_len
         table_entries = self.seq_len * self.rotary_dim // 2 * 2  # cos and sin, R/2 each: the half form
-        return 2 * rows * self.head_dim * element + table_entries * 4
+        forward = 2 * rows * self.head_dim * element + table_entries * 4
+        return forward * (2 if pass_ == "fwd_bwd" else 1)
 
 
 CASES = [
@@ -66,6 +69,9 @@ CASES = [
     Case("gptj-interleaved", 4, 16, 16, 2048, 256, 64, "bf16", "bnhd", interleaved=True),
     Case("single-tensor-q", 8, 32, 0, 4096, 128, 128, "bf16", "bhnd"),
 ]
+# --dry-run: every case's layout, table form and dtype at sizes a CPU runs in a moment
+DRY_RUN_CASES = [dataclasses.replace(case, batch=1, q_heads=max(1, case.q_heads // 8), k_heads=case.k_heads // 8, seq_len=16)
+                 for case in CASES]
 
 
 # ------------------------------------------------------------------------------------ baselines
@@ -102,18 +108,19 @@ def hf_formula(interleaved: bool):
 # ---------------------------------------------------------------------------------------- inputs
 
 
-def angles(case: Case) -> torch.Tensor:
+def angles(case: Case, device) -> torch.Tensor:
     """theta (1, N, R/2) in float32: Llama's inverse frequencies times the position."""
-    exponents = torch.arange(0, case.rotary_dim, 2, device=DEVICE, dtype=torch.float32) / case.rotary_dim
-    positions = torch.arange(case.seq_len, device=DEVICE, dtype=torch.float32)
+    exponents = torch.arange(0, case.rotary_dim, 2, device=device, dtype=torch.float32) / case.rotary_dim
+    positions = torch.arange(case.seq_len, device=device, dtype=torch.float32)
     return (positions[:, None] / 10000.0**exponents)[None]
 
 
-def tables(case: Case) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+@functools.lru_cache(maxsize=2)  # one set of tables per case, shared by all its input sets
+def tables(case: Case, device) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """The tables each implementation takes: HF's full (1, N, R) in x's dtype; ours the same for full
     rotary, its first half (a view) for partial rotary, the fp32 half form for GPT-J; "reference":
     ours in HF's full form in fp32."""
-    theta = angles(case)
+    theta = angles(case, device)
     dtype = DTYPES[case.dtype]
     full = torch.repeat_interleave(theta, 2, dim=-1) if case.interleaved else torch.cat((theta, theta), dim=-1)
     baseline = (full.cos().to(dtype), full.sin().to(dtype))
@@ -127,68 +134,32 @@ def tables(case: Case) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     return {"ours": ours, "baseline": baseline, "reference": reference}
 
 
-def heads_tensor(case: Case, heads: int, layout: str, requires_grad: bool) -> torch.Tensor:
+def heads_tensor(case: Case, heads: int, layout: str, requires_grad: bool, device) -> torch.Tensor:
     dtype = DTYPES[case.dtype]
     if layout == "bnhd":
-        x = torch.randn(case.batch, case.seq_len, heads, case.head_dim, device=DEVICE, dtype=dtype).transpose(1, 2)
+        x = torch.randn(case.batch, case.seq_len, heads, case.head_dim, device=device, dtype=dtype).transpose(1, 2)
     else:
-        x = torch.randn(case.batch, heads, case.seq_len, case.head_dim, device=DEVICE, dtype=dtype)
+        x = torch.randn(case.batch, heads, case.seq_len, case.head_dim, device=device, dtype=dtype)
     return x.requires_grad_(requires_grad)
 
 
-def input_set(case: Case, layout: str, requires_grad: bool) -> tuple:
-    q = heads_tensor(case, case.q_heads, layout, requires_grad)
-    k = heads_tensor(case, case.k_heads, layout, requires_grad) if case.k_heads else None
+def input_set(case: Case, requires_grad: bool, device) -> tuple:
+    """(q, k or None, (grad_q, grad_k or None)) in the case's layout."""
+    q = heads_tensor(case, case.q_heads, case.layout, requires_grad, device)
+    k = heads_tensor(case, case.k_heads, case.layout, requires_grad, device) if case.k_heads else None
     grads = (torch.randn_like(q), torch.randn_like(k) if k is not None else None)
     return q, k, grads
 
 
-# -------------------------------------------------------------------------------------- timing
+def stored_bnhd(x):
+    """The same values in (B, N, H, D) storage, seen as (B, H, N, D)."""
+    return None if x is None else x.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(x.requires_grad)
 
 
-def implementations(case: Case):
-    """name -> (forward function (q, k, cos, sin) -> outputs, which tables, which storage order)."""
-
-    def ours(q, k, cos, sin):
-        if k is None:
-            return (tk_ops.rope(q, cos, sin, interleaved=case.interleaved),)
-        return tk_ops.rope_qk(q, k, cos, sin, interleaved=case.interleaved)
-
-    formula = hf_formula(case.interleaved)
-    found = {
-        "tk_ops": (ours, "ours", case.layout),
-        "eager": (formula, "baseline", case.layout),
-        "compiled": (torch.compile(formula, fullgraph=True, dynamic=False), "baseline", case.layout),
-    }
-    if case.k_heads and not case.interleaved:
-        try:
-            from liger_kernel.transformers.functional import liger_rope
-        except ImportError as error:
-            print(f"  liger_kernel not importable ({error}): no Liger column")
-        else:
-            found["liger"] = (liger_rope, "baseline", "bnhd")
-    return found
-
-
-def timed(case: Case, forward, tables_used, layout: str, backward: bool) -> float:
-    first = input_set(case, layout, backward)
-    bytes_per_set = case.forward_bytes() * (2 if backward else 1)
-    sets = [first] + [input_set(case, layout, backward) for _ in range(common.rotation_count(bytes_per_set) - 1)]
-    cos, sin = tables_used
-
-    def step(q, k, grads):
-        outputs = forward(q, k, cos, sin)
-        if backward:
-            inputs = (q,) if k is None else (q, k)
-            torch.autograd.grad(outputs, inputs, grads[: len(inputs)])
-
-    return common.time_ms(step, sets)
-
-
-def relative_error(case: Case) -> float:
+def relative_error(case: Case, device) -> float:
     """tk_ops against the HF formula in float32 on the same inputs and tables."""
-    q, k, _ = input_set(case, case.layout, False)
-    all_tables = tables(case)
+    q, k, _ = input_set(case, False, device)
+    all_tables = tables(case, q.device)
     if case.k_heads:
         got = tk_ops.rope_qk(q, k, *all_tables["ours"], interleaved=case.interleaved)
     else:
@@ -199,82 +170,63 @@ def relative_error(case: Case) -> float:
     return (num / den).sqrt().item()
 
 
-def run_case(case: Case, copy_gbps: float) -> dict:
-    torch._dynamo.reset()  # each case compiles afresh, never against the recompile limit of earlier ones
-    row = {"case": case.name, "shape": case.shape, "dtype": case.dtype, "layout": case.layout,
-           "interleaved": case.interleaved, "forward_bytes": case.forward_bytes(),
-           "rel_err_vs_fp32_formula": float(f"{relative_error(case):.3e}")}
-    all_tables = tables(case)
-    for name, (forward, table_kind, layout) in implementations(case).items():
-        for mode, backward in (("fwd", False), ("fwd_bwd", True)):
-            try:
-                ms = timed(case, forward, all_tables[table_kind], layout, backward)
-            except Exception:  # a baseline that cannot run this case is reported, not fatal
-                print(f"  {case.name} {name} {mode} failed:\n{traceback.format_exc(limit=3)}")
-                continue
-            gbps = case.forward_bytes() * (2 if backward else 1) / ms / 1e6
-            row[f"{name}_{mode}_ms"] = round(ms, 5)
-            row[f"{name}_{mode}_gbps"] = round(gbps, 1)
-            row[f"{name}_{mode}_of_copy"] = round(gbps / copy_gbps, 3)
-        torch.cuda.empty_cache()
-    for mode in ("fwd", "fwd_bwd"):
-        ours = row.get(f"tk_ops_{mode}_ms")
-        baselines = {n: row[f"{n}_{mode}_ms"] for n in IMPLEMENTATIONS[1:] if f"{n}_{mode}_ms" in row}
-        if ours and baselines:
-            if "compiled" in baselines:
-                row[f"{mode}_vs_compiled"] = round(baselines["compiled"] / ours, 3)
-            best = min(baselines, key=baselines.get)
-            row[f"{mode}_best_baseline"] = best
-            row[f"{mode}_vs_best"] = round(baselines[best] / ours, 3)
-    return row
+# ------------------------------------------------------------------------------------ providers
 
 
-def copy_bandwidth_gbps() -> float:
-    """Device-to-device copy of 1 GiB, bytes read plus bytes written."""
-    source = torch.randn(2**28, device="cuda")
-    target = torch.empty_like(source)
-    ms = common.time_ms(lambda s, t: t.copy_(s), [(source, target)])
-    return 2 * source.numel() * source.element_size() / ms / 1e6
+def provider(name: str, forward, table_kind: str = "baseline", storage=None) -> common.Provider:
+    """forward(case) -> (q, k, cos, sin) -> outputs, on the case's tables of `table_kind`; fwd_bwd also
+    takes the gradients of q and k; `storage` (given) re-lays out each input set first, outside the
+    timing."""
+
+    def build(case: Case, pass_: str):
+        fn = forward(case)
+        if fn is None:
+            return None
+
+        def run(q, k, grads, cos, sin):
+            outputs = fn(q, k, cos, sin)
+            if pass_ == "fwd":
+                return outputs
+            inputs = (q,) if k is None else (q, k)
+            return torch.autograd.grad(outputs, inputs, grads[: len(inputs)])
+
+        return run
+
+    def prepare(case: Case, pass_: str, inputs: tuple) -> tuple:
+        q, k, grads = inputs
+        if storage is not None:
+            q, k, grads = storage(q), storage(k), tuple(map(storage, grads))
+        return (q, k, grads, *tables(case, q.device)[table_kind])
+
+    return common.Provider(name, build, prepare)
 
 
-# ------------------------------------------------------------------------------------- output
+def ours(case: Case):
+    def apply(q, k, cos, sin):
+        if k is None:
+            return (tk_ops.rope(q, cos, sin, interleaved=case.interleaved),)
+        return tk_ops.rope_qk(q, k, cos, sin, interleaved=case.interleaved)
+
+    return apply
 
 
-def plot(rows: list[dict], copy_gbps: float, path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    colors = {"tk_ops": "tab:red", "eager": "tab:gray", "compiled": "tab:blue", "liger": "tab:green"}
-    fig, axes = plt.subplots(1, 2, figsize=(16, 5))
-    width = 0.2
-    for ax, mode, title in zip(axes, ("fwd", "fwd_bwd"), ("forward", "forward + backward")):
-        for i, name in enumerate(IMPLEMENTATIONS):
-            xs = [j + (i - 1.5) * width for j in range(len(rows))]
-            ax.bar(xs, [r.get(f"{name}_{mode}_gbps", 0) / 1e3 for r in rows], width, color=colors[name], label=name)
-        ax.axhline(copy_gbps / 1e3, color="black", lw=0.8, ls=":", label="device copy (this run)")
-        ax.set_xticks(range(len(rows)), [r["case"] for r in rows], rotation=20, fontsize=7, ha="right")
-        ax.set_ylabel("TB/s of the bytes that must cross HBM")
-        ax.set_title(title)
-        ax.set_ylim(0, 1.2 * copy_gbps / 1e3)
-        ax.legend(fontsize=7, loc="upper left", ncol=5)
-        ax.grid(axis="y", alpha=0.3)
-    fig.suptitle(f"RoPE on {torch.cuda.get_device_name()}: tk_ops vs HF eager / torch.compile / Liger (same run)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+def liger(case: Case):
+    """Liger's kernel on its own storage order, in place; it has no interleaved or single-tensor form."""
+    if not case.k_heads or case.interleaved:
+        return None
+    return common.need("liger_kernel.transformers.functional", "liger-kernel").liger_rope
 
 
-def report(rows: list[dict]) -> None:
-    print(f"{'case':28} {'mode':8} {'tk_ops ms':>9} {'eager':>8} {'compiled':>8} {'liger':>8} "
-          f"{'tk TB/s':>8} {'of copy':>7} {'vs comp':>7} {'vs best':>7}")
-    for r in rows:
-        for mode in ("fwd", "fwd_bwd"):
-            ms = [r.get(f"{n}_{mode}_ms") for n in IMPLEMENTATIONS]
-            cells = " ".join(f"{m:8.4f}" if m else f"{'-':>8}" for m in ms[1:])
-            print(f"{r['case']:28} {mode:8} {ms[0] or float('nan'):9.4f} {cells} "
-                  f"{r.get(f'tk_ops_{mode}_gbps', float('nan')) / 1e3:8.3f} {r.get(f'tk_ops_{mode}_of_copy', float('nan')):7.3f} "
-                  f"{r.get(f'{mode}_vs_compiled', float('nan')):7.3f} {r.get(f'{mode}_vs_best', float('nan')):7.3f}")
+BENCH = common.Bench(
+    "rope", "RoPE: tk_ops vs HF eager / torch.compile / Liger", provider("tk_ops", ours, "ours"),
+    baselines=(provider("eager", lambda case: hf_formula(case.interleaved)),
+               provider("compiled", lambda case: torch.compile(hf_formula(case.interleaved), fullgraph=True, dynamic=False)),
+               provider("liger", liger, storage=stored_bnhd)),
+    inputs=lambda case, pass_, device: input_set(case, pass_ == "fwd_bwd", device), passes=PASSES,
+    set_bytes=lambda case, pass_, inputs: case.hbm_bytes(pass_),
+    case_fields=lambda case, device: {"rel_err_vs_fp32_formula": float(f"{relative_error(case, device):.3e}")},
+    tick=lambda row: row["name"],
+)
 
 
 # -------------------------------------------------------------------------------- correctness
@@ -308,33 +260,18 @@ def check() -> None:
               torch.ops.tk.rope_ref(k.cpu().double(), *exact, interleaved))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=pathlib.Path, help="also write the results and plot into this folder")
-    parser.add_argument("--check", action="store_true", help="check every kernel path against float64, time nothing")
+def main(argv=None) -> None:
+    parser = common.arguments(__doc__, PASSES)
     parser.add_argument("--only", nargs="*", help="case names (default: all)")
-    args = parser.parse_args()
-
+    args = parser.parse_args(argv)
+    if common.without_gpu(args, BENCH, [c for c in DRY_RUN_CASES if not args.only or c.name in args.only]):
+        return
     assert tk_ops.backends()["rope_qk"] == "cuda kernel", f"tk_ops extension: {tk_ops.extension_status()}"
     if args.check:
-        check()
-        return
-    copy_gbps = copy_bandwidth_gbps()
-    print(f"device-to-device copy in this run: {copy_gbps / 1e3:.3f} TB/s")
-    out_dirs = [common.RESULTS] + ([args.out] if args.out else [])
-    rows = []
-    for case in CASES:
-        if args.only and case.name not in args.only:
-            continue
-        rows.append(run_case(case, copy_gbps))
-        report(rows[-1:])
-        # written after every case, so a run cut short keeps what it measured
-        common.write_results("rope", rows, out_dirs, copy_gbps=round(copy_gbps, 1),
-                             ceiling="torch copy_ of 1 GiB fp32, device to device, read + write, this run")
-    print()
-    report(rows)
-    for directory in out_dirs:
-        plot(rows, copy_gbps, directory / "rope.png")
+        return check()
+    copy, ceiling = common.measured_copy_ceiling()
+    common.run(BENCH, [c for c in CASES if not args.only or c.name in args.only], passes=args.passes, out=args.out,
+               copy_gbps=copy, **ceiling)
 
 
 if __name__ == "__main__":

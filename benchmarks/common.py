@@ -1,9 +1,20 @@
-"""Shared benchmark helpers: GPU timing and the results file.
+"""The benchmark harness: GPU timing, cases x providers, one row schema, the table, the plot and the
+results file.
 
 Timing: CUDA events around a batch of back-to-back calls (so the launch queue stays full and host
 overhead hides behind device work whenever it is smaller), after warm-up, median over rounds.
 Inputs rotate through enough sets that their bytes exceed twice the L2, so no call reads what the
 previous one left in cache.
+
+A bench (`Bench`) is its cases (frozen dataclasses with a `label`), the passes it times, a function
+that makes one input set, ours and the baselines (`Provider`) it is compared with in the same run.
+`run` measures every case and pass on one rotation of input sets shared by all providers: each
+provider's first call on the first set gives its outputs, each baseline's are compared with ours
+(the relative difference goes into the row, a mismatch past the bench's tolerance is flagged), then
+each is timed. It prints a table row per (case, pass, baseline) as they come, rewrites NAME.json
+(rows, commit, GPU, versions) after every case, so a run cut short keeps what it measured, and
+plots NAME.png at the end. On the CPU (--dry-run) the same path runs on tiny cases with each
+provider called once per set and nothing timed.
 """
 
 from __future__ import annotations
@@ -11,6 +22,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
+import importlib
+import importlib.metadata
+import itertools
 import json
 import math
 import os
@@ -19,7 +34,7 @@ import platform
 import statistics
 import subprocess
 import sys
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -36,9 +51,10 @@ def rotation_count(bytes_per_set: int, cap: int = 16) -> int:
     return max(2, min(cap, math.ceil(2 * l2_bytes() / max(bytes_per_set, 1)) + 1))
 
 
-def input_set_count(bytes_per_set: int, device) -> int:
-    """How many input sets a bench rotates through: enough to defeat the L2 on the GPU, one on the CPU."""
-    return rotation_count(bytes_per_set) if device == "cuda" else 1
+def input_set_count(bytes_per_set: int, device, cap: int = 16) -> int:
+    """How many input sets a bench rotates through: enough to defeat the L2 on the GPU (at most cap),
+    one on the CPU."""
+    return min(cap, rotation_count(bytes_per_set, cap)) if device == "cuda" else 1
 
 
 def relative_difference(got: torch.Tensor, reference: torch.Tensor) -> float:
@@ -162,9 +178,55 @@ def write_results(name: str, rows: list[dict], out_dirs: Sequence[pathlib.Path] 
     return paths
 
 
-# ------------------------------------------------------------------ rows of a comparison against a floor
-# For benches whose shapes are dataclasses with a `label` and `hbm_bytes(pass_, element_bytes)`: one row
-# per (shape, pass, baseline), times in ms or None (a dry run, a baseline that could not run).
+def copy_bandwidth_gbps() -> float:
+    """Device-to-device copy of 1 GiB, bytes read plus bytes written."""
+    source = torch.randn(2**28, device="cuda")
+    target = torch.empty_like(source)
+    ms = time_ms(lambda s, t: t.copy_(s), [(source, target)])
+    return 2 * source.numel() * source.element_size() / ms / 1e6
+
+
+COPY_CEILING = "torch copy_ of 1 GiB fp32, device to device, read + write, this run"
+
+
+def measured_copy_ceiling() -> tuple[float, dict]:
+    """This run's device-to-device copy bandwidth (GB/s, printed) and the results-header fields that
+    name it: the ceiling every memory-bound bench reports its floor fractions against."""
+    copy = copy_bandwidth_gbps()
+    print(f"device-to-device copy in this run: {copy:.0f} GB/s")
+    return copy, dict(copy_gbps=round(copy, 1), ceiling=COPY_CEILING)
+
+
+def run_once(fn: Callable, input_sets: Sequence[tuple]) -> None:
+    """The dry run's stand-in for time_ms: one call on every set, no time."""
+    for inputs in input_sets:
+        fn(*inputs)
+    return None
+
+
+def tensor_bytes(inputs) -> int:
+    """The bytes of the tensors in an input set (in nested tuples and lists too)."""
+    if isinstance(inputs, torch.Tensor):
+        return inputs.numel() * inputs.element_size()
+    if isinstance(inputs, (tuple, list)):
+        return sum(map(tensor_bytes, inputs))
+    return 0
+
+
+def step(fn: Callable, backward: bool) -> Callable:
+    """The call a pass times on an input set (*arguments, grad_out): fn's output; with backward, the
+    output and the gradients of every argument for grad_out (all of them compared by the check)."""
+    if not backward:
+        return lambda *inputs: fn(*inputs[:-1])
+
+    def forward_backward(*inputs):
+        out = fn(*inputs[:-1])
+        return (out, *torch.autograd.grad(out, inputs[:-1], inputs[-1]))
+
+    return forward_backward
+
+
+# ------------------------------------------------------------------------------ rows and their parts
 
 
 def rounded(value: Optional[float], digits: int = 5) -> Optional[float]:
@@ -175,48 +237,405 @@ def ratio(numerator: Optional[float], denominator: Optional[float]) -> Optional[
     return None if numerator is None or not denominator else round(numerator / denominator, 3)
 
 
+def rate(amount: float, ms: Optional[float], unit: float) -> Optional[float]:
+    """amount per second in `unit`s (1e9: flops to TFLOP/s, 1e6: bytes to GB/s), from milliseconds."""
+    return None if not ms else round(amount / ms / unit, 1)
+
+
 def describe_error(error: Exception) -> str:
-    """An exception as one line for a result row."""
+    """An exception as one line for a result row (a Missing peer: its message alone)."""
+    if isinstance(error, Missing):
+        return str(error)
     return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 
 
-def floor_row(shape, pass_: str, baseline: str, ours_ms: Optional[float], baseline_ms: Optional[float],
-              copy_gbps: Optional[float], element_bytes: int, rel_diff: Optional[float] = None,
-              error: Optional[str] = None) -> dict:
-    """One result row: both times, baseline / ours, the HBM floor (the shape's bytes over the copy
-    bandwidth measured in the run) and each side's fraction of it, and the shape's fields."""
-    moved = shape.hbm_bytes(pass_, element_bytes)
-    floor_ms = moved / copy_gbps / 1e6 if copy_gbps else None
+# One schema for every row of every bench: ours against one baseline on one case and pass.
+#   shape, pass, baseline      the case's label, the pass, the provider ours is compared with
+#   ours_ms, baseline_ms       median ms per call (None: a dry run, or that side failed: see error)
+#   ratio                      baseline_ms / ours_ms: above 1 ours is faster
+#   best_baseline, ratio_vs_best   the fastest baseline of the case and pass, and the ratio to it
+#   rel_diff_vs_baseline       ||ours - baseline|| / ||baseline||, the largest over the outputs
+#                              compared (a backward pass: the output and the gradients)
+#   mismatch                   true where rel_diff_vs_baseline is past the bench's tolerance
+#   ours_graph_ms, baseline_graph_ms, graph_ratio   CUDA-graph replays, where the bench times them
+#   flops, ours_tflops, baseline_tflops, fraction_of_ceiling   cases with flops(pass_)
+#   hbm_bytes, floor_ms, ours_of_floor, baseline_of_floor, ours_gbps, baseline_gbps,
+#   ours_graph_of_floor        cases with hbm_bytes(pass_): the bytes that must cross HBM, and those
+#                              bytes at the copy bandwidth measured in the run (the floor)
+#   the case's fields, then    error: why a side has no time, where one has none
+def comparison_row(case, pass_: str, baseline: str, ours: dict, theirs: dict, tolerance: float,
+                   copy_gbps: Optional[float] = None, tflops_ceiling: Optional[float] = None) -> dict:
+    """The row of ours against one baseline, from both measurements (`measure`'s dicts)."""
+    ours_ms, baseline_ms, rel_diff = ours.get("ms"), theirs.get("ms"), theirs.get("rel_diff")
     row = {
-        "shape": shape.label, "pass": pass_, "baseline": baseline,
+        "shape": case.label, "pass": pass_, "baseline": baseline,
         "ours_ms": rounded(ours_ms), "baseline_ms": rounded(baseline_ms), "ratio": ratio(baseline_ms, ours_ms),
-        "floor_ms": rounded(floor_ms), "ours_of_floor": ratio(floor_ms, ours_ms),
-        "baseline_of_floor": ratio(floor_ms, baseline_ms), "hbm_bytes": moved,
-        "rel_diff_vs_ours": None if rel_diff is None else float(f"{rel_diff:.2e}"),
-        **dataclasses.asdict(shape),
+        "best_baseline": None, "ratio_vs_best": None,
+        "rel_diff_vs_baseline": None if rel_diff is None else float(f"{rel_diff:.3g}"),
     }
-    if error:
-        row["error"] = error
+    if rel_diff is not None and not rel_diff <= tolerance:
+        row["mismatch"] = True
+    if "graph_ms" in ours or "graph_ms" in theirs:
+        row.update(ours_graph_ms=rounded(ours.get("graph_ms")), baseline_graph_ms=rounded(theirs.get("graph_ms")),
+                   graph_ratio=ratio(theirs.get("graph_ms"), ours.get("graph_ms")))
+    if hasattr(case, "flops"):
+        flops = case.flops(pass_)
+        row.update(flops=flops, ours_tflops=rate(flops, ours_ms, 1e9), baseline_tflops=rate(flops, baseline_ms, 1e9))
+        if tflops_ceiling:
+            row["fraction_of_ceiling"] = ratio(row["ours_tflops"], tflops_ceiling)
+    if hasattr(case, "hbm_bytes"):
+        moved = case.hbm_bytes(pass_)
+        floor_ms = moved / copy_gbps / 1e6 if copy_gbps else None
+        row.update(hbm_bytes=moved, floor_ms=rounded(floor_ms), ours_of_floor=ratio(floor_ms, ours_ms),
+                   baseline_of_floor=ratio(floor_ms, baseline_ms), ours_gbps=rate(moved, ours_ms, 1e6),
+                   baseline_gbps=rate(moved, baseline_ms, 1e6))
+        if "graph_ms" in ours:
+            row["ours_graph_of_floor"] = ratio(floor_ms, ours["graph_ms"])
+    row.update(dataclasses.asdict(case))
+    errors = [f"{side}: {result['error']}" for side, result in (("tk_ops", ours), (baseline, theirs)) if "error" in result]
+    if errors:
+        row["error"] = "; ".join(errors)
     return row
 
 
-def print_floor_rows(rows: Sequence[dict], shape_width: int, baseline_width: int, extra: Sequence[str] = ()) -> None:
-    """One line per row: shape, pass, baseline, ours_ms, baseline_ms, ratio, floor_ms, then `key=value`
-    for each key in `extra`, then the row's error."""
+def mark_best(rows: list[dict]) -> None:
+    """Fill best_baseline and ratio_vs_best into the rows of one case and pass."""
+    best = min((row for row in rows if row["baseline_ms"] is not None), key=lambda row: row["baseline_ms"], default=None)
     for row in rows:
-        cells = [f"{row[key]:9.4f}" if row[key] is not None else f"{'-':>9}" for key in ("ours_ms", "baseline_ms", "floor_ms")]
-        ratio_cell = f"{row['ratio']:6.2f}" if row["ratio"] is not None else f"{'-':>6}"
-        extras = "".join(f" {key}={row[key]}" for key in extra)
-        note = f"  ({row['error']})" if "error" in row else ""
-        print(f"{row['shape']:{shape_width}} {row['pass']:7} {row['baseline']:{baseline_width}} {cells[0]} {cells[1]} "
-              f"{ratio_cell} {cells[2]}{extras}{note}", flush=True)
+        if best is not None:
+            row.update(best_baseline=best["baseline"], ratio_vs_best=ratio(best["baseline_ms"], row["ours_ms"]))
 
 
-def run_once(fn: Callable, input_sets: Sequence[tuple]) -> None:
-    """The --dry-run stand-in for time_ms: one call on every set, no time."""
-    for inputs in input_sets:
-        fn(*inputs)
-    return None
+# ------------------------------------------------------------------------- the harness: cases x providers
+
+
+class Missing(Exception):
+    """A provider that cannot run here (an optional peer that is not installed): its rows say why."""
+
+
+@functools.cache
+def peer(module: str, distribution: str) -> tuple[Any, str]:
+    """An optional peer package (fla, liger, mamba_ssm: imported only where installed): (the module,
+    "distribution version"), or (None, why it cannot be imported)."""
+    try:
+        found = importlib.import_module(module)
+    except Exception as error:  # not installed, or a dependency of it (triton, einops) missing
+        return None, f"{distribution} not importable ({describe_error(error)})"
+    try:
+        version = importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        version = getattr(found, "__version__", "?")
+    return found, f"{distribution} {version}"
+
+
+def need(module: str, distribution: str):
+    """The peer's module, or Missing (the provider's rows then say why)."""
+    found, description = peer(module, distribution)
+    if found is None:
+        raise Missing(description)
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class Provider:
+    """One implementation in a comparison.
+
+    build(case, pass_): the callable timed on an input set, returning what the check compares (a
+        tensor or a sequence of tensors, compared in order); None where the provider has no form of
+        that case and pass (then it has no row). Raising (Missing, ...) makes its rows say why.
+    prepare(case, pass_, inputs): given, turns each shared input set into this provider's own before
+        it is timed (another storage order, a forward run outside the timing).
+    as_ours(case, pass_, outputs): given, its outputs laid out as ours are, for the check only.
+    graph: also timed as CUDA-graph replays, where the bench asks (Bench.graph_below_ms).
+    measured_by(case, pass_): given, measures it elsewhere (a process of its own) into measure's dict.
+    """
+
+    name: str
+    build: Callable[[Any, str], Optional[Callable]]
+    prepare: Optional[Callable[[Any, str, tuple], tuple]] = None
+    as_ours: Optional[Callable[[Any, str, list], list]] = None
+    graph: bool = False
+    measured_by: Optional[Callable[[Any, str], dict]] = None
+
+
+def stepped(name: str, fn: Callable, **options) -> Provider:
+    """A provider that times step(fn, backward) on sets (*arguments, grad_out), backward in every pass
+    but "fwd"."""
+    return Provider(name, lambda case, pass_: step(fn, pass_ != "fwd"), **options)
+
+
+@dataclasses.dataclass(frozen=True)
+class Bench:
+    """What a bench compares. Cases are frozen dataclasses with a `label` (the rows' "shape"), and
+    optionally flops(pass_) and hbm_bytes(pass_) (the rows' TFLOP/s and HBM-floor columns).
+
+    inputs(case, pass_, device): one input set; set_bytes(case, pass_, inputs): its bytes, which set
+        how many sets rotate (at most max_sets); timer(fn, sets): ms per call on the GPU.
+    graph_below_ms: CUDA-graph replays of the `graph` providers where ours takes less (ours first;
+        the baselines where ours was).
+    tolerance: the largest relative difference from a baseline's outputs that is not a mismatch.
+    case_fields(case, device): fields every row of the case gets (a check of its own).
+    panel(row), tick(row): the plot's panel (with the pass) and x tick of a row.
+    """
+
+    name: str
+    title: str
+    ours: Provider
+    baselines: tuple[Provider, ...]
+    inputs: Callable[[Any, str, str], tuple]
+    passes: tuple[str, ...] = ("fwd",)
+    set_bytes: Callable[[Any, str, tuple], int] = lambda case, pass_, inputs: case.hbm_bytes(pass_)
+    max_sets: int = 16
+    timer: Callable = time_ms
+    graph_below_ms: Optional[float] = None
+    tolerance: float = 5e-2
+    case_fields: Optional[Callable[[Any, str], dict]] = None
+    panel: Callable[[dict], str] = lambda row: str(row.get("group", ""))
+    tick: Callable[[dict], str] = lambda row: row["shape"]
+
+
+def tensors_of(result) -> list[Optional[torch.Tensor]]:
+    """A call's result as the list the check compares (None where it returned no tensor)."""
+    if isinstance(result, (tuple, list)):
+        return [t.detach() if isinstance(t, torch.Tensor) else None for t in result]
+    return [result.detach()] if isinstance(result, torch.Tensor) else []
+
+
+def largest_difference(got: Sequence[Optional[torch.Tensor]], reference: Sequence[Optional[torch.Tensor]]) -> Optional[float]:
+    """The largest relative_difference(got[i], reference[i]) over the pairs that both have (None if none)."""
+    differences = []
+    for g, r in zip(got, reference):
+        if g is None or r is None:
+            continue
+        if g.shape != r.shape:
+            raise ValueError(f"outputs of shape {tuple(g.shape)} and {tuple(r.shape)}")
+        differences.append(relative_difference(g, r))
+    return max(differences, default=None)
+
+
+def measure(provider: Provider, case, pass_: str, sets: Sequence[tuple], timer: Optional[Callable],
+            ours_outputs: Optional[list] = None, graph_below_ms: Optional[float] = None) -> Optional[dict]:
+    """One provider on one case and pass: None where it has no form of them; else a dict of "ms"
+    (timer(fn, sets); none without a timer), "graph_ms" (where ms < graph_below_ms), "outputs" of the
+    first call on the first set (ours, measured without ours_outputs) or "rel_diff" of ours_outputs
+    from them (a baseline's outputs are the reference), and "error" for what failed."""
+    result = {}
+    try:
+        fn = provider.build(case, pass_)
+        if fn is None:
+            return None
+        if provider.measured_by is not None:
+            return provider.measured_by(case, pass_)
+        if provider.prepare is not None:
+            sets = [provider.prepare(case, pass_, inputs) for inputs in sets]
+        outputs = tensors_of(fn(*sets[0]))  # also the first call: lazy initialisation, compiling
+        if provider.as_ours is not None:
+            outputs = provider.as_ours(case, pass_, outputs)
+        if ours_outputs is None:
+            result["outputs"] = outputs
+        else:
+            try:
+                result["rel_diff"] = largest_difference(ours_outputs, outputs)
+            except Exception as error:  # the timing stands
+                result["error"] = f"no relative difference: {describe_error(error)}"
+        del outputs
+        if timer is not None:
+            result["ms"] = timer(fn, sets)
+        if graph_below_ms is not None and result.get("ms") is not None and result["ms"] < graph_below_ms:
+            result["graph_ms"] = time_graph_ms(fn, sets)
+    except Exception as error:  # a provider that cannot run this case is reported, not fatal
+        result["error"] = describe_error(error)
+    return result
+
+
+def measure_case(bench: Bench, case, passes: Sequence[str], device, timer: Callable, copy_gbps: Optional[float] = None,
+                 tflops_ceiling: Optional[float] = None) -> list[dict]:
+    """The rows of one case: per pass, ours and then each baseline on one shared rotation of input sets."""
+    torch._dynamo.reset()  # each case compiles afresh, never against the recompile limit of earlier ones
+    fields = bench.case_fields(case, device) if bench.case_fields else {}
+    graph_below_ms = bench.graph_below_ms if device == "cuda" else None
+    rows = []
+    for pass_ in passes:
+        first = bench.inputs(case, pass_, device)
+        count = input_set_count(bench.set_bytes(case, pass_, first), device, bench.max_sets)
+        sets = [first] + [bench.inputs(case, pass_, device) for _ in range(count - 1)]
+        ours = measure(bench.ours, case, pass_, sets, timer, graph_below_ms=graph_below_ms if bench.ours.graph else None)
+        ours_outputs = ours.pop("outputs", [])
+        baseline_graph = math.inf if "graph_ms" in ours else None  # the baselines' replays where ours has one
+        pass_rows = []
+        for provider in bench.baselines:
+            theirs = measure(provider, case, pass_, sets, timer, ours_outputs, baseline_graph if provider.graph else None)
+            if theirs is not None:
+                pass_rows.append(comparison_row(case, pass_, provider.name, ours, theirs, bench.tolerance, copy_gbps,
+                                                tflops_ceiling))
+        mark_best(pass_rows)
+        rows += [{**row, **fields} for row in pass_rows]
+        del first, sets, ours_outputs
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def run(bench: Bench, cases: Sequence, *, device="cuda", passes: Optional[Sequence[str]] = None,
+        out: Optional[pathlib.Path] = None, copy_gbps: Optional[float] = None, tflops_ceiling: Optional[float] = None,
+        **header) -> list[dict]:
+    """Measures every case (printing its rows, rewriting NAME.json after each), then plots NAME.png:
+    into benchmarks/results and `out`; on the CPU (a dry run: each provider called once per set,
+    nothing timed) into `out` only. `header`: the results file's fields beside the environment's."""
+    if not cases:
+        print("no cases selected")
+        return []
+    dry_run = device != "cuda"
+    timer = run_once if dry_run else bench.timer
+    out_dirs = ([] if dry_run else [RESULTS]) + ([out] if out else [])
+    passes = passes or bench.passes
+    table = Table(cases, passes, [provider.name for provider in bench.baselines], graph=bench.graph_below_ms is not None)
+    print(table.header(), flush=True)
+    rows = []
+    for case in cases:
+        case_rows = measure_case(bench, case, passes, device, timer, copy_gbps, tflops_ceiling)
+        table.print(case_rows)
+        rows += case_rows
+        write_results(bench.name, rows, out_dirs, rel_diff_tolerance=bench.tolerance, **header)
+    mismatches = sum(bool(row.get("mismatch")) for row in rows)
+    if mismatches:
+        print(f"MISMATCH: {mismatches} rows whose outputs differ from the baseline's by more than {bench.tolerance:g}")
+    device_name = "CPU (dry run, nothing timed)" if dry_run else torch.cuda.get_device_name()
+    for directory in out_dirs:
+        plot(rows, directory / f"{bench.name}.png", bench.title, device_name, bench.panel, bench.tick)
+    return rows
+
+
+# ------------------------------------------------------------------------------------ table and plot
+
+
+class Table:
+    """The printed rows: shape, pass and baseline, the columns the cases have, `extra` as key=value,
+    then the flags (a mismatch, an error)."""
+
+    def __init__(self, cases: Sequence, passes: Sequence[str], baselines: Sequence[str], graph: bool = False,
+                 extra: Sequence[str] = ()):
+        self.widths = (max(len(case.label) for case in cases), max(len("pass"), *map(len, passes)),
+                       max(len("baseline"), *map(len, baselines)))
+        self.columns = [("ours ms", "ours_ms", ".4f"), ("base ms", "baseline_ms", ".4f"), ("ratio", "ratio", ".3f")]
+        if graph:
+            self.columns.append(("graph x", "graph_ratio", ".3f"))
+        if hasattr(cases[0], "flops"):
+            self.columns += [("ours TF/s", "ours_tflops", ".1f"), ("base TF/s", "baseline_tflops", ".1f")]
+        if hasattr(cases[0], "hbm_bytes"):
+            self.columns += [("floor ms", "floor_ms", ".4f"), ("of floor", "ours_of_floor", ".3f")]
+        self.columns.append(("rel diff", "rel_diff_vs_baseline", ".2e"))
+        self.extra = extra
+
+    def header(self) -> str:
+        shape, pass_, baseline = self.widths
+        return f"{'shape':{shape}} {'pass':{pass_}} {'baseline':{baseline}} " + " ".join(
+            f"{title:>10}" for title, _, _ in self.columns)
+
+    def line(self, row: dict) -> str:
+        shape, pass_, baseline = self.widths
+        cells = [f"{row[key]:>10{spec}}" if row.get(key) is not None else f"{'-':>10}" for _, key, spec in self.columns]
+        notes = "".join(f" {key}={row.get(key)}" for key in self.extra)
+        notes += " MISMATCH" * bool(row.get("mismatch")) + (f"  ({row['error']})" if "error" in row else "")
+        return f"{row['shape']:{shape}} {row['pass']:{pass_}} {row['baseline']:{baseline}} {' '.join(cells)}{notes}"
+
+    def print(self, rows: Sequence[dict]) -> None:
+        for row in rows:
+            print(self.line(row), flush=True)
+
+
+BASELINE_COLORS = ("tab:blue", "tab:green", "tab:gray", "tab:orange", "tab:purple", "tab:brown", "tab:olive", "tab:cyan")
+
+
+def plot(rows: Sequence[dict], path: pathlib.Path, title: str, device_name: str,
+         panel: Callable[[dict], str] = Bench.panel, tick: Callable[[dict], str] = Bench.tick) -> None:
+    """A panel per (panel(row), pass), a bar per provider at each case: TFLOP/s for cases that count
+    flops, else ms on a log scale with the HBM floor as a tick where the cases have one."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = list(dict.fromkeys(map(panel, rows)))
+    passes = list(dict.fromkeys(row["pass"] for row in rows))
+    panels = [(group, pass_) for group in groups for pass_ in passes]  # a row of passes per group
+    columns = len(passes) if len(passes) > 1 else min(2, len(groups))
+    flops = any(row.get("flops") for row in rows)
+    most_ticks = max(len({tick(row) for row in rows if panel(row) == group}) for group in groups)
+    fig, axes = plt.subplots(math.ceil(len(panels) / columns), columns, squeeze=False, layout="constrained",
+                             figsize=(max(7.0, 3 + 0.7 * most_ticks) * columns, 4.8 * math.ceil(len(panels) / columns)))
+    for ax, (group, pass_) in itertools.zip_longest(axes.flat, panels, fillvalue=(None, None)):
+        selected = [row for row in rows if panel(row) == group and row["pass"] == pass_]
+        if selected:
+            bar_panel(ax, selected, " ".join(filter(None, (group, pass_))), tick, flops)
+        else:
+            ax.axis("off")
+    fig.suptitle(f"{title} on {device_name}, same run ({'TFLOP/s, higher' if flops else 'ms, lower'} is better)",
+                 fontsize=10)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def bar_panel(ax, rows: Sequence[dict], title: str, tick: Callable[[dict], str], flops: bool) -> None:
+    """Per case a bar for ours (tk_ops), each baseline, and the CUDA-graph replays of each where timed."""
+    ticks = list(dict.fromkeys(map(tick, rows)))
+    names = ["tk_ops", *dict.fromkeys(row["baseline"] for row in rows)]
+    colors = dict(zip(names, ("tab:red", *BASELINE_COLORS)))
+    series = [(name, "ours_ms" if name == "tk_ops" else "baseline_ms", name) for name in names]
+    series += [(f"{name} graph", key.replace("_ms", "_graph_ms"), name) for name, key, _ in series
+               if any(row.get(key.replace("_ms", "_graph_ms")) is not None for row in rows)]
+    width = 0.8 / len(series)
+    for i, (label, key, name) in enumerate(series):
+        values = []
+        for t in ticks:
+            row = next((r for r in rows if tick(r) == t and name in ("tk_ops", r["baseline"])), None)
+            ms = None if row is None else row.get(key)
+            values.append(math.nan if ms is None else row["flops"] / ms / 1e9 if flops else ms)
+        graph = label.endswith(" graph")
+        ax.bar([j + (i - (len(series) - 1) / 2) * width for j in range(len(ticks))], values, width, color=colors[name],
+               hatch="//" if graph else None, alpha=0.5 if graph else 1.0, label=label)
+    floors = [next((r.get("floor_ms") for r in rows if tick(r) == t), None) for t in ticks]
+    if not flops and any(f is not None for f in floors):
+        ax.plot(range(len(ticks)), [math.nan if f is None else f for f in floors], "k_", markersize=20,
+                label="HBM floor (copy bandwidth)")
+    ax.set_xticks(range(len(ticks)), ticks, rotation=20, fontsize=7, ha="right")
+    if not flops and any(row["ours_ms"] or row["baseline_ms"] for row in rows):  # a dry run has no times
+        ax.set_yscale("log")
+    ax.set_ylabel("TFLOP/s" if flops else "ms")
+    ax.set_title(title)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+# ------------------------------------------------------------------------------- the command line
+
+
+def arguments(description: Optional[str], passes: Sequence[str] = (), check: bool = True) -> argparse.ArgumentParser:
+    """The options every bench shares: --out, --dry-run, --plot-from, --check (a bench with a
+    correctness sweep) and --pass (into args.passes; a bench that times several `passes`)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=pathlib.Path, help="also write the results and plot into this folder")
+    if check:
+        parser.add_argument("--check", action="store_true", help="only the correctness sweep")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="CPU, tiny cases, nothing timed: every provider runs, the rows print (JSON and plot into --out)")
+    parser.add_argument("--plot-from", type=pathlib.Path, help="only redraw the plot next to this results file")
+    if passes:
+        parser.add_argument("--pass", dest="passes", choices=passes, action="append",
+                            help="only this pass (repeatable; default: all)")
+    return parser
+
+
+def without_gpu(args: argparse.Namespace, bench: Bench, dry_run_cases: Sequence) -> bool:
+    """--plot-from (redraw NAME.png next to a results file the bench wrote) and --dry-run (the run of
+    dry_run_cases on the CPU): True where one of them ran."""
+    if args.plot_from:
+        document = json.loads(args.plot_from.read_text())
+        plot(document["rows"], args.plot_from.with_suffix(".png"), bench.title, document.get("gpu") or "CPU", bench.panel,
+             bench.tick)
+    elif args.dry_run:
+        run(bench, dry_run_cases, device="cpu", passes=getattr(args, "passes", None), out=args.out)
+    return bool(args.plot_from or args.dry_run)
 
 
 def finish_check(summary: str, failures: Sequence[str], exit_on_failure: bool = True) -> None:
@@ -227,84 +646,3 @@ def finish_check(summary: str, failures: Sequence[str], exit_on_failure: bool = 
         print("  FAIL", failure)
     if failures and exit_on_failure:
         raise SystemExit(1)
-
-
-def sweep_arguments(description: Optional[str], passes: Sequence[str] = ()) -> argparse.ArgumentParser:
-    """The options every bench with a correctness sweep and a CPU dry run shares, and --pass (into
-    args.passes) when the bench times several `passes`."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=pathlib.Path, help="also write the results and plot into this folder")
-    parser.add_argument("--check", action="store_true", help="only the correctness sweep")
-    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, no timing: build and print the rows")
-    if passes:
-        parser.add_argument("--pass", dest="passes", choices=passes, action="append",
-                            help="only this pass (repeatable; default: all)")
-    return parser
-
-
-COPY_CEILING = "torch copy_ of 1 GiB fp32, device to device, read + write, this run"
-
-
-def measured_copy_ceiling() -> tuple[float, dict]:
-    """This run's device-to-device copy bandwidth (GB/s, printed) and the results-header fields that
-    name it: the ceiling every memory-bound bench reports its floor fractions against."""
-    from benchmarks.bench_rope import copy_bandwidth_gbps
-
-    copy = copy_bandwidth_gbps()
-    print(f"device-to-device copy in this run: {copy:.0f} GB/s")
-    return copy, dict(copy_gbps=round(copy, 1), ceiling=COPY_CEILING)
-
-
-def sweep_shapes(name: str, shapes: Sequence, measure_shape: Callable[[object], list[dict]],
-                 widths: tuple[int, int], out: Optional[pathlib.Path], plot: Callable, **header) -> list[dict]:
-    """Measures shape after shape, printing each one's rows and rewriting NAME.json after each (a run
-    cut short keeps what it measured), then plots NAME.png; into RESULTS and, given, `out`."""
-    out_dirs = [RESULTS] + ([out] if out else [])
-    rows: list[dict] = []
-    for shape in shapes:
-        shape_rows = measure_shape(shape)
-        print_floor_rows(shape_rows, *widths)
-        rows += shape_rows
-        write_results(name, rows, out_dirs, **header)
-    for directory in out_dirs:
-        plot(rows, directory / f"{name}.png", torch.cuda.get_device_name())
-    return rows
-
-
-def finish_dry_run(name: str, rows: list[dict], widths: tuple[int, int], out: Optional[pathlib.Path],
-                   plot: Callable) -> list[dict]:
-    """A dry run's rows printed as a sweep prints them and as JSON, and plotted into `out` if given."""
-    print_floor_rows(rows, *widths)
-    print(json.dumps(rows, indent=1))
-    if out:
-        out.mkdir(parents=True, exist_ok=True)
-        plot(rows, out / f"{name}.png", "CPU (dry run, nothing timed)")
-    return rows
-
-
-def floor_bar_panel(ax, rows: Sequence[dict], names: Sequence[str], colors: dict, title: str,
-                    tick: Callable[[str], str] = lambda shape: shape) -> None:
-    """One matplotlib panel of floor rows (one pass of one kind): per shape a bar of ms for ours
-    ("tk_ops") and each baseline run at that shape, the HBM floor as a tick, log scale when anything was
-    timed."""
-    shapes = list(dict.fromkeys(row["shape"] for row in rows))
-    width = 0.8 / len(names)
-    for i, name in enumerate(names):
-        times = []
-        for shape in shapes:
-            of_shape = [row for row in rows if row["shape"] == shape]
-            times.append(of_shape[0]["ours_ms"] if name == "tk_ops"  # no bar for a baseline not run there
-                         else next((row["baseline_ms"] for row in of_shape if row["baseline"] == name), None))
-        xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(shapes))]
-        ax.bar(xs, [math.nan if t is None else t for t in times], width, color=colors[name], label=name)
-    floors = [next(row["floor_ms"] for row in rows if row["shape"] == shape) for shape in shapes]
-    if all(f is not None for f in floors):
-        ax.plot(range(len(shapes)), floors, "k_", markersize=30, label="HBM floor (copy bandwidth)")
-    ax.set_xticks(range(len(shapes)), [tick(shape) for shape in shapes], rotation=15, fontsize=7, ha="right")
-    if any(row["ours_ms"] or row["baseline_ms"] for row in rows):  # a dry run has no times
-        ax.set_yscale("log")
-    ax.set_ylabel("ms")
-    ax.set_title(title)
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=7)
-

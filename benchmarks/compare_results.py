@@ -25,20 +25,20 @@ import pathlib
 import re
 import statistics
 
-# bench -> (the row fields that name its case, the field that names its pass; None: the pass is in
-# the timing's key, <provider>_<pass>_ms, or there is one pass)
+# bench -> (the row fields that name its case, the field that named its pass in rows written before
+# benchmarks/common.py's one row schema, or None). A row's pass is its "pass"; in older rows that
+# field, else the timing's key (<provider>_<pass>_ms), else "fwd" (one pass).
 ROW_NAMES = {
-    "attention": (("shape",), "pass"),
+    "attention": (("shape",), None),
     "gemm": (("op", "shape", "dtype", "layout"), None),
     "norms": (("norm", "hidden"), "case"),
-    "rope": (("case",), None),
-    "compile": (("shape",), "pass"),
-    "overhead": (("op",), "pass"),
-    # the row-per-baseline benches: one "shape" and "pass" per row
-    "conv1d": (("shape",), "pass"),
-    "fftconv": (("shape",), "pass"),
-    "mamba2": (("shape",), "pass"),
-    "linear_attention": (("shape",), "pass"),
+    "rope": (("case", "name"), None),  # the case's name: "case" in older rows
+    "compile": (("shape",), None),
+    "overhead": (("op",), None),
+    "conv1d": (("shape",), None),
+    "fftconv": (("shape",), None),
+    "mamba2": (("shape", "ours_chunk"), None),  # ours' time differs per chunk size
+    "linear_attention": (("shape",), None),
 }
 PASS_IN_KEY = re.compile(r"(.+?)_(fwd_bwd|fwd|bwd)")
 
@@ -54,23 +54,24 @@ def case_name(row: dict, fields: tuple[str, ...]) -> str:
 
 
 def timings(document: dict, bench: str) -> dict[tuple[str, str, str], float]:
-    """(case, pass, provider) -> milliseconds, from every `*_ms` field of every row."""
-    fields, pass_field = ROW_NAMES[bench]
+    """(case, pass, provider) -> milliseconds, from every `*_ms` field of every row (the HBM floor aside)."""
+    fields, old_pass_field = ROW_NAMES[bench]
     found: dict[tuple[str, str, str], float] = {}
     for row in document["rows"]:
         case = case_name(row, fields)
         for key, ms in row.items():
-            if not key.endswith("_ms") or not isinstance(ms, (int, float)) or math.isnan(ms):
+            if not key.endswith("_ms") or key == "floor_ms" or not isinstance(ms, (int, float)) or math.isnan(ms):
                 continue
             provider = key[: -len("_ms")]
             graph = provider.endswith("_graph")
             provider = provider.removesuffix("_graph")
-            pass_name = row.get(pass_field, "") if pass_field else ""
-            if not pass_field and (in_key := PASS_IN_KEY.fullmatch(provider)):
+            pass_name = row.get("pass", row.get(old_pass_field, ""))
+            if not pass_name and (in_key := PASS_IN_KEY.fullmatch(provider)):
                 provider, pass_name = in_key.groups()
+            pass_name = pass_name or "fwd"
             provider = {"ours": "tk_ops", "baseline": row.get("baseline", "baseline")}.get(provider, provider)
             name = (case, pass_name, provider + (" graph" if graph else ""))
-            if found.setdefault(name, ms) != ms:  # attention repeats ours in each baseline's row: equal
+            if found.setdefault(name, ms) != ms:  # ours is in each baseline's row: equal
                 raise SystemExit(f"{bench}: two timings named {name}; make ROW_NAMES[{bench!r}] tell them apart")
     return found
 

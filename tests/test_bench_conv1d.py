@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 import tk_ops
+import tk_testing
 from benchmarks import bench_conv1d as bench, common
 
 
 def test_arguments():
-    args = bench.parse_args([])
-    assert (args.out, args.check, args.dry_run, args.passes) == (None, False, False, None)
-    args = bench.parse_args(["--dry-run", "--pass", "fwd", "--out", "somewhere"])
-    assert args.dry_run and args.passes == ["fwd"] and str(args.out) == "somewhere"
     with pytest.raises(SystemExit):
-        bench.parse_args(["--pass", "bwd"])
+        bench.main(["--pass", "bwd"])
 
 
 def test_shapes_are_mamba2_shapes():
@@ -27,22 +26,19 @@ def test_shapes_are_mamba2_shapes():
 def test_hbm_floor():
     shape = bench.SHAPES[0]
     activations, parameters = 8 * 4352 * 2048, 4352 * 5
-    assert shape.hbm_bytes("fwd", 2) == 2 * (2 * activations + parameters)
+    assert shape.hbm_bytes("fwd") == 2 * (2 * activations + parameters)
     # + x, grad_out read, grad_x written, grad_weight and grad_bias written
-    assert shape.hbm_bytes("fwd+bwd", 2) == shape.hbm_bytes("fwd", 2) + 2 * (3 * activations + parameters)
+    assert shape.hbm_bytes("fwd+bwd") == shape.hbm_bytes("fwd") + 2 * (3 * activations + parameters)
 
 
 def test_row():
     shape = bench.SHAPES[1]
-    row = common.floor_row(shape, "fwd", "compiled", 0.5, 1.5, 3000.0, bench.DTYPE.itemsize, 1.234e-3)
-    floor = shape.hbm_bytes("fwd", 2) / 3000.0 / 1e6
-    assert row["shape"] == "B=8 D=4352 L=4096 W=4 bdl" and row["pass"] == "fwd"
+    row = common.comparison_row(shape, "fwd", "compiled", {"ms": 0.5}, {"ms": 1.5, "rel_diff": 1.234e-3}, 0.05, 3000.0)
+    floor = shape.hbm_bytes("fwd") / 3000.0 / 1e6
+    assert row["shape"] == "B=8 D=4352 L=4096 W=4 bdl" and row["pass"] == "fwd" and row["layout"] == "bdl"
     assert (row["ours_ms"], row["baseline_ms"], row["ratio"]) == (0.5, 1.5, 3.0)
     assert row["floor_ms"] == round(floor, 5) and row["ours_of_floor"] == round(floor / 0.5, 3)
-    assert row["rel_diff_vs_ours"] == 1.23e-3 and "error" not in row
-    missing = common.floor_row(shape, "fwd+bwd", "eager", 0.5, None, None, bench.DTYPE.itemsize, error="failed")
-    assert (missing["baseline_ms"], missing["ratio"], missing["floor_ms"], missing["baseline_of_floor"]) == (None,) * 4
-    assert missing["error"] == "failed"
+    assert row["rel_diff_vs_baseline"] == 1.23e-3 and "error" not in row and "mismatch" not in row
 
 
 def test_input_layouts():
@@ -69,13 +65,12 @@ def test_check_shapes_cover_every_kernel_path():
 
 def test_dry_run_builds_every_row_and_the_plot(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    rows = bench.dry_run(bench.parse_args(["--dry-run", "--out", str(tmp_path)]))
-    assert len(rows) == len(bench.DRY_RUN_SHAPES) * len(bench.PASSES) * len(bench.BASELINES)
-    assert {(r["pass"], r["baseline"]) for r in rows} == {(p, b) for p in bench.PASSES for b in bench.BASELINES}
+    bench.main(["--dry-run", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "conv1d.json").read_text())["rows"]
+    tk_testing.assert_bench_rows(rows, bench.DRY_RUN_SHAPES, bench.PASSES, ("eager", "compiled"))
     for row in rows:
-        assert row["ours_ms"] is None and row["baseline_ms"] is None and row["floor_ms"] is None  # nothing timed
         assert "error" not in row  # eager and compiled conv1d both run on the CPU
-        assert row["rel_diff_vs_ours"] < 1e-2  # bf16: the baselines compute the same function
+        assert row["rel_diff_vs_baseline"] < 1e-2  # bf16: the baselines compute the same function
     assert (tmp_path / "conv1d.png").stat().st_size > 0
     assert "B=2 D=24 L=33 W=4 bld" in capsys.readouterr().out
 

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 import tk_ops
+import tk_testing
 from benchmarks import bench_fftconv as bench
+
+BASELINES = ("torch.fft eager", "torch.fft compiled")
 
 
 def test_shapes_are_the_anchors_plus_2048_and_8192():
@@ -15,9 +20,9 @@ def test_shapes_are_the_anchors_plus_2048_and_8192():
 
 
 def test_fp32_sweep_times_the_kernels_seq_lens_only():
-    assert [s.seq_len for s in bench.shapes_for(torch.float32)] == [256, 1024, 2048, 4096, 8192]
-    assert bench.shapes_for(torch.bfloat16) == bench.SHAPES
-    assert bench.results_name(torch.float32) == "fftconv_fp32" and bench.results_name(torch.bfloat16) == "fftconv"
+    assert [s.seq_len for s in bench.shapes_for("fp32")] == [256, 1024, 2048, 4096, 8192]
+    assert {s.dtype for s in bench.shapes_for("fp32")} == {"fp32"} and bench.shapes_for("bf16") == bench.SHAPES
+    assert bench.bench("fp32").name == "fftconv_fp32" and bench.bench("bf16").name == "fftconv"
 
 
 def test_check_sweeps_fp32_u():
@@ -29,28 +34,30 @@ def test_check_sweeps_fp32_u():
 def test_hbm_floor():
     shape = bench.SHAPES[3]
     sequence, parameters = 16 * 768 * 4096 * 2, 768 * 4097 * 4
-    assert shape.hbm_bytes("fwd", 2) == 2 * sequence + parameters
+    assert shape.hbm_bytes("fwd") == 2 * sequence + parameters
     # + grad_out and u read, grad_u written, grad_k and grad_D written
-    assert shape.hbm_bytes("fwd+bwd", 2) == shape.hbm_bytes("fwd", 2) + 3 * sequence + parameters
+    assert shape.hbm_bytes("fwd+bwd") == shape.hbm_bytes("fwd") + 3 * sequence + parameters
 
 
 def test_dry_run_builds_every_row_and_the_plot(tmp_path):
     pytest.importorskip("matplotlib")
-    rows = bench.dry_run(bench.parse_args(["--dry-run", "--out", str(tmp_path)]))
-    assert len(rows) == len(bench.DRY_RUN_SHAPES) * len(bench.PASSES) * len(bench.BASELINES)
+    bench.main(["--dry-run", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "fftconv.json").read_text())["rows"]
+    tk_testing.assert_bench_rows(rows, bench.DRY_RUN_SHAPES, bench.PASSES, BASELINES)
     for row in rows:
-        assert row["ours_ms"] is None and "error" not in row
-        assert row["rel_diff_vs_ours"] < 1e-2  # bf16 outputs of the same convolution
+        assert "error" not in row and row["rel_diff_vs_baseline"] < 1e-2  # bf16 outputs of the same convolution
     assert (tmp_path / "fftconv.png").stat().st_size > 0
 
 
 def test_dry_run_with_fp32_u(tmp_path):
     pytest.importorskip("matplotlib")
-    rows = bench.dry_run(bench.parse_args(["--dry-run", "--dtype", "fp32", "--out", str(tmp_path)]))
-    assert len(rows) == len(bench.DRY_RUN_SHAPES) * len(bench.PASSES) * len(bench.BASELINES)
+    bench.main(["--dry-run", "--dtype", "fp32", "--pass", "fwd", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "fftconv_fp32.json").read_text())["rows"]
+    tk_testing.assert_bench_rows(rows, bench.shapes_for("fp32", bench.DRY_RUN_SHAPES), ["fwd"], BASELINES)
     for row in rows:
-        assert row["rel_diff_vs_ours"] < 1e-5  # fp32 outputs of the same convolution
-        assert row["hbm_bytes"] == bench.Shape(row["batch"], row["heads"], row["seq_len"]).hbm_bytes(row["pass"], 4)
+        assert row["rel_diff_vs_baseline"] < 1e-5  # fp32 outputs of the same convolution
+        assert row["dtype"] == "fp32" and row["hbm_bytes"] == 2 * 4 * row["batch"] * row["heads"] * row["seq_len"] + (
+            4 * row["heads"] * (row["seq_len"] + 1))
     assert (tmp_path / "fftconv_fp32.png").stat().st_size > 0
 
 

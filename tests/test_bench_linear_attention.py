@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import sys
+import textwrap
+
 import pytest
 import torch
 
 import tk_ops
+import tk_testing
 from benchmarks import bench_linear_attention as bench, common
 
 
@@ -31,35 +36,95 @@ def test_shapes_are_the_anchor_shapes():
 def test_hbm_floor_of_the_based_shapes():
     """q, k (16 features) and v, out (64) of 32768 x 16 rows in bf16: 160 MiB forward (anchors.md: ~0.06 ms)."""
     shape = bench.BASED_SHAPES[0]
-    assert shape.hbm_bytes("fwd", 2) == 32768 * 16 * (16 + 16 + 64 + 64) * 2
+    assert shape.hbm_bytes("fwd") == 32768 * 16 * (16 + 16 + 64 + 64) * 2
     # + q, k, v, grad_out read and grad_q, grad_k, grad_v written
-    assert shape.hbm_bytes("fwd+bwd", 2) == shape.hbm_bytes("fwd", 2) + 32768 * 16 * (2 * 32 + 3 * 64) * 2
+    assert shape.hbm_bytes("fwd+bwd") == shape.hbm_bytes("fwd") + 32768 * 16 * (2 * 32 + 3 * 64) * 2
 
 
-def test_row():
-    shape = bench.GENERIC_SHAPES[3]
-    row = common.floor_row(shape, "fwd", "chunk_linear_attn", 0.5, 1.5, 3000.0, bench.DTYPE.itemsize, 1.234e-3)
-    floor = shape.hbm_bytes("fwd", 2) / 3000.0 / 1e6
-    assert row["shape"] == "generic B=8 H=16 N=4096 F=128 Dv=128" and row["pass"] == "fwd"
-    assert (row["ours_ms"], row["baseline_ms"], row["ratio"]) == (0.5, 1.5, 3.0)
-    assert row["floor_ms"] == round(floor, 5) and row["ours_of_floor"] == round(floor / 0.5, 3)
-    assert row["rel_diff_vs_ours"] == 1.23e-3 and "error" not in row
-    missing = common.floor_row(shape, "fwd+bwd", "fused_chunk_linear_attn", 0.5, None, None, bench.DTYPE.itemsize, error="fla not importable")
-    assert (missing["baseline_ms"], missing["ratio"], missing["floor_ms"], missing["baseline_of_floor"]) == (None,) * 4
-    assert missing["error"] == "fla not importable"
+def baselines_of(shape, pass_):
+    return bench.BASELINES[shape.kind]
 
 
 def test_dry_run_builds_every_row_and_the_plot(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    rows = bench.dry_run(bench.parse_args(["--dry-run", "--out", str(tmp_path)]))
-    assert len(rows) == len(bench.DRY_RUN_SHAPES) * len(bench.PASSES) * 2
-    assert {(r["kind"], r["baseline"]) for r in rows} == {(kind, name) for kind, names in bench.BASELINES.items() for name in names}
+    bench.main(["--dry-run", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "linear_attention.json").read_text())["rows"]
+    tk_testing.assert_bench_rows(rows, bench.DRY_RUN_SHAPES, bench.PASSES, baselines_of)
     for row in rows:
-        assert row["ours_ms"] is None and row["floor_ms"] is None  # nothing timed on the CPU
         # fla is missing here, or imports but its Triton kernels cannot run on the CPU: the row says why
-        assert row["baseline_ms"] is None and row["error"]
+        assert row["error"].startswith(f"{row['baseline']}: ")
     assert (tmp_path / "linear_attention.png").stat().st_size > 0
     assert "based B=4 H=2 N=16 F=16 Dv=64" in capsys.readouterr().out
+
+
+FAKE_FLA = {  # fla's two based and two linear-attention ops on (B, N, H, .) tensors, through ours
+    "based.py": """
+        import tk_ops
+
+
+        def parallel_based(q, k, v, scale=None, use_norm=True):
+            return tk_ops.based_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), eps=1e-6).transpose(1, 2)
+
+
+        def fused_chunk_based(q, k, v, scale=None, use_norm=True):
+            return 1.1 * parallel_based(q, k, v)  # 10% off: a mismatch
+    """,
+    "linear_attn.py": """
+        import os
+
+        import tk_ops
+
+
+        def chunk_linear_attn(q, k, v, scale=1.0, normalize=False):
+            out = tk_ops.linear_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), normalize=normalize)
+            return out.transpose(1, 2), None
+
+
+        def fused_chunk_linear_attn(q, k, v, scale=1.0, normalize=False):
+            os._exit(3)  # a fault that takes the process down
+    """,
+}
+
+
+@pytest.fixture
+def fake_fla(tmp_path, monkeypatch):
+    """A stand-in fla package, importable here and in subprocesses."""
+    package = tmp_path / "site" / "fla" / "ops"
+    package.mkdir(parents=True)
+    (package.parent / "__init__.py").write_text("__version__ = '0.0-fake'\n")
+    (package / "__init__.py").write_text("")
+    for name, source in FAKE_FLA.items():
+        (package / name).write_text(textwrap.dedent(source))
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
+    common.peer.cache_clear()
+    yield
+    common.peer.cache_clear()
+    for module in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]:
+        del sys.modules[module]
+
+
+def test_fla_on_its_own_layout_checked_against_ours(fake_fla, tmp_path):
+    """Each fla op gets the (B, N, H, .) half of every input set, its outputs (and gradients) compared as ours."""
+    bench.main(["--dry-run", "--only", "based", "--out", str(tmp_path)])
+    rows = {(row["shape"], row["pass"], row["baseline"]): row
+            for row in json.loads((tmp_path / "linear_attention.json").read_text())["rows"]}
+    assert len(rows) == 2 * len(bench.PASSES) * 2
+    for (shape, pass_, baseline), row in rows.items():
+        assert "error" not in row, row
+        if baseline == "parallel_based":
+            assert row["rel_diff_vs_baseline"] < 1e-6 and "mismatch" not in row
+        else:
+            assert row["rel_diff_vs_baseline"] == pytest.approx(0.1 / 1.1, rel=1e-2) and row["mismatch"]
+
+
+def test_isolated_baselines_cost_only_their_rows(fake_fla, tmp_path):
+    """--isolate-baselines: each fla row measured in a process of its own, a crash costs that row."""
+    bench.main(["--dry-run", "--isolate-baselines", "--only", "generic", "--features", "16", "--pass", "fwd",
+                "--out", str(tmp_path)])
+    rows = {row["baseline"]: row for row in json.loads((tmp_path / "linear_attention.json").read_text())["rows"]}
+    assert rows["chunk_linear_attn"]["rel_diff_vs_baseline"] < 1e-6 and "error" not in rows["chunk_linear_attn"]
+    assert rows["fused_chunk_linear_attn"]["error"].startswith("fused_chunk_linear_attn: subprocess exit 3")
 
 
 def test_check_passes_on_cpu():

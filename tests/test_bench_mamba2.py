@@ -34,9 +34,9 @@ def test_hbm_floor():
     tokens = 8 * 2048
     x, bc, dt, parameters = tokens * 80 * 64, tokens * 2 * 128, tokens * 80, 3 * 80
     # x, B, C read and y written in bf16; dt and the parameters read in fp32
-    assert shape.hbm_bytes("fwd", 2) == 2 * (2 * x + bc) + 4 * (dt + parameters)
+    assert shape.hbm_bytes("fwd") == 2 * (2 * x + bc) + 4 * (dt + parameters)
     # + x, B, C, grad_y read and grad_x, grad_B, grad_C written; dt read and grad_dt written; parameters and theirs
-    assert shape.hbm_bytes("fwd+bwd", 2) == shape.hbm_bytes("fwd", 2) + 2 * (3 * x + 2 * bc) + 4 * 2 * (dt + parameters)
+    assert shape.hbm_bytes("fwd+bwd") == shape.hbm_bytes("fwd") + 2 * (3 * x + 2 * bc) + 4 * 2 * (dt + parameters)
 
 
 def test_rows_pair_each_chunk_size_and_each_side_at_its_fastest():
@@ -48,18 +48,19 @@ def test_rows_pair_each_chunk_size_and_each_side_at_its_fastest():
     rows = {row["baseline"]: row for row in bench.rows_of(shape, "fwd+bwd", ours, theirs, 3000.0)}
     assert list(rows) == ["mamba_ssm@64", "mamba_ssm@128", "mamba_ssm@256", "mamba_ssm@best"]
     assert (rows["mamba_ssm@128"]["ratio"], rows["mamba_ssm@128"]["peak_ratio"]) == (3.0, 0.25)
-    assert rows["mamba_ssm@128"]["rel_diff_vs_ours"] == 2e-3 and "error" not in rows["mamba_ssm@128"]
+    assert rows["mamba_ssm@128"]["rel_diff_vs_baseline"] == 2e-3 and "error" not in rows["mamba_ssm@128"]
     assert rows["mamba_ssm@64"]["ours_peak_mib"] == 2.0 and rows["mamba_ssm@64"]["baseline_peak_mib"] == 1.0
     assert rows["mamba_ssm@256"]["ours_ms"] is None and rows["mamba_ssm@256"]["baseline_ms"] == 1.5
     assert rows["mamba_ssm@256"]["error"] == ("tk_ops: OutOfMemoryError: out; "
-                                             "mamba_ssm: no relative difference: OutOfMemoryError: out")
+                                             "mamba_ssm@256: no relative difference: OutOfMemoryError: out")
     best = rows["mamba_ssm@best"]
     assert (best["ours_chunk"], best["baseline_chunk"], best["ours_ms"], best["baseline_ms"]) == (128, 256, 1.0, 1.5)
-    assert best["floor_ms"] == round(shape.hbm_bytes("fwd+bwd", 2) / 3000.0 / 1e6, 5)
+    assert best["floor_ms"] == round(shape.hbm_bytes("fwd+bwd") / 3000.0 / 1e6, 5)
+    assert {row["best_baseline"] for row in rows.values()} == {"mamba_ssm@256"} and best["ratio_vs_best"] == 1.5
     missing = {chunk: {"error": "mamba_ssm not importable"} for chunk in ours}
     best = bench.rows_of(shape, "fwd", ours, missing, None)[-1]
     assert (best["baseline_chunk"], best["baseline_ms"], best["ratio"]) == (None, None, None)
-    assert best["error"] == "mamba_ssm: mamba_ssm not importable"
+    assert best["error"] == "mamba_ssm@best: mamba_ssm not importable"
 
 
 def test_inputs_are_a_fresh_mamba2_layers():
@@ -84,7 +85,7 @@ def test_dry_run_without_mamba_ssm_times_ours_and_writes_json_and_plot(tmp_path,
     assert document["mamba_ssm"].startswith("mamba_ssm not importable") and document["gpu"] is None
     for row in rows:
         assert row["ours_ms"] > 0 and row["baseline_ms"] is None and row["floor_ms"] is None
-        assert row["error"].startswith("mamba_ssm: mamba_ssm not importable")
+        assert row["error"].startswith(f"{row['baseline']}: mamba_ssm not importable")
     assert (tmp_path / "mamba2.png").stat().st_size > 0
     assert "Bt=2 L=80 H=3 N=8" in capsys.readouterr().out
 

@@ -1,7 +1,10 @@
-"""The device-session plumbing, on the CPU: the kernel-family registry, the one `--check` flag of every
-bench, the commit in results files, and the A/B comparison of two runs' results."""
+"""The benchmark harness and the device-session plumbing, on the CPU: the harness's rows, table, plot
+and results file, the dry runs of the benches that have no test file of their own, the kernel-family
+registry, the one `--check` flag of every bench, the commit in results files, and the A/B comparison
+of two runs' results (across the change to one row schema too)."""
 
 import copy
+import dataclasses
 import importlib
 import json
 import pathlib
@@ -10,9 +13,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import tk_ops
-from benchmarks import common, compare_results, families, profile_kernels
+import tk_testing
+from benchmarks import (bench_attention, bench_conv1d, bench_fftconv, bench_gemm, bench_linear_attention, bench_mamba2,
+                        bench_norms, bench_overhead, bench_rope, common, compare_results, families, profile_kernels)
 
 BENCHMARKS = pathlib.Path(families.__file__).parent
 RESULTS = common.RESULTS
@@ -151,3 +157,196 @@ def test_compare_results_cli(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["compare_results", str(old), str(new), str(old)])
     with pytest.raises(SystemExit):
         compare_results.main()
+
+
+# ------------------------------------------------------------------------------------------ the harness
+
+
+@dataclasses.dataclass(frozen=True)
+class Toy:
+    n: int
+    group: str = "toy"
+
+    @property
+    def label(self) -> str:
+        return f"n={self.n}"
+
+    def flops(self, pass_: str) -> float:
+        return 2.0 * self.n
+
+    def hbm_bytes(self, pass_: str) -> int:
+        return 8 * self.n
+
+
+def broken(x):
+    raise RuntimeError("no kernel for this")
+
+
+def missing(case, pass_):
+    raise common.Missing("peer not importable (ModuleNotFoundError: peer)")
+
+
+TOY = common.Bench(
+    "toy", "Toy", common.Provider("tk_ops", lambda case, pass_: lambda x: 2 * x),
+    baselines=(
+        common.Provider("same", lambda case, pass_: lambda x: x + x),
+        common.Provider("off", lambda case, pass_: lambda x: 2.2 * x),  # ours is 1/11 off it: a mismatch
+        common.Provider("missing", missing),
+        common.Provider("broken", lambda case, pass_: broken),
+        common.Provider("absent", lambda case, pass_: None),  # no form of any case: no row
+        common.Provider("reversed", lambda case, pass_: lambda x: 2 * x, prepare=lambda case, pass_, inputs: (inputs[0].flip(0),),
+                        as_ours=lambda case, pass_, outputs: [t.flip(0) for t in outputs]),
+    ),
+    inputs=lambda case, pass_, device: (torch.randn(case.n, device=device),), passes=("fwd", "bwd"),
+)
+
+
+def test_harness_rows_json_and_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    rows = common.run(TOY, [Toy(5), Toy(7)], device="cpu", out=tmp_path, note="a header field")
+    names = ("same", "off", "missing", "broken", "reversed")
+    tk_testing.assert_bench_rows([r for r in rows if r["baseline"] != "off"], [Toy(5), Toy(7)], TOY.passes,
+                                 [n for n in names if n != "off"])
+    by_baseline = {row["baseline"]: row for row in rows if row["shape"] == "n=7" and row["pass"] == "bwd"}
+    assert list(by_baseline) == list(names)
+    assert by_baseline["same"]["rel_diff_vs_baseline"] == 0 and by_baseline["reversed"]["rel_diff_vs_baseline"] == 0
+    assert by_baseline["off"]["rel_diff_vs_baseline"] == pytest.approx(0.2 / 2.2, rel=1e-3) and by_baseline["off"]["mismatch"]
+    assert by_baseline["missing"]["error"] == "missing: peer not importable (ModuleNotFoundError: peer)"
+    assert by_baseline["broken"]["error"] == "broken: RuntimeError: no kernel for this"
+    assert by_baseline["same"]["n"] == 7 and by_baseline["same"]["hbm_bytes"] == 56 and by_baseline["same"]["flops"] == 14
+    document = json.loads((tmp_path / "toy.json").read_text())
+    assert document["rows"] == rows and document["note"] == "a header field" and document["rel_diff_tolerance"] == 0.05
+    assert {"commit", "dirty", "gpu", "torch", "date"} <= set(document)
+    assert (tmp_path / "toy.png").stat().st_size > 0
+    out = capsys.readouterr().out
+    assert "MISMATCH: 4 rows" in out and ["n=7", "bwd", "broken"] in [line.split()[:3] for line in out.splitlines()]
+
+
+def test_comparison_row_numbers():
+    row = common.comparison_row(Toy(10**9), "fwd", "b", {"ms": 0.5, "graph_ms": 0.25}, {"ms": 1.5, "graph_ms": 1.0}, 0.05,
+                                copy_gbps=16000.0, tflops_ceiling=8.0)
+    assert (row["ours_ms"], row["baseline_ms"], row["ratio"]) == (0.5, 1.5, 3.0)
+    assert (row["ours_graph_ms"], row["baseline_graph_ms"], row["graph_ratio"]) == (0.25, 1.0, 4.0)
+    assert (row["flops"], row["ours_tflops"], row["baseline_tflops"], row["fraction_of_ceiling"]) == (2e9, 4.0, 1.3, 0.5)
+    assert (row["hbm_bytes"], row["floor_ms"], row["ours_of_floor"], row["baseline_of_floor"]) == (8e9, 0.5, 1.0, 0.333)
+    assert (row["ours_gbps"], row["baseline_gbps"], row["ours_graph_of_floor"]) == (16000.0, 5333.3, 2.0)
+    rows = [common.comparison_row(Toy(1), "fwd", name, {"ms": 1.0}, {"ms": ms}, 0.05) for name, ms in (("a", 3.0), ("b", 2.0))]
+    rows.append(common.comparison_row(Toy(1), "fwd", "c", {"ms": 1.0}, {"error": "x"}, 0.05))
+    common.mark_best(rows)
+    assert [(r["best_baseline"], r["ratio_vs_best"]) for r in rows] == [("b", 2.0)] * 3
+    assert rows[2]["error"] == "c: x" and rows[2]["ratio"] is None
+
+
+# ------------------------------------------------------ dry runs of the benches without a test file of their own
+
+
+def dry_run(module, tmp_path, name: str, *args: str) -> list[dict]:
+    """The bench's --dry-run rows, after checking its JSON and plot were written into --out."""
+    pytest.importorskip("matplotlib")
+    module.main(["--dry-run", "--out", str(tmp_path), *args])
+    assert (tmp_path / f"{name}.png").stat().st_size > 0
+    return json.loads((tmp_path / f"{name}.json").read_text())["rows"]
+
+
+def test_gemm_dry_run(tmp_path):
+    rows = dry_run(bench_gemm, tmp_path, "gemm")
+    cublas = {"matmul": ["torch.matmul (cuBLAS)"], "linear": ["F.linear (cuBLAS)"]}
+    tk_testing.assert_bench_rows(rows, bench_gemm.DRY_RUN_CASES, ["fwd"], lambda case, pass_: cublas[case.op])
+    assert {row["group"] for row in rows} == set(bench_gemm.GROUPS)
+    assert all(row["rel_diff_vs_baseline"] < 1e-2 and row["flops"] == 2 * row["m"] * row["n"] * row["k"] for row in rows)
+    (tmp_path / "gemm.png").unlink()
+    bench_gemm.main(["--plot-from", str(tmp_path / "gemm.json")])  # redrawn from the results file
+    assert (tmp_path / "gemm.png").stat().st_size > 0
+
+
+def test_attention_dry_run(tmp_path):
+    """The CPU has SDPA's flash backend but not cuDNN's (its rows say why); GQA's gradients of the
+    repeated K/V heads are summed per head to compare."""
+    rows = dry_run(bench_attention, tmp_path, "attention")
+    tk_testing.assert_bench_rows(rows, bench_attention.DRY_RUN_CASES, bench_attention.PASSES, ["sdpa_cudnn", "sdpa_flash"])
+    for row in rows:
+        if row["baseline"] == "sdpa_flash":
+            assert "error" not in row and row["rel_diff_vs_baseline"] < 1e-2
+        else:
+            assert row["error"].startswith("sdpa_cudnn: RuntimeError")
+    assert {row["group"] for row in rows} == set(bench_attention.GROUPS)
+
+
+def test_norms_dry_run(tmp_path):
+    rows = dry_run(bench_norms, tmp_path, "norms")
+
+    def timed(case, pass_):
+        return [name for name in ("eager", "liger", "compiled") if (name, pass_) not in bench_norms.NOT_TIMED]
+
+    tk_testing.assert_bench_rows(rows, bench_norms.DRY_RUN_CASES, bench_norms.PASSES, timed)
+    for row in rows:
+        if row["baseline"] == "liger" and not common.peer(*bench_norms.LIGER)[0]:
+            assert row["error"].startswith("liger: liger-kernel not importable")
+        else:
+            assert "error" not in row and row["rel_diff_vs_baseline"] < 2e-2, row
+
+
+def test_rope_dry_run(tmp_path):
+    cases = [case for case in bench_rope.DRY_RUN_CASES if case.name in ("mha-d64", "single-tensor-q")]
+    rows = dry_run(bench_rope, tmp_path, "rope", "--only", *(case.name for case in cases))
+
+    def baselines(case, pass_):  # Liger has no single-tensor form
+        return ["eager", "compiled"] + ["liger"] * bool(case.k_heads)
+
+    tk_testing.assert_bench_rows(rows, cases, bench_rope.PASSES, baselines)
+    for row in rows:
+        assert row["rel_err_vs_fp32_formula"] < 1e-2 and row["hbm_bytes"] > 0
+        assert "error" in row if row["baseline"] == "liger" else row["rel_diff_vs_baseline"] < 1e-2
+
+
+def test_overhead_dry_run(tmp_path):
+    rows = dry_run(bench_overhead, tmp_path, "overhead")
+    tk_testing.assert_bench_rows(rows, bench_overhead.CASES, ["fwd", "fwd_bwd"], ["torch"])
+    for row in rows:  # the forward's outputs are compared; fwd_bwd returns none
+        assert (row["rel_diff_vs_baseline"] < 1e-2) if row["pass"] == "fwd" else row["rel_diff_vs_baseline"] is None
+
+
+# -------------------------------------------- every case of the stored results is still named by the new rows
+
+
+def all_rows(bench: common.Bench, cases) -> list[dict]:
+    """The rows a GPU run of every case would write, with made-up times (a missing peer's rows too)."""
+    rows = []
+    for case in cases:
+        for pass_ in bench.passes:
+            for provider in bench.baselines:
+                try:
+                    runs = provider.build(case, pass_) is not None
+                except common.Missing:
+                    runs = True
+                if runs:
+                    rows.append(common.comparison_row(case, pass_, provider.name, {"ms": 1.0, "graph_ms": 0.5},
+                                                      {"ms": 2.0, "graph_ms": 1.0}, 0.05, 3000.0))
+    return rows
+
+
+GPU_ROWS = {  # stored results -> the rows the bench writes now, every case
+    "attention": lambda: all_rows(bench_attention.BENCH, bench_attention.cases(set(bench_attention.GROUPS))),
+    "gemm": lambda: all_rows(bench_gemm.BENCH, bench_gemm.cases(set(bench_gemm.GROUPS))),
+    "norms": lambda: all_rows(bench_norms.BENCH, bench_norms.CASES),
+    "rope": lambda: all_rows(bench_rope.BENCH, bench_rope.CASES),
+    "overhead": lambda: all_rows(bench_overhead.BENCH, bench_overhead.CASES),
+    "conv1d": lambda: all_rows(bench_conv1d.BENCH, bench_conv1d.SHAPES),
+    "fftconv": lambda: all_rows(bench_fftconv.bench("bf16"), bench_fftconv.shapes_for("bf16")),
+    "fftconv_fp32": lambda: all_rows(bench_fftconv.bench("fp32"), bench_fftconv.shapes_for("fp32")),
+    "linear_attention": lambda: all_rows(bench_linear_attention.BENCH, bench_linear_attention.BASED_SHAPES
+                                         + bench_linear_attention.GENERIC_SHAPES),
+    "mamba2": lambda: [row for shape in bench_mamba2.SHAPES for pass_ in bench_mamba2.PASSES
+                       for row in bench_mamba2.rows_of(shape, pass_, {256: {"ms": 1.0}}, {256: {"ms": 2.0}}, 3000.0)],
+}
+
+
+@pytest.mark.parametrize("stored", sorted(GPU_ROWS))
+def test_no_case_of_the_stored_results_is_lost(stored):
+    """Every timing of the stored results (rows written before the one schema) has its name among the
+    rows the bench writes now: no case lost, and compare_results pairs an old tree's run with a new one's."""
+    old = load(stored)
+    bench = compare_results.bench_name(old, RESULTS / f"{stored}.json")
+    rows, missing = compare_results.compare([old, {"rows": GPU_ROWS[stored]()}], bench)
+    old_names = set(compare_results.timings(old, bench))
+    assert old_names and not old_names & set(missing), sorted(old_names & set(missing))[:5]

@@ -202,3 +202,20 @@ def on_gpu_with_canary(values: torch.Tensor) -> torch.Tensor:
     buffer = torch.full((values.numel() + PARAMETER_CANARY,), float("nan"), dtype=values.dtype, device="cuda")
     buffer[: values.numel()] = values
     return buffer[: values.numel()]
+
+
+BENCH_ROW_KEYS = ("shape", "pass", "baseline", "ours_ms", "baseline_ms", "ratio", "best_baseline", "ratio_vs_best",
+                  "rel_diff_vs_baseline")
+
+
+def assert_bench_rows(rows: Sequence[dict], cases: Sequence, passes: Sequence[str], baselines,
+                      timed: bool = False) -> None:
+    """A bench's rows in benchmarks/common.py's schema: one per case, pass and baseline in that order
+    (`baselines`: the names, or a function of (case, pass) that gives them), none flagged a mismatch,
+    and (unless `timed`) nothing timed: a dry run."""
+    names = baselines if callable(baselines) else lambda case, pass_: baselines
+    expected = [(case.label, pass_, name) for case in cases for pass_ in passes for name in names(case, pass_)]
+    assert [(row["shape"], row["pass"], row["baseline"]) for row in rows] == expected
+    for row in rows:
+        assert all(key in row for key in BENCH_ROW_KEYS) and not row.get("mismatch"), row
+        assert timed or (row["ours_ms"], row["baseline_ms"], row["ratio"]) == (None, None, None), row
