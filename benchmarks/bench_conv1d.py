@@ -216,8 +216,8 @@ def main(argv=None) -> None:
     run_check("cuda")
     if args.check:
         return
-    copy, ceiling = common.measured_copy_ceiling()
-    common.run(BENCH, SHAPES, passes=args.passes, out=args.out, copy_gbps=copy, **ceiling, dtype="bf16",
+    common.run(BENCH, SHAPES, passes=args.passes, out=args.out, copy_gbps=common.measured_copy_bandwidth(),
+               dtype="bf16",
                activation=ACTIVATION, ours_backend=tk_ops.backends()["causal_conv1d"])
 
 

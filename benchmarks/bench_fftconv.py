@@ -193,8 +193,8 @@ def main(argv=None) -> None:
     run_check("cuda")
     if args.check:
         return
-    copy, ceiling = common.measured_copy_ceiling()
-    common.run(bench(args.dtype), shapes_for(args.dtype), passes=args.passes, out=args.out, copy_gbps=copy, **ceiling,
+    common.run(bench(args.dtype), shapes_for(args.dtype), passes=args.passes, out=args.out,
+               copy_gbps=common.measured_copy_bandwidth(),
                dtype=f"{args.dtype} u, fp32 k and D",
                ours_backends={op: tk_ops.backends()[op] for op in ("fftconv", "fftconv_bwd")})
 

@@ -290,8 +290,8 @@ def main(argv=None) -> None:
     run_check("cuda")
     if args.check:
         return
-    copy, ceiling = common.measured_copy_ceiling()
-    common.run(selected_bench(args), selected_shapes(args), passes=args.passes, out=args.out, copy_gbps=copy, **ceiling,
+    common.run(selected_bench(args), selected_shapes(args), passes=args.passes, out=args.out,
+               copy_gbps=common.measured_copy_bandwidth(),
                dtype="bf16", fla=common.peer("fla", FLA)[1], based_eps=FLA_BASED_EPS, generic_normalize=GENERIC_NORMALIZE,
                ours_backends={op: tk_ops.backends()[op] for op in ("based_attention", "linear_attention")})
 

@@ -569,9 +569,10 @@ def main(argv=None) -> None:
     common.finish_check(summary, failures, exit_on_failure=args.check)
     if args.check:
         return
-    copy, ceiling = common.measured_copy_ceiling()
+    copy = common.measured_copy_bandwidth()
     header.update(
-        **ceiling, timing=f"CUDA events, median over 5-15 rounds of 1-10 calls (about {TIMED_MS:.0f} ms timed), after warm-up",
+        **common.copy_ceiling_header(copy),
+        timing=f"CUDA events, median over 5-15 rounds of 1-10 calls (about {TIMED_MS:.0f} ms timed), after warm-up",
         check={"summary": summary, "failures": failures, "largest_rel_err": largest},
     )
     benchmark(args, SHAPES, "cuda", copy, [common.RESULTS] + ([args.out] if args.out else []), header,

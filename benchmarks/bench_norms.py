@@ -293,8 +293,8 @@ def main(argv=None) -> None:
     run_check()
     if args.check:
         return
-    copy, ceiling = common.measured_copy_ceiling()
-    common.run(BENCH, CASES, passes=args.passes, out=args.out, copy_gbps=copy, **ceiling, liger=common.peer(*LIGER)[1])
+    common.run(BENCH, CASES, passes=args.passes, out=args.out, copy_gbps=common.measured_copy_bandwidth(),
+               liger=common.peer(*LIGER)[1])
 
 
 if __name__ == "__main__":

@@ -269,9 +269,8 @@ def main(argv=None) -> None:
     assert tk_ops.backends()["rope_qk"] == "cuda kernel", f"tk_ops extension: {tk_ops.extension_status()}"
     if args.check:
         return check()
-    copy, ceiling = common.measured_copy_ceiling()
     common.run(BENCH, [c for c in CASES if not args.only or c.name in args.only], passes=args.passes, out=args.out,
-               copy_gbps=copy, **ceiling)
+               copy_gbps=common.measured_copy_bandwidth())
 
 
 if __name__ == "__main__":

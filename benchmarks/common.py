@@ -189,12 +189,17 @@ def copy_bandwidth_gbps() -> float:
 COPY_CEILING = "torch copy_ of 1 GiB fp32, device to device, read + write, this run"
 
 
-def measured_copy_ceiling() -> tuple[float, dict]:
-    """This run's device-to-device copy bandwidth (GB/s, printed) and the results-header fields that
-    name it: the ceiling every memory-bound bench reports its floor fractions against."""
+def measured_copy_bandwidth() -> float:
+    """This run's device-to-device copy bandwidth in GB/s (printed): the ceiling every memory-bound
+    bench reports its floor fractions against (`copy_ceiling_header` names it in the results)."""
     copy = copy_bandwidth_gbps()
     print(f"device-to-device copy in this run: {copy:.0f} GB/s")
-    return copy, dict(copy_gbps=round(copy, 1), ceiling=COPY_CEILING)
+    return copy
+
+
+def copy_ceiling_header(copy_gbps: float) -> dict:
+    """The results-header fields that name the copy ceiling of this run."""
+    return dict(copy_gbps=round(copy_gbps, 1), ceiling=COPY_CEILING)
 
 
 def run_once(fn: Callable, input_sets: Sequence[tuple]) -> None:
@@ -489,6 +494,8 @@ def run(bench: Bench, cases: Sequence, *, device="cuda", passes: Optional[Sequen
     timer = run_once if dry_run else bench.timer
     out_dirs = ([] if dry_run else [RESULTS]) + ([out] if out else [])
     passes = passes or bench.passes
+    if copy_gbps is not None:
+        header = {**copy_ceiling_header(copy_gbps), **header}
     table = Table(cases, passes, [provider.name for provider in bench.baselines], graph=bench.graph_below_ms is not None)
     print(table.header(), flush=True)
     rows = []

@@ -222,6 +222,15 @@ def test_harness_rows_json_and_plot(tmp_path, capsys):
     assert "MISMATCH: 4 rows" in out and ["n=7", "bwd", "broken"] in [line.split()[:3] for line in out.splitlines()]
 
 
+def test_harness_names_the_copy_ceiling_it_was_given(tmp_path):
+    # The GPU path of every memory-bound bench: the measured copy bandwidth goes to the rows' floor
+    # columns and, with its description, into the results header (once).
+    pytest.importorskip("matplotlib")
+    common.run(TOY, [Toy(5)], device="cpu", out=tmp_path, copy_gbps=3000.04, note="a header field")
+    document = json.loads((tmp_path / "toy.json").read_text())
+    assert (document["copy_gbps"], document["ceiling"], document["note"]) == (3000.0, common.COPY_CEILING, "a header field")
+
+
 def test_comparison_row_numbers():
     row = common.comparison_row(Toy(10**9), "fwd", "b", {"ms": 0.5, "graph_ms": 0.25}, {"ms": 1.5, "graph_ms": 1.0}, 0.05,
                                 copy_gbps=16000.0, tflops_ceiling=8.0)
