@@ -119,21 +119,16 @@ struct dkdv_kernel : dkdv_plan<D> {
 
   // A step's query tile, its dO, and the statistics of its rows, which land with them so that the
   // first use after the S^T product does not wait on a global load.
-  struct query_statistics {
-    alignas(tma::BULK_ALIGNMENT_BYTES) float lse2[plan::block_q];
-    alignas(tma::BULK_ALIGNMENT_BYTES) float delta[plan::block_q];
-  };
-  static constexpr uint32_t statistics_bytes = plan::block_q * sizeof(float);
+  using statistics_vector = shared_vector<float, plan::block_q>;
   struct stage {
     q_tile q, grad_out;
-    query_statistics statistics;
+    statistics_vector lse2, delta;
   };
-  static constexpr uint32_t stage_bytes[] = {2 * q_tile::bytes + 2 * statistics_bytes};
+  static constexpr uint32_t stage_bytes[] = {2 * q_tile::bytes + 2 * statistics_vector::bytes};
 
   struct params {
     CUtensorMap q, k, v, grad_out, grad_k, grad_v;
-    const float* lse2;
-    const float* delta;
+    CUtensorMap lse2, delta;  // (B * Hq, statistics_rows)
     float* dq_accumulator;  // accumulated: (B * Hq, statistics_rows, D) fp32 in partial order; else null
     gradient_shape shape;
   };
@@ -194,10 +189,9 @@ struct dkdv_kernel : dkdv_plan<D> {
     const int index[4] = {task.batch, head, q0, 0};
     tma::load(s.q, p.q, full, index);
     tma::load(s.grad_out, p.grad_out, full, index);
-    // Statistics rows are padded to whole query tiles, so the copies never run past them.
-    const int64_t statistics_offset = p.shape.statistics_offset(task.batch, head) + q0;
-    tma::load_bulk(s.statistics.lse2, p.lse2 + statistics_offset, statistics_bytes, full);
-    tma::load_bulk(s.statistics.delta, p.delta + statistics_offset, statistics_bytes, full);
+    const int statistics_index[2] = {task.batch * p.shape.q_heads + head, q0};
+    tma::load(s.lse2, p.lse2, full, statistics_index);
+    tma::load(s.delta, p.delta, full, statistics_index);
   }
 
   // Accumulated dQ, 1: this consumer's dS^T into shared memory, where every consumer that needs it
@@ -272,8 +266,8 @@ struct dkdv_kernel : dkdv_plan<D> {
       warpgroup::mma<operand_major::k, operand_major::k>(grad_p, v, 0, st.grad_out, 0, false);
       warpgroup::commit();
       query_vector lse2, delta;  // this lane's query columns
-      warp::load(lse2, st.statistics.lse2);
-      warp::load(delta, st.statistics.delta);
+      warp::load(lse2, st.lse2.data);
+      warp::load(delta, st.delta.data);
       warpgroup::wait<1>(s);
 
       // P^T = exp2(s2 - lse2[query]), 0 where the key is hidden from the query.
@@ -530,6 +524,12 @@ workspace_view split_workspace(const backward_problem& pr) {
   return {pr.workspace, pr.workspace + rows, one_pass(pr) ? pr.workspace + 2 * rows : nullptr};
 }
 
+// lse2 or delta as a (B * Hq, statistics_rows) matrix, for tensor maps.
+global_layout<float, 2> statistics_layout(const backward_problem& pr, float* data) {
+  const int64_t rows = padded_statistics_rows(pr.q.rows);
+  return {data, {pr.q.batch * pr.q.heads, rows}, {rows}};
+}
+
 heads_view output_view(void* data, const heads_view& like) {
   return contiguous_view(data, like.batch, like.heads, like.rows, like.dim);
 }
@@ -601,8 +601,8 @@ cudaError_t run_dkdv(const backward_problem& pr, const workspace_view& w, cudaSt
   p.v = make_tma_map<typename K::kv_tile>(heads_layout<T>(pr.v));
   p.grad_k = make_tma_map<typename K::kv_tile>(heads_layout<T>(output_view(pr.grad_k, pr.k)));
   p.grad_v = make_tma_map<typename K::kv_tile>(heads_layout<T>(output_view(pr.grad_v, pr.v)));
-  p.lse2 = w.lse2;
-  p.delta = w.delta;
+  p.lse2 = make_tma_map<typename K::statistics_vector>(statistics_layout(pr, w.lse2));
+  p.delta = make_tma_map<typename K::statistics_vector>(statistics_layout(pr, w.delta));
   p.dq_accumulator = w.dq_accumulator;
   p.shape = shape_of(pr);
   return pipeline::launch<K>(p, K::tasks(p).count(), stream);

@@ -106,17 +106,6 @@ __device__ __forceinline__ void prefetch_descriptor(const CUtensorMap& map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&map)) : "memory");
 }
 
-// Alignment of both ends of a bulk (non-tensor) copy or reduction, and the granule of its size.
-constexpr int BULK_ALIGNMENT_BYTES = 16;
-
-// Copy `bytes` of contiguous global memory into shared memory; completes `bytes` on `bar`. One
-// thread; both addresses and bytes are multiples of BULK_ALIGNMENT_BYTES.
-__device__ __forceinline__ void load_bulk(void* dst, const void* src, uint32_t bytes, mbarrier& bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(shared_address(dst)), "l"(src), "r"(bytes), "r"(shared_address(&bar))
-               : "memory");
-}
-
 // Load the tile whose first element is at `index`; completes `Tile::bytes` on `bar`. One thread.
 template <typename Tile, int RANK>
 __device__ __forceinline__ void load(Tile& dst, const CUtensorMap& map, mbarrier& bar, const int (&index)[RANK]) {
@@ -156,6 +145,9 @@ __device__ __forceinline__ void prefetch(const CUtensorMap& map, const int (&ind
     }
   }
 }
+
+// Alignment of both ends of a bulk (non-tensor) copy or reduction, and the granule of its size.
+constexpr int BULK_ALIGNMENT_BYTES = 16;
 
 // dst[i] += src[i] for `bytes` of floats from shared to global memory, element-wise and atomic per
 // element (a bulk reduction: the copy engine does the adds, so the issuing warp moves on). One
