@@ -7,7 +7,8 @@
 //   statistics_kernel   per query row: lse2 = lse * log2(e) (+inf for rows that saw no key, so
 //                       their P is exactly 0) and delta; rows padded to STATISTICS_ROW_MULTIPLE
 //   dkdv_kernel         a block owns 128 keys of one K/V head (64 per consumer warpgroup) and
-//                       streams 64-row Q / dO tiles of every query head of the group:
+//                       streams 64-row Q / dO tiles (with their rows' lse2 and delta) of every
+//                       query head of the group:
 //                         S^T = K Q^T, dP^T = V dO^T (SS);  P^T = exp2(S^T - lse2);  dV += P^T dO (RS)
 //                         dS^T = P^T (dP^T - delta);  dK += dS^T Q (RS)
 // then, for dQ, either
@@ -116,15 +117,18 @@ struct dkdv_kernel : dkdv_plan<D> {
   };
   static constexpr uint32_t resident_bytes = 2 * plan::consumer_warpgroups * kv_tile::bytes;
 
+  // A step's query tile, its dO, and the statistics of its rows, which land with them so that the
+  // first use after the S^T product does not wait on a global load.
+  using statistics_vector = shared_vector<float, plan::block_q>;
   struct stage {
     q_tile q, grad_out;
+    statistics_vector lse2, delta;
   };
-  static constexpr uint32_t stage_bytes[] = {2 * q_tile::bytes};
+  static constexpr uint32_t stage_bytes[] = {2 * q_tile::bytes + 2 * statistics_vector::bytes};
 
   struct params {
     CUtensorMap q, k, v, grad_out, grad_k, grad_v;
-    const float* lse2;
-    const float* delta;
+    CUtensorMap lse2, delta;  // (B * Hq, statistics_rows)
     float* dq_accumulator;  // accumulated: (B * Hq, statistics_rows, D) fp32 in partial order; else null
     gradient_shape shape;
   };
@@ -180,9 +184,14 @@ struct dkdv_kernel : dkdv_plan<D> {
 
   __device__ static void load(const params& p, pipeline::head_block task, int step, int, stage& s, mbarrier& full) {
     const schedule sched = schedule_for(p.shape, task);
-    const int index[4] = {task.batch, q_head(p, task, sched, step), sched.tile(step) * plan::block_q, 0};
+    const int head = q_head(p, task, sched, step);
+    const int q0 = sched.tile(step) * plan::block_q;
+    const int index[4] = {task.batch, head, q0, 0};
     tma::load(s.q, p.q, full, index);
     tma::load(s.grad_out, p.grad_out, full, index);
+    const int statistics_index[2] = {task.batch * p.shape.q_heads + head, q0};
+    tma::load(s.lse2, p.lse2, full, statistics_index);
+    tma::load(s.delta, p.delta, full, statistics_index);
   }
 
   // Accumulated dQ, 1: this consumer's dS^T into shared memory, where every consumer that needs it
@@ -249,12 +258,6 @@ struct dkdv_kernel : dkdv_plan<D> {
     for (int step = 0; step < ctx.iterations; ++step, at.advance()) {
       const int q0 = sched.tile(step) * plan::block_q;
       const int head = q_head(p, ctx.task, sched, step);
-      // The statistics of this lane's query columns, fetched from global memory (L2) while the
-      // tiles land and the products run.
-      const int64_t statistics_offset = g.statistics_offset(ctx.task.batch, head) + q0;
-      query_vector lse2, delta;
-      warp::load(lse2, p.lse2 + statistics_offset);
-      warp::load(delta, p.delta + statistics_offset);
       const stage& st = in.wait(at);
       // S^T = K Q^T and dP^T = V dO^T, committed apart so that P^T is formed while dP^T runs.
       warpgroup::fence();
@@ -262,6 +265,9 @@ struct dkdv_kernel : dkdv_plan<D> {
       warpgroup::commit();
       warpgroup::mma<operand_major::k, operand_major::k>(grad_p, v, 0, st.grad_out, 0, false);
       warpgroup::commit();
+      query_vector lse2, delta;  // this lane's query columns
+      warp::load(lse2, st.lse2.data);
+      warp::load(delta, st.delta.data);
       warpgroup::wait<1>(s);
 
       // P^T = exp2(s2 - lse2[query]), 0 where the key is hidden from the query.
@@ -518,6 +524,12 @@ workspace_view split_workspace(const backward_problem& pr) {
   return {pr.workspace, pr.workspace + rows, one_pass(pr) ? pr.workspace + 2 * rows : nullptr};
 }
 
+// lse2 or delta as a (B * Hq, statistics_rows) matrix, for tensor maps.
+global_layout<float, 2> statistics_layout(const backward_problem& pr, float* data) {
+  const int64_t rows = padded_statistics_rows(pr.q.rows);
+  return {data, {pr.q.batch * pr.q.heads, rows}, {rows}};
+}
+
 heads_view output_view(void* data, const heads_view& like) {
   return contiguous_view(data, like.batch, like.heads, like.rows, like.dim);
 }
@@ -589,8 +601,8 @@ cudaError_t run_dkdv(const backward_problem& pr, const workspace_view& w, cudaSt
   p.v = make_tma_map<typename K::kv_tile>(heads_layout<T>(pr.v));
   p.grad_k = make_tma_map<typename K::kv_tile>(heads_layout<T>(output_view(pr.grad_k, pr.k)));
   p.grad_v = make_tma_map<typename K::kv_tile>(heads_layout<T>(output_view(pr.grad_v, pr.v)));
-  p.lse2 = w.lse2;
-  p.delta = w.delta;
+  p.lse2 = make_tma_map<typename K::statistics_vector>(statistics_layout(pr, w.lse2));
+  p.delta = make_tma_map<typename K::statistics_vector>(statistics_layout(pr, w.delta));
   p.dq_accumulator = w.dq_accumulator;
   p.shape = shape_of(pr);
   return pipeline::launch<K>(p, K::tasks(p).count(), stream);

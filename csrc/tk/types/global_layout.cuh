@@ -68,7 +68,8 @@ template <> constexpr CUtensorMapDataType tma_data_type<float>() { return CU_TEN
 constexpr CUtensorMapSwizzle tma_swizzle(swizzle_mode mode) {
   return mode == swizzle_mode::bytes128 ? CU_TENSOR_MAP_SWIZZLE_128B
        : mode == swizzle_mode::bytes64  ? CU_TENSOR_MAP_SWIZZLE_64B
-                                        : CU_TENSOR_MAP_SWIZZLE_32B;
+       : mode == swizzle_mode::bytes32  ? CU_TENSOR_MAP_SWIZZLE_32B
+                                        : CU_TENSOR_MAP_SWIZZLE_NONE;
 }
 
 // The tensor map's fields in the driver's vocabulary: dimension 0 is the innermost.

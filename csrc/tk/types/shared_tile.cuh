@@ -17,7 +17,8 @@
 
 namespace tk {
 
-enum class swizzle_mode : int { bytes32 = 32, bytes64 = 64, bytes128 = 128 };
+// none: plain row-major bytes (shared_vector below); never a wgmma operand.
+enum class swizzle_mode : int { none = 0, bytes32 = 32, bytes64 = 64, bytes128 = 128 };
 
 // Every swizzled pattern repeats after 8 rows of the widest span; tiles align to that period.
 constexpr int SWIZZLE_PERIOD_BYTES = 1024;
@@ -70,6 +71,30 @@ struct alignas(SWIZZLE_PERIOD_BYTES) shared_tile {
     return reinterpret_cast<const T*>(reinterpret_cast<const char*>(data) + p * panel_bytes);
   }
   __device__ T* panel(int p) { return reinterpret_cast<T*>(reinterpret_cast<char*>(data) + p * panel_bytes); }
+};
+
+// N contiguous elements, unswizzled: one row that TMA moves as a single box of a 2-D layout (e.g. a
+// per-row statistic for a step's rows), read back with ordinary loads. It offers the members that
+// tma::load and make_tma_map read from a tile: one panel of one box of one row.
+template <typename T, int N>
+struct alignas(16) shared_vector {
+  using element = T;
+  static constexpr int rows = 1;
+  static constexpr int cols = N;
+  static constexpr swizzle_mode swizzle = swizzle_mode::none;
+  static constexpr int bytes = N * int(sizeof(T));
+  static constexpr int swizzle_bytes = bytes;  // the "span" is the whole row
+  static constexpr int panel_cols = N;
+  static constexpr int panels = 1;
+  static constexpr int panel_bytes = bytes;
+  static constexpr int box_rows = 1;
+  static constexpr int boxes_per_panel = 1;
+  static_assert(bytes % 16 == 0, "TMA moves whole 16-byte units");
+
+  T data[N];
+
+  __device__ const T* panel(int) const { return data; }
+  __device__ T* panel(int) { return data; }
 };
 
 }  // namespace tk

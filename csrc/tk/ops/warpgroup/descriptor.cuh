@@ -44,6 +44,7 @@ struct matrix_descriptor {
 template <operand_major MAJOR, typename Tile>
 __device__ __forceinline__ matrix_descriptor describe(const Tile& tile, int mn0, int k0) {
   static_assert(is_16bit_float<typename Tile::element>, "wgmma reads 16-bit operands from shared memory here");
+  static_assert(Tile::swizzle != swizzle_mode::none, "wgmma operands are swizzled tiles");
   constexpr int element_bytes = int(sizeof(typename Tile::element));
   constexpr uint32_t group_stride = 8 * Tile::swizzle_bytes;  // 8 rows of one span
   const uint32_t base = shared_address(tile.data);
