@@ -18,13 +18,15 @@ CALLS: list[dict] = []
 def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
                               seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
                               return_final_states=False, return_varlen_states=False):
-    if any(a is not None for a in (z, initial_states, seq_idx, cu_seqlens)) or return_final_states or return_varlen_states:
+    unsupported = (z, initial_states, seq_idx, cu_seqlens, return_final_states or None, return_varlen_states or None)
+    if any(a is not None for a in unsupported):
         raise NotImplementedError("the fake covers a Mamba-2 layer's call only")
     batch, seq_len, heads, _ = x.shape
     if dt.shape != (batch, seq_len, heads) or A.shape != (heads,):
-        raise ValueError(f"dt must be (b, l, h) and A (h,) for x {tuple(x.shape)}, got {tuple(dt.shape)}, {tuple(A.shape)}")
+        shapes = f"got {tuple(dt.shape)} and {tuple(A.shape)} for x {tuple(x.shape)}"
+        raise ValueError(f"dt must be (b, l, h) and A (h,): {shapes}")
     if B.shape != C.shape or B.shape[:2] != (batch, seq_len) or heads % B.shape[2]:
-        raise ValueError(f"B and C must be (b, l, g, n) for x {tuple(x.shape)}, got {tuple(B.shape)}, {tuple(C.shape)}")
+        raise ValueError(f"B and C must be (b, l, g, n): got {tuple(B.shape)}, {tuple(C.shape)} for x {tuple(x.shape)}")
     CALLS.append({"x": tuple(x.shape), "B": tuple(B.shape), "chunk_size": chunk_size, "dt_softplus": dt_softplus,
                   "dt_limit": tuple(dt_limit)})
     compute = torch.promote_types(x.dtype, torch.float32)
