@@ -258,13 +258,15 @@ def plot(rows: list[dict], path: pathlib.Path, title: str) -> None:
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--models", default="llama", help=f"comma-separated subset of {', '.join(MODELS)}")
+    parser.add_argument(
+        "--models", action="append", help=f"comma-separated subset of {', '.join(MODELS)}, repeatable (default llama)"
+    )
     parser.add_argument("--preset", default="1b", help="the models.train preset of every model run")
     parser.add_argument(
-        "--variants",
-        help=f"comma-separated subset of {', '.join(VARIANTS)} (default: all of a model's; peer-* only where "
-        "the peer is not the reference path)",
-    )
+        "--variants", action="append",
+        help=f"comma-separated subset of {', '.join(VARIANTS)}, repeatable (default: all of a model's; peer-* only "
+        "where the peer is not the reference path)",
+    )  # fmt: skip
     parser.add_argument(
         "--multi-gpu", action="store_true", help=f"run {', '.join(MULTI_GPU_VARIANTS)} instead (2 GPUs)"
     )
@@ -275,11 +277,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("train_args", nargs="*", help="extra models.train arguments, after --")
     args = parser.parse_args(argv)
     known = MULTI_GPU_VARIANTS if args.multi_gpu else VARIANTS
-    names = [name for name in (args.variants or ",".join(known)).split(",") if name]
+    names = [name for name in ",".join(args.variants or known).split(",") if name]
     unknown = set(names) - known.keys()
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}: choose from {sorted(known)}")
-    models = [model for model in args.models.split(",") if model]
+    models = [model for model in ",".join(args.models or ["llama"]).split(",") if model]
     if set(models) - set(MODELS):
         parser.error(f"unknown models {sorted(set(models) - set(MODELS))}: choose from {', '.join(MODELS)}")
 

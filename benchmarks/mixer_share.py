@@ -226,7 +226,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
+    parser.add_argument(
+        "--models", action="append", help=f"comma-separated subset of {', '.join(MODELS)}, repeatable (default: all)"
+    )
     parser.add_argument("--preset", default="1b")
     parser.add_argument("--impl", choices=IMPLS, default="tk")
     parser.add_argument("--seq-len", type=int, help="default: the preset's")
@@ -238,7 +240,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     rows = []
-    for model in [m for m in args.models.split(",") if m]:
+    for model in [m for m in ",".join(args.models or MODELS).split(",") if m]:
         preset = PRESETS[model][args.preset]
         key = {
             "model": model, "impl": args.impl, "preset": args.preset, "seq_len": args.seq_len or preset.seq_len,
