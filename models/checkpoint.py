@@ -122,7 +122,7 @@ def load_model(path: Path, *, reference: bool = False, peer: bool = False) -> to
         metadata = f.metadata()
         tensors = {key: f.get_tensor(key) for key in f.keys() if key.startswith("model.")}
     fields = {**json.loads(metadata["config"]), "reference": reference or peer}
-    if "peer" in fields:
+    if peer or "peer" in fields:  # a config of Based, Mamba-2 or Hyena (those of earlier checkpoints have none)
         fields["peer"] = peer
     config_class, model_class = MODELS[metadata["model"]]
     model = model_class(config_class(**fields))

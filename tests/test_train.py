@@ -264,7 +264,7 @@ def test_peer_path_follows_the_reference_path(data_dir, tmp_path, fake_peers, mo
     assert not reloaded.config.reference and not reloaded.config.peer
 
 
-def test_peer_is_refused_where_the_reference_is_the_peer(tmp_path):
+def test_peer_is_refused_where_the_reference_is_the_peer():
     with pytest.raises(SystemExit):
         train.parse_args(["--model", "llama", "--preset", "nano", "--peer"])
 
