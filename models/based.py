@@ -12,6 +12,8 @@ short convolutions and sliding-window attention layers are not implemented.
 ``config.reference=True`` runs the same parameters on standard PyTorch ops: the Based attention
 in its quadratic form, o_i = sum_{j<=i} f(s_ij) v_j / (sum_{j<=i} f(s_ij) + eps) with
 f(s) = 1 + s + s^2/2, s_ij = q_i . k_j / sqrt(F) (what the Taylor features compute, without them).
+``config.peer=True`` (with reference=True) runs the Based attention on flash-linear-attention's
+``parallel_based`` instead (``models.peers``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 import tk_ops
+from models import peers
 from models.layers import CausalLM, MixerBlock, ResidualRMSNorm, rotary_inverse_frequencies, rotary_tables
 from models.llama import LlamaAttention
 from tk_ops.nn.based import CAUSAL_EPS
@@ -49,10 +52,12 @@ class BasedConfig:
     tie_word_embeddings: bool = True
     initializer_range: float = 0.02
     reference: bool = False  # True: standard PyTorch ops only
+    peer: bool = False  # True (with reference): the Based attention on fla's parallel_based
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
+        peers.check_flags(self.reference, self.peer)
 
     def is_attention_layer(self, index: int) -> bool:
         return self.attention_every > 0 and (index + 1) % self.attention_every == 0
@@ -69,7 +74,9 @@ def reference_based_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 class BasedMixer(tk_ops.nn.BasedLinearAttention):
-    """tk_ops.nn.BasedLinearAttention (causal, parallel mode's epsilon) with a pure-PyTorch path."""
+    """tk_ops.nn.BasedLinearAttention (causal, parallel mode's epsilon) with a pure-PyTorch path
+    (``reference``) and a peer path (``peer``: the reference's projections around fla's parallel_based,
+    whose fixed epsilon 1e-6 is the parallel mode's)."""
 
     def __init__(self, config: BasedConfig) -> None:
         super().__init__(
@@ -79,17 +86,22 @@ class BasedMixer(tk_ops.nn.BasedLinearAttention):
             num_heads=config.num_heads,
         )
         self.reference = config.reference
+        self.peer_attention = peers.fla_parallel_based() if config.peer else None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if not self.reference:
             return super().forward(hidden_states)
 
-        def heads(projection: torch.nn.Linear, head_dim: int) -> torch.Tensor:
-            return F.linear(hidden_states, projection.weight).unflatten(-1, (self.num_heads, head_dim)).transpose(1, 2)
+        def heads(projection: torch.nn.Linear, head_dim: int) -> torch.Tensor:  # (B, N, H, head_dim)
+            return F.linear(hidden_states, projection.weight).unflatten(-1, (self.num_heads, head_dim))
 
         q, k, v = heads(self.q_proj, self.head_k_dim), heads(self.k_proj, self.head_k_dim), heads(self.v_proj, self.head_v_dim)
-        out = reference_based_attention(q, k, v, CAUSAL_EPS[self.mode])
-        return F.linear(out.transpose(1, 2).flatten(-2), self.o_proj.weight)
+        if self.peer_attention is not None:
+            out = self.peer_attention(q, k, v, scale=self.head_k_dim**-0.5, use_norm=True)
+        else:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            out = reference_based_attention(q, k, v, CAUSAL_EPS[self.mode]).transpose(1, 2)
+        return F.linear(out.flatten(-2), self.o_proj.weight)
 
 
 class BasedModel(torch.nn.Module):

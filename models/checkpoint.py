@@ -113,14 +113,17 @@ def load_checkpoint(path: Path, model, optimizer, runtime: Runtime, *, seed: int
     return int(metadata["step"]), json.loads(metadata["history"])
 
 
-def load_model(path: Path, *, reference: bool = False) -> torch.nn.Module:
-    """The model of a checkpoint, on CPU in eval mode (e.g. to sample from it)."""
+def load_model(path: Path, *, reference: bool = False, peer: bool = False) -> torch.nn.Module:
+    """The model of a checkpoint, on CPU in eval mode (e.g. to sample from it), on the path asked for
+    (whatever path trained it)."""
     from safetensors import safe_open
 
     with safe_open(str(path), "pt") as f:
         metadata = f.metadata()
         tensors = {key: f.get_tensor(key) for key in f.keys() if key.startswith("model.")}
-    fields = {**json.loads(metadata["config"]), "reference": reference}
+    fields = {**json.loads(metadata["config"]), "reference": reference or peer}
+    if peer or "peer" in fields:  # a config of Based, Mamba-2 or Hyena (those of earlier checkpoints have none)
+        fields["peer"] = peer
     config_class, model_class = MODELS[metadata["model"]]
     model = model_class(config_class(**fields))
     model.load_state_dict(_model_state(tensors, model))

@@ -11,6 +11,8 @@ State_dict keys: ``model.embed_tokens``, ``model.layers.{i}.norm`` / ``.mixer`` 
 ``F.conv1d`` for the short conv, and the long convolution by ``torch.fft`` (real FFTs of size 2N,
 in fp32). The implicit filter is plain PyTorch on both paths. The implicit filters keep their own
 initialisation (the other linear layers and the embedding are N(0, initializer_range)).
+``config.peer=True`` (with reference=True) is the reference model itself: torch.fft is both the
+reference's long convolution and the peer of ``tk.fftconv`` (``models.peers``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import tk_ops
+from models import peers
 from models.layers import CausalLM, MixerBlock, ResidualRMSNorm, at_least_fp32
 
 
@@ -41,6 +44,10 @@ class HyenaConfig:
     tie_word_embeddings: bool = True
     initializer_range: float = 0.02
     reference: bool = False  # True: standard PyTorch ops only
+    peer: bool = False  # True (with reference): the peer model, which is the reference model
+
+    def __post_init__(self) -> None:
+        peers.check_flags(self.reference, self.peer)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

@@ -11,7 +11,8 @@ only: no cache, no padding mask.
 
 ``config.reference=True`` runs the same parameters on standard PyTorch ops: the projections,
 ``F.conv1d``, the SSD by chunks (within a chunk its quadratic form, between chunks the state
-recurrence, in fp32), the gated RMSNorm in fp32.
+recurrence, in fp32), the gated RMSNorm in fp32. ``config.peer=True`` (with reference=True) runs the
+SSD on mamba_ssm's Triton kernels instead (``mamba_chunk_scan_combined``, ``models.peers``).
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ import torch
 import torch.nn.functional as F
 
 import tk_ops
+from models import peers
 from models.layers import CausalLM, MixerBlock, ResidualRMSNorm, at_least_fp32
 
 
 @dataclasses.dataclass
 class Mamba2Config:
     """The fields of Hugging Face's ``Mamba2Config`` that the model uses, plus ``max_position_embeddings``
-    (the context generate() keeps) and ``reference``."""
+    (the context generate() keeps), ``reference`` and ``peer``."""
 
     vocab_size: int = 8192
     hidden_size: int = 256
@@ -53,23 +55,25 @@ class Mamba2Config:
     initializer_range: float = 0.02
     max_position_embeddings: int = 2048
     reference: bool = False  # True: standard PyTorch ops only
+    peer: bool = False  # True (with reference): the SSD on mamba_ssm's Triton kernels
 
     def __post_init__(self) -> None:
         self.time_step_limit = tuple(float(v) for v in self.time_step_limit)
+        peers.check_flags(self.reference, self.peer)
 
     @classmethod
     def from_hf(cls, hf_config, **overrides) -> "Mamba2Config":
         """The config of a Hugging Face ``Mamba2Config`` (residual in fp32, no prenorm-residual rescaling)."""
         if not hf_config.residual_in_fp32:
             raise ValueError("residual_in_fp32=False is not implemented (the residual stream is fp32)")
-        fields = {f.name for f in dataclasses.fields(cls)} - {"max_position_embeddings", "reference"}
+        fields = {f.name for f in dataclasses.fields(cls)} - {"max_position_embeddings", "reference", "peer"}
         values = {name: getattr(hf_config, name) for name in fields if hasattr(hf_config, name)}
         return cls(**{**values, **overrides})
 
     def to_hf_dict(self) -> dict:
         """A Hugging Face ``config.json`` for this model (``transformers`` loads it as Mamba2ForCausalLM)."""
         values = dataclasses.asdict(self)
-        del values["reference"], values["max_position_embeddings"]
+        del values["reference"], values["peer"], values["max_position_embeddings"]
         return {**values, "residual_in_fp32": True, "model_type": "mamba2", "architectures": ["Mamba2ForCausalLM"]}
 
     def to_json(self) -> str:
@@ -109,15 +113,18 @@ def reference_ssd(x, dt, A, B, C, chunk_size: int) -> torch.Tensor:
 
 
 class Mamba2Mixer(tk_ops.nn.Mamba2Mixer):
-    """tk_ops.nn.Mamba2Mixer with a pure-PyTorch path (``reference``)."""
+    """tk_ops.nn.Mamba2Mixer with a pure-PyTorch path (``reference``) and a peer path (``peer``: the
+    reference path with mamba_ssm's SSD, which takes x, B, C in the activations' dtype, as mamba_ssm's
+    Mamba2 layer hands them over, and returns y in x's dtype)."""
 
     def __init__(self, config: Mamba2Config, layer_idx: int) -> None:
         fields = {f.name for f in dataclasses.fields(config)} - {
             "vocab_size", "num_hidden_layers", "tie_word_embeddings", "initializer_range",
-            "max_position_embeddings", "reference",
+            "max_position_embeddings", "reference", "peer",
         }  # fmt: skip
         super().__init__(**{name: getattr(config, name) for name in fields}, layer_idx=layer_idx)
         self.reference = config.reference
+        self.peer_ssd = peers.mamba_chunk_scan_combined() if config.peer else None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if not self.reference:
@@ -130,12 +137,19 @@ class Mamba2Mixer(tk_ops.nn.Mamba2Mixer):
         xBC = F.conv1d(xBC.transpose(1, 2), conv.weight, conv.bias, padding=conv.padding, groups=self.conv_dim)
         xBC = F.silu(xBC[..., :seq_len]).transpose(1, 2)
         x, B, C = xBC.split([self.intermediate_size, groups_times_state, groups_times_state], dim=-1)
-        x, B, C = at_least_fp32(x), at_least_fp32(B), at_least_fp32(C)
-        dt = F.softplus(at_least_fp32(dt) + self.dt_bias).clamp(*self.time_step_limit)
         heads = x.unflatten(-1, (self.num_heads, self.head_dim))
         groups = (-1, (self.n_groups, self.ssm_state_size))
-        y = reference_ssd(heads, dt, -torch.exp(self.A_log), B.unflatten(*groups), C.unflatten(*groups), self.chunk_size)
-        y = (y + heads * self.D[:, None]).flatten(2) * F.silu(at_least_fp32(gate))
+        B, C, A = B.unflatten(*groups), C.unflatten(*groups), -torch.exp(at_least_fp32(self.A_log))
+        if self.peer_ssd is not None:
+            y = self.peer_ssd(
+                heads, dt, A, B, C, self.chunk_size, D=self.D, dt_bias=self.dt_bias, dt_softplus=True,
+                dt_limit=self.time_step_limit,
+            )  # fmt: skip
+        else:
+            heads, B, C = at_least_fp32(heads), at_least_fp32(B), at_least_fp32(C)
+            dt = F.softplus(at_least_fp32(dt) + self.dt_bias).clamp(*self.time_step_limit)
+            y = reference_ssd(heads, dt, A, B, C, self.chunk_size) + heads * self.D[:, None]
+        y = at_least_fp32(y).flatten(2) * F.silu(at_least_fp32(gate))
         grouped = y.unflatten(-1, (self.n_groups, -1))
         grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.norm.variance_epsilon)
         out = self.norm.weight * grouped.flatten(2)

@@ -39,11 +39,14 @@ def init_runtime(device: str) -> Runtime:
     return Runtime(rank, world_size, local)
 
 
-def parallelize(model: torch.nn.Module, runtime: Runtime, *, compile_blocks: bool, parallel: str) -> torch.nn.Module:
-    """Compile each block (before sharding, as FSDP2 needs), then wrap for DDP or shard with FSDP2."""
+def parallelize(
+    model: torch.nn.Module, runtime: Runtime, *, compile_blocks: bool, parallel: str, fullgraph: bool = True
+) -> torch.nn.Module:
+    """Compile each block (before sharding, as FSDP2 needs; ``fullgraph=False`` where a block may break
+    the graph, as the peer libraries' Triton wrappers may), then wrap for DDP or shard with FSDP2."""
     if compile_blocks:
         for block in model.blocks:
-            block.compile(fullgraph=True)
+            block.compile(fullgraph=fullgraph)
     if runtime.world_size == 1:
         return model
     if parallel == "ddp":

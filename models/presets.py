@@ -117,11 +117,11 @@ PRESETS = {
 # fmt: on
 
 
-def build_model(kind: str, model_fields: dict, *, vocab_size: int, seq_len: int, reference: bool):
-    """A ``kind`` model of config fields ``model_fields``, its positions sized for ``seq_len``."""
+def build_model(kind: str, model_fields: dict, *, vocab_size: int, seq_len: int, reference: bool, peer: bool = False):
+    """A ``kind`` model of config fields ``model_fields``, its positions sized for ``seq_len``; ``peer``
+    (the models of ``models.peers.PEER_OPS``) the reference model with the mixer's op from its peer."""
     config_class, model_class = MODELS[kind]
     context = max(512, seq_len) if kind == "bert" else seq_len
-    config = config_class(
-        **{"max_position_embeddings": context, **model_fields}, vocab_size=vocab_size, reference=reference
-    )
+    flags = {"reference": True, "peer": True} if peer else {"reference": reference}
+    config = config_class(**{"max_position_embeddings": context, **model_fields}, vocab_size=vocab_size, **flags)
     return model_class(config)

@@ -6,6 +6,7 @@
     python -m models.train --model based --preset tiny                # also mamba2, hyena
     python -m models.train --model llama --preset 1b --compile        # one H100
     python -m models.train --model llama --preset 1b --compile --reference
+    python -m models.train --model based --preset 1b --compile --peer   # on fla's parallel_based
     torchrun --nproc_per_node 2 -m models.train --model llama --preset 1b --compile --parallel fsdp
 
 One process trains on one device (CPU, or the GPU of its local rank); under ``torchrun`` the
@@ -22,8 +23,10 @@ evaluation loss every ``--eval-every`` steps, and in ``--out`` (default ``runs/<
 history), ``loss.png`` and ``summary.json``. ``--resume`` continues from the checkpoint exactly
 where it stopped: on the same device and number of ranks the losses are bit-for-bit those of an
 uninterrupted run. ``--stop-at N`` stops after step N of the ``--steps`` schedule (an
-interrupted job). ``--reference`` trains the pure-PyTorch path of the same model; ``--compile``
-compiles each block with ``torch.compile(fullgraph=True)`` (before FSDP sharding).
+interrupted job). ``--reference`` trains the pure-PyTorch path of the same model; ``--peer`` (Based,
+Mamba-2, Hyena) the reference path with the mixer's op from its peer library (``models.peers``);
+``--compile`` compiles each block with ``torch.compile(fullgraph=True)`` (before FSDP sharding; without
+fullgraph under ``--peer``, whose Triton wrappers may break the graph).
 
 MFU counts the matmul FLOPs (6 x matmul parameters per token, the output layer included) plus
 each model's sequence mixing (attention scores, linear attention, SSD, FFT convolution: the
@@ -48,6 +51,7 @@ import torch.distributed as dist
 from models.checkpoint import load_checkpoint, save_checkpoint
 from models.data import DEFAULT_DATA_DIR, IGNORE_INDEX, REPO_ROOT, Batches, TokenData
 from models.parallel import Runtime, gradient_sync, init_runtime, parallelize, unwrap
+from models.peers import PEER_OPS
 from models.presets import PRESETS, Preset, build_model
 
 MIN_LR_FRACTION = 0.1
@@ -82,6 +86,7 @@ class TrainConfig:
     no_save: bool
     resume: bool
     reference: bool
+    peer: bool  # the reference model with the mixer's peer op (models.peers); build_model sets reference
     compile: bool
     parallel: str
     device: str  # "cuda" or "cpu"
@@ -91,6 +96,16 @@ class TrainConfig:
     timing_warmup: int
     sample_tokens: int
     no_progress: bool
+
+    @property
+    def path(self) -> str:
+        return implementation_path(reference=self.reference, peer=self.peer)
+
+
+def implementation_path(*, reference: bool, peer: bool) -> str:
+    """Which implementation trains: "tk_ops", "reference" or "peer" (the summary's path, the run
+    directory's suffix)."""
+    return "peer" if peer else "reference" if reference else "tk_ops"
 
 
 def parse_args(argv: Optional[list[str]] = None) -> tuple[TrainConfig, Preset]:
@@ -107,7 +122,7 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[TrainConfig, Preset]:
         help="nano (tests) | tiny (CPU demo) | small | base | 1b (not bert): see models/presets.py",
     )
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA_DIR, help="prepared data directory")
-    parser.add_argument("--out", type=Path, help="run directory (default runs/<model>-<preset>[-reference])")
+    parser.add_argument("--out", type=Path, help="run directory (default runs/<model>-<preset>[-reference|-peer])")
     parser.add_argument("--steps", type=int, help="length of the learning-rate schedule (preset default)")
     parser.add_argument("--stop-at", type=int, help="stop (and save) after this step of the schedule")
     parser.add_argument("--seq-len", type=int)
@@ -122,7 +137,10 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[TrainConfig, Preset]:
     parser.add_argument("--no-save", action="store_true", help="write no checkpoint (benchmarks)")
     parser.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.safetensors")
     parser.add_argument("--reference", action="store_true", help="train the pure-PyTorch path")
-    parser.add_argument("--compile", action="store_true", help="torch.compile each block (fullgraph)")
+    parser.add_argument(
+        "--peer", action="store_true", help=f"{', '.join(PEER_OPS)}: the reference path with the mixer's peer op"
+    )
+    parser.add_argument("--compile", action="store_true", help="torch.compile each block (fullgraph but under --peer)")
     parser.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp", help="under torchrun")
     parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), help="autocast dtype (default bf16 on GPU, fp32 on CPU)")
@@ -134,12 +152,15 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[TrainConfig, Preset]:
     args = parser.parse_args(argv)
     if args.preset not in PRESETS[args.model]:
         parser.error(f"--preset for {args.model} must be one of {sorted(PRESETS[args.model])}, got {args.preset!r}")
+    if args.peer and args.model not in PEER_OPS:
+        parser.error(f"--peer is for {', '.join(PEER_OPS)}; {args.model}'s peer layers are its --reference path")
     preset = PRESETS[args.model][args.preset]
     fields = vars(args) | {name: getattr(preset, name) for name in PRESET_DEFAULTS if getattr(args, name) is None}
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    path = implementation_path(reference=args.reference, peer=args.peer)
     resolved = {
         "stop_at": min(args.stop_at or fields["steps"], fields["steps"]),
-        "out": args.out or REPO_ROOT / "runs" / f"{args.model}-{args.preset}{'-reference' if args.reference else ''}",
+        "out": args.out or REPO_ROOT / "runs" / f"{args.model}-{args.preset}{'' if path == 'tk_ops' else '-' + path}",
         "device": device,
         "dtype": args.dtype or ("bf16" if device == "cuda" else "fp32"),
     }
@@ -368,10 +389,13 @@ def main(argv: Optional[list[str]] = None) -> dict:
             vocab_size=data.meta["vocab_size"],
             seq_len=config.seq_len,
             reference=config.reference,
+            peer=config.peer,
         )
     parameters = sum(p.numel() for p in model.parameters())
     flops_per_token = model.flops_per_token(config.seq_len)
-    model = parallelize(model, runtime, compile_blocks=config.compile, parallel=config.parallel)
+    model = parallelize(
+        model, runtime, compile_blocks=config.compile, parallel=config.parallel, fullgraph=not config.peer
+    )
     optimizer = make_optimizer(model, config, runtime.device)
     config.out.mkdir(parents=True, exist_ok=True)
     checkpoint_path = config.out / "checkpoint.safetensors"
@@ -405,8 +429,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         shown = {"tok/s": f"{tokens_per_s:,.0f}"}
         return {**shown, "mfu": f"{mfu(tokens_per_s):.1%}"} if peak else shown
 
-    path = "reference" if config.reference else "tk_ops"
-    title = f"{config.model} {config.preset} ({parameters / 1e6:.1f}M), {path}"
+    title = f"{config.model} {config.preset} ({parameters / 1e6:.1f}M), {config.path}"
     log = tqdm.write if runtime.is_main else (lambda _: None)
     parallel = f" {config.parallel}" if runtime.world_size > 1 else ""
     mode = "compiled" if config.compile else "eager"
@@ -422,7 +445,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     summary = {
         "model": config.model,
         "preset": config.preset,
-        "path": path,
+        "path": config.path,
         "compile": config.compile,
         "parameters": parameters,
         "config": json.loads(unwrap(model).config.to_json()),

@@ -1,3 +1,7 @@
+import importlib
+import os
+import pathlib
+import sys
 import zlib
 
 import pytest
@@ -34,3 +38,29 @@ def poisoned_allocations():
     yield
     torch.utils.deterministic.fill_uninitialized_memory = fill
     torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+
+
+FAKE_PEERS = pathlib.Path(__file__).parent / "fake_peers"
+PEER_PACKAGES = ("fla", "mamba_ssm")
+
+
+@pytest.fixture
+def fake_peers(monkeypatch):
+    """The peer libraries of models.peers replaced by tests/fake_peers (their contracts in PyTorch), in
+    this process (first on sys.path, any real fla / mamba_ssm modules set aside) and in the
+    subprocesses it starts (first on PYTHONPATH). Yields the fakes' call records by model."""
+
+    def peer_modules() -> list[str]:
+        return [name for name in sys.modules if name.split(".")[0] in PEER_PACKAGES]
+
+    for name in peer_modules():
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(FAKE_PEERS))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(FAKE_PEERS), str(FAKE_PEERS.parent.parent),
+                                                                   os.environ.get("PYTHONPATH")])))
+    yield {
+        "based": importlib.import_module("fla.ops.based").CALLS,
+        "mamba2": importlib.import_module("mamba_ssm.ops.triton.ssd_combined").CALLS,
+    }
+    for name in peer_modules():  # the fakes; monkeypatch then puts back what it set aside
+        del sys.modules[name]

@@ -1,18 +1,22 @@
 """models.based, models.mamba2 and models.hyena: the tk path against the pure-PyTorch reference path
-(on CPU the tk ops run their references, so this checks the wiring), the FLOP counts, and Mamba-2
-against Hugging Face's Mamba2ForCausalLM (a tiny random one built from a config; skips without
-transformers)."""
+(on CPU the tk ops run their references, so this checks the wiring) and against the peer path (on
+CPU with fakes of fla and mamba_ssm, tests/fake_peers; torch.fft for Hyena), the FLOP counts, and
+Mamba-2 against Hugging Face's Mamba2ForCausalLM (a tiny random one built from a config; skips
+without transformers)."""
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
 
 import tk_ops
+from models import peers
 from models.based import BasedConfig, BasedForCausalLM
 from models.hyena import HyenaConfig, HyenaForCausalLM
 from models.mamba2 import Mamba2Config, Mamba2ForCausalLM
-from tk_testing import RecordTkCalls, assert_rel_close
+from tk_testing import RecordTkCalls, assert_rel_close, requires_cuda
 
 try:
     import transformers
@@ -24,13 +28,15 @@ VOCAB, BATCH, SEQ_LEN = 101, 3, 13
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
-def based(reference: bool) -> BasedForCausalLM:
+BASED = dict(
+    vocab_size=VOCAB, hidden_size=48, intermediate_size=83, num_hidden_layers=2, num_heads=3, attention_every=2,
+    num_attention_heads=4, num_key_value_heads=2,
+)  # fmt: skip
+
+
+def based(reference: bool, **overrides) -> BasedForCausalLM:
     """A hybrid: block 1 of 2 is full attention."""
-    config = BasedConfig(
-        vocab_size=VOCAB, hidden_size=48, intermediate_size=83, num_hidden_layers=2, num_heads=3,
-        attention_every=2, num_attention_heads=4, num_key_value_heads=2, reference=reference,
-    )  # fmt: skip
-    return BasedForCausalLM(config)
+    return BasedForCausalLM(BasedConfig(**{**BASED, **overrides}, reference=reference))
 
 
 # odd sizes, 2 groups, a sequence of 1 full chunk and a partial one
@@ -44,11 +50,12 @@ def mamba2(reference: bool, **overrides) -> Mamba2ForCausalLM:
     return Mamba2ForCausalLM(Mamba2Config(**{**MAMBA2, **overrides}, reference=reference))
 
 
-def hyena(reference: bool) -> HyenaForCausalLM:
+def hyena(reference: bool, **overrides) -> HyenaForCausalLM:
     """Filters of 16 taps: longer than the sequence (SEQ_LEN = 13)."""
     config = HyenaConfig(
-        vocab_size=VOCAB, hidden_size=24, intermediate_size=41, num_hidden_layers=2, filter_width=16,
-        filter_frequencies=3, max_position_embeddings=16, reference=reference,
+        **{"vocab_size": VOCAB, "hidden_size": 24, "intermediate_size": 41, "num_hidden_layers": 2, "filter_width": 16,
+           "filter_frequencies": 3, "max_position_embeddings": 16, **overrides},
+        reference=reference,
     )  # fmt: skip
     return HyenaForCausalLM(config)
 
@@ -94,6 +101,93 @@ def test_reference_path_calls_no_tk_op(name):
     with RecordTkCalls() as recorded:
         model(tokens(), tokens()).backward()
     assert not recorded.calls
+
+
+# the peer calls a forward of each model makes: (number, the arguments recorded by tests/fake_peers)
+PEER_CALLS = {
+    "based": (1, {"q": (BATCH, SEQ_LEN, 3, 16), "k": (BATCH, SEQ_LEN, 3, 16), "v": (BATCH, SEQ_LEN, 3, 16),
+                  "scale": 0.25, "use_norm": True}),  # (B, N, H, F): fla's layout; block 1 is attention
+    "mamba2": (2, {"x": (BATCH, SEQ_LEN, 6, 8), "B": (BATCH, SEQ_LEN, 2, 8), "chunk_size": 8, "dt_softplus": True,
+                   "dt_limit": (0.0, float("inf"))}),
+    "hyena": (0, None),  # torch.fft, the reference path's own
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_peer_path_matches_tk_path_in_float64(name, fake_peers):
+    """The same weights on the peer path (the fakes of fla and mamba_ssm, written from the peers'
+    contracts; torch.fft for Hyena) give the tk path's loss and gradients, and call the peer op once
+    per mixer with the peer's layout and arguments."""
+    make = MODELS[name][0]
+    tk_model = make(reference=False).double()
+    randomize_ssm_parameters(tk_model)
+    peer_model = make(reference=True, peer=True).double()
+    peer_model.load_state_dict(tk_model.state_dict())
+    ids, targets = tokens(), tokens()
+    tk_loss, tk_grads = _loss_and_grads(tk_model, ids, targets)
+    with RecordTkCalls() as recorded:
+        peer_loss, peer_grads = _loss_and_grads(peer_model, ids, targets)
+    assert not recorded.calls
+    assert_rel_close(peer_loss, tk_loss, 1e-12, "loss")
+    for key, grad in tk_grads.items():
+        torch.testing.assert_close(peer_grads[key], grad, rtol=1e-9, atol=1e-14, msg=f"grad of {key}")
+    count, arguments = PEER_CALLS[name]
+    assert fake_peers.get(name, []) == [arguments] * count
+
+
+def test_hyena_peer_model_is_its_reference_model():
+    reference_model = hyena(reference=True)
+    peer_model = hyena(reference=True, peer=True)
+    peer_model.load_state_dict(reference_model.state_dict())
+    ids = tokens()
+    assert torch.equal(peer_model(ids), reference_model(ids))
+
+
+@pytest.mark.parametrize("name, package", [("based", "fla"), ("mamba2", "mamba_ssm")])
+def test_peer_model_without_its_library_says_what_is_missing(name, package, monkeypatch):
+    monkeypatch.setitem(sys.modules, package, None)  # import fails, as where the package is absent
+    with pytest.raises(peers.PeerUnavailable, match=f"{package.replace('_', '-')}.*does not import here"):
+        MODELS[name][0](reference=True, peer=True)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_peer_needs_the_reference_path(name):
+    with pytest.raises(ValueError, match="peer=True needs reference=True"):
+        MODELS[name][0](reference=False, peer=True)
+
+
+# shapes the peers' Triton kernels and the tk kernels take (head dims 16 / 64, chunk 64)
+GPU_VOCAB = 512
+GPU_PEER_SHAPES = {
+    "based": dict(vocab_size=GPU_VOCAB, hidden_size=256, intermediate_size=512, num_heads=4, num_attention_heads=4,
+                  num_key_value_heads=4),
+    "mamba2": dict(vocab_size=GPU_VOCAB, hidden_size=256, num_heads=8, head_dim=64, state_size=64, n_groups=1,
+                   chunk_size=64),
+}  # fmt: skip
+
+
+@requires_cuda
+@pytest.mark.parametrize("name", sorted(GPU_PEER_SHAPES))
+def test_real_peer_follows_the_tk_path_in_bf16(name):
+    """fla's parallel_based / mamba_ssm's SSD (when they import) on the GPU: the tk path's loss and gradients
+    to bf16 rounding."""
+    make = MODELS[name][0]
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        tk_model = make(reference=False, **GPU_PEER_SHAPES[name])
+        try:
+            peer_model = make(reference=True, peer=True, **GPU_PEER_SHAPES[name])
+        except peers.PeerUnavailable as error:
+            pytest.skip(str(error))
+    randomize_ssm_parameters(tk_model)
+    peer_model.load_state_dict(tk_model.state_dict())
+    ids, targets = (torch.randint(0, GPU_VOCAB, (2, 256), device="cuda") for _ in range(2))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        tk_loss, tk_grads = _loss_and_grads(tk_model, ids, targets)
+        peer_loss, peer_grads = _loss_and_grads(peer_model, ids, targets)
+    assert_rel_close(peer_loss, tk_loss, 2e-3, "loss")
+    for key, grad in tk_grads.items():
+        assert_rel_close(peer_grads[key], grad, 5e-2, f"grad of {key}")
 
 
 def test_based_flops_per_token_counts_every_linear_and_the_mixers():

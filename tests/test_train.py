@@ -1,5 +1,6 @@
 """models.data and models.train: corpus preparation, batches, schedule, training, checkpoints and
-bit-for-bit resume, and 2-process DDP / FSDP2 runs (gloo on CPU) against one process.
+bit-for-bit resume, the peer path (on the fakes of tests/fake_peers), and 2-process DDP / FSDP2 runs
+(gloo on CPU, compiled blocks under FSDP2 for the linear-time models) against one process.
 
 The corpus here is a synthetic English-like text (the real one needs Debian's bible-kjv
 package); the models are the ``nano`` presets, a few steps each.
@@ -249,6 +250,25 @@ def test_reference_path_follows_the_same_loss_curve(data_dir, tmp_path, model, t
     assert tk == pytest.approx(reference, rel=tolerance)
 
 
+@pytest.mark.parametrize("model", ["based", "mamba2"])
+def test_peer_path_follows_the_reference_path(data_dir, tmp_path, fake_peers, model):
+    """--peer trains the reference model with the peer's mixer op (here the fakes of fla and mamba_ssm):
+    the reference path's losses; its checkpoint loads on the tk path."""
+    common = ["--steps", "3", "--eval-every", "3", "--sample-tokens", "0", "--eval-batches", "1"]
+    peer = run(tmp_path / "peer", data_dir, *common, "--peer", model=model)
+    reference = run(tmp_path / "reference", data_dir, *common, "--reference", "--no-save", model=model)
+    assert peer["path"] == "peer" and peer["config"]["peer"] and peer["config"]["reference"]
+    assert fake_peers[model], "the peer op was not called"
+    assert losses(peer) == pytest.approx(losses(reference), rel=1e-5)
+    reloaded = checkpoint.load_model(tmp_path / "peer" / "checkpoint.safetensors")
+    assert not reloaded.config.reference and not reloaded.config.peer
+
+
+def test_peer_is_refused_where_the_reference_is_the_peer():
+    with pytest.raises(SystemExit):
+        train.parse_args(["--model", "llama", "--preset", "nano", "--peer"])
+
+
 def test_gradient_accumulation_matches_the_whole_batch(data_dir, tmp_path):
     common = ["--steps", "3", "--sample-tokens", "0", "--no-save", "--eval-every", "3"]
     whole = run(tmp_path / "whole", data_dir, *common, "--batch-size", "8")
@@ -260,7 +280,7 @@ def test_gradient_accumulation_matches_the_whole_batch(data_dir, tmp_path):
 # ------------------------------------------------------------------------------- torchrun
 
 
-def torchrun(out: Path, data_dir: Path, *extra: str) -> dict:
+def torchrun(out: Path, data_dir: Path, *extra: str, model: str = "llama") -> dict:
     """2 CPU processes (gloo), global batch 8 = 2 ranks x 4 rows."""
     command = [
         sys.executable,
@@ -271,7 +291,7 @@ def torchrun(out: Path, data_dir: Path, *extra: str) -> dict:
         "2",
         "-m",
         "models.train",
-        *train_args(out, data_dir, "--sample-tokens", "0", "--eval-every", "2", *extra),
+        *train_args(out, data_dir, "--sample-tokens", "0", "--eval-every", "2", *extra, model=model),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -296,3 +316,18 @@ def test_ddp_then_fsdp_resume_on_two_processes_match_one_process(data_dir, tmp_p
     assert resumed["world_size"] == 2 and resumed["parallel"] == "fsdp"
     assert losses(resumed) == pytest.approx(losses(one_process_reference), rel=1e-5)
     assert losses(resumed, "eval_loss") == pytest.approx(losses(one_process_reference, "eval_loss"), rel=1e-5)
+
+
+@pytest.mark.parametrize("model", ["based", "mamba2", "hyena"])
+def test_linear_time_models_under_ddp_and_compiled_fsdp_match_one_process(data_dir, tmp_path, model):
+    """2 steps of 8 rows: one process (2 micro-steps of 4) against DDP and against FSDP2 with every block
+    compiled, each on two processes."""
+    common = ["--steps", "2", "--no-save"]
+    one = run(tmp_path / "one", data_dir, *common, "--eval-every", "2", "--sample-tokens", "0", "--grad-accum", "2",
+              model=model)  # fmt: skip
+    ddp = torchrun(tmp_path / "ddp", data_dir, *common, "--parallel", "ddp", model=model)
+    fsdp = torchrun(tmp_path / "fsdp", data_dir, *common, "--parallel", "fsdp", "--compile", model=model)
+    assert (ddp["parallel"], fsdp["parallel"], fsdp["compile"]) == ("ddp", "fsdp", True)
+    for summary, tolerance in ((ddp, 1e-5), (fsdp, 1e-4)):
+        assert losses(summary) == pytest.approx(losses(one), rel=tolerance)
+        assert losses(summary, "eval_loss") == pytest.approx(losses(one, "eval_loss"), rel=tolerance)
