@@ -18,10 +18,29 @@ reshape) are read from the unexpanded tensors, as GQA, so the copies disappear. 
 then go back as the expanded shape that the graph's own ``repeat_kv`` backward (a sum over each
 group) expects: our per-group gradient in the first copy of the group, zeros in the others, so the
 sum is exact.
+
+An exact node is rewritten only where tk measured at least as fast as the backend SDPA lowered it
+to (``SPEEDUP_OVER_BACKEND``, from one H100 run; ``RewriteOptions.always_rewrite_attention``
+skips this rule, for benchmarking):
+  * flash (FA2): tk is 1.00-2.05x in the forward, 1.20-1.80x forward + backward: rewritten;
+  * cuDNN: tk is 0.64-1.29x in the forward and 0.76-1.14x forward + backward, below 1 at most
+    lengths at both head dims: kept, except for a constant mask proven causal, where cuDNN reads
+    the bias and computes every block while tk runs its causal kernel (cuDNN's non-causal time,
+    a lower bound for the masked run, is 1.09-1.31x tk's causal forward + backward and 0.81x at
+    head dim 64 in the forward alone: rewritten in training graphs, and in inference at 128);
+  * efficient, and the CPU flash node: not measured; rewritten. SDPA picks efficient over flash
+    only when flash refuses the inputs (a mask, as above), and the CPU node is only reached with
+    ``any_device`` (no tk kernel there: the CPU suite exercises the rewrite through it);
+  * the math decomposition is not a fused node and is not matched (with bf16/fp16 at head dim 64
+    or 128 an H100 reaches it only when the user disables the fused backends).
+A graph with the partner backward is judged by forward + backward, an inference graph by the
+forward; each figure is the minimum over the measured lengths (N 512..16384, B*N = 16384, causal
+and not), bf16 (fp16 runs the same kernels); GQA was not part of that run and is judged as MHA.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -59,6 +78,32 @@ _CONSTANT_MASK_BYTES = 1 << 28
 # largest fp16), Hugging Face fills with the dtype's lowest value; -inf qualifies too.
 _MASKED_BIAS = -65504.0
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+
+
+@dataclasses.dataclass(frozen=True)
+class Speedup:
+    """The SDPA backend's time over tk's (above 1: tk is faster), the minimum over the lengths."""
+
+    forward: float
+    forward_and_backward: float
+
+
+SPEEDUP_MEASURED_IN = "benchmarks/results/logs/2026-11-24_3fb1f32-unordered_vs_275de8a_compare_attention.log"
+# (backend forward node, head dim, the node's mask is a constant that tk runs as causal) -> Speedup,
+# from the "new" column of SPEEDUP_MEASURED_IN. With a causal constant mask the backend's
+# non-causal time stands for its masked run (a lower bound: it computes every block and reads the
+# bias besides). Backends absent from the table were not measured and are rewritten.
+SPEEDUP_OVER_BACKEND = {
+    (aten._scaled_dot_product_cudnn_attention.default, 128, False): Speedup(0.82, 0.84),
+    (aten._scaled_dot_product_cudnn_attention.default, 128, True): Speedup(1.00, 1.31),
+    (aten._scaled_dot_product_cudnn_attention.default, 64, False): Speedup(0.64, 0.76),
+    (aten._scaled_dot_product_cudnn_attention.default, 64, True): Speedup(0.81, 1.09),
+    (aten._scaled_dot_product_flash_attention.default, 128, False): Speedup(1.43, 1.49),
+    (aten._scaled_dot_product_flash_attention.default, 128, True): Speedup(1.69, 2.24),
+    (aten._scaled_dot_product_flash_attention.default, 64, False): Speedup(1.00, 1.20),
+    (aten._scaled_dot_product_flash_attention.default, 64, True): Speedup(1.18, 1.62),
+}
+_MEASURED_BACKENDS = {forward for forward, _, _ in SPEEDUP_OVER_BACKEND}
 
 
 def _constant_value(node: torch.fx.Node) -> Optional[torch.Tensor]:
@@ -122,6 +167,10 @@ def _mask_causal(value: Optional[torch.Tensor], q_len: int, k_len: int) -> Optio
     return None
 
 
+def _mask(arguments: dict) -> Optional[torch.fx.Node]:
+    return arguments.get("attn_mask", arguments.get("attn_bias"))
+
+
 def _causal_if_rewritable(arguments: dict, options: RewriteOptions) -> Optional[bool]:
     """tk's causal flag for an SDPA node it computes exactly, None if it does not."""
     q, k, v = (_graph.fake_value(arguments[name]) for name in ("query", "key", "value"))
@@ -135,7 +184,7 @@ def _causal_if_rewritable(arguments: dict, options: RewriteOptions) -> Optional[
         return None
     if q.shape[1] % k.shape[1] != 0 or not options.serves(q.device, "attention"):
         return None
-    mask = arguments.get("attn_mask", arguments.get("attn_bias"))
+    mask = _mask(arguments)
     if mask is not None:
         if not all(isinstance(size, int) for size in (q.shape[2], k.shape[2])):
             return None
@@ -179,6 +228,16 @@ def _as_repeated_grad(graph: torch.fx.Graph, grad: torch.fx.Node, copies: int, l
     return _graph.insert_single(graph, like, aten.view.default, (padded, [batch, heads * copies, n, d]), like)
 
 
+def _tk_is_faster(forward: torch.fx.Node, arguments: dict, causal: bool, training: bool) -> bool:
+    """The rule of the module docstring: tk measured at least as fast as this node's backend."""
+    if forward.target not in _MEASURED_BACKENDS:
+        return True
+    head_dim = _graph.fake_value(arguments["query"]).shape[-1]
+    causal_mask = causal and _mask(arguments) is not None
+    speedup = SPEEDUP_OVER_BACKEND[(forward.target, head_dim, causal_mask)]
+    return (speedup.forward_and_backward if training else speedup.forward) >= 1.0
+
+
 def _partner_backwards(forward: torch.fx.Node, users: dict) -> list[torch.fx.Node] | None:
     """Backward nodes reading this forward; None if a secondary output escapes elsewhere."""
     backward_targets = _FORWARD_TO_BACKWARD[forward.target]
@@ -213,6 +272,8 @@ def rewrite_attention(graph: torch.fx.Graph, options: RewriteOptions) -> int:
             continue
         backwards = _partner_backwards(forward, users)
         if backwards is None:
+            continue
+        if not (options.always_rewrite_attention or _tk_is_faster(forward, arguments, causal, bool(backwards))):
             continue
         query = arguments["query"]
         (key, key_copies), (value, value_copies) = _unrepeated(arguments["key"]), _unrepeated(arguments["value"])
