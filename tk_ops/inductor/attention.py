@@ -31,8 +31,8 @@ skips this rule, for benchmarking):
   * efficient, and the CPU flash node: not measured; rewritten. SDPA picks efficient over flash
     only when flash refuses the inputs (a mask, as above), and the CPU node is only reached with
     ``any_device`` (no tk kernel there: the CPU suite exercises the rewrite through it);
-  * the math decomposition is not a fused node and is not matched (with bf16/fp16 at head dim 64
-    or 128 an H100 reaches it only when the user disables the fused backends).
+  * the math decomposition (matmuls and softmax, no fused node) is not matched: Hugging Face BERT
+    on the H100 lowers there and keeps it (benchmarks/results/compile_notes.md).
 A graph with the partner backward is judged by forward + backward, an inference graph by the
 forward; each figure is the minimum over the measured lengths (N 512..16384, B*N = 16384, causal
 and not), bf16 (fp16 runs the same kernels); GQA was not part of that run and is judged as MHA.
