@@ -109,6 +109,25 @@ def test_uuid_depends_on_options_and_uncacheable_user_pass():
     assert TkGraphPass(RewriteOptions(), previous=lambda graph: None).uuid() is None
 
 
+def test_uuid_depends_on_the_sdpa_backend_settings():
+    """The attention rule's outcome follows the backend SDPA lowers to, which torch's cache keys omit."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from tk_ops.inductor.graph_pass import TkGraphPass
+    from tk_ops.inductor.options import RewriteOptions
+
+    graph_pass = TkGraphPass(RewriteOptions())
+    default = graph_pass.uuid()
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        cudnn_only = graph_pass.uuid()
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION], set_priority=True):
+        cudnn_first = graph_pass.uuid()
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION], set_priority=True):
+        flash_first = graph_pass.uuid()
+    assert len({default, cudnn_only, cudnn_first, flash_first}) == 4
+    assert graph_pass.uuid() == default
+
+
 def test_default_rewrites_only_on_kernel_devices():
     saved = inductor_config.joint_custom_post_pass
     tk_ops.inductor.enable()
@@ -389,6 +408,27 @@ def test_rule_keeps_repeat_kv_with_a_constant_causal_mask(backend):
     assert rewrites == 1
     [forward] = [node for node in graph.nodes if node.target is torch.ops.tk.attention.default]
     assert all(node.op == "placeholder" for node in forward.args[:3])
+
+
+@pytest.mark.parametrize("first, second", [("FLASH_ATTENTION", "MATH"), ("MATH", "FLASH_ATTENTION")])
+def test_rule_follows_the_sdpa_backend_through_the_compile_caches(rewrites, first, second):
+    """test_default_rewrite_on_h100[is_causal_flash, is_causal_cudnn] on the CPU: one is_causal SDPA
+    compiled under one forced backend, then (Dynamo reset, the FX graph and AOTAutograd caches on)
+    under another. The CPU's flash node is rewritten, its math decomposition is not matched; the
+    second compile must not be served the first one's graph from the caches."""
+    from torch._inductor.utils import fresh_cache
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    inputs = [leaf(2, 2, 32, 64) for _ in range(3)]
+    expected = {"FLASH_ATTENTION": {"attention", "attention_bwd"}, "MATH": set()}
+    with fresh_cache():
+        for backend in (first, second):
+            torch._dynamo.reset()
+            with sdpa_kernel(getattr(SDPBackend, backend)):
+                assert tk_calls(compiled_step(fn, *inputs)) == expected[backend], backend
 
 
 def test_rule_table_names_its_measurements():

@@ -36,6 +36,12 @@ skips this rule, for benchmarking):
 A graph with the partner backward is judged by forward + backward, an inference graph by the
 forward; each figure is the minimum over the measured lengths (N 512..16384, B*N = 16384, causal
 and not), bf16 (fp16 runs the same kernels); GQA was not part of that run and is judged as MHA.
+
+Which fused node a graph holds, and so what the rule decides, follows torch's SDPA backend settings
+at compile time (``sdpa_kernel``, ``torch.backends.cuda.enable_*_sdp``), which the FX graph and
+AOTAutograd caches leave out of their keys: a graph compiled with flash allowed (rewritten) would
+be served again, from the cache, to the same SDPA call compiled with only cuDNN allowed (kept).
+``sdpa_settings()`` is therefore part of the tk pass's cache key (``TkGraphPass.uuid``).
 """
 
 from __future__ import annotations
@@ -226,6 +232,16 @@ def _as_repeated_grad(graph: torch.fx.Graph, grad: torch.fx.Node, copies: int, l
     padding = [0, 0, 0, 0, 0, copies - 1]  # (D, N, copies) from the last dim: zeros after the first copy
     padded = _graph.insert_single(graph, like, aten.constant_pad_nd.default, (grouped, padding, 0.0), like)
     return _graph.insert_single(graph, like, aten.view.default, (padded, [batch, heads * copies, n, d]), like)
+
+
+def sdpa_settings() -> tuple:
+    """The settings that pick SDPA's backend when a graph is traced: each backend's switch and
+    their priority order (``sdpa_kernel(..., set_priority=True)``)."""
+    cuda = torch.backends.cuda
+    switches = (
+        cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.cudnn_sdp_enabled(), cuda.math_sdp_enabled()
+    )
+    return switches, tuple(int(backend) for backend in torch._C._get_sdp_priority_order())
 
 
 def _tk_is_faster(forward: torch.fx.Node, arguments: dict, causal: bool, training: bool) -> bool:
