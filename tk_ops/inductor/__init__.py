@@ -7,7 +7,11 @@
 Rewritten, in inference and training graphs, only where exact (dtypes, shapes, masks, scales):
   * ``F.scaled_dot_product_attention`` (no mask, causal with Nq == Nk, or a constant mask proven
     all-true or causal; dropout 0; bf16/fp16; head dim 64/128; GQA via ``enable_gqa`` or
-    ``repeat_kv``-expanded K/V, read unexpanded) -> ``tk.attention`` / ``tk.attention_bwd``;
+    ``repeat_kv``-expanded K/V, read unexpanded) -> ``tk.attention`` / ``tk.attention_bwd``, and
+    only where tk measured at least as fast as the SDPA backend the node lowered to (the table in
+    ``tk_ops/inductor/attention.py``: flash yes, cuDNN only for a constant causal mask in training
+    at any head dim and in inference at head dim 128; ``enable(always_rewrite_attention=True)``
+    rewrites every exact node, for benchmarking);
   * ``F.layer_norm`` over the last dim (with or without bias), alone or after a residual add
     (then also without weight), and ``F.dropout(x) + residual`` into it -> ``tk.layer_norm`` /
     ``tk.layer_norm_bwd`` (the dropout on tk's hash RNG: same keep probability, one mask);
@@ -36,12 +40,13 @@ def _config():
     return config
 
 
-def enable(*, any_device: bool = False, matmul: bool = False) -> None:
+def enable(*, any_device: bool = False, matmul: bool = False, always_rewrite_attention: bool = False) -> None:
     """Install the tk rewrites (again with new options if already installed)."""
     config = _config()
     current = getattr(config, _CONFIG_SLOT)
     previous = current.previous if isinstance(current, TkGraphPass) else current
-    setattr(config, _CONFIG_SLOT, TkGraphPass(RewriteOptions(any_device=any_device, matmul=matmul), previous))
+    options = RewriteOptions(any_device=any_device, matmul=matmul, always_rewrite_attention=always_rewrite_attention)
+    setattr(config, _CONFIG_SLOT, TkGraphPass(options, previous))
 
 
 def disable() -> None:

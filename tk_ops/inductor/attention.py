@@ -18,10 +18,39 @@ reshape) are read from the unexpanded tensors, as GQA, so the copies disappear. 
 then go back as the expanded shape that the graph's own ``repeat_kv`` backward (a sum over each
 group) expects: our per-group gradient in the first copy of the group, zeros in the others, so the
 sum is exact.
+
+An exact node is rewritten only where tk measured at least as fast as the backend SDPA lowered it
+to (``SPEEDUP_OVER_BACKEND``, from one H100 run; ``RewriteOptions.always_rewrite_attention``
+skips this rule, for benchmarking):
+  * flash (FA2): tk is 1.06-1.98x in the forward, 1.21-1.82x forward + backward: rewritten;
+  * cuDNN: tk is 0.66-1.10x in the forward and 0.76-1.16x forward + backward, below 1 at most
+    lengths at both head dims: kept, except for a constant mask proven causal, where cuDNN reads
+    the bias and computes every block while tk runs its causal kernel (cuDNN's non-causal time,
+    a lower bound for the masked run, is 1.10-1.38x tk's causal forward + backward and 0.85x at
+    head dim 64 in the forward alone: rewritten in training graphs, and in inference at 128);
+  * efficient, and the CPU flash node: not measured; rewritten. SDPA picks efficient over flash
+    only when flash refuses the inputs (a mask, as above), and the CPU node is only reached with
+    ``any_device`` (no tk kernel there: the CPU suite exercises the rewrite through it);
+  * the math decomposition (matmuls and softmax, no fused node) is not matched: Hugging Face BERT
+    on the H100 lowers there and keeps it (benchmarks/results/compile_notes.md).
+A graph with the partner backward is judged by forward + backward, an inference graph by the
+forward; each figure is the minimum over the measured lengths (N 512..16384, B*N = 16384, causal
+and not), bf16 (fp16 runs the same kernels), tk's backward the default method for the shape
+(``deterministic=True``'s recompute method gives the same decisions: 0.83x and 1.12x where the
+default gives 0.86x and 1.10x). GQA (32 query / 8 key-value heads, N = 4096, D = 128) measured
+as MHA does: against cuDNN 0.89x non-causal and 0.97x causal forward + backward, against FA2
+1.6x; it is judged as MHA.
+
+Which fused node a graph holds, and so what the rule decides, follows torch's SDPA backend settings
+at compile time (``sdpa_kernel``, ``torch.backends.cuda.enable_*_sdp``), which the FX graph and
+AOTAutograd caches leave out of their keys: a graph compiled with flash allowed (rewritten) would
+be served again, from the cache, to the same SDPA call compiled with only cuDNN allowed (kept).
+``sdpa_settings()`` is therefore part of the tk pass's cache key (``TkGraphPass.uuid``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -59,6 +88,34 @@ _CONSTANT_MASK_BYTES = 1 << 28
 # largest fp16), Hugging Face fills with the dtype's lowest value; -inf qualifies too.
 _MASKED_BIAS = -65504.0
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+
+
+@dataclasses.dataclass(frozen=True)
+class Speedup:
+    """The SDPA backend's time over tk's (above 1: tk is faster), the minimum over the lengths."""
+
+    forward: float
+    forward_and_backward: float
+
+
+SPEEDUP_MEASURED_IN = "benchmarks/results/attention.json"
+# (backend forward node, head dim, the node's mask is a constant that tk runs as causal) -> Speedup,
+# from the "grid" rows of SPEEDUP_MEASURED_IN (bench_attention at bd54bcb; passes "fwd" and "bwd",
+# tk's default backward; baselines sdpa_cudnn and sdpa_flash). With a causal constant mask the
+# backend's non-causal time stands for its masked run (a lower bound: it computes every block and
+# reads the bias besides) against tk's causal time. Backends absent from the table were not
+# measured and are rewritten. tests/test_inductor.py recomputes the table from the file.
+SPEEDUP_OVER_BACKEND = {
+    (aten._scaled_dot_product_cudnn_attention.default, 128, False): Speedup(0.83, 0.86),
+    (aten._scaled_dot_product_cudnn_attention.default, 128, True): Speedup(1.03, 1.38),
+    (aten._scaled_dot_product_cudnn_attention.default, 64, False): Speedup(0.66, 0.76),
+    (aten._scaled_dot_product_cudnn_attention.default, 64, True): Speedup(0.85, 1.10),
+    (aten._scaled_dot_product_flash_attention.default, 128, False): Speedup(1.39, 1.56),
+    (aten._scaled_dot_product_flash_attention.default, 128, True): Speedup(1.73, 2.32),
+    (aten._scaled_dot_product_flash_attention.default, 64, False): Speedup(1.06, 1.21),
+    (aten._scaled_dot_product_flash_attention.default, 64, True): Speedup(1.26, 1.61),
+}
+_MEASURED_BACKENDS = {forward for forward, _, _ in SPEEDUP_OVER_BACKEND}
 
 
 def _constant_value(node: torch.fx.Node) -> Optional[torch.Tensor]:
@@ -122,6 +179,10 @@ def _mask_causal(value: Optional[torch.Tensor], q_len: int, k_len: int) -> Optio
     return None
 
 
+def _mask(arguments: dict) -> Optional[torch.fx.Node]:
+    return arguments.get("attn_mask", arguments.get("attn_bias"))
+
+
 def _causal_if_rewritable(arguments: dict, options: RewriteOptions) -> Optional[bool]:
     """tk's causal flag for an SDPA node it computes exactly, None if it does not."""
     q, k, v = (_graph.fake_value(arguments[name]) for name in ("query", "key", "value"))
@@ -135,7 +196,7 @@ def _causal_if_rewritable(arguments: dict, options: RewriteOptions) -> Optional[
         return None
     if q.shape[1] % k.shape[1] != 0 or not options.serves(q.device, "attention"):
         return None
-    mask = arguments.get("attn_mask", arguments.get("attn_bias"))
+    mask = _mask(arguments)
     if mask is not None:
         if not all(isinstance(size, int) for size in (q.shape[2], k.shape[2])):
             return None
@@ -179,6 +240,26 @@ def _as_repeated_grad(graph: torch.fx.Graph, grad: torch.fx.Node, copies: int, l
     return _graph.insert_single(graph, like, aten.view.default, (padded, [batch, heads * copies, n, d]), like)
 
 
+def sdpa_settings() -> tuple:
+    """The settings that pick SDPA's backend when a graph is traced: each backend's switch and
+    their priority order (``sdpa_kernel(..., set_priority=True)``)."""
+    cuda = torch.backends.cuda
+    switches = (
+        cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.cudnn_sdp_enabled(), cuda.math_sdp_enabled()
+    )
+    return switches, tuple(int(backend) for backend in torch._C._get_sdp_priority_order())
+
+
+def _tk_is_faster(forward: torch.fx.Node, arguments: dict, causal: bool, training: bool) -> bool:
+    """The rule of the module docstring: tk measured at least as fast as this node's backend."""
+    if forward.target not in _MEASURED_BACKENDS:
+        return True
+    head_dim = _graph.fake_value(arguments["query"]).shape[-1]
+    causal_mask = causal and _mask(arguments) is not None
+    speedup = SPEEDUP_OVER_BACKEND[(forward.target, head_dim, causal_mask)]
+    return (speedup.forward_and_backward if training else speedup.forward) >= 1.0
+
+
 def _partner_backwards(forward: torch.fx.Node, users: dict) -> list[torch.fx.Node] | None:
     """Backward nodes reading this forward; None if a secondary output escapes elsewhere."""
     backward_targets = _FORWARD_TO_BACKWARD[forward.target]
@@ -213,6 +294,8 @@ def rewrite_attention(graph: torch.fx.Graph, options: RewriteOptions) -> int:
             continue
         backwards = _partner_backwards(forward, users)
         if backwards is None:
+            continue
+        if not (options.always_rewrite_attention or _tk_is_faster(forward, arguments, causal, bool(backwards))):
             continue
         query = arguments["query"]
         (key, key_copies), (value, value_copies) = _unrepeated(arguments["key"]), _unrepeated(arguments["value"])

@@ -49,10 +49,12 @@ class TkGraphPass(CustomGraphPass):
             counters["tk_ops"]["matmul"] += matmul_rewrites
 
     def uuid(self) -> Optional[Any]:
-        """Stable across processes for the FX graph cache: our sources, options and the wrapped pass."""
+        """Stable across processes for the FX graph cache: our sources, options, the SDPA backend
+        settings the attention rule depends on (attention.py says why) and the wrapped pass."""
         previous_uuid = None
         if self.previous is not None:
             previous_uuid = self.previous.uuid() if hasattr(self.previous, "uuid") else None
             if previous_uuid is None:
                 return None  # the wrapped pass cannot be cached, so neither can we
-        return (get_hash_for_files(_SOURCES), tuple(sorted(dataclasses.asdict(self.options).items())), previous_uuid)
+        options = tuple(sorted(dataclasses.asdict(self.options).items()))
+        return (get_hash_for_files(_SOURCES), options, attention.sdpa_settings(), previous_uuid)

@@ -1,4 +1,5 @@
-"""What the rewrites may do: which devices they fire on, and whether GEMMs are rewritten."""
+"""What the rewrites may do: which devices they fire on, whether GEMMs are rewritten, and whether
+SDPA is rewritten even where the measured rule keeps its backend."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ class RewriteOptions:
     any_device: bool = False
     # Rewrite mm/addmm to tk.matmul/tk.linear (only worth it where the GEMM benchmark shows a gain).
     matmul: bool = False
+    # Rewrite every exact SDPA node, also where the speed rule of inductor/attention.py keeps the
+    # SDPA backend because it measured faster (cuDNN): for benchmarking tk against it.
+    always_rewrite_attention: bool = False
 
     def serves(self, device: torch.device, op_name: str) -> bool:
         if self.any_device:
