@@ -22,11 +22,11 @@ sum is exact.
 An exact node is rewritten only where tk measured at least as fast as the backend SDPA lowered it
 to (``SPEEDUP_OVER_BACKEND``, from one H100 run; ``RewriteOptions.always_rewrite_attention``
 skips this rule, for benchmarking):
-  * flash (FA2): tk is 1.06-1.98x in the forward, 1.21-1.82x forward + backward: rewritten;
-  * cuDNN: tk is 0.66-1.10x in the forward and 0.76-1.16x forward + backward, below 1 at most
+  * flash (FA2): tk is 1.07-2.01x in the forward, 1.27-1.91x forward + backward: rewritten;
+  * cuDNN: tk is 0.64-1.05x in the forward and 0.82-1.17x forward + backward, below 1 at most
     lengths at both head dims: kept, except for a constant mask proven causal, where cuDNN reads
     the bias and computes every block while tk runs its causal kernel (cuDNN's non-causal time,
-    a lower bound for the masked run, is 1.10-1.38x tk's causal forward + backward and 0.85x at
+    a lower bound for the masked run, is at least 1.18x tk's causal forward + backward and 0.92x at
     head dim 64 in the forward alone: rewritten in training graphs, and in inference at 128);
   * efficient, and the CPU flash node: not measured; rewritten. SDPA picks efficient over flash
     only when flash refuses the inputs (a mask, as above), and the CPU node is only reached with
@@ -36,10 +36,10 @@ skips this rule, for benchmarking):
 A graph with the partner backward is judged by forward + backward, an inference graph by the
 forward; each figure is the minimum over the measured lengths (N 512..16384, B*N = 16384, causal
 and not), bf16 (fp16 runs the same kernels), tk's backward the default method for the shape
-(``deterministic=True``'s recompute method gives the same decisions: 0.83x and 1.12x where the
-default gives 0.86x and 1.10x). GQA (32 query / 8 key-value heads, N = 4096, D = 128) measured
-as MHA does: against cuDNN 0.89x non-causal and 0.97x causal forward + backward, against FA2
-1.6x; it is judged as MHA.
+(``deterministic=True``'s recompute method gives the same decisions: 0.87x and 1.16x where the
+default gives 0.90x and 1.18x). GQA (32 query / 8 key-value heads, N = 4096, D = 128) measured
+as MHA does: against cuDNN 0.98x non-causal and 1.01x causal forward + backward, against FA2
+1.7x; it is judged as MHA.
 
 Which fused node a graph holds, and so what the rule decides, follows torch's SDPA backend settings
 at compile time (``sdpa_kernel``, ``torch.backends.cuda.enable_*_sdp``), which the FX graph and
@@ -100,20 +100,20 @@ class Speedup:
 
 SPEEDUP_MEASURED_IN = "benchmarks/results/attention.json"
 # (backend forward node, head dim, the node's mask is a constant that tk runs as causal) -> Speedup,
-# from the "grid" rows of SPEEDUP_MEASURED_IN (bench_attention at bd54bcb; passes "fwd" and "bwd",
+# from the "grid" rows of SPEEDUP_MEASURED_IN (bench_attention at 388efb0; passes "fwd" and "bwd",
 # tk's default backward; baselines sdpa_cudnn and sdpa_flash). With a causal constant mask the
 # backend's non-causal time stands for its masked run (a lower bound: it computes every block and
 # reads the bias besides) against tk's causal time. Backends absent from the table were not
 # measured and are rewritten. tests/test_inductor.py recomputes the table from the file.
 SPEEDUP_OVER_BACKEND = {
-    (aten._scaled_dot_product_cudnn_attention.default, 128, False): Speedup(0.83, 0.86),
+    (aten._scaled_dot_product_cudnn_attention.default, 128, False): Speedup(0.84, 0.90),
     (aten._scaled_dot_product_cudnn_attention.default, 128, True): Speedup(1.03, 1.38),
-    (aten._scaled_dot_product_cudnn_attention.default, 64, False): Speedup(0.66, 0.76),
-    (aten._scaled_dot_product_cudnn_attention.default, 64, True): Speedup(0.85, 1.10),
-    (aten._scaled_dot_product_flash_attention.default, 128, False): Speedup(1.39, 1.56),
-    (aten._scaled_dot_product_flash_attention.default, 128, True): Speedup(1.73, 2.32),
-    (aten._scaled_dot_product_flash_attention.default, 64, False): Speedup(1.06, 1.21),
-    (aten._scaled_dot_product_flash_attention.default, 64, True): Speedup(1.26, 1.61),
+    (aten._scaled_dot_product_cudnn_attention.default, 64, False): Speedup(0.64, 0.82),
+    (aten._scaled_dot_product_cudnn_attention.default, 64, True): Speedup(0.92, 1.18),
+    (aten._scaled_dot_product_flash_attention.default, 128, False): Speedup(1.41, 1.59),
+    (aten._scaled_dot_product_flash_attention.default, 128, True): Speedup(1.74, 2.35),
+    (aten._scaled_dot_product_flash_attention.default, 64, False): Speedup(1.07, 1.27),
+    (aten._scaled_dot_product_flash_attention.default, 64, True): Speedup(1.25, 1.74),
 }
 _MEASURED_BACKENDS = {forward for forward, _, _ in SPEEDUP_OVER_BACKEND}
 
