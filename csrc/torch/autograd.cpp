@@ -1,0 +1,384 @@
+// Autograd of the kernel-backed tk ops in C++, registered at the AutogradCUDA key.
+//
+// tk_ops/_library.py registers every op's autograd as a Python autograd.Function at the Autograd
+// alias key; it serves every device. For CUDA tensors these kernels take precedence (a direct
+// AutogradCUDA registration beats the alias), so an eager call on the GPU never re-enters Python
+// between the public function and the CUDA kernel. Each one is the Python autograd of the same op
+// (tk_ops/ops/<op>.py, setup_context and backward) spelled in C++: the same saved tensors, the same
+// non-differentiable outputs, materialize_grads, needs_input_grad taken when the forward runs (as
+// a Python autograd.Function does), the same backward op calls and output masks. Forward and
+// backward call the tk ops through the dispatcher, so fake tensors, torch.compile, export and
+// opcheck see the same tk ops as before.
+//
+// Knows no CUDA: TK_OPS_AUTOGRAD_KEY (AutogradCUDA unless defined) lets a CPU-only torch build this
+// file for AutogradCPU, which is how tests/test_cpp_autograd.py checks it against the Python
+// autograd without a GPU.
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <tuple>
+
+#ifndef TK_OPS_AUTOGRAD_KEY
+#define TK_OPS_AUTOGRAD_KEY AutogradCUDA
+#endif
+
+namespace tk::autograd {
+
+using at::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::Function;
+using torch::autograd::variable_list;
+using optional_tensor = std::optional<Tensor>;
+
+namespace {
+
+// ------------------------------------------------------------------------------- the tk ops
+
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> find_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+// One handle per op, looked up on first use (the ops are defined from Python, after this library
+// may have been loaded).
+#define TK_OPS_HANDLE(NAME, ...)                                                             \
+  const c10::TypedOperatorHandle<__VA_ARGS__>& NAME() {                                      \
+    static const c10::TypedOperatorHandle<__VA_ARGS__> handle = find_op<__VA_ARGS__>("tk::" #NAME); \
+    return handle;                                                                           \
+  }
+
+using tensor_pair = std::tuple<Tensor, Tensor>;
+using tensor_triple = std::tuple<Tensor, Tensor, Tensor>;
+using tensor_quadruple = std::tuple<Tensor, Tensor, Tensor, Tensor>;
+
+TK_OPS_HANDLE(matmul, Tensor(const Tensor&, const Tensor&))
+TK_OPS_HANDLE(matmul_bwd, tensor_pair(const Tensor&, const Tensor&, const Tensor&, std::array<bool, 2>))
+TK_OPS_HANDLE(linear, Tensor(const Tensor&, const Tensor&, const optional_tensor&))
+TK_OPS_HANDLE(linear_bwd, tensor_triple(const Tensor&, const Tensor&, const Tensor&, std::array<bool, 3>))
+TK_OPS_HANDLE(attention, tensor_pair(const Tensor&, const Tensor&, const Tensor&, bool, double, bool))
+TK_OPS_HANDLE(attention_bwd, tensor_triple(const Tensor&, const optional_tensor&, const Tensor&, const Tensor&,
+                                           const Tensor&, const Tensor&, const Tensor&, bool, double, bool))
+TK_OPS_HANDLE(layer_norm, tensor_quadruple(const Tensor&, const optional_tensor&, const optional_tensor&,
+                                           const optional_tensor&, const optional_tensor&, double, double))
+TK_OPS_HANDLE(layer_norm_bwd,
+              tensor_quadruple(const Tensor&, const optional_tensor&, const Tensor&, const optional_tensor&,
+                               const optional_tensor&, const Tensor&, const Tensor&, const optional_tensor&, double,
+                               std::array<bool, 4>))
+TK_OPS_HANDLE(rms_norm, tensor_triple(const Tensor&, const optional_tensor&, const optional_tensor&, double))
+TK_OPS_HANDLE(rms_norm_bwd, tensor_triple(const Tensor&, const optional_tensor&, const Tensor&,
+                                          const optional_tensor&, const Tensor&, std::array<bool, 3>))
+TK_OPS_HANDLE(rope, Tensor(const Tensor&, const Tensor&, const Tensor&, bool))
+TK_OPS_HANDLE(rope_bwd, Tensor(const Tensor&, const Tensor&, const Tensor&, bool))
+TK_OPS_HANDLE(rope_qk, tensor_pair(const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool))
+TK_OPS_HANDLE(rope_qk_bwd, tensor_pair(const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool))
+
+#undef TK_OPS_HANDLE
+
+// The op below autograd, as the Python kernel's `with _AutoDispatchBelowAutograd(): op(*inputs)`:
+// the CUDA kernel and everything it calls skip the autograd keys.
+template <typename Signature, typename... Args>
+auto below_autograd(const c10::TypedOperatorHandle<Signature>& op, Args&&... args) {
+  const at::AutoDispatchBelowAutograd guard;
+  return op.call(std::forward<Args>(args)...);
+}
+
+// ------------------------------------------------------------------------------------ helpers
+
+bool requires_grad(const Tensor& t) { return t.requires_grad(); }
+bool requires_grad(const optional_tensor& t) { return t.has_value() && t->requires_grad(); }
+
+// The Python kernel's test: torch.is_grad_enabled() and torch._C._any_requires_grad(*inputs).
+template <typename... Inputs>
+bool builds_graph(const Inputs&... inputs) {
+  return at::GradMode::is_enabled() && (requires_grad(inputs) || ...);
+}
+
+// ctx.needs_input_grad of a Python autograd.Function: per tensor input, whether it required grad
+// when the forward ran (not whether this backward pass asks for it). Bit i is input i.
+constexpr const char* NEEDS_INPUT_GRAD = "needs_input_grad";
+
+template <typename... Inputs>
+void save_needs_input_grad(AutogradContext* ctx, const Inputs&... inputs) {
+  int64_t bits = 0, bit = 1;
+  ((bits |= requires_grad(inputs) ? bit : 0, bit <<= 1), ...);
+  ctx->saved_data[NEEDS_INPUT_GRAD] = bits;
+}
+
+bool needs_input_grad(const AutogradContext* ctx, int input) {
+  return (ctx->saved_data.at(NEEDS_INPUT_GRAD).toInt() >> input) & 1;
+}
+
+Tensor or_undefined(const optional_tensor& t) { return t.has_value() ? *t : Tensor(); }
+optional_tensor or_none(const Tensor& t) { return t.defined() ? optional_tensor(t) : std::nullopt; }
+Tensor if_needed(bool needed, const Tensor& t) { return needed ? t : Tensor(); }
+
+// tk_ops._checks.unit_last_stride: kernels take any strides with a unit last stride.
+Tensor unit_last_stride(const Tensor& t) {
+  return t.dim() > 0 && t.size(-1) > 1 && t.stride(-1) != 1 ? t.contiguous() : t;
+}
+
+}  // namespace
+
+// Each Function is named <op>_autograd: its node's name() is torch::autograd::CppNode<tk::autograd::<op>_autograd>.
+
+// ------------------------------------------------------------------------- matmul and linear
+
+struct matmul_autograd : Function<matmul_autograd> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& a, const Tensor& b) {
+    save_needs_input_grad(ctx, a, b);
+    ctx->save_for_backward({a, b});
+    return below_autograd(matmul(), a, b);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const std::array<bool, 2> mask = {needs_input_grad(ctx, 0), needs_input_grad(ctx, 1)};
+    auto [grad_a, grad_b] = matmul_bwd().call(grads[0], saved[0], saved[1], mask);
+    return {if_needed(mask[0], grad_a), if_needed(mask[1], grad_b)};
+  }
+};
+
+Tensor matmul_kernel(const Tensor& a, const Tensor& b) {
+  if (!builds_graph(a, b)) return below_autograd(matmul(), a, b);
+  return matmul_autograd::apply(a, b);
+}
+
+struct linear_autograd : Function<linear_autograd> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const optional_tensor& bias) {
+    save_needs_input_grad(ctx, x, weight, bias);
+    ctx->save_for_backward({x, weight});
+    ctx->saved_data["has_bias"] = bias.has_value();
+    return below_autograd(linear(), x, weight, bias);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const std::array<bool, 3> mask = {needs_input_grad(ctx, 0), needs_input_grad(ctx, 1),
+                                      ctx->saved_data.at("has_bias").toBool() && needs_input_grad(ctx, 2)};
+    auto [grad_x, grad_weight, grad_bias] = linear_bwd().call(grads[0], saved[0], saved[1], mask);
+    return {if_needed(mask[0], grad_x), if_needed(mask[1], grad_weight), if_needed(mask[2], grad_bias)};
+  }
+};
+
+Tensor linear_kernel(const Tensor& x, const Tensor& weight, const optional_tensor& bias) {
+  if (!builds_graph(x, weight, bias)) return below_autograd(linear(), x, weight, bias);
+  return linear_autograd::apply(x, weight, bias);
+}
+
+// ---------------------------------------------------------------------------------- attention
+
+struct attention_autograd : Function<attention_autograd> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
+                               double scale, bool deterministic) {
+    auto [out, lse] = below_autograd(attention(), q, k, v, causal, scale, deterministic);
+    ctx->save_for_backward({q, k, v, out, lse});
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["deterministic"] = deterministic;
+    // An output that is not used gets no gradient (undefined), so the backward skips the lse term.
+    ctx->set_materialize_grads(false);
+    return {out, lse};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
+    const Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(out);
+    const optional_tensor grad_lse = grads[1].defined() ? optional_tensor(unit_last_stride(grads[1])) : std::nullopt;
+    auto [grad_q, grad_k, grad_v] = attention_bwd().call(
+        unit_last_stride(grad_out), grad_lse, q, k, v, out, lse, ctx->saved_data.at("causal").toBool(),
+        ctx->saved_data.at("scale").toDouble(), ctx->saved_data.at("deterministic").toBool());
+    return {grad_q, grad_k, grad_v, Tensor(), Tensor(), Tensor()};
+  }
+};
+
+tensor_pair attention_kernel(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, double scale,
+                             bool deterministic) {
+  if (!builds_graph(q, k, v)) return below_autograd(attention(), q, k, v, causal, scale, deterministic);
+  const variable_list outputs = attention_autograd::apply(q, k, v, causal, scale, deterministic);
+  return {outputs[0], outputs[1]};
+}
+
+// -------------------------------------------------------------------------------------- norms
+
+// Whether the norm's op returns h (the pre-norm residual stream) or an empty placeholder, in which
+// case the backward receives x as h (tk_ops/ops/layer_norm.py, "When h is materialised").
+bool materialises_h(const optional_tensor& residual, double dropout_p) { return residual.has_value() || dropout_p > 0; }
+
+// A gradient for `out` when only h was used: zeros in out's dtype, shaped like h.
+Tensor zeros_for_out(const Tensor& h, const AutogradContext* ctx) {
+  const auto dtype = static_cast<at::ScalarType>(ctx->saved_data.at("out_dtype").toInt());
+  return at::zeros(h.sizes(), h.options().dtype(dtype));
+}
+
+struct layer_norm_autograd : Function<layer_norm_autograd> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const optional_tensor& weight,
+                               const optional_tensor& bias, const optional_tensor& residual,
+                               const optional_tensor& dropout_seed, double eps, double dropout_p) {
+    save_needs_input_grad(ctx, x, weight, bias, residual);
+    auto [out, h, mean, rstd] = below_autograd(layer_norm(), x, weight, bias, residual, dropout_seed, eps, dropout_p);
+    const bool materialised_h = materialises_h(residual, dropout_p);
+    ctx->mark_non_differentiable(materialised_h ? variable_list{mean, rstd} : variable_list{h, mean, rstd});
+    // An unused output (h when return_residual=False) then gets no gradient, not a tensor of zeros.
+    ctx->set_materialize_grads(false);
+    ctx->save_for_backward({materialised_h ? h : x, or_undefined(weight), or_undefined(bias), mean, rstd,
+                            or_undefined(dropout_seed)});
+    ctx->saved_data["materialised_h"] = materialised_h;
+    ctx->saved_data["dropout_p"] = dropout_p;
+    ctx->saved_data["out_dtype"] = static_cast<int64_t>(out.scalar_type());
+    return {out, h, mean, rstd};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const Tensor &h = saved[0], &weight = saved[1], &bias = saved[2], &mean = saved[3], &rstd = saved[4];
+    bool needs_x = needs_input_grad(ctx, 0), needs_weight = needs_input_grad(ctx, 1);
+    bool needs_bias = needs_input_grad(ctx, 2), needs_residual = needs_input_grad(ctx, 3);
+    Tensor grad_out = grads[0];
+    if (!grad_out.defined()) {  // only h was used: the parameters get no gradient
+      grad_out = zeros_for_out(h, ctx);
+      needs_weight = needs_bias = false;
+    }
+    const bool materialised_h = ctx->saved_data.at("materialised_h").toBool();
+    const std::array<bool, 4> mask = {needs_x, needs_residual, needs_weight, needs_bias};
+    auto [grad_x, grad_residual, grad_weight, grad_bias] = layer_norm_bwd().call(
+        grad_out, materialised_h ? or_none(grads[1]) : std::nullopt, h, or_none(weight), or_none(bias), mean, rstd,
+        or_none(saved[5]), ctx->saved_data.at("dropout_p").toDouble(), mask);
+    return {if_needed(needs_x, grad_x),
+            if_needed(needs_weight, grad_weight),
+            if_needed(needs_bias, grad_bias),
+            if_needed(needs_residual, grad_residual),
+            Tensor(),
+            Tensor(),
+            Tensor()};
+  }
+};
+
+tensor_quadruple layer_norm_kernel(const Tensor& x, const optional_tensor& weight, const optional_tensor& bias,
+                                   const optional_tensor& residual, const optional_tensor& dropout_seed, double eps,
+                                   double dropout_p) {
+  if (!builds_graph(x, weight, bias, residual, dropout_seed)) {
+    return below_autograd(layer_norm(), x, weight, bias, residual, dropout_seed, eps, dropout_p);
+  }
+  const variable_list o = layer_norm_autograd::apply(x, weight, bias, residual, dropout_seed, eps, dropout_p);
+  return {o[0], o[1], o[2], o[3]};
+}
+
+struct rms_norm_autograd : Function<rms_norm_autograd> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const optional_tensor& weight,
+                               const optional_tensor& residual, double eps) {
+    save_needs_input_grad(ctx, x, weight, residual);
+    auto [out, h, rstd] = below_autograd(rms_norm(), x, weight, residual, eps);
+    const bool materialised_h = residual.has_value();
+    ctx->mark_non_differentiable(materialised_h ? variable_list{rstd} : variable_list{h, rstd});
+    // An unused output (h when return_residual=False) then gets no gradient, not a tensor of zeros.
+    ctx->set_materialize_grads(false);
+    ctx->save_for_backward({materialised_h ? h : x, or_undefined(weight), rstd});
+    ctx->saved_data["materialised_h"] = materialised_h;
+    ctx->saved_data["out_dtype"] = static_cast<int64_t>(out.scalar_type());
+    return {out, h, rstd};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const Tensor &h = saved[0], &weight = saved[1], &rstd = saved[2];
+    bool needs_x = needs_input_grad(ctx, 0), needs_weight = needs_input_grad(ctx, 1);
+    bool needs_residual = needs_input_grad(ctx, 2);
+    Tensor grad_out = grads[0];
+    if (!grad_out.defined()) {  // only h was used: the weight gets no gradient
+      grad_out = zeros_for_out(h, ctx);
+      needs_weight = false;
+    }
+    const bool materialised_h = ctx->saved_data.at("materialised_h").toBool();
+    auto [grad_x, grad_residual, grad_weight] =
+        rms_norm_bwd().call(grad_out, materialised_h ? or_none(grads[1]) : std::nullopt, h, or_none(weight), rstd,
+                            std::array<bool, 3>{needs_x, needs_residual, needs_weight});
+    return {if_needed(needs_x, grad_x), if_needed(needs_weight, grad_weight), if_needed(needs_residual, grad_residual),
+            Tensor()};
+  }
+};
+
+tensor_triple rms_norm_kernel(const Tensor& x, const optional_tensor& weight, const optional_tensor& residual,
+                              double eps) {
+  if (!builds_graph(x, weight, residual)) return below_autograd(rms_norm(), x, weight, residual, eps);
+  const variable_list o = rms_norm_autograd::apply(x, weight, residual, eps);
+  return {o[0], o[1], o[2]};
+}
+
+// --------------------------------------------------------------------------------------- rope
+
+// cos and sin are constants: saved for the backward, never differentiated (tk_ops/ops/rope.py).
+struct rope_autograd : Function<rope_autograd> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& cos, const Tensor& sin, bool interleaved) {
+    ctx->save_for_backward({cos, sin});
+    ctx->saved_data["interleaved"] = interleaved;
+    return below_autograd(rope(), x, cos, sin, interleaved);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const bool interleaved = ctx->saved_data.at("interleaved").toBool();
+    return {rope_bwd().call(unit_last_stride(grads[0]), saved[0], saved[1], interleaved), Tensor(), Tensor(),
+            Tensor()};
+  }
+};
+
+Tensor rope_kernel(const Tensor& x, const Tensor& cos, const Tensor& sin, bool interleaved) {
+  if (!builds_graph(x, cos, sin)) return below_autograd(rope(), x, cos, sin, interleaved);
+  return rope_autograd::apply(x, cos, sin, interleaved);
+}
+
+struct rope_qk_autograd : Function<rope_qk_autograd> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& cos,
+                               const Tensor& sin, bool interleaved) {
+    save_needs_input_grad(ctx, q, k);
+    ctx->save_for_backward({cos, sin});
+    ctx->saved_data["interleaved"] = interleaved;
+    auto [q_out, k_out] = below_autograd(rope_qk(), q, k, cos, sin, interleaved);
+    return {q_out, k_out};
+  }
+
+  // Autograd gives an output that did not reach the loss a zero gradient (grads are materialised),
+  // so rope_qk_bwd always gets two tensors; with only one of q, k requiring grad, rope_bwd runs alone.
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const Tensor &cos = saved[0], &sin = saved[1];
+    const bool interleaved = ctx->saved_data.at("interleaved").toBool();
+    const bool needs_q = needs_input_grad(ctx, 0), needs_k = needs_input_grad(ctx, 1);
+    if (needs_q && needs_k) {
+      auto [grad_q, grad_k] =
+          rope_qk_bwd().call(unit_last_stride(grads[0]), unit_last_stride(grads[1]), cos, sin, interleaved);
+      return {grad_q, grad_k, Tensor(), Tensor(), Tensor()};
+    }
+    if (needs_q) {
+      return {rope_bwd().call(unit_last_stride(grads[0]), cos, sin, interleaved), Tensor(), Tensor(), Tensor(),
+              Tensor()};
+    }
+    return {Tensor(), rope_bwd().call(unit_last_stride(grads[1]), cos, sin, interleaved), Tensor(), Tensor(),
+            Tensor()};
+  }
+};
+
+tensor_pair rope_qk_kernel(const Tensor& q, const Tensor& k, const Tensor& cos, const Tensor& sin, bool interleaved) {
+  if (!builds_graph(q, k, cos, sin)) return below_autograd(rope_qk(), q, k, cos, sin, interleaved);
+  const variable_list outputs = rope_qk_autograd::apply(q, k, cos, sin, interleaved);
+  return {outputs[0], outputs[1]};
+}
+
+}  // namespace tk::autograd
+
+TORCH_LIBRARY_IMPL(tk, TK_OPS_AUTOGRAD_KEY, m) {
+  m.impl("matmul", &tk::autograd::matmul_kernel);
+  m.impl("linear", &tk::autograd::linear_kernel);
+  m.impl("attention", &tk::autograd::attention_kernel);
+  m.impl("layer_norm", &tk::autograd::layer_norm_kernel);
+  m.impl("rms_norm", &tk::autograd::rms_norm_kernel);
+  m.impl("rope", &tk::autograd::rope_kernel);
+  m.impl("rope_qk", &tk::autograd::rope_qk_kernel);
+}
