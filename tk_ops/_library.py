@@ -29,6 +29,7 @@ _TAGS = (torch.Tag.pt2_compliant_tag,)
 
 _REFERENCE_WARNED: set[str] = set()
 _DEFINED: list[str] = []
+_PYTHON_AUTOGRAD: dict[str, Callable] = {}
 
 
 def _describe_tensors(args) -> str:
@@ -104,6 +105,19 @@ def register_autograd(op, backward: Callable, setup_context: Callable) -> None:
             return op(*inputs)
 
     LIB.impl(op._opname, autograd_kernel, "Autograd")
+    _PYTHON_AUTOGRAD[op._opname] = autograd_kernel
+
+
+def python_autograd(name: str) -> Callable:
+    """The Python autograd kernel of ``tk::<name>`` (what the Autograd key runs), callable with the
+    op's arguments: the reference the C++ autograd kernels of csrc/torch/autograd.cpp are tested against."""
+    return _PYTHON_AUTOGRAD[name]
+
+
+def has_cpp_autograd(name: str, dispatch_key: str = "AutogradCUDA") -> bool:
+    """True when a C++ autograd kernel (csrc/torch/autograd.cpp) serves ``tk::<name>`` at ``dispatch_key``,
+    taking precedence there over the Python one."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"{NAMESPACE}::{name}", dispatch_key)
 
 
 def has_cuda_kernel(name: str) -> bool:

@@ -256,9 +256,8 @@ def _layer_norm_setup_context(ctx, inputs, output):
     x, weight, bias, residual, dropout_seed, eps, dropout_p = inputs
     out, h, mean, rstd = output
     ctx.materialised_h = _materialises_h(residual, dropout_p)
-    ctx.mark_non_differentiable(mean, rstd)
-    if not ctx.materialised_h:
-        ctx.mark_non_differentiable(h)
+    # One call: each mark_non_differentiable replaces the previous set.
+    ctx.mark_non_differentiable(mean, rstd, *(() if ctx.materialised_h else (h,)))
     # An unused output (h when return_residual=False) then gets None, not a full tensor of zeros.
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(h if ctx.materialised_h else x, weight, bias, mean, rstd, dropout_seed)
