@@ -1,8 +1,8 @@
 """Where the host time of one eager tk op call goes, layer by layer, on the CPU (reference path).
 
 Run from the repository root on any machine: python3 -m benchmarks.overhead_layers [--calls N] [--library SO]
-Every op runs on tiny CPU tensors, so each call costs what the layers around the math cost plus a
-tiny reference computation. Per op, microseconds per call (best of several rounds):
+[--device cuda]. Every op runs on tiny tensors, so each call costs what the layers around the math
+cost plus a tiny computation (on the CPU the reference; with --device cuda the kernels, bf16). Per op, microseconds per call (best of several rounds):
 
   public      tk_ops.<op>(...), inputs without requires_grad
   op_call     torch.ops.tk.<op>.default on the arguments the public function hands it (no grad)
@@ -36,18 +36,25 @@ from tk_ops.ops import matmul as matmul_mod
 from tk_ops.ops import rms_norm as rms_norm_mod
 from tk_ops.ops import rope as rope_mod
 
-DTYPE = torch.float32
+DTYPES = {"cpu": torch.float32, "cuda": torch.bfloat16}
 
 
-def per_call_us(fn: Callable[[], object], calls: int, rounds: int = 7) -> float:
+def _synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def per_call_us(fn: Callable[[], object], calls: int, device: str, rounds: int = 7) -> float:
     """Best of ``rounds`` averages over ``calls`` calls, in microseconds (the machine is shared)."""
     for _ in range(max(10, calls // 20)):
         fn()
+    _synchronize(device)
     best = float("inf")
     for _ in range(rounds):
         start = time.perf_counter()
         for _ in range(calls):
             fn()
+        _synchronize(device)
         best = min(best, (time.perf_counter() - start) / calls * 1e6)
     return best
 
@@ -57,21 +64,22 @@ def _rotate_half_rope(x, cos, sin):
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def cases():
+def cases(device: str):
     """(name, public(*inputs), op(*inputs) with the public function's normalised arguments,
-    the op, the reference, torch's counterpart, inputs); the first inputs are the differentiable ones."""
+    the op, the reference, torch's counterpart, inputs); the first inputs are the differentiable ones.
+    Sizes the kernels take (so that CUDA runs them) and as small as that allows."""
 
     def t(*shape):
-        return torch.randn(*shape, dtype=DTYPE)
+        return torch.randn(*shape, dtype=DTYPES[device], device=device)
 
     a, b = t(8, 8), t(8, 8)
     x, weight, bias = t(4, 16), t(16), t(16)
     w_linear, b_linear = t(8, 16), t(8)
-    q, k, v = t(1, 2, 8, 16), t(1, 2, 8, 16), t(1, 2, 8, 16)
+    q, k, v = t(1, 2, 8, 64), t(1, 2, 8, 64), t(1, 2, 8, 64)
     cos, sin = t(8, 8), t(8, 8)
     cos3, sin3 = cos.unsqueeze(0), sin.unsqueeze(0)
     cos_full, sin_full = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
-    scale = 0.25
+    scale = 0.125
     return [
         ("matmul", tk_ops.matmul, matmul_mod.matmul_op, (), matmul_mod._matmul_reference, torch.matmul, (a, b)),
         ("linear", tk_ops.linear, matmul_mod.linear_op, (), matmul_mod._linear_reference, F.linear,
@@ -96,9 +104,9 @@ def _first(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
-def measure(calls: int) -> list[dict]:
+def measure(calls: int, device: str) -> list[dict]:
     rows = []
-    for name, public, op, extra, reference, theirs, inputs in cases():
+    for name, public, op, extra, reference, theirs, inputs in cases(device):
         plain = tuple(i.detach() for i in inputs)
         grads = tuple(i.detach().requires_grad_() for i in inputs)
         op_args = plain + extra
@@ -113,15 +121,15 @@ def measure(calls: int) -> list[dict]:
 
         row = {
             "op": name,
-            "public": per_call_us(lambda: public(*plain), calls),
-            "op_call": per_call_us(lambda: op(*op_args), calls),
-            "below": per_call_us(below, calls),
-            "reference": per_call_us(lambda: reference(*op_args), calls),
-            "public_grad": per_call_us(lambda: public(*grads), calls),
-            "op_call_grad": per_call_us(lambda: op(*op_grad_args), calls),
-            "fwd_bwd": per_call_us(fwd_bwd(public), calls // 2),
-            "torch": per_call_us(lambda: theirs(*plain), calls),
-            "torch_fwd_bwd": per_call_us(fwd_bwd(theirs), calls // 2),
+            "public": per_call_us(lambda: public(*plain), calls, device),
+            "op_call": per_call_us(lambda: op(*op_args), calls, device),
+            "below": per_call_us(below, calls, device),
+            "reference": per_call_us(lambda: reference(*op_args), calls, device) if device == "cpu" else float("nan"),
+            "public_grad": per_call_us(lambda: public(*grads), calls, device),
+            "op_call_grad": per_call_us(lambda: op(*op_grad_args), calls, device),
+            "fwd_bwd": per_call_us(fwd_bwd(public), calls // 2, device),
+            "torch": per_call_us(lambda: theirs(*plain), calls, device),
+            "torch_fwd_bwd": per_call_us(fwd_bwd(theirs), calls // 2, device),
         }
         rows.append(row)
     return rows
@@ -130,6 +138,7 @@ def measure(calls: int) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--device", default="cpu", choices=sorted(DTYPES), help="cuda: the kernels, bf16 (no reference column)")
     parser.add_argument(
         "--library",
         help="load this shared library first, e.g. csrc/torch/autograd.cpp built for AutogradCPU "
@@ -140,10 +149,10 @@ def main() -> None:
         torch.ops.load_library(args.library)
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    print(f"tk_ops extension: {tk_ops.extension_status()}; torch {torch.__version__}; us per call (CPU, best of 7)")
+    print(f"tk_ops extension: {tk_ops.extension_status()}; torch {torch.__version__}; {args.device}; us per call, best of 7")
     columns = ("public", "op_call", "below", "reference", "public_grad", "op_call_grad", "fwd_bwd", "torch", "torch_fwd_bwd")
     print(f"{'op':11}" + "".join(f"{c:>14}" for c in columns))
-    for row in measure(args.calls):
+    for row in measure(args.calls, args.device):
         print(f"{row['op']:11}" + "".join(f"{row[c]:14.1f}" for c in columns))
 
 

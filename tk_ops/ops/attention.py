@@ -247,8 +247,19 @@ def attention(
     Nk >= 8192: about 6% less backward time on the H100), so dq may differ in its last bits
     between runs. None follows ``torch.are_deterministic_algorithms_enabled()``.
     """
-    q, k, v = autocast_inputs(q, k, v)
-    _check_inputs(q, k, v, scale)
+    if not (
+        _checks.uniform_floats(q, k, v, autocast=True)
+        and q.dim() == 4
+        and k.dim() == 4
+        and v.dim() == 4
+        and k.shape[0] == q.shape[0]
+        and k.shape[3] == q.shape[3]
+        and v.shape[:3] == k.shape[:3]
+        and q.shape[1] % k.shape[1] == 0
+        and (scale is None or math.isfinite(scale))
+    ):
+        q, k, v = autocast_inputs(q, k, v)
+        _check_inputs(q, k, v, scale)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[3])
     if deterministic is None:
