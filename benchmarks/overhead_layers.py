@@ -76,7 +76,7 @@ def cases(device: str):
     x, weight, bias = t(4, 16), t(16), t(16)
     w_linear, b_linear = t(8, 16), t(8)
     q, k, v = t(1, 2, 8, 64), t(1, 2, 8, 64), t(1, 2, 8, 64)
-    cos, sin = t(8, 8), t(8, 8)
+    cos, sin = t(8, 32), t(8, 32)
     cos3, sin3 = cos.unsqueeze(0), sin.unsqueeze(0)
     cos_full, sin_full = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
     scale = 0.125

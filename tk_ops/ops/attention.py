@@ -223,6 +223,20 @@ def _check_inputs(q, k, v, scale) -> None:
         raise ValueError(f"scale must be a finite number or None (1/sqrt(D)), got {scale}")
 
 
+def _plain_shapes(q_shape, k_shape, v_shape, scale) -> bool:
+    """The fast path's half of _check_inputs (the other is _checks.uniform_floats): shapes related right."""
+    return (
+        len(q_shape) == 4
+        and len(k_shape) == 4
+        and len(v_shape) == 4
+        and k_shape[0] == q_shape[0]
+        and k_shape[3] == q_shape[3]
+        and v_shape[:3] == k_shape[:3]
+        and q_shape[1] % k_shape[1] == 0
+        and (scale is None or math.isfinite(scale))
+    )
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -247,17 +261,7 @@ def attention(
     Nk >= 8192: about 6% less backward time on the H100), so dq may differ in its last bits
     between runs. None follows ``torch.are_deterministic_algorithms_enabled()``.
     """
-    if not (
-        _checks.uniform_floats(q, k, v, autocast=True)
-        and q.dim() == 4
-        and k.dim() == 4
-        and v.dim() == 4
-        and k.shape[0] == q.shape[0]
-        and k.shape[3] == q.shape[3]
-        and v.shape[:3] == k.shape[:3]
-        and q.shape[1] % k.shape[1] == 0
-        and (scale is None or math.isfinite(scale))
-    ):
+    if not (_checks.uniform_floats(q, k, v, autocast=True) and _plain_shapes(q.shape, k.shape, v.shape, scale)):
         q, k, v = autocast_inputs(q, k, v)
         _check_inputs(q, k, v, scale)
     if scale is None:
