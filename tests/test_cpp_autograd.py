@@ -245,6 +245,30 @@ def test_child_compile_through_cpp_autograd():
     check_compile_fullgraph(block, (x, w, gamma), ops, loss=lambda out: out.square().sum(), tol=1e-6)
 
 
+@pytest.mark.skipif(not IN_CHILD, reason=f"runs in test_cpu_build's child process ({LIBRARY_VARIABLE} set)")
+def test_child_compiled_autograd_takes_the_cpp_nodes():
+    x, w = torch.randn(6, 32, requires_grad=True), torch.randn(32, 32, requires_grad=True)
+    gamma, residual = torch.randn(32, requires_grad=True), torch.randn(6, 32, requires_grad=True)
+    q = torch.randn(1, 2, 5, 64, requires_grad=True)
+
+    def step():
+        out, h = tk_ops.layer_norm(tk_ops.linear(x, w), gamma, None, residual=residual, return_residual=True)
+        normed = tk_ops.rms_norm(h, gamma)
+        attended = tk_ops.attention(q, q, q, causal=True)
+        (out.square().sum() + normed.sum() + attended.sum()).backward()
+        leaves = (x, w, gamma, residual, q)
+        grads = [t.grad.clone() for t in leaves]
+        for t in leaves:
+            t.grad = None
+        return grads
+
+    eager = step()
+    with torch._dynamo.compiled_autograd._enable(torch.compile(backend="eager", fullgraph=True)):
+        compiled = step()
+    for got, want in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
 def _build_cpu_library() -> str:
     """Build csrc/torch/autograd.cpp for AutogradCPU in a child (loading it registers the kernels)."""
     script = (

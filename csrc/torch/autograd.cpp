@@ -10,6 +10,9 @@
 // backward call the tk ops through the dispatcher, so fake tensors, torch.compile, export and
 // opcheck see the same tk ops as before.
 //
+// Unlike the Python autograd, the norms' Functions return only their differentiable outputs (see
+// "norms" below), so that compiled autograd takes their nodes.
+//
 // Knows no CUDA: TK_OPS_AUTOGRAD_KEY (AutogradCUDA unless defined) lets a CPU-only torch build this
 // file for AutogradCPU, which is how tests/test_cpp_autograd.py checks it against the Python
 // autograd without a GPU.
@@ -130,6 +133,8 @@ Tensor unit_last_stride(const Tensor& t) {
 // ------------------------------------------------------------------------- matmul and linear
 
 struct matmul_autograd : Function<matmul_autograd> {
+  static constexpr bool is_traceable = true;  // compiled autograd traces the backward (tk ops)
+
   static Tensor forward(AutogradContext* ctx, const Tensor& a, const Tensor& b) {
     save_needs_input_grad(ctx, a, b);
     ctx->save_for_backward({a, b});
@@ -150,6 +155,8 @@ Tensor matmul_kernel(const Tensor& a, const Tensor& b) {
 }
 
 struct linear_autograd : Function<linear_autograd> {
+  static constexpr bool is_traceable = true;  // compiled autograd traces the backward (tk ops)
+
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const optional_tensor& bias) {
     save_needs_input_grad(ctx, x, weight, bias);
     ctx->save_for_backward({x, weight});
@@ -174,6 +181,8 @@ Tensor linear_kernel(const Tensor& x, const Tensor& weight, const optional_tenso
 // ---------------------------------------------------------------------------------- attention
 
 struct attention_autograd : Function<attention_autograd> {
+  static constexpr bool is_traceable = true;  // compiled autograd traces the backward (tk ops)
+
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
                                double scale, bool deterministic) {
     auto [out, lse] = below_autograd(attention(), q, k, v, causal, scale, deterministic);
@@ -206,6 +215,12 @@ tensor_pair attention_kernel(const Tensor& q, const Tensor& k, const Tensor& v, 
 }
 
 // -------------------------------------------------------------------------------------- norms
+//
+// The statistics (mean, rstd), and h where the op returns an empty placeholder for it, are what
+// the Python autograd marks non-differentiable. Here they leave the Function beside it (forward
+// writes them into `statistics`), so they come out exactly as marked outputs do (no grad_fn,
+// requires_grad False) and the node's context marks nothing: compiled autograd refuses C++ nodes
+// whose context marked outputs non-differentiable (CppNode::compiled_args asserts it never did).
 
 // Whether the norm's op returns h (the pre-norm residual stream) or an empty placeholder, in which
 // case the backward receives x as h (tk_ops/ops/layer_norm.py, "When h is materialised").
@@ -218,13 +233,17 @@ Tensor zeros_for_out(const Tensor& h, const AutogradContext* ctx) {
 }
 
 struct layer_norm_autograd : Function<layer_norm_autograd> {
+  static constexpr bool is_traceable = true;  // compiled autograd traces the backward (tk ops)
+
+  // Returns out, and h when it is materialised; `outputs` receives all four outputs of the op.
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const optional_tensor& weight,
                                const optional_tensor& bias, const optional_tensor& residual,
-                               const optional_tensor& dropout_seed, double eps, double dropout_p) {
+                               const optional_tensor& dropout_seed, double eps, double dropout_p,
+                               tensor_quadruple* outputs) {
     save_needs_input_grad(ctx, x, weight, bias, residual);
-    auto [out, h, mean, rstd] = below_autograd(layer_norm(), x, weight, bias, residual, dropout_seed, eps, dropout_p);
+    *outputs = below_autograd(layer_norm(), x, weight, bias, residual, dropout_seed, eps, dropout_p);
+    const auto& [out, h, mean, rstd] = *outputs;
     const bool materialised_h = materialises_h(residual, dropout_p);
-    ctx->mark_non_differentiable(materialised_h ? variable_list{mean, rstd} : variable_list{h, mean, rstd});
     // An unused output (h when return_residual=False) then gets no gradient, not a tensor of zeros.
     ctx->set_materialize_grads(false);
     ctx->save_for_backward({materialised_h ? h : x, or_undefined(weight), or_undefined(bias), mean, rstd,
@@ -232,7 +251,7 @@ struct layer_norm_autograd : Function<layer_norm_autograd> {
     ctx->saved_data["materialised_h"] = materialised_h;
     ctx->saved_data["dropout_p"] = dropout_p;
     ctx->saved_data["out_dtype"] = static_cast<int64_t>(out.scalar_type());
-    return {out, h, mean, rstd};
+    return materialised_h ? variable_list{out, h} : variable_list{out};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -245,15 +264,16 @@ struct layer_norm_autograd : Function<layer_norm_autograd> {
       grad_out = zeros_for_out(h, ctx);
       needs_weight = needs_bias = false;
     }
-    const bool materialised_h = ctx->saved_data.at("materialised_h").toBool();
+    const optional_tensor grad_h = grads.size() > 1 ? or_none(grads[1]) : std::nullopt;
     const std::array<bool, 4> mask = {needs_x, needs_residual, needs_weight, needs_bias};
-    auto [grad_x, grad_residual, grad_weight, grad_bias] = layer_norm_bwd().call(
-        grad_out, materialised_h ? or_none(grads[1]) : std::nullopt, h, or_none(weight), or_none(bias), mean, rstd,
-        or_none(saved[5]), ctx->saved_data.at("dropout_p").toDouble(), mask);
+    auto [grad_x, grad_residual, grad_weight, grad_bias] =
+        layer_norm_bwd().call(grad_out, grad_h, h, or_none(weight), or_none(bias), mean, rstd, or_none(saved[5]),
+                              ctx->saved_data.at("dropout_p").toDouble(), mask);
     return {if_needed(needs_x, grad_x),
             if_needed(needs_weight, grad_weight),
             if_needed(needs_bias, grad_bias),
             if_needed(needs_residual, grad_residual),
+            Tensor(),
             Tensor(),
             Tensor(),
             Tensor()};
@@ -266,23 +286,28 @@ tensor_quadruple layer_norm_kernel(const Tensor& x, const optional_tensor& weigh
   if (!builds_graph(x, weight, bias, residual, dropout_seed)) {
     return below_autograd(layer_norm(), x, weight, bias, residual, dropout_seed, eps, dropout_p);
   }
-  const variable_list o = layer_norm_autograd::apply(x, weight, bias, residual, dropout_seed, eps, dropout_p);
-  return {o[0], o[1], o[2], o[3]};
+  tensor_quadruple outputs;
+  const variable_list differentiable =
+      layer_norm_autograd::apply(x, weight, bias, residual, dropout_seed, eps, dropout_p, &outputs);
+  const auto& [out, h, mean, rstd] = outputs;
+  return {differentiable[0], differentiable.size() > 1 ? differentiable[1] : h, mean, rstd};
 }
 
 struct rms_norm_autograd : Function<rms_norm_autograd> {
+  static constexpr bool is_traceable = true;  // compiled autograd traces the backward (tk ops)
+
+  // Returns out, and h when it is materialised; `outputs` receives all three outputs of the op.
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const optional_tensor& weight,
-                               const optional_tensor& residual, double eps) {
+                               const optional_tensor& residual, double eps, tensor_triple* outputs) {
     save_needs_input_grad(ctx, x, weight, residual);
-    auto [out, h, rstd] = below_autograd(rms_norm(), x, weight, residual, eps);
+    *outputs = below_autograd(rms_norm(), x, weight, residual, eps);
+    const auto& [out, h, rstd] = *outputs;
     const bool materialised_h = residual.has_value();
-    ctx->mark_non_differentiable(materialised_h ? variable_list{rstd} : variable_list{h, rstd});
     // An unused output (h when return_residual=False) then gets no gradient, not a tensor of zeros.
     ctx->set_materialize_grads(false);
     ctx->save_for_backward({materialised_h ? h : x, or_undefined(weight), rstd});
-    ctx->saved_data["materialised_h"] = materialised_h;
     ctx->saved_data["out_dtype"] = static_cast<int64_t>(out.scalar_type());
-    return {out, h, rstd};
+    return materialised_h ? variable_list{out, h} : variable_list{out};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -295,26 +320,29 @@ struct rms_norm_autograd : Function<rms_norm_autograd> {
       grad_out = zeros_for_out(h, ctx);
       needs_weight = false;
     }
-    const bool materialised_h = ctx->saved_data.at("materialised_h").toBool();
-    auto [grad_x, grad_residual, grad_weight] =
-        rms_norm_bwd().call(grad_out, materialised_h ? or_none(grads[1]) : std::nullopt, h, or_none(weight), rstd,
-                            std::array<bool, 3>{needs_x, needs_residual, needs_weight});
+    const optional_tensor grad_h = grads.size() > 1 ? or_none(grads[1]) : std::nullopt;
+    auto [grad_x, grad_residual, grad_weight] = rms_norm_bwd().call(
+        grad_out, grad_h, h, or_none(weight), rstd, std::array<bool, 3>{needs_x, needs_residual, needs_weight});
     return {if_needed(needs_x, grad_x), if_needed(needs_weight, grad_weight), if_needed(needs_residual, grad_residual),
-            Tensor()};
+            Tensor(), Tensor()};
   }
 };
 
 tensor_triple rms_norm_kernel(const Tensor& x, const optional_tensor& weight, const optional_tensor& residual,
                               double eps) {
   if (!builds_graph(x, weight, residual)) return below_autograd(rms_norm(), x, weight, residual, eps);
-  const variable_list o = rms_norm_autograd::apply(x, weight, residual, eps);
-  return {o[0], o[1], o[2]};
+  tensor_triple outputs;
+  const variable_list differentiable = rms_norm_autograd::apply(x, weight, residual, eps, &outputs);
+  const auto& [out, h, rstd] = outputs;
+  return {differentiable[0], differentiable.size() > 1 ? differentiable[1] : h, rstd};
 }
 
 // --------------------------------------------------------------------------------------- rope
 
 // cos and sin are constants: saved for the backward, never differentiated (tk_ops/ops/rope.py).
 struct rope_autograd : Function<rope_autograd> {
+  static constexpr bool is_traceable = true;  // compiled autograd traces the backward (tk ops)
+
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& cos, const Tensor& sin, bool interleaved) {
     ctx->save_for_backward({cos, sin});
     ctx->saved_data["interleaved"] = interleaved;
@@ -335,6 +363,8 @@ Tensor rope_kernel(const Tensor& x, const Tensor& cos, const Tensor& sin, bool i
 }
 
 struct rope_qk_autograd : Function<rope_qk_autograd> {
+  static constexpr bool is_traceable = true;  // compiled autograd traces the backward (tk ops)
+
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& cos,
                                const Tensor& sin, bool interleaved) {
     save_needs_input_grad(ctx, q, k);
