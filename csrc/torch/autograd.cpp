@@ -4,14 +4,12 @@
 // alias key; it serves every device. For CUDA tensors these kernels take precedence (a direct
 // AutogradCUDA registration beats the alias), so an eager call on the GPU never re-enters Python
 // between the public function and the CUDA kernel. Each one is the Python autograd of the same op
-// (tk_ops/ops/<op>.py, setup_context and backward) spelled in C++: the same saved tensors, the same
-// non-differentiable outputs, materialize_grads, needs_input_grad taken when the forward runs (as
-// a Python autograd.Function does), the same backward op calls and output masks. Forward and
-// backward call the tk ops through the dispatcher, so fake tensors, torch.compile, export and
-// opcheck see the same tk ops as before.
-//
-// Unlike the Python autograd, the norms' Functions return only their differentiable outputs (see
-// "norms" below), so that compiled autograd takes their nodes.
+// (tk_ops/ops/<op>.py, setup_context and backward) spelled in C++: the same saved tensors, the
+// same outputs without a gradient, materialize_grads, needs_input_grad taken when the forward runs
+// (as a Python autograd.Function does), the same backward op calls and output masks. Forward and
+// backward call the tk ops through the dispatcher, so fake tensors, torch.compile, export, opcheck
+// and compiled autograd see the same tk ops as before. (The norms' Functions return only the
+// differentiable outputs, the rest beside them: see "norms" below.)
 //
 // Knows no CUDA: TK_OPS_AUTOGRAD_KEY (AutogradCUDA unless defined) lets a CPU-only torch build this
 // file for AutogradCPU, which is how tests/test_cpp_autograd.py checks it against the Python
