@@ -33,7 +33,6 @@ from tk_testing import check_compile_fullgraph, requires_kernel
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LIBRARY_VARIABLE = "TK_OPS_TEST_LIBRARY"  # tests/conftest.py loads this library after tk_ops
 IN_CHILD = bool(os.environ.get(LIBRARY_VARIABLE))
-CPP_OPS = ("matmul", "linear", "attention", "layer_norm", "rms_norm", "rope", "rope_qk")
 
 
 @dataclass
@@ -118,6 +117,50 @@ def _rope_qk(grad_q, grad_k, used=(1, 1)):
     return make
 
 
+def _causal_linear(f, dv, normalize, positive):
+    def make(device, dtype):
+        draw = torch.rand if positive else torch.randn  # positive features: denominators away from 0
+        q, k = (draw(2, 2, 9, f, device=device, dtype=dtype).requires_grad_() for _ in range(2))
+        return (q, k, _t((2, 2, 9, dv), device, dtype, True), 1e-6, normalize), (1, None)
+
+    return make
+
+
+def _causal_conv1d(bias, silu, channel_last):
+    def make(device, dtype):
+        x = _t((2, 17, 64), device, dtype).transpose(1, 2) if channel_last else _t((2, 64, 17), device, dtype)
+        return (x.requires_grad_(), _t((64, 4), device, dtype, True), _t((64,), device, dtype, True) if bias else None,
+                silu), (1,)
+
+    return make
+
+
+def _fftconv(with_d):
+    def make(device, dtype):
+        u, k = _t((2, 3, 256), device, dtype, True), _t((3, 100), device, dtype, True)
+        return (u, k, _t((3,), device, dtype, True) if with_d else None), (1,)
+
+    return make
+
+
+def _mamba2(full, used, grads=True):
+    def make(device, dtype):
+        batch, seqlen, heads, head_dim, state = 1, 70, 4, 64, 64
+        x = _t((batch, seqlen, heads, head_dim), device, dtype, grads)
+        dt = (torch.rand(batch, seqlen, heads, device=device) * 0.1).to(dtype).requires_grad_()
+        A = (-torch.rand(heads, device=device) - 0.5).to(dtype).requires_grad_()
+        B, C = (_t((batch, seqlen, 1, state), device, dtype, True) for _ in range(2))
+        optional = (
+            _t((heads,), device, dtype, True),
+            _t((batch, seqlen, heads, head_dim), device, dtype, True),
+            _t((heads,), device, dtype, True),
+        ) if full else (None, None, None)
+        initial = _t((batch, heads, head_dim, state), device, dtype, True) if full else None
+        return (x, dt, A, B, C, 64, *optional, full, initial), used
+
+    return make
+
+
 CASES = [
     Case("matmul", "matmul", _matmul(True, True)),
     Case("matmul_a_only", "matmul", _matmul(True, False)),
@@ -147,6 +190,17 @@ CASES = [
     Case("rope_qk", "rope_qk", _rope_qk(True, True)),
     Case("rope_qk_q_only", "rope_qk", _rope_qk(True, False)),
     Case("rope_qk_k_only_q_unused", "rope_qk", _rope_qk(False, True, used=(None, 1))),
+    Case("linear_attention", "linear_attention", _causal_linear(16, 32, normalize=False, positive=False)),
+    Case("linear_attention_normalized", "linear_attention", _causal_linear(32, 64, normalize=True, positive=True)),
+    Case("based_attention", "based_attention", _causal_linear(16, 64, normalize=True, positive=False)),
+    Case("based_attention_unnormalized", "based_attention", _causal_linear(16, 32, normalize=False, positive=False)),
+    Case("causal_conv1d", "causal_conv1d", _causal_conv1d(bias=True, silu=True, channel_last=False)),
+    Case("causal_conv1d_channel_last_no_bias", "causal_conv1d", _causal_conv1d(bias=False, silu=False, channel_last=True)),
+    Case("fftconv", "fftconv", _fftconv(with_d=True)),
+    Case("fftconv_no_d", "fftconv", _fftconv(with_d=False)),
+    Case("mamba2_ssd", "mamba2_ssd", _mamba2(full=False, used=(1, None, None))),
+    Case("mamba2_ssd_full_final_states", "mamba2_ssd", _mamba2(full=True, used=(1, 1, None))),
+    Case("mamba2_ssd_final_states_only", "mamba2_ssd", _mamba2(full=True, used=(None, 1, None), grads=False)),
 ]
 
 

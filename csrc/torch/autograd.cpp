@@ -1,4 +1,6 @@
-// Autograd of the kernel-backed tk ops in C++, registered at the AutogradCUDA key.
+// Autograd of the kernel-backed tk ops in C++, registered at the AutogradCUDA key: matmul, linear,
+// attention, layer_norm, rms_norm, rope, rope_qk, linear_attention, based_attention, causal_conv1d,
+// fftconv, mamba2_ssd.
 //
 // tk_ops/_library.py registers every op's autograd as a Python autograd.Function at the Autograd
 // alias key; it serves every device. For CUDA tensors these kernels take precedence (a direct
@@ -9,7 +11,8 @@
 // (as a Python autograd.Function does), the same backward op calls and output masks. Forward and
 // backward call the tk ops through the dispatcher, so fake tensors, torch.compile, export, opcheck
 // and compiled autograd see the same tk ops as before. (The norms' Functions return only the
-// differentiable outputs, the rest beside them: see "norms" below.)
+// differentiable outputs, the rest beside them: see "norms" below; so do linear/Based attention and
+// mamba2_ssd.)
 //
 // Knows no CUDA: TK_OPS_AUTOGRAD_KEY (AutogradCUDA unless defined) lets a CPU-only torch build this
 // file for AutogradCPU, which is how tests/test_cpp_autograd.py checks it against the Python
@@ -78,6 +81,28 @@ TK_OPS_HANDLE(rope, Tensor(const Tensor&, const Tensor&, const Tensor&, bool))
 TK_OPS_HANDLE(rope_bwd, Tensor(const Tensor&, const Tensor&, const Tensor&, bool))
 TK_OPS_HANDLE(rope_qk, tensor_pair(const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool))
 TK_OPS_HANDLE(rope_qk_bwd, tensor_pair(const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool))
+TK_OPS_HANDLE(linear_attention, tensor_pair(const Tensor&, const Tensor&, const Tensor&, double, bool))
+TK_OPS_HANDLE(linear_attention_bwd, tensor_triple(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                                  const Tensor&, const Tensor&, double, bool))
+TK_OPS_HANDLE(based_attention, tensor_pair(const Tensor&, const Tensor&, const Tensor&, double, bool))
+TK_OPS_HANDLE(based_attention_bwd, tensor_triple(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                                 const Tensor&, const Tensor&, double, bool))
+TK_OPS_HANDLE(causal_conv1d, Tensor(const Tensor&, const Tensor&, const optional_tensor&, bool))
+TK_OPS_HANDLE(causal_conv1d_bwd,
+              tensor_triple(const Tensor&, const Tensor&, const Tensor&, const optional_tensor&, bool))
+TK_OPS_HANDLE(fftconv, Tensor(const Tensor&, const Tensor&, const optional_tensor&))
+TK_OPS_HANDLE(fftconv_bwd, tensor_triple(const Tensor&, const Tensor&, const Tensor&, const optional_tensor&))
+
+using mamba2_outputs = std::tuple<Tensor, Tensor, Tensor>;
+using mamba2_gradients = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
+TK_OPS_HANDLE(mamba2_ssd,
+              mamba2_outputs(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t,
+                             const optional_tensor&, const optional_tensor&, const optional_tensor&, bool,
+                             const optional_tensor&))
+TK_OPS_HANDLE(mamba2_ssd_bwd,
+              mamba2_gradients(const Tensor&, const optional_tensor&, const Tensor&, const Tensor&, const Tensor&,
+                               const Tensor&, const Tensor&, int64_t, const optional_tensor&, const optional_tensor&,
+                               const optional_tensor&, bool, const optional_tensor&, const Tensor&))
 
 #undef TK_OPS_HANDLE
 
@@ -399,6 +424,165 @@ tensor_pair rope_qk_kernel(const Tensor& q, const Tensor& k, const Tensor& cos, 
   return {outputs[0], outputs[1]};
 }
 
+// -------------------------------------------------------------- causal linear attention, Based
+
+// One Function for both ops (tk_ops/ops/linear_attention.py: setup_context, make_backward), named by
+// each op (Self). The denominator is marked non-differentiable there; here it leaves the Function
+// beside out (see "norms"). The backward reads out and the denominator only when normalising.
+template <typename Self, typename Op>
+struct causal_linear_autograd : Function<Self> {
+  static constexpr bool is_traceable = true;  // compiled autograd traces the backward (tk ops)
+
+  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v, double eps,
+                               bool normalize, Tensor* denominator) {
+    auto [out, denominator_out] = below_autograd(Op::forward(), q, k, v, eps, normalize);
+    *denominator = denominator_out;
+    ctx->save_for_backward(normalize ? variable_list{q, k, v, out, denominator_out} : variable_list{q, k, v});
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["normalize"] = normalize;
+    return {out};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const bool normalize = ctx->saved_data.at("normalize").toBool();
+    const Tensor& grad_out = grads[0];
+    const Tensor out = normalize ? saved[3] : at::empty({0}, grad_out.options());
+    const Tensor denominator = normalize ? saved[4] : at::empty({0}, grad_out.options());
+    auto [grad_q, grad_k, grad_v] = Op::backward().call(unit_last_stride(grad_out), saved[0], saved[1], saved[2], out,
+                                                        denominator, ctx->saved_data.at("eps").toDouble(), normalize);
+    return {grad_q, grad_k, grad_v, Tensor(), Tensor(), Tensor()};
+  }
+};
+
+struct linear_attention_ops {
+  static const auto& forward() { return linear_attention(); }
+  static const auto& backward() { return linear_attention_bwd(); }
+};
+struct based_attention_ops {
+  static const auto& forward() { return based_attention(); }
+  static const auto& backward() { return based_attention_bwd(); }
+};
+struct linear_attention_autograd : causal_linear_autograd<linear_attention_autograd, linear_attention_ops> {};
+struct based_attention_autograd : causal_linear_autograd<based_attention_autograd, based_attention_ops> {};
+
+template <typename Autograd, typename Op>
+tensor_pair causal_linear_kernel(const Tensor& q, const Tensor& k, const Tensor& v, double eps, bool normalize) {
+  if (!builds_graph(q, k, v)) return below_autograd(Op::forward(), q, k, v, eps, normalize);
+  Tensor denominator;
+  const variable_list out = Autograd::apply(q, k, v, eps, normalize, &denominator);
+  return {out[0], denominator};
+}
+
+// ----------------------------------------------------------------------------- causal_conv1d
+
+// tk_ops/ops/causal_conv1d.py's in_accepted_layout: (B, D, L) read in place when channel-first
+// (unit stride along L) or channel-last (unit stride along D), else copied.
+Tensor in_accepted_layout(const Tensor& t) {
+  const bool channel_last = t.size(2) > 1 && t.stride(2) != 1 && t.stride(1) == 1;
+  return t.size(2) == 1 || t.stride(2) == 1 || channel_last ? t : t.contiguous();
+}
+
+struct causal_conv1d_autograd : Function<causal_conv1d_autograd> {
+  static constexpr bool is_traceable = true;  // compiled autograd traces the backward (tk ops)
+
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const optional_tensor& bias,
+                        bool silu) {
+    ctx->save_for_backward({x, weight, or_undefined(bias)});
+    ctx->saved_data["silu"] = silu;
+    return below_autograd(causal_conv1d(), x, weight, bias, silu);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const Tensor& bias = saved[2];
+    auto [grad_x, grad_weight, grad_bias] = causal_conv1d_bwd().call(
+        in_accepted_layout(grads[0]), saved[0], saved[1], or_none(bias), ctx->saved_data.at("silu").toBool());
+    return {grad_x, grad_weight, if_needed(bias.defined(), grad_bias), Tensor()};
+  }
+};
+
+Tensor causal_conv1d_kernel(const Tensor& x, const Tensor& weight, const optional_tensor& bias, bool silu) {
+  if (!builds_graph(x, weight, bias)) return below_autograd(causal_conv1d(), x, weight, bias, silu);
+  return causal_conv1d_autograd::apply(x, weight, bias, silu);
+}
+
+// ----------------------------------------------------------------------------------- fftconv
+
+struct fftconv_autograd : Function<fftconv_autograd> {
+  static constexpr bool is_traceable = true;  // compiled autograd traces the backward (tk ops)
+
+  static Tensor forward(AutogradContext* ctx, const Tensor& u, const Tensor& k, const optional_tensor& D) {
+    ctx->save_for_backward({u, k, or_undefined(D)});
+    return below_autograd(fftconv(), u, k, D);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const Tensor& D = saved[2];
+    auto [grad_u, grad_k, grad_D] = fftconv_bwd().call(unit_last_stride(grads[0]), saved[0], saved[1], or_none(D));
+    return {grad_u, grad_k, if_needed(D.defined(), grad_D)};
+  }
+};
+
+Tensor fftconv_kernel(const Tensor& u, const Tensor& k, const optional_tensor& D) {
+  if (!builds_graph(u, k, D)) return below_autograd(fftconv(), u, k, D);
+  return fftconv_autograd::apply(u, k, D);
+}
+
+// -------------------------------------------------------------------------------- mamba2_ssd
+
+// chunk_states is marked non-differentiable in tk_ops/ops/mamba2_ssd.py; here it leaves the
+// Function beside y and final_states (see "norms"). needs_input_grad bit i is the i-th input whose
+// gradient tk::mamba2_ssd_bwd returns: x, dt, A, B, C, D, z, dt_bias, initial_states.
+struct mamba2_ssd_autograd : Function<mamba2_ssd_autograd> {
+  static constexpr bool is_traceable = true;  // compiled autograd traces the backward (tk ops)
+
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& dt, const Tensor& A,
+                               const Tensor& B, const Tensor& C, int64_t chunk_size, const optional_tensor& D,
+                               const optional_tensor& z, const optional_tensor& dt_bias, bool dt_softplus,
+                               const optional_tensor& initial_states, Tensor* chunk_states) {
+    save_needs_input_grad(ctx, x, dt, A, B, C, D, z, dt_bias, initial_states);
+    auto [y, final_states, chunks] =
+        below_autograd(mamba2_ssd(), x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, initial_states);
+    *chunk_states = chunks;
+    // An output that receives no gradient arrives undefined, not as a tensor of zeros.
+    ctx->set_materialize_grads(false);
+    ctx->save_for_backward({x, dt, A, B, C, or_undefined(D), or_undefined(z), or_undefined(dt_bias),
+                            or_undefined(initial_states), chunks});
+    ctx->saved_data["chunk_size"] = chunk_size;
+    ctx->saved_data["dt_softplus"] = dt_softplus;
+    return {y, final_states};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list s = ctx->get_saved_variables();
+    const Tensor& x = s[0];
+    const Tensor grad_y = grads[0].defined() ? grads[0] : at::zeros_like(x);
+    auto [grad_x, grad_dt, grad_A, grad_B, grad_C, grad_D, grad_z, grad_dt_bias, grad_initial_states] =
+        mamba2_ssd_bwd().call(grad_y, or_none(grads[1]), x, s[1], s[2], s[3], s[4],
+                              ctx->saved_data.at("chunk_size").toInt(), or_none(s[5]), or_none(s[6]), or_none(s[7]),
+                              ctx->saved_data.at("dt_softplus").toBool(), or_none(s[8]), s[9]);
+    const auto needed = [&](int gradient, const Tensor& t) { return if_needed(needs_input_grad(ctx, gradient), t); };
+    return {needed(0, grad_x), needed(1, grad_dt), needed(2, grad_A), needed(3, grad_B), needed(4, grad_C),
+            Tensor(),          needed(5, grad_D),  needed(6, grad_z), needed(7, grad_dt_bias), Tensor(),
+            needed(8, grad_initial_states),        Tensor()};
+  }
+};
+
+mamba2_outputs mamba2_ssd_kernel(const Tensor& x, const Tensor& dt, const Tensor& A, const Tensor& B, const Tensor& C,
+                                 int64_t chunk_size, const optional_tensor& D, const optional_tensor& z,
+                                 const optional_tensor& dt_bias, bool dt_softplus,
+                                 const optional_tensor& initial_states) {
+  if (!builds_graph(x, dt, A, B, C, D, z, dt_bias, initial_states)) {
+    return below_autograd(mamba2_ssd(), x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, initial_states);
+  }
+  Tensor chunk_states;
+  const variable_list out = mamba2_ssd_autograd::apply(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus,
+                                                       initial_states, &chunk_states);
+  return {out[0], out[1], chunk_states};
+}
+
 }  // namespace tk::autograd
 
 TORCH_LIBRARY_IMPL(tk, TK_OPS_AUTOGRAD_KEY, m) {
@@ -409,4 +593,11 @@ TORCH_LIBRARY_IMPL(tk, TK_OPS_AUTOGRAD_KEY, m) {
   m.impl("rms_norm", &tk::autograd::rms_norm_kernel);
   m.impl("rope", &tk::autograd::rope_kernel);
   m.impl("rope_qk", &tk::autograd::rope_qk_kernel);
+  m.impl("linear_attention", &tk::autograd::causal_linear_kernel<tk::autograd::linear_attention_autograd,
+                                                                   tk::autograd::linear_attention_ops>);
+  m.impl("based_attention", &tk::autograd::causal_linear_kernel<tk::autograd::based_attention_autograd,
+                                                                  tk::autograd::based_attention_ops>);
+  m.impl("causal_conv1d", &tk::autograd::causal_conv1d_kernel);
+  m.impl("fftconv", &tk::autograd::fftconv_kernel);
+  m.impl("mamba2_ssd", &tk::autograd::mamba2_ssd_kernel);
 }
