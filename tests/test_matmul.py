@@ -252,6 +252,23 @@ def test_matmul_kernel_gradients(layout):
     assert_rel_close(b.grad, b_ref.grad, TOLERANCE[dtype])
 
 
+@requires_kernel("matmul_bwd")
+def test_expanded_output_gradient_runs_the_backward_kernels():
+    """out.sum().backward() hands the backward ones with zero strides: copied, not sent to the reference."""
+    a = torch.randn(64, 40, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    b = torch.randn(40, 48, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    bias = torch.randn(64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    _library._REFERENCE_WARNED.difference_update({"matmul_bwd", "linear_bwd"})
+    tk_ops.matmul(a, b).sum().backward()
+    tk_ops.linear(b.mT, a, bias).sum().backward()
+    assert not {"matmul_bwd", "linear_bwd"} & _library._REFERENCE_WARNED, "a backward ran the reference"
+    a_ref, b_ref, bias_ref = (t.detach().cpu().double().requires_grad_() for t in (a, b, bias))
+    reference_product(a_ref, b_ref).sum().backward()
+    torch.nn.functional.linear(b_ref.mT, a_ref, bias_ref).sum().backward()
+    for got, ref in ((a, a_ref), (b, b_ref), (bias, bias_ref)):
+        assert_rel_close(got.grad, ref.grad, TOLERANCE[torch.bfloat16])
+
+
 @requires_kernel("matmul")
 @pytest.mark.parametrize(
     "make",

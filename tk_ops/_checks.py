@@ -23,7 +23,7 @@ def check_tensor(
     t,
     *,
     ndim: Optional[int | tuple[int, ...]] = None,
-    dtypes: Iterable[torch.dtype] = FLOAT_DTYPES,
+    dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES,
     allow_empty: bool = False,
 ) -> torch.Tensor:
     """Check type, rank, dtype and non-emptiness of one tensor argument; return it."""
@@ -34,7 +34,6 @@ def check_tensor(
         if t.dim() not in ranks:
             expected = " or ".join(str(r) for r in ranks)
             raise ValueError(f"{name} must have {expected} dimensions, got shape {tuple(t.shape)}")
-    dtypes = tuple(dtypes)
     if t.dtype not in dtypes:
         raise TypeError(f"{name} must have dtype in ({_dtype_names(dtypes)}), got {t.dtype}")
     if not allow_empty and t.numel() == 0:
@@ -42,24 +41,50 @@ def check_tensor(
     return t
 
 
+def uniform_floats(first, *others: Optional[torch.Tensor], autocast: bool) -> bool:
+    """The public functions' fast path: True when their detailed checks of these tensors' kind would
+    all pass: every one (``others`` may hold None, skipped) a torch.Tensor of one dtype in
+    FLOAT_DTYPES on one device, none empty, and, with ``autocast`` (the op casts under autocast),
+    autocast enabled on no device. A public function that gets True and also finds its shape
+    relations right skips the detailed checks; on False it runs them, which raise the error that
+    names the argument, or pass (an fp32 parameter beside a bf16 x, an autocast cast)."""
+    if autocast and torch._C._is_any_autocast_enabled():
+        return False
+    if not isinstance(first, torch.Tensor) or first.dtype not in FLOAT_DTYPES or first.numel() == 0:
+        return False
+    dtype, device = first.dtype, first.device
+    for t in others:
+        if t is not None and (
+            not isinstance(t, torch.Tensor) or t.dtype != dtype or t.device != device or t.numel() == 0
+        ):
+            return False
+    return True
+
+
 def check_optional(name: str, t, **kwargs) -> Optional[torch.Tensor]:
     return None if t is None else check_tensor(name, t, **kwargs)
 
 
 def check_same_device(**tensors: Optional[torch.Tensor]) -> None:
-    named = [(n, t) for n, t in tensors.items() if t is not None]
-    first_name, first = named[0]
-    for n, t in named[1:]:
-        if t.device != first.device:
-            raise ValueError(f"{n} must be on {first_name}'s device {first.device}, got {t.device}")
+    first_name, device = None, None
+    for n, t in tensors.items():
+        if t is None:
+            continue
+        if device is None:
+            first_name, device = n, t.device
+        elif t.device != device:
+            raise ValueError(f"{n} must be on {first_name}'s device {device}, got {t.device}")
 
 
 def check_same_dtype(**tensors: Optional[torch.Tensor]) -> None:
-    named = [(n, t) for n, t in tensors.items() if t is not None]
-    first_name, first = named[0]
-    for n, t in named[1:]:
-        if t.dtype != first.dtype:
-            raise TypeError(f"{n} must have {first_name}'s dtype {first.dtype}, got {t.dtype}")
+    first_name, dtype = None, None
+    for n, t in tensors.items():
+        if t is None:
+            continue
+        if dtype is None:
+            first_name, dtype = n, t.dtype
+        elif t.dtype != dtype:
+            raise TypeError(f"{n} must have {first_name}'s dtype {dtype}, got {t.dtype}")
 
 
 def check_dim(name: str, t: torch.Tensor, dim: int, expected: int, what: str) -> None:

@@ -11,6 +11,11 @@ two implementations:
 For inputs the kernel does not support (fp32, a head dim, a GPU older than sm_90), the C++ side
 calls ``tk::<name>_ref``, a twin op with the same schema that runs the same reference. The
 reference warns once per op when it runs on an accelerator, so a silent slow path is impossible.
+
+Autograd is a Python autograd.Function at the Autograd key (``register_autograd``), for every
+device. For the kernel-backed ops the extension also registers the same autograd in C++ at the
+AutogradCUDA key (``csrc/torch/autograd.cpp``), which takes precedence on CUDA tensors: an eager
+GPU call then never goes back to Python between the public function and the kernel.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ _TAGS = (torch.Tag.pt2_compliant_tag,)
 
 _REFERENCE_WARNED: set[str] = set()
 _DEFINED: list[str] = []
+_PYTHON_AUTOGRAD: dict[str, Callable] = {}
 
 
 def _describe_tensors(args) -> str:
@@ -79,7 +85,9 @@ def register_autograd(op, backward: Callable, setup_context: Callable) -> None:
     The kernel is a plain autograd.Function at the Autograd key. torch.library.register_autograd
     builds the same thing plus generic handling of defaults, keyword-only arguments and tensor
     lists, which tk schemas do not have; skipping it saves ~30 us of host time per call (measured
-    on the 2-core CI machine), as much as a small kernel takes.
+    on the 2-core CI machine), as much as a small kernel takes. On CUDA tensors the C++ kernels of
+    csrc/torch/autograd.cpp take precedence where the extension registers one (``has_cpp_autograd``);
+    a change here must be made there too (tests/test_cpp_autograd.py compares the two bit for bit).
     """
     schema = op._schema
     assert not any(a.has_default_value() or a.kwarg_only for a in schema.arguments), f"{schema}: defaults"
@@ -104,6 +112,19 @@ def register_autograd(op, backward: Callable, setup_context: Callable) -> None:
             return op(*inputs)
 
     LIB.impl(op._opname, autograd_kernel, "Autograd")
+    _PYTHON_AUTOGRAD[op._opname] = autograd_kernel
+
+
+def python_autograd(name: str) -> Callable:
+    """The Python autograd kernel of ``tk::<name>`` (what the Autograd key runs), callable with the
+    op's arguments: the reference the C++ autograd kernels of csrc/torch/autograd.cpp are tested against."""
+    return _PYTHON_AUTOGRAD[name]
+
+
+def has_cpp_autograd(name: str, dispatch_key: str = "AutogradCUDA") -> bool:
+    """True when a C++ autograd kernel (csrc/torch/autograd.cpp) serves ``tk::<name>`` at ``dispatch_key``,
+    taking precedence there over the Python one."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"{NAMESPACE}::{name}", dispatch_key)
 
 
 def has_cuda_kernel(name: str) -> bool:

@@ -57,6 +57,14 @@ std::optional<problem> plan_gemm(const at::Tensor& a, const at::Tensor& b, const
   return std::nullopt;
 }
 
+// A gradient the kernel can read: stored row- or column-major, else a contiguous copy. Autograd
+// hands the backward expanded gradients (out.sum().backward() gives ones with zero strides), which
+// no TMA map describes; copying one costs far less than the reference GEMM it would otherwise take.
+at::Tensor readable_gradient(const at::Tensor& grad) {
+  const bool either_major = grad.stride(1) == 1 || grad.stride(0) == 1 || grad.size(0) == 1 || grad.size(1) == 1;
+  return either_major ? grad : grad.contiguous();
+}
+
 at::Tensor run_gemm(problem p, const at::Tensor& like) {
   at::Tensor c = at::empty({p.m, p.n}, like.options());
   p.c = c.data_ptr();
@@ -81,13 +89,14 @@ at::Tensor matmul_cuda(const at::Tensor& a, const at::Tensor& b) {
   return fallback<&matmul_cuda>("tk::matmul_ref", a, b);
 }
 
-std::tuple<at::Tensor, at::Tensor> matmul_bwd_cuda(const at::Tensor& grad, const at::Tensor& a, const at::Tensor& b,
-                                                   std::array<bool, 2> output_mask) {
+std::tuple<at::Tensor, at::Tensor> matmul_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& a,
+                                                   const at::Tensor& b, std::array<bool, 2> output_mask) {
   check_operands("tk::matmul_bwd", "a", a, "b", b);
-  check_operands("tk::matmul_bwd", "grad", grad, "a", a);
-  TORCH_CHECK_VALUE(grad.size(0) == a.size(0) && grad.size(1) == b.size(1) && b.size(0) == a.size(1),
+  check_operands("tk::matmul_bwd", "grad", grad_out, "a", a);
+  TORCH_CHECK_VALUE(grad_out.size(0) == a.size(0) && grad_out.size(1) == b.size(1) && b.size(0) == a.size(1),
                     "tk::matmul_bwd: grad must be (M, N) = (", a.size(0), ", ", b.size(1), ") for a ", a.sizes(),
-                    " and b ", b.sizes(), ", got ", grad.sizes());
+                    " and b ", b.sizes(), ", got ", grad_out.sizes());
+  const at::Tensor grad = readable_gradient(grad_out);
   // grad_a = grad * b^T and grad_b = a^T * grad: transposed views, read column-major.
   const auto plan_a = output_mask[0] ? plan_gemm(grad, b.t(), std::nullopt) : std::nullopt;
   const auto plan_b = output_mask[1] ? plan_gemm(a.t(), grad, std::nullopt) : std::nullopt;
@@ -112,14 +121,16 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight, const std:
   return fallback<&linear_cuda>("tk::linear_ref", x, weight, bias);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_bwd_cuda(const at::Tensor& grad, const at::Tensor& x,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& x,
                                                                const at::Tensor& weight,
                                                                std::array<bool, 3> output_mask) {
   check_operands("tk::linear_bwd", "x", x, "weight", weight);
-  check_operands("tk::linear_bwd", "grad", grad, "x", x);
-  TORCH_CHECK_VALUE(grad.size(0) == x.size(0) && grad.size(1) == weight.size(0) && weight.size(1) == x.size(1),
-                    "tk::linear_bwd: grad must be (M, out_features) = (", x.size(0), ", ", weight.size(0),
-                    ") for x ", x.sizes(), " and weight ", weight.sizes(), ", got ", grad.sizes());
+  check_operands("tk::linear_bwd", "grad", grad_out, "x", x);
+  TORCH_CHECK_VALUE(
+      grad_out.size(0) == x.size(0) && grad_out.size(1) == weight.size(0) && weight.size(1) == x.size(1),
+      "tk::linear_bwd: grad must be (M, out_features) = (", x.size(0), ", ", weight.size(0), ") for x ", x.sizes(),
+      " and weight ", weight.sizes(), ", got ", grad_out.sizes());
+  const at::Tensor grad = readable_gradient(grad_out);
   // grad_x = grad * weight and grad_weight = grad^T * x.
   const auto plan_x = output_mask[0] ? plan_gemm(grad, weight, std::nullopt) : std::nullopt;
   const auto plan_w = output_mask[1] ? plan_gemm(grad.t(), x, std::nullopt) : std::nullopt;

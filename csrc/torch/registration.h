@@ -10,6 +10,9 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
+#include <array>
+#include <atomic>
+#include <cstdint>
 #include <optional>
 #include <type_traits>
 #include <utility>
@@ -22,13 +25,32 @@ namespace tk::registration {
 constexpr int KERNEL_MAJOR = 9;
 constexpr int KERNEL_MINOR = 0;
 
-inline bool runs_kernels(const at::Tensor& t) {
-  if (!t.is_cuda()) return false;
+namespace detail {
+
+inline bool is_kernel_device(int device) {
   int major_version = 0, minor_version = 0;
-  const int device = t.get_device();
   if (cudaDeviceGetAttribute(&major_version, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return false;
   if (cudaDeviceGetAttribute(&minor_version, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) return false;
   return major_version == KERNEL_MAJOR && minor_version == KERNEL_MINOR;
+}
+
+}  // namespace detail
+
+// Whether t's device runs our kernels. Every op asks on every call: the answer is read from the
+// driver once per device (a device's compute capability never changes).
+inline bool runs_kernels(const at::Tensor& t) {
+  if (!t.is_cuda()) return false;
+  constexpr int CACHED_DEVICES = 64;
+  enum : uint8_t { unknown, kernels, no_kernels };
+  static std::array<std::atomic<uint8_t>, CACHED_DEVICES> answers{};
+  const int device = t.get_device();
+  if (device < 0 || device >= CACHED_DEVICES) return detail::is_kernel_device(device);
+  uint8_t answer = answers[device].load(std::memory_order_relaxed);
+  if (answer == unknown) {
+    answer = detail::is_kernel_device(device) ? kernels : no_kernels;
+    answers[device].store(answer, std::memory_order_relaxed);
+  }
+  return answer == kernels;
 }
 
 namespace detail {

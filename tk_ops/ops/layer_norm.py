@@ -80,10 +80,26 @@ def stream_dtype(x: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.dty
     return x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
 
 
+def _plain_norm_arguments(x, residual, eps, weight, bias=None) -> bool:
+    """The norms' fast path: True when check_norm_arguments would pass with every tensor in x's dtype."""
+    if not (_checks.uniform_floats(x, weight, bias, residual, autocast=False) and x.dim() >= 1):
+        return False
+    hidden = x.shape[-1]
+    return (
+        (weight is None or (weight.dim() == 1 and weight.shape[0] == hidden))
+        and (bias is None or (bias.dim() == 1 and bias.shape[0] == hidden))
+        and (residual is None or residual.shape == x.shape)
+        and type(eps) is float
+        and eps > 0
+    )
+
+
 def check_norm_arguments(
     x: torch.Tensor, residual: Optional[torch.Tensor], eps: float, **parameters: Optional[torch.Tensor]
 ) -> None:
     """Checks shared by layer_norm and rms_norm; ``parameters`` are the (C,) weight and bias."""
+    if _plain_norm_arguments(x, residual, eps, **parameters):
+        return
     _checks.check_tensor("x", x)
     if x.dim() < 1:
         raise ValueError(f"x must have at least 1 dimension (..., hidden), got shape {tuple(x.shape)}")
@@ -256,9 +272,8 @@ def _layer_norm_setup_context(ctx, inputs, output):
     x, weight, bias, residual, dropout_seed, eps, dropout_p = inputs
     out, h, mean, rstd = output
     ctx.materialised_h = _materialises_h(residual, dropout_p)
-    ctx.mark_non_differentiable(mean, rstd)
-    if not ctx.materialised_h:
-        ctx.mark_non_differentiable(h)
+    # One call: each mark_non_differentiable replaces the previous set.
+    ctx.mark_non_differentiable(mean, rstd, *(() if ctx.materialised_h else (h,)))
     # An unused output (h when return_residual=False) then gets None, not a full tensor of zeros.
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(h if ctx.materialised_h else x, weight, bias, mean, rstd, dropout_seed)

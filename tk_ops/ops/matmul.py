@@ -133,26 +133,39 @@ _library.register_autograd(linear_op, _linear_backward, _linear_setup_context)
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` for a (M, K) and b (K, N); either may be a transposed (column-major) view."""
-    _checks.check_tensor("a", a, ndim=2)
-    _checks.check_tensor("b", b, ndim=2)
-    a, b = autocast_inputs(a, b)
-    _checks.check_same_device(a=a, b=b)
-    _checks.check_same_dtype(a=a, b=b)
-    _checks.check_dim("b", b, 0, a.shape[1], "a.shape[1] (K)")
+    if not (_checks.uniform_floats(a, b, autocast=True) and a.dim() == 2 and b.dim() == 2 and b.shape[0] == a.shape[1]):
+        _checks.check_tensor("a", a, ndim=2)
+        _checks.check_tensor("b", b, ndim=2)
+        a, b = autocast_inputs(a, b)
+        _checks.check_same_device(a=a, b=b)
+        _checks.check_same_dtype(a=a, b=b)
+        _checks.check_dim("b", b, 0, a.shape[1], "a.shape[1] (K)")
     return matmul_op(_unit_stride_either_way(a), _unit_stride_either_way(b))
+
+
+_LINEAR_RANKS = tuple(range(1, 9))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear``: x (..., K), weight (N, K), bias (N,) -> (..., N)."""
-    _checks.check_tensor("x", x, ndim=tuple(range(1, 9)))
-    _checks.check_tensor("weight", weight, ndim=2)
-    _checks.check_optional("bias", bias, ndim=1)
-    x, weight, bias = autocast_inputs(x, weight, bias)
-    _checks.check_same_device(x=x, weight=weight, bias=bias)
-    _checks.check_same_dtype(x=x, weight=weight, bias=bias)
-    _checks.check_dim("weight", weight, 1, x.shape[-1], "x.shape[-1] (in_features)")
-    if bias is not None:
-        _checks.check_dim("bias", bias, 0, weight.shape[0], "weight.shape[0] (out_features)")
+    if not (
+        _checks.uniform_floats(x, weight, bias, autocast=True)
+        and x.dim() in _LINEAR_RANKS
+        and weight.dim() == 2
+        and weight.shape[1] == x.shape[-1]
+        and (bias is None or (bias.dim() == 1 and bias.shape[0] == weight.shape[0]))
+    ):
+        _checks.check_tensor("x", x, ndim=_LINEAR_RANKS)
+        _checks.check_tensor("weight", weight, ndim=2)
+        _checks.check_optional("bias", bias, ndim=1)
+        x, weight, bias = autocast_inputs(x, weight, bias)
+        _checks.check_same_device(x=x, weight=weight, bias=bias)
+        _checks.check_same_dtype(x=x, weight=weight, bias=bias)
+        _checks.check_dim("weight", weight, 1, x.shape[-1], "x.shape[-1] (in_features)")
+        if bias is not None:
+            _checks.check_dim("bias", bias, 0, weight.shape[0], "weight.shape[0] (out_features)")
+    if x.dim() == 2:  # rows already: no reshape and view (each an autograd node when x requires grad)
+        return linear_op(_unit_stride_either_way(x), _unit_stride_either_way(weight), bias)
     rows = x.reshape(-1, x.shape[-1])
     out = linear_op(_unit_stride_either_way(rows), _unit_stride_either_way(weight), bias)
     return out.view(*x.shape[:-1], weight.shape[0])

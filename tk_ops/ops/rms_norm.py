@@ -115,9 +115,8 @@ def _rms_norm_setup_context(ctx, inputs, output):
     x, weight, residual, eps = inputs
     out, h, rstd = output
     ctx.materialised_h = residual is not None
-    ctx.mark_non_differentiable(rstd)
-    if not ctx.materialised_h:
-        ctx.mark_non_differentiable(h)
+    # One call: each mark_non_differentiable replaces the previous set.
+    ctx.mark_non_differentiable(rstd, *(() if ctx.materialised_h else (h,)))
     # An unused output (h when return_residual=False) then gets None, not a full tensor of zeros.
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(h if ctx.materialised_h else x, weight, rstd)

@@ -193,7 +193,8 @@ def _rotary_tables(cos, sin, x: torch.Tensor, x_name: str, interleaved: bool) ->
         cos, sin = cos.squeeze(1), sin.squeeze(1)
     elif cos.dim() == 2:
         cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
-    cos, sin = cos[..., :half_rotary_dim], sin[..., :half_rotary_dim]
+    if half_rotary_dim != cos.shape[-1]:  # a slice that keeps everything would cost a view op per table
+        cos, sin = cos[..., :half_rotary_dim], sin[..., :half_rotary_dim]
     return _checks.unit_last_stride(cos), _checks.unit_last_stride(sin)
 
 

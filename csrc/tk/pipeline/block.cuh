@@ -10,6 +10,8 @@
 //                                       them and runs consumer(index)
 //   launch(kernel, grid, block, shared bytes, stream, args...)
 //                                       on a stream, the shared-memory limit raised once per kernel
+//   resident_blocks_per_sm(&blocks, kernel, threads, shared bytes)
+//                                       the occupancy query, answered once per kernel and device
 //
 // A Plan names consumer_warpgroups, producer_registers and consumer_registers, and optionally
 // blocks_per_sm (default 1): how many of its blocks must fit one SM's register file together.
@@ -18,8 +20,10 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <map>
 #include <mutex>
 #include <set>
+#include <tuple>
 #include <utility>
 
 #include "../common.cuh"
@@ -93,6 +97,26 @@ inline cudaError_t allow_shared_bytes(const void* kernel, size_t bytes) {
   if (configured.count({kernel, device}) != 0) return cudaSuccess;
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
   if (err == cudaSuccess) configured.insert({kernel, device});
+  return err;
+}
+
+// Into *blocks: how many blocks of `kernel` with `threads` threads and `shared_bytes` of dynamic shared
+// memory one SM of the current device holds at once. The occupancy query costs microseconds of host
+// time, and its answer never changes: asked once per (kernel, device, threads, bytes).
+inline cudaError_t resident_blocks_per_sm(int* blocks, const void* kernel, int threads, size_t shared_bytes) {
+  using key = std::tuple<const void*, int, int, size_t>;
+  static std::mutex mutex;
+  static std::map<key, int> answers;
+  int device = 0;
+  if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
+  const key k{kernel, device, threads, shared_bytes};
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (const auto found = answers.find(k); found != answers.end()) {
+    *blocks = found->second;
+    return cudaSuccess;
+  }
+  const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, kernel, threads, shared_bytes);
+  if (err == cudaSuccess) answers.emplace(k, *blocks);
   return err;
 }
 
