@@ -15,8 +15,8 @@ Hyena's peer layers are their reference path (SDPA, torch.fft). ``--models`` (de
 
 From each run's summary.json it keeps tokens/s and MFU (averaged over the steps after the first
 three, which include compilation and autotuning), peak memory and the loss curves; a run that fails
-(out of memory, a peer that does not import) leaves a row with its error (the last line it wrote to
-stderr). It writes DIR/training.json, one row per (model, preset, variant) with the run's date, GPU
+(out of memory, a peer that does not import) leaves a row with its error (the last exception line it
+wrote to stderr, or its last line). It writes DIR/training.json, one row per (model, preset, variant) with the run's date, GPU
 and commit, merged with the rows already there (those of a model and preset run again are kept only
 at the same --steps), and per model and preset: ``speedup``, tk-compile over reference-compile
 tokens/s; ``speedup_eager``; ``speedup_vs_peer`` and ``speedup_vs_peer_eager`` against the peer
@@ -39,6 +39,7 @@ import argparse
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -87,6 +88,18 @@ def launcher(train_args: list[str]) -> list[str]:
     return [sys.executable]
 
 
+# A traceback's closing line: "module.Name: message" for an exception class named ...Error, ...Exception
+# or ...Unavailable (compiler errors end with source lines and a caret after it).
+EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Unavailable)\b")
+
+
+def failure_line(stderr: str) -> str:
+    """The line of a failed run's stderr that names what failed."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    exceptions = [line for line in lines if EXCEPTION_LINE.match(line)]
+    return (exceptions or lines or [""])[-1]
+
+
 def run_variant(model: str, name: str, args, run: dict) -> dict:
     """One models.train run; its row (with ``error`` and no timings when it failed)."""
     out = REPO_ROOT / "runs" / f"bench-training-{model}-{args.preset}-{name}"
@@ -112,8 +125,7 @@ def run_variant(model: str, name: str, args, run: dict) -> dict:
         "train_loss": [], "eval_loss": [], "command": " ".join(command[1:]), "steps": args.steps, **run,
     }  # fmt: skip
     if result.returncode != 0:
-        lines = [line for line in result.stderr.splitlines() if line.strip()]
-        return {**row, "error": lines[-1] if lines else f"exit status {result.returncode}"}
+        return {**row, "error": failure_line(result.stderr) or f"exit status {result.returncode}"}
     summary = json.loads((out / "summary.json").read_text())
     return {
         **row,

@@ -53,6 +53,18 @@ def test_new_models_rows_join_the_llama_rows(data_dir, tmp_path, fake_peers):
     assert (tmp_path / "training.png").read_bytes()[:8] == PNG
 
 
+def test_failure_line_names_the_exception_not_the_caret():
+    stderr = """Traceback (most recent call last):
+  File "x.py", line 1, in <module>
+torch._inductor.exc.InductorError: SubprocException: An exception occurred in a subprocess:
+triton.compiler.errors.CompilationError: at 84:15:
+        b_dq = tl.dot(b_ds, b_k, b_dq)
+               ^
+"""
+    assert bench_training.failure_line(stderr) == "triton.compiler.errors.CompilationError: at 84:15:"
+    assert bench_training.failure_line("killed\n") == "killed"
+
+
 def test_a_failed_run_leaves_a_row_with_its_error(data_dir, tmp_path, monkeypatch):
     broken = tmp_path / "broken"
     (broken / "fla").mkdir(parents=True)
