@@ -41,20 +41,35 @@ bool x_or_fp32(const optional_tensor& t, at::ScalarType x) {
 
 bool kernel_device(const at::Tensor& x) { return tk::registration::runs_kernels(x); }
 
-// The tensor as (rows, hidden) with contiguous columns: a view where one exists, else a copy.
-at::Tensor as_rows(const at::Tensor& t, int64_t hidden) {
-  at::Tensor rows = t.reshape({-1, hidden});
-  return rows.stride(1) == 1 || hidden == 1 ? rows : rows.contiguous();
-}
+// A tensor seen as (rows, hidden) with contiguous columns. A contiguous tensor is read in place
+// (rows `hidden` apart: no view is made, which would cost a dispatched reshape per call); any
+// other layout goes through a (rows, hidden) view where one exists, else a copy, kept in `held`.
+struct rows_view {
+  at::Tensor held;  // defined only when a view or copy was needed
+  row_matrix matrix;
+  int64_t rows;
+};
 
-row_matrix rows_of(const at::Tensor& rows) {
+row_matrix matrix_of(const at::Tensor& rows) {
   // A single row has no meaningful stride: give it one that keeps it aligned when it can be.
   const int64_t stride = rows.size(0) == 1 ? rows.size(1) : rows.stride(0);
   return {rows.data_ptr(), stride, element_of(rows)};
 }
 
-row_matrix rows_of(const optional_tensor& rows) {
-  return rows.has_value() ? rows_of(*rows) : row_matrix{nullptr, 0, element_type::bf16};
+rows_view as_rows(const at::Tensor& t, int64_t hidden) {
+  if (t.is_contiguous()) {
+    // What the (rows, hidden) view of a contiguous tensor holds: rows `hidden` elements apart.
+    return {at::Tensor(), {t.data_ptr(), hidden, element_of(t)}, t.numel() / hidden};
+  }
+  at::Tensor rows = t.reshape({-1, hidden});
+  if (rows.stride(1) != 1 && hidden != 1) rows = rows.contiguous();
+  return {rows, matrix_of(rows), rows.size(0)};
+}
+
+row_matrix rows_of(const rows_view& rows) { return rows.matrix; }
+
+row_matrix rows_of(const std::optional<rows_view>& rows) {
+  return rows.has_value() ? rows->matrix : row_matrix{nullptr, 0, element_type::bf16};
 }
 
 parameter parameter_of(const optional_tensor& t) {
@@ -69,8 +84,8 @@ std::optional<at::Tensor> contiguous(const optional_tensor& t) {
   return t.has_value() ? std::optional<at::Tensor>(t->contiguous()) : std::nullopt;
 }
 
-optional_tensor rows_or_none(const optional_tensor& t, int64_t hidden) {
-  return t.has_value() ? std::optional<at::Tensor>(as_rows(*t, hidden)) : std::nullopt;
+std::optional<rows_view> rows_or_none(const optional_tensor& t, int64_t hidden) {
+  return t.has_value() ? std::optional<rows_view>(as_rows(*t, hidden)) : std::nullopt;
 }
 
 void check_parameter(const char* op, const char* name, const optional_tensor& t, const at::Tensor& x) {
@@ -121,11 +136,11 @@ bool run_forward(norm_kind kind, const at::Tensor& x, const optional_tensor& wei
                  const optional_tensor& residual, const optional_tensor& seed, double eps, double dropout_p,
                  const at::Tensor& out, const at::Tensor& h, const optional_tensor& mean, const at::Tensor& rstd) {
   const int64_t hidden = x.size(-1);
-  const at::Tensor x_rows = as_rows(x, hidden);
-  const optional_tensor residual_rows = rows_or_none(residual, hidden);
+  const rows_view x_rows = as_rows(x, hidden);
+  const std::optional<rows_view> residual_rows = rows_or_none(residual, hidden);
   const optional_tensor weight_vector = contiguous(weight), bias_vector = contiguous(bias);
   tk::norms::forward_problem p{};
-  p.rows = x_rows.size(0);
+  p.rows = x_rows.rows;
   p.hidden = hidden;
   p.x = rows_of(x_rows);
   p.residual = rows_of(residual_rows);
@@ -201,13 +216,13 @@ bool run_backward(norm_kind kind, const at::Tensor& grad_out, const optional_ten
                   const optional_tensor& seed, double dropout_p, const backward_outputs& out,
                   const std::array<bool, 4>& wanted) {
   const int64_t hidden = h.size(-1);
-  const at::Tensor grad_out_rows = as_rows(grad_out, hidden), h_rows = as_rows(h, hidden);
-  const optional_tensor grad_h_rows = rows_or_none(grad_h, hidden);
+  const rows_view grad_out_rows = as_rows(grad_out, hidden), h_rows = as_rows(h, hidden);
+  const std::optional<rows_view> grad_h_rows = rows_or_none(grad_h, hidden);
   const optional_tensor weight_vector = contiguous(weight);
   const at::Tensor rstd_values = rstd.contiguous();
   const optional_tensor mean_values = contiguous(mean);
   tk::norms::backward_problem p{};
-  p.rows = h_rows.size(0);
+  p.rows = h_rows.rows;
   p.hidden = hidden;
   p.grad_out = rows_of(grad_out_rows);
   p.grad_h = rows_of(grad_h_rows);
