@@ -13,9 +13,11 @@ import torch
 
 import tk_ops
 from tk_ops import _checks
+from tk_ops.ops import layer_norm as layer_norm_module
 
 
 def _outcome(call):
+    torch.manual_seed(0)  # the same dropout seed with and without the fast check
     try:
         out = call()
     except Exception as error:  # noqa: BLE001 - the outcome under test is the exception itself
@@ -28,6 +30,7 @@ def _same_outcome(call, monkeypatch):
     fast = _outcome(call)
     with monkeypatch.context() as patch:
         patch.setattr(_checks, "uniform_floats", lambda *args, **kwargs: False)
+        patch.setattr(layer_norm_module, "_plain_norm_arguments", lambda *args, **kwargs: False)  # both norms'
         detailed = _outcome(call)
     assert fast[0] == detailed[0], f"fast check: {fast[:3]}, detailed checks: {detailed[:3]}"
     if fast[0] == "raised":
@@ -78,3 +81,6 @@ def test_norms(monkeypatch):
             _same_outcome(lambda: tk_ops.rms_norm(x, weight, eps, residual=residual), monkeypatch)
         for bias in parameters[:4]:
             _same_outcome(lambda: tk_ops.layer_norm(x, weight, bias, 1e-5, residual=residual), monkeypatch)
+        for dropout_p in (0, 0.25, 1.0, float("nan"), True, "x"):
+            _same_outcome(lambda: tk_ops.layer_norm(x, weight, None, 1e-5, residual=residual, dropout_p=dropout_p),
+                          monkeypatch)

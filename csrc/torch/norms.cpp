@@ -7,6 +7,7 @@
 // rows that are 16-byte aligned, 2048 otherwise), empty tensors. The dropout seed is read by the
 // kernels from device memory, so a launch never synchronises and can be captured in a CUDA graph.
 #include <ATen/ATen.h>
+#include <ATen/cuda/EmptyTensor.h>
 #include <torch/library.h>
 
 #include <array>
@@ -41,20 +42,35 @@ bool x_or_fp32(const optional_tensor& t, at::ScalarType x) {
 
 bool kernel_device(const at::Tensor& x) { return tk::registration::runs_kernels(x); }
 
-// The tensor as (rows, hidden) with contiguous columns: a view where one exists, else a copy.
-at::Tensor as_rows(const at::Tensor& t, int64_t hidden) {
-  at::Tensor rows = t.reshape({-1, hidden});
-  return rows.stride(1) == 1 || hidden == 1 ? rows : rows.contiguous();
-}
+// A tensor seen as (rows, hidden) with contiguous columns. A contiguous tensor is read in place
+// (rows `hidden` apart: no view is made, which would cost a dispatched reshape per call); any
+// other layout goes through a (rows, hidden) view where one exists, else a copy, kept in `held`.
+struct rows_view {
+  at::Tensor held;  // defined only when a view or copy was needed
+  row_matrix matrix;
+  int64_t rows;
+};
 
-row_matrix rows_of(const at::Tensor& rows) {
+row_matrix matrix_of(const at::Tensor& rows) {
   // A single row has no meaningful stride: give it one that keeps it aligned when it can be.
   const int64_t stride = rows.size(0) == 1 ? rows.size(1) : rows.stride(0);
   return {rows.data_ptr(), stride, element_of(rows)};
 }
 
-row_matrix rows_of(const optional_tensor& rows) {
-  return rows.has_value() ? rows_of(*rows) : row_matrix{nullptr, 0, element_type::bf16};
+rows_view as_rows(const at::Tensor& t, int64_t hidden) {
+  if (t.is_contiguous()) {
+    // What the (rows, hidden) view of a contiguous tensor holds: rows `hidden` elements apart.
+    return {at::Tensor(), {t.data_ptr(), hidden, element_of(t)}, t.numel() / hidden};
+  }
+  at::Tensor rows = t.reshape({-1, hidden});
+  if (rows.stride(1) != 1 && hidden != 1) rows = rows.contiguous();
+  return {rows, matrix_of(rows), rows.size(0)};
+}
+
+row_matrix rows_of(const rows_view& rows) { return rows.matrix; }
+
+row_matrix rows_of(const std::optional<rows_view>& rows) {
+  return rows.has_value() ? rows->matrix : row_matrix{nullptr, 0, element_type::bf16};
 }
 
 parameter parameter_of(const optional_tensor& t) {
@@ -69,8 +85,8 @@ std::optional<at::Tensor> contiguous(const optional_tensor& t) {
   return t.has_value() ? std::optional<at::Tensor>(t->contiguous()) : std::nullopt;
 }
 
-optional_tensor rows_or_none(const optional_tensor& t, int64_t hidden) {
-  return t.has_value() ? std::optional<at::Tensor>(as_rows(*t, hidden)) : std::nullopt;
+std::optional<rows_view> rows_or_none(const optional_tensor& t, int64_t hidden) {
+  return t.has_value() ? std::optional<rows_view>(as_rows(*t, hidden)) : std::nullopt;
 }
 
 void check_parameter(const char* op, const char* name, const optional_tensor& t, const at::Tensor& x) {
@@ -109,9 +125,25 @@ const int64_t* seed_pointer(const optional_tensor& seed, double dropout_p) {
   return dropout_p > 0 ? seed->data_ptr<int64_t>() : nullptr;  // one element: at data_ptr whatever its strides
 }
 
-at::Tensor statistic(const at::Tensor& x) {
-  return at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
+// A fresh contiguous tensor of `dtype` on `like`'s device, as at::empty(sizes, like.options().dtype(dtype)):
+// taken from the CUDA caching allocator directly (at::detail::empty_cuda, what at::empty's CUDA kernel
+// calls), which saves the dispatcher's hops (BackendSelect, then CUDA) on every output of every call.
+// With torch.use_deterministic_algorithms and fill_uninitialized_memory on, at::empty fills fresh
+// memory with NaN: then the dispatched at::empty runs, so that the fill happens as before.
+at::Tensor new_tensor(at::IntArrayRef sizes, at::ScalarType dtype, const at::Tensor& like) {
+  const at::Context& context = at::globalContext();
+  if (context.deterministicAlgorithms() && context.deterministicFillUninitializedMemory()) {
+    return at::empty(sizes, like.options().dtype(dtype));
+  }
+  return at::Tensor(at::detail::empty_cuda(sizes, dtype, like.device(), std::nullopt));
 }
+
+at::Tensor new_like(const at::Tensor& like) { return new_tensor(like.sizes(), like.scalar_type(), like); }
+
+// The empty placeholder of an output that is not computed (like.new_empty({0})).
+at::Tensor placeholder(const at::Tensor& like) { return new_tensor({0}, like.scalar_type(), like); }
+
+at::Tensor statistic(const at::Tensor& x) { return new_tensor(x.sizes().slice(0, x.dim() - 1), at::kFloat, x); }
 
 // ------------------------------------------------------------------------------------- forward
 
@@ -121,11 +153,11 @@ bool run_forward(norm_kind kind, const at::Tensor& x, const optional_tensor& wei
                  const optional_tensor& residual, const optional_tensor& seed, double eps, double dropout_p,
                  const at::Tensor& out, const at::Tensor& h, const optional_tensor& mean, const at::Tensor& rstd) {
   const int64_t hidden = x.size(-1);
-  const at::Tensor x_rows = as_rows(x, hidden);
-  const optional_tensor residual_rows = rows_or_none(residual, hidden);
+  const rows_view x_rows = as_rows(x, hidden);
+  const std::optional<rows_view> residual_rows = rows_or_none(residual, hidden);
   const optional_tensor weight_vector = contiguous(weight), bias_vector = contiguous(bias);
   tk::norms::forward_problem p{};
-  p.rows = x_rows.size(0);
+  p.rows = x_rows.rows;
   p.hidden = hidden;
   p.x = rows_of(x_rows);
   p.residual = rows_of(residual_rows);
@@ -161,8 +193,8 @@ layer_norm_outputs layer_norm_cuda(const at::Tensor& x, const optional_tensor& w
   if (forward_supported(x, residual, weight, bias)) {
     const at::ScalarType stream = residual.has_value() ? residual->scalar_type() : x.scalar_type();
     const bool materialise_h = residual.has_value() || dropout_p > 0;
-    at::Tensor out = at::empty(x.sizes(), x.options());
-    at::Tensor h = materialise_h ? at::empty(x.sizes(), x.options().dtype(stream)) : x.new_empty({0});
+    at::Tensor out = new_like(x);
+    at::Tensor h = materialise_h ? new_tensor(x.sizes(), stream, x) : placeholder(x);
     at::Tensor mean = statistic(x), rstd = statistic(x);
     if (run_forward(norm_kind::layer, x, weight, bias, residual, dropout_seed, eps, dropout_p, out, h, mean, rstd)) {
       return {out, h, mean, rstd};
@@ -179,8 +211,8 @@ rms_norm_outputs rms_norm_cuda(const at::Tensor& x, const optional_tensor& weigh
   check_like(op, "residual", residual, x, "x");
   if (forward_supported(x, residual, weight, std::nullopt)) {
     const at::ScalarType stream = residual.has_value() ? residual->scalar_type() : x.scalar_type();
-    at::Tensor out = at::empty(x.sizes(), x.options());
-    at::Tensor h = residual.has_value() ? at::empty(x.sizes(), x.options().dtype(stream)) : x.new_empty({0});
+    at::Tensor out = new_like(x);
+    at::Tensor h = residual.has_value() ? new_tensor(x.sizes(), stream, x) : placeholder(x);
     at::Tensor rstd = statistic(x);
     if (run_forward(norm_kind::rms, x, weight, std::nullopt, residual, std::nullopt, eps, 0.0, out, h, std::nullopt,
                     rstd)) {
@@ -201,13 +233,13 @@ bool run_backward(norm_kind kind, const at::Tensor& grad_out, const optional_ten
                   const optional_tensor& seed, double dropout_p, const backward_outputs& out,
                   const std::array<bool, 4>& wanted) {
   const int64_t hidden = h.size(-1);
-  const at::Tensor grad_out_rows = as_rows(grad_out, hidden), h_rows = as_rows(h, hidden);
-  const optional_tensor grad_h_rows = rows_or_none(grad_h, hidden);
+  const rows_view grad_out_rows = as_rows(grad_out, hidden), h_rows = as_rows(h, hidden);
+  const std::optional<rows_view> grad_h_rows = rows_or_none(grad_h, hidden);
   const optional_tensor weight_vector = contiguous(weight);
   const at::Tensor rstd_values = rstd.contiguous();
   const optional_tensor mean_values = contiguous(mean);
   tk::norms::backward_problem p{};
-  p.rows = h_rows.size(0);
+  p.rows = h_rows.rows;
   p.hidden = hidden;
   p.grad_out = rows_of(grad_out_rows);
   p.grad_h = rows_of(grad_h_rows);
@@ -225,7 +257,7 @@ bool run_backward(norm_kind kind, const at::Tensor& grad_out, const optional_ten
   launch_on(h, [&](cudaStream_t stream) {
     // One partial row per block of the backward's grid on h's device: counted with that device current.
     const int64_t workspace_floats = tk::norms::backward_workspace_floats(kind, p, h.get_device());
-    const at::Tensor workspace = at::empty({workspace_floats}, h.options().dtype(at::kFloat));
+    const at::Tensor workspace = new_tensor({workspace_floats}, at::kFloat, h);
     p.workspace = workspace.data_ptr<float>();
     return tk::norms::launch_backward(kind, p, stream);
   });
@@ -244,10 +276,10 @@ bool backward_supported(const at::Tensor& grad_out, const optional_tensor& grad_
 
 backward_outputs allocate_backward(const at::Tensor& grad_out, const at::Tensor& h, const optional_tensor& weight,
                                    const optional_tensor& bias, const std::array<bool, 4>& wanted) {
-  return {wanted[0] ? at::empty(h.sizes(), grad_out.options()) : grad_out.new_empty({0}),
-          wanted[1] ? at::empty(h.sizes(), h.options()) : grad_out.new_empty({0}),
-          wanted[2] ? at::empty(weight->sizes(), weight->options()) : grad_out.new_empty({0}),
-          wanted[3] ? at::empty(bias->sizes(), bias->options()) : grad_out.new_empty({0})};
+  return {wanted[0] ? new_tensor(h.sizes(), grad_out.scalar_type(), grad_out) : placeholder(grad_out),
+          wanted[1] ? new_like(h) : placeholder(grad_out),
+          wanted[2] ? new_like(*weight) : placeholder(grad_out),
+          wanted[3] ? new_like(*bias) : placeholder(grad_out)};
 }
 
 void check_backward(const char* op, const at::Tensor& grad_out, const optional_tensor& grad_h, const at::Tensor& h,

@@ -81,25 +81,48 @@ def stream_dtype(x: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.dty
 
 
 def _plain_norm_arguments(x, residual, eps, weight, bias=None) -> bool:
-    """The norms' fast path: True when check_norm_arguments would pass with every tensor in x's dtype."""
-    if not (_checks.uniform_floats(x, weight, bias, residual, autocast=False) and x.dim() >= 1):
+    """The norms' fast path: True when check_norm_arguments would pass with every tensor in x's dtype.
+
+    The conditions of ``_checks.uniform_floats`` (tensors of one float dtype on one device, none
+    empty; no autocast: the norms do not cast) and the norms' shape relations, spelled out for the
+    norms' arguments: each call costs no tuple, dict or Size. The parameters and the residual cannot
+    be empty once their shapes match x's non-empty one. A False runs check_norm_arguments."""
+    if not (isinstance(x, torch.Tensor) and type(eps) is float and eps > 0):
         return False
-    hidden = x.shape[-1]
-    return (
-        (weight is None or (weight.dim() == 1 and weight.shape[0] == hidden))
-        and (bias is None or (bias.dim() == 1 and bias.shape[0] == hidden))
-        and (residual is None or residual.shape == x.shape)
-        and type(eps) is float
-        and eps > 0
+    dtype = x.dtype
+    if dtype not in _checks.FLOAT_DTYPES or x.dim() < 1 or x.numel() == 0:
+        return False
+    device, hidden = x.device, x.shape[-1]
+    if weight is not None and not (
+        isinstance(weight, torch.Tensor)
+        and weight.dtype == dtype
+        and weight.dim() == 1
+        and weight.shape[0] == hidden
+        and weight.device == device
+    ):
+        return False
+    if bias is not None and not (
+        isinstance(bias, torch.Tensor)
+        and bias.dtype == dtype
+        and bias.dim() == 1
+        and bias.shape[0] == hidden
+        and bias.device == device
+    ):
+        return False
+    return residual is None or (
+        isinstance(residual, torch.Tensor)
+        and residual.dtype == dtype
+        and residual.shape == x.shape
+        and residual.device == device
     )
 
 
 def check_norm_arguments(
     x: torch.Tensor, residual: Optional[torch.Tensor], eps: float, **parameters: Optional[torch.Tensor]
 ) -> None:
-    """Checks shared by layer_norm and rms_norm; ``parameters`` are the (C,) weight and bias."""
-    if _plain_norm_arguments(x, residual, eps, **parameters):
-        return
+    """Checks shared by layer_norm and rms_norm; ``parameters`` are the (C,) weight and bias. The
+    public functions run them when _plain_norm_arguments says no; they raise the error that names
+    the argument, or pass (an fp32 weight, bias or residual beside x of another float dtype)."""
     _checks.check_tensor("x", x)
     if x.dim() < 1:
         raise ValueError(f"x must have at least 1 dimension (..., hidden), got shape {tuple(x.shape)}")
@@ -333,17 +356,24 @@ def layer_norm(
     residual stream in x's dtype (fp32 when residual is fp32). Dropout draws its seed from the
     default generator of x's device (reproducible under ``torch.manual_seed``, CUDA-graph safe).
     """
-    check_norm_arguments(x, residual, eps, weight=weight, bias=bias)
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
-    if not 0 <= dropout_p < 1:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    x = _checks.unit_last_stride(x)
-    weight = None if weight is None else _checks.unit_last_stride(weight)
-    bias = None if bias is None else _checks.unit_last_stride(bias)
-    residual = None if residual is None else _checks.unit_last_stride(residual)
+    if not (type(dropout_p) is float and 0.0 <= dropout_p < 1.0 and _plain_norm_arguments(x, residual, eps, weight, bias)):
+        check_norm_arguments(x, residual, eps, weight=weight, bias=bias)
+        if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+            raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+        if not 0 <= dropout_p < 1:
+            raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+        eps, dropout_p = float(eps), float(dropout_p)
+    # unit_last_stride leaves a contiguous tensor as it is: is_contiguous() is the cheap test of that
+    if not x.is_contiguous():
+        x = _checks.unit_last_stride(x)
+    if weight is not None and not weight.is_contiguous():
+        weight = _checks.unit_last_stride(weight)
+    if bias is not None and not bias.is_contiguous():
+        bias = _checks.unit_last_stride(bias)
+    if residual is not None and not residual.is_contiguous():
+        residual = _checks.unit_last_stride(residual)
     dropout_seed = _draw_dropout_seed(x.device) if dropout_p > 0 else None
-    out, h, _, _ = layer_norm_op(x, weight, bias, residual, dropout_seed, float(eps), float(dropout_p))
+    out, h, _, _ = layer_norm_op(x, weight, bias, residual, dropout_seed, eps, dropout_p)
     if not return_residual:
         return out
     if not _materialises_h(residual, dropout_p):

@@ -40,6 +40,7 @@ from typing import Optional
 import torch
 
 from tk_ops import _checks, _library
+from tk_ops.ops import layer_norm as layer_norm_module  # its _plain_norm_arguments, looked up per call
 from tk_ops.ops.layer_norm import check_norm_arguments, compute_dtype, stream_dtype
 
 # ----------------------------------------------------------------------------------- reference
@@ -164,11 +165,17 @@ def rms_norm(
     Returns ``out`` in x's dtype, or ``(out, h)`` with ``return_residual=True``: h is the pre-norm
     residual stream in x's dtype (fp32 when residual is fp32).
     """
-    check_norm_arguments(x, residual, eps, weight=weight)
-    x = _checks.unit_last_stride(x)
-    weight = None if weight is None else _checks.unit_last_stride(weight)
-    residual = None if residual is None else _checks.unit_last_stride(residual)
-    out, h, _ = rms_norm_op(x, weight, residual, float(eps))
+    if not layer_norm_module._plain_norm_arguments(x, residual, eps, weight):
+        check_norm_arguments(x, residual, eps, weight=weight)
+        eps = float(eps)
+    # unit_last_stride leaves a contiguous tensor as it is: is_contiguous() is the cheap test of that
+    if not x.is_contiguous():
+        x = _checks.unit_last_stride(x)
+    if weight is not None and not weight.is_contiguous():
+        weight = _checks.unit_last_stride(weight)
+    if residual is not None and not residual.is_contiguous():
+        residual = _checks.unit_last_stride(residual)
+    out, h, _ = rms_norm_op(x, weight, residual, eps)
     if not return_residual:
         return out
     if residual is None:
