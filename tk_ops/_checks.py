@@ -65,26 +65,24 @@ def check_optional(name: str, t, **kwargs) -> Optional[torch.Tensor]:
     return None if t is None else check_tensor(name, t, **kwargs)
 
 
-def check_same_device(**tensors: Optional[torch.Tensor]) -> None:
-    first_name, device = None, None
+def _check_same(attribute: str, relation: str, error: type, tensors: dict) -> None:
+    """Every non-None tensor's `attribute` equals the first one's; the message names both tensors."""
+    first_name, value = None, None
     for n, t in tensors.items():
         if t is None:
             continue
-        if device is None:
-            first_name, device = n, t.device
-        elif t.device != device:
-            raise ValueError(f"{n} must be on {first_name}'s device {device}, got {t.device}")
+        if value is None:
+            first_name, value = n, getattr(t, attribute)
+        elif getattr(t, attribute) != value:
+            raise error(f"{n} must {relation} {first_name}'s {attribute} {value}, got {getattr(t, attribute)}")
+
+
+def check_same_device(**tensors: Optional[torch.Tensor]) -> None:
+    _check_same("device", "be on", ValueError, tensors)
 
 
 def check_same_dtype(**tensors: Optional[torch.Tensor]) -> None:
-    first_name, dtype = None, None
-    for n, t in tensors.items():
-        if t is None:
-            continue
-        if dtype is None:
-            first_name, dtype = n, t.dtype
-        elif t.dtype != dtype:
-            raise TypeError(f"{n} must have {first_name}'s dtype {dtype}, got {t.dtype}")
+    _check_same("dtype", "have", TypeError, tensors)
 
 
 def check_dim(name: str, t: torch.Tensor, dim: int, expected: int, what: str) -> None:
