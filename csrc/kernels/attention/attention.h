@@ -34,7 +34,7 @@ struct forward_problem {
 //              bitwise reproducible (what deterministic=True asks for)
 //   one_pass   the dK/dV pass adds each step's dq partial into an fp32 accumulator with bulk
 //              reductions in varying order (dq reproducible only to fp32 rounding), then converts
-//   fastest    whichever measured faster for the shape (one_pass_pays in attention_bwd.cu)
+//   fastest    whichever measured faster for the shape (one_pass() in attention_bwd.cu)
 enum class backward_method { fastest, recompute, one_pass };
 
 struct backward_problem {
