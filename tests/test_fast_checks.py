@@ -84,3 +84,14 @@ def test_norms(monkeypatch):
         for dropout_p in (0, 0.25, 1.0, float("nan"), True, "x"):
             _same_outcome(lambda: tk_ops.layer_norm(x, weight, None, 1e-5, residual=residual, dropout_p=dropout_p),
                           monkeypatch)
+
+
+def test_unit_last_stride_copies_only_what_a_kernel_would_misread():
+    x = torch.randn(4, 6)
+    assert _checks.unit_last_stride(None) is None
+    assert _checks.unit_last_stride(x) is x  # contiguous
+    rows = x[::2]  # not contiguous, unit last stride: read in place
+    assert _checks.unit_last_stride(rows) is rows
+    columns = x.t()  # last stride 6: copied
+    copied = _checks.unit_last_stride(columns)
+    assert copied is not columns and copied.stride(-1) == 1 and torch.equal(copied, columns)

@@ -93,8 +93,12 @@ def check_dim(name: str, t: torch.Tensor, dim: int, expected: int, what: str) ->
         )
 
 
-def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
-    """Kernels accept any strides with a unit last stride; anything else is copied, never misread."""
+def unit_last_stride(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Kernels accept any strides with a unit last stride; anything else is copied, never misread.
+    None (an absent optional input) stays None; a contiguous tensor, the common case, is returned
+    after one cheap test."""
+    if t is None or t.is_contiguous():
+        return t
     if t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
         return t.contiguous()
     return t

@@ -182,5 +182,4 @@ def fftconv(u: torch.Tensor, k: torch.Tensor, *, D: Optional[torch.Tensor] = Non
         )
     if D is not None:
         _checks.check_dim("D", D, 0, u.shape[1], "u.shape[1] (H)")
-    D = None if D is None else _checks.unit_last_stride(D)
-    return fftconv_op(_checks.unit_last_stride(u), _checks.unit_last_stride(k), D)
+    return fftconv_op(_checks.unit_last_stride(u), _checks.unit_last_stride(k), _checks.unit_last_stride(D))

@@ -80,6 +80,13 @@ def stream_dtype(x: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.dty
     return x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
 
 
+def _plain_parameter(t, dtype, hidden, device) -> bool:
+    """An absent norm parameter, or a (hidden,) tensor of x's dtype on x's device."""
+    return t is None or (
+        isinstance(t, torch.Tensor) and t.dtype == dtype and t.dim() == 1 and t.shape[0] == hidden and t.device == device
+    )
+
+
 def _plain_norm_arguments(x, residual, eps, weight, bias=None) -> bool:
     """The norms' fast path: True when check_norm_arguments would pass with every tensor in x's dtype.
 
@@ -93,21 +100,7 @@ def _plain_norm_arguments(x, residual, eps, weight, bias=None) -> bool:
     if dtype not in _checks.FLOAT_DTYPES or x.dim() < 1 or x.numel() == 0:
         return False
     device, hidden = x.device, x.shape[-1]
-    if weight is not None and not (
-        isinstance(weight, torch.Tensor)
-        and weight.dtype == dtype
-        and weight.dim() == 1
-        and weight.shape[0] == hidden
-        and weight.device == device
-    ):
-        return False
-    if bias is not None and not (
-        isinstance(bias, torch.Tensor)
-        and bias.dtype == dtype
-        and bias.dim() == 1
-        and bias.shape[0] == hidden
-        and bias.device == device
-    ):
+    if not (_plain_parameter(weight, dtype, hidden, device) and _plain_parameter(bias, dtype, hidden, device)):
         return False
     return residual is None or (
         isinstance(residual, torch.Tensor)
@@ -363,15 +356,7 @@ def layer_norm(
         if not 0 <= dropout_p < 1:
             raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
         eps, dropout_p = float(eps), float(dropout_p)
-    # unit_last_stride leaves a contiguous tensor as it is: is_contiguous() is the cheap test of that
-    if not x.is_contiguous():
-        x = _checks.unit_last_stride(x)
-    if weight is not None and not weight.is_contiguous():
-        weight = _checks.unit_last_stride(weight)
-    if bias is not None and not bias.is_contiguous():
-        bias = _checks.unit_last_stride(bias)
-    if residual is not None and not residual.is_contiguous():
-        residual = _checks.unit_last_stride(residual)
+    x, weight, bias, residual = (_checks.unit_last_stride(t) for t in (x, weight, bias, residual))
     dropout_seed = _draw_dropout_seed(x.device) if dropout_p > 0 else None
     out, h, _, _ = layer_norm_op(x, weight, bias, residual, dropout_seed, eps, dropout_p)
     if not return_residual:

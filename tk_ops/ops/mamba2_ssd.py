@@ -465,9 +465,8 @@ def mamba2_ssd(
     ``return_final_states`` also the final states (Bt, H, P, N) in fp32.
     """
     _check_arguments(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states)
-    x, dt, A, B, C = (_checks.unit_last_stride(t) for t in (x, dt, A, B, C))
-    D, z, dt_bias, initial_states = (
-        None if t is None else _checks.unit_last_stride(t) for t in (D, z, dt_bias, initial_states)
+    x, dt, A, B, C, D, z, dt_bias, initial_states = (
+        _checks.unit_last_stride(t) for t in (x, dt, A, B, C, D, z, dt_bias, initial_states)
     )
     y, final_states, _ = mamba2_ssd_op(
         x, dt, A, B, C, chunk_size, D, z, dt_bias, bool(dt_softplus), initial_states

@@ -168,13 +168,7 @@ def rms_norm(
     if not layer_norm_module._plain_norm_arguments(x, residual, eps, weight):
         check_norm_arguments(x, residual, eps, weight=weight)
         eps = float(eps)
-    # unit_last_stride leaves a contiguous tensor as it is: is_contiguous() is the cheap test of that
-    if not x.is_contiguous():
-        x = _checks.unit_last_stride(x)
-    if weight is not None and not weight.is_contiguous():
-        weight = _checks.unit_last_stride(weight)
-    if residual is not None and not residual.is_contiguous():
-        residual = _checks.unit_last_stride(residual)
+    x, weight, residual = (_checks.unit_last_stride(t) for t in (x, weight, residual))
     out, h, _ = rms_norm_op(x, weight, residual, eps)
     if not return_residual:
         return out
