@@ -503,8 +503,7 @@ template <typename Kernel>
 cudaError_t channel_last_ranges(Kernel kernel, const sizes& s, position_ranges& ranges) {
   int device = 0, per_sm = 0;
   if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
-  if (const cudaError_t err = pipeline::resident_blocks_per_sm(&per_sm, reinterpret_cast<const void*>(kernel),
-                                                               channel_last_plan::block_threads, 0);
+  if (const cudaError_t err = pipeline::resident_blocks_per_sm(&per_sm, kernel, channel_last_plan::block_threads, 0);
       err != cudaSuccess) {
     return err;
   }

@@ -263,8 +263,7 @@ int64_t backward_blocks(const backward_problem& p, const row_plan& plan, int dev
   const size_t shared_bytes = accumulator_bytes<T, A>(p, plan);
   if (pipeline::allow_shared_bytes(reinterpret_cast<const void*>(kernel), shared_bytes) != cudaSuccess) return 0;
   int per_sm = 0;
-  if (pipeline::resident_blocks_per_sm(&per_sm, reinterpret_cast<const void*>(kernel), plan.block_threads(),
-                                       shared_bytes) != cudaSuccess) {
+  if (pipeline::resident_blocks_per_sm(&per_sm, kernel, plan.block_threads(), shared_bytes) != cudaSuccess) {
     return 0;
   }
   return std::min<int64_t>(plan.blocks_for(p.rows), int64_t(per_sm) * pipeline::sm_count(device));

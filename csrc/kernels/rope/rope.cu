@@ -66,8 +66,7 @@ cudaError_t run(const problem& p, cudaStream_t stream) {
   const auto kernel = rope_kernel<T, Table, VEC, INTERLEAVED, FULL_TABLE, BACKWARD>;
   int device = 0, blocks_per_sm = 0;
   if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
-  if (const cudaError_t err = pipeline::resident_blocks_per_sm(&blocks_per_sm, reinterpret_cast<const void*>(kernel),
-                                                               int(block.x * block.y), 0);
+  if (const cudaError_t err = pipeline::resident_blocks_per_sm(&blocks_per_sm, kernel, int(block.x * block.y), 0);
       err != cudaSuccess) {
     return err;
   }

@@ -120,6 +120,11 @@ inline cudaError_t resident_blocks_per_sm(int* blocks, const void* kernel, int t
   return err;
 }
 
+template <typename... Params>
+cudaError_t resident_blocks_per_sm(int* blocks, void (*kernel)(Params...), int threads, size_t shared_bytes) {
+  return resident_blocks_per_sm(blocks, reinterpret_cast<const void*>(kernel), threads, shared_bytes);
+}
+
 template <typename... Params, typename... Args>
 cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream,
                    Args&&... args) {
