@@ -7,8 +7,9 @@ that for the backward, which is timed alone (the forward that feeds it runs outs
 Each row names its pass (fwd; bwd, the default backward; bwd_one_pass, the one-pass dq method
 forced; bwd_det, deterministic=True; each backward against the baseline's backward, timed beside
 it) and its baseline (sdpa_cudnn, sdpa_flash), with the relative difference of ours from it (fwd:
-the output; the backwards: the gradients of q, k, v); writes benchmarks/results/attention.json and
-attention.png (benchmarks/common.py's rows).
+the output; the backwards: the gradients of q, k, v); calls under GRAPH_BELOW_MS (the short
+forwards) are also replayed in CUDA graphs, ours and cuDNN's (graph_ratio: the ratio without host
+overhead); writes benchmarks/results/attention.json and attention.png (benchmarks/common.py's rows).
 
 Run from the repository root: python3 -m benchmarks.bench_attention [--out DIR] [--only grid gqa odd]
 A small correctness pass (what compute-sanitizer runs): python3 -m benchmarks.bench_attention --check
@@ -34,6 +35,9 @@ GROUPS = ("grid", "gqa", "odd")
 # the one-pass method forced, the deterministic one.
 OUR_BACKWARDS = {"bwd": (False, None), "bwd_one_pass": (False, "one_pass"), "bwd_det": (True, None)}
 PASSES = ("fwd", *OUR_BACKWARDS)
+# Calls shorter than this (the forwards at N <= 1024) are also timed as CUDA-graph replays, ours and
+# cuDNN's: host overhead apart, so the eager ratio can be read against the device-time ratio.
+GRAPH_BELOW_MS = 0.35
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,18 +156,21 @@ def kv_heads_summed(case: Case, pass_: str, outputs: list) -> list:
     return [grad_q, *(g.unflatten(1, (case.kv_heads, -1)).sum(2) for g in grad_kv)]
 
 
-def sdpa(name: str, backend) -> common.Provider:
+def sdpa(name: str, backend, graph: bool = False) -> common.Provider:
     return common.Provider(name, functools.partial(sdpa_forward, backend=backend),
-                           prepare=functools.partial(sdpa_backward, backend=backend), as_ours=kv_heads_summed)
+                           prepare=functools.partial(sdpa_backward, backend=backend), as_ours=kv_heads_summed,
+                           graph=graph)
 
 
 BENCH = common.Bench(
     "attention", "Attention: tk_ops vs SDPA cuDNN / flash (bf16)",
-    ours=common.Provider("tk_ops", ours, prepare=ours_backward),
-    baselines=(sdpa("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), sdpa("sdpa_flash", SDPBackend.FLASH_ATTENTION)),
+    ours=common.Provider("tk_ops", ours, prepare=ours_backward, graph=True),
+    baselines=(sdpa("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION, graph=True),
+               sdpa("sdpa_flash", SDPBackend.FLASH_ATTENTION)),
     inputs=lambda case, pass_, device: make_inputs(case, device), passes=PASSES,
     set_bytes=lambda case, pass_, inputs: 2 * common.tensor_bytes(inputs), max_sets=4,
     timer=functools.partial(common.time_ms, warmup=3, rounds=10, batch=5),
+    graph_below_ms=GRAPH_BELOW_MS,
     panel=lambda row: f"{row['group']} D={row['head_dim']}",
 )
 

@@ -29,6 +29,8 @@ from __future__ import annotations
 import importlib
 from typing import Callable, Optional
 
+import torch
+
 # --model -> the peer op its mixers run with peer=True
 PEER_OPS = {
     "based": "fla-core parallel_based",
@@ -53,8 +55,11 @@ def check_flags(reference: bool, peer: bool) -> None:
 
 
 def _load(module: str, name: str, package: str, model: str) -> Callable:
+    """The peer op, hidden from torch.compile: compiled peer models compile everything around it and
+    run the op as its library ships it (Inductor re-compiling fla 0.6.0's Triton backward fails on
+    the H100's torch 2.11: a CompilationError in Triton's dot, training_notes.md)."""
     try:
-        return getattr(importlib.import_module(module), name)
+        return torch.compiler.disable(getattr(importlib.import_module(module), name))
     except Exception as error:  # not installed, or one of its own imports (triton, a GPU) fails
         raise PeerUnavailable(
             f"{model} with peer=True runs {module}.{name} from {package}, which does not import here "

@@ -135,6 +135,27 @@ def test_peer_path_matches_tk_path_in_float64(name, fake_peers):
     assert fake_peers.get(name, []) == [arguments] * count
 
 
+@pytest.mark.parametrize("name", ["based", "mamba2"])
+def test_compiled_peer_model_runs_the_peer_op_as_shipped(name, fake_peers):
+    """Under torch.compile the peer op is called, not traced (Dynamo would re-compile the peer's own
+    Triton kernels): every mixer holds the op behind torch.compiler.disable, the fakes record one call
+    per mixer per forward, and the loss is the eager one."""
+    make = MODELS[name][0]
+    peer_model = make(reference=True, peer=True).double()
+    randomize_ssm_parameters(peer_model)
+    ids, targets = tokens(), tokens()
+    eager_loss, _ = _loss_and_grads(peer_model, ids, targets)
+    fake_peers.get(name, []).clear()
+    torch._dynamo.reset()
+    compiled_loss, _ = _loss_and_grads(torch.compile(peer_model, backend="eager"), ids, targets)
+    mixers = [m for m in peer_model.modules() if getattr(m, "peer_attention", None) or getattr(m, "peer_ssd", None)]
+    assert mixers and all(getattr(m.peer_attention if name == "based" else m.peer_ssd, "_torchdynamo_disable", False)
+                          for m in mixers)
+    count, arguments = PEER_CALLS[name]
+    assert fake_peers.get(name, []) == [arguments] * count
+    assert_rel_close(compiled_loss, eager_loss, 1e-12, "loss")
+
+
 def test_hyena_peer_model_is_its_reference_model():
     reference_model = hyena(reference=True)
     peer_model = hyena(reference=True, peer=True)

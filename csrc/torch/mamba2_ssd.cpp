@@ -131,10 +131,7 @@ std::optional<forward_plan> plan_forward(const at::Tensor& x, const at::Tensor& 
   plan.D32 = fp32_contiguous(D);
   plan.bias32 = fp32_contiguous(dt_bias);
   plan.initial32 = fp32_contiguous(initial_states);
-  p.dt = plan.dt32.data_ptr<float>();
-  p.dt_batch_stride = plan.dt32.stride(0);
-  p.dt_row_stride = plan.dt32.stride(1);
-  p.dt_head_stride = plan.dt32.stride(2);
+  p.dt = {plan.dt32.data_ptr<float>(), plan.dt32.stride(0), plan.dt32.stride(1), plan.dt32.stride(2)};
   p.A = plan.A32.data_ptr<float>();
   p.D = data_or_null(plan.D32);
   p.dt_bias = data_or_null(plan.bias32);

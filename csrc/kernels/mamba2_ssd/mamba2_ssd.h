@@ -14,13 +14,25 @@
 
 namespace tk::mamba2 {
 
+// dt (Bt, L, H) fp32 with any strides (elements). The kernels walk one (batch, head) column of it
+// along the positions; column() is constexpr so that device code may call it (the build passes
+// --expt-relaxed-constexpr) while this header stays plain C++ for the torch registration.
+struct dt_view {
+  const float* data;
+  int64_t batch_stride, row_stride, head_stride;
+
+  // &dt[batch, 0, head]; position l of the column is row_stride * l further.
+  constexpr const float* column(int64_t batch, int64_t head) const {
+    return data + batch * batch_stride + head * head_stride;
+  }
+};
+
 struct ssd_forward_problem {
   element_type dtype;              // of x, B, C, z and y
   heads_view x;                    // (Bt, H, L, P) view of x (Bt, L, H, P): any strides, unit last
   heads_view B, C;                 // (Bt, G, L, N) views of B, C (Bt, L, G, N)
   heads_view z;                    // like x; z.data null without the gate
-  const float* dt;                 // dt[b, l, h] at dt + b * dt_batch_stride + l * dt_row_stride + h * dt_head_stride
-  int64_t dt_batch_stride, dt_row_stride, dt_head_stride;
+  dt_view dt;                      // (Bt, L, H), any strides
   const float* A;                  // (H,)
   const float* D;                  // null, (H,) or (H, P) contiguous
   bool D_per_channel;              // D is (H, P)

@@ -111,8 +111,7 @@ struct states_kernel : states_plan {
 
   struct params {
     CUtensorMap x, b;
-    const float* dt;
-    int64_t dt_batch_stride, dt_row_stride, dt_head_stride;
+    dt_view dt;
     const float* A;
     const float* dt_bias;
     const float* chunk_states;  // (Bt, chunks, H, P, N)
@@ -164,9 +163,8 @@ struct states_kernel : states_plan {
     const int row0 = warpgroup::warp_row();
     const int first = first_block(p, ctx.task);
     const float A = p.A[ctx.task.head];
-    const step_column column{
-        p.dt + int64_t(ctx.task.batch) * p.dt_batch_stride + int64_t(ctx.task.head) * p.dt_head_stride,
-        p.dt_row_stride, p.rows, A, p.dt_bias != nullptr ? p.dt_bias[ctx.task.head] : 0.0f, p.dt_softplus};
+    const step_column column{p.dt.column(ctx.task.batch, ctx.task.head), p.dt.row_stride, p.rows, A,
+                             p.dt_bias != nullptr ? p.dt_bias[ctx.task.head] : 0.0f, p.dt_softplus};
     const int64_t chunk_state = (int64_t(ctx.task.batch) * p.chunks + ctx.task.block) * p.heads + ctx.task.head;
     warp::load(st.s, p.chunk_states + (chunk_state * HEAD_DIM + row0) * N, N);
 
@@ -204,9 +202,6 @@ struct states_kernel : states_plan {
     p.x = make_tma_map<xz_tile>(heads_layout<T>(f.x));
     p.b = make_tma_map<bc_tile>(heads_layout<T>(f.B));
     p.dt = f.dt;
-    p.dt_batch_stride = f.dt_batch_stride;
-    p.dt_row_stride = f.dt_row_stride;
-    p.dt_head_stride = f.dt_head_stride;
     p.A = f.A;
     p.dt_bias = f.dt_bias;
     p.chunk_states = pr.chunk_states;
@@ -305,8 +300,7 @@ struct backward_kernel : backward_plan<N, GATED> {
 
   struct params {
     CUtensorMap x, b, c, z, grad_y, s, grad_x, grad_z;
-    const float* dt;
-    int64_t dt_batch_stride, dt_row_stride, dt_head_stride;
+    dt_view dt;
     const float* A;
     const float* D;
     const float* dt_bias;
@@ -682,9 +676,8 @@ struct backward_kernel : backward_plan<N, GATED> {
     const int warp = warp_in_warpgroup();
     const bool leader = is_warpgroup_leader();
     const float A = p.A[ctx.task.head];
-    const step_column column{
-        p.dt + int64_t(ctx.task.batch) * p.dt_batch_stride + int64_t(ctx.task.head) * p.dt_head_stride,
-        p.dt_row_stride, p.rows, A, p.dt_bias != nullptr ? p.dt_bias[ctx.task.head] : 0.0f, p.dt_softplus};
+    const step_column column{p.dt.column(ctx.task.batch, ctx.task.head), p.dt.row_stride, p.rows, A,
+                             p.dt_bias != nullptr ? p.dt_bias[ctx.task.head] : 0.0f, p.dt_softplus};
     start(ctx, st);
 
     auto at = in.first();
@@ -803,9 +796,6 @@ struct backward_kernel : backward_plan<N, GATED> {
     p.grad_x = make_tma_map<xz_tile>(heads_layout<T>(sequence_major_view(pr.grad_x, f.x)));
     if constexpr (GATED) p.grad_z = make_tma_map<xz_tile>(heads_layout<T>(sequence_major_view(pr.grad_z, f.x)));
     p.dt = f.dt;
-    p.dt_batch_stride = f.dt_batch_stride;
-    p.dt_row_stride = f.dt_row_stride;
-    p.dt_head_stride = f.dt_head_stride;
     p.A = f.A;
     p.D = f.D;
     p.dt_bias = f.dt_bias;

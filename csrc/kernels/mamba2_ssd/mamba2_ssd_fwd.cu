@@ -196,8 +196,7 @@ struct segment_ends_kernel : segment_ends_plan {
 
   struct params {
     CUtensorMap x, b;
-    const float* dt;
-    int64_t dt_batch_stride, dt_row_stride, dt_head_stride;
+    dt_view dt;
     const float* A;
     const float* dt_bias;
     float* end_states;  // chunk_states
@@ -238,9 +237,8 @@ struct segment_ends_kernel : segment_ends_plan {
     const int warp = warp_in_warpgroup();
     const int first = p.at.first_block(ctx.task);
     const float A = p.A[ctx.task.head];
-    const step_column column{
-        p.dt + int64_t(ctx.task.batch) * p.dt_batch_stride + int64_t(ctx.task.head) * p.dt_head_stride,
-        p.dt_row_stride, p.at.rows, A, p.dt_bias != nullptr ? p.dt_bias[ctx.task.head] : 0.0f, p.dt_softplus};
+    const step_column column{p.dt.column(ctx.task.batch, ctx.task.head), p.dt.row_stride, p.at.rows, A,
+                             p.dt_bias != nullptr ? p.dt_bias[ctx.task.head] : 0.0f, p.dt_softplus};
     warp::zero(st.s);
     float decay = 0.0f;
 
@@ -373,8 +371,7 @@ struct forward_kernel : ssd_plan<N, HEADS> {
 
   struct params {
     CUtensorMap x, b, c, z, y;
-    const float* dt;
-    int64_t dt_batch_stride, dt_row_stride, dt_head_stride;
+    dt_view dt;
     const float* A;
     const float* D;
     const float* dt_bias;
@@ -437,8 +434,7 @@ struct forward_kernel : ssd_plan<N, HEADS> {
   // The head's column of dt.
   __device__ static step_column steps_column(const context& ctx, int head, float A, float bias) {
     const params& p = ctx.params;
-    return {p.dt + int64_t(ctx.task.batch) * p.dt_batch_stride + int64_t(head) * p.dt_head_stride,
-            p.dt_row_stride, p.at.rows, A, bias, p.dt_softplus};
+    return {p.dt.column(ctx.task.batch, head), p.dt.row_stride, p.at.rows, A, bias, p.dt_softplus};
   }
 
   // This warp's rows of chunk_states[batch, chunk, head].
@@ -607,9 +603,6 @@ struct forward_kernel : ssd_plan<N, HEADS> {
     if constexpr (GATED) p.z = make_tma_map<xz_tile>(heads_layout<T>(pr.z));
     p.y = make_tma_map<xz_tile>(heads_layout<T>(y_view(pr)));
     p.dt = pr.dt;
-    p.dt_batch_stride = pr.dt_batch_stride;
-    p.dt_row_stride = pr.dt_row_stride;
-    p.dt_head_stride = pr.dt_head_stride;
     p.A = pr.A;
     p.D = pr.D;
     p.dt_bias = pr.dt_bias;
@@ -632,9 +625,6 @@ typename segment_ends_kernel<T, N>::params segment_ends_params(const ssd_forward
   p.x = make_tma_map<typename K::xz_tile>(heads_layout<T>(pr.x));
   p.b = make_tma_map<typename K::bc_tile>(heads_layout<T>(pr.B));
   p.dt = pr.dt;
-  p.dt_batch_stride = pr.dt_batch_stride;
-  p.dt_row_stride = pr.dt_row_stride;
-  p.dt_head_stride = pr.dt_head_stride;
   p.A = pr.A;
   p.dt_bias = pr.dt_bias;
   p.end_states = pr.chunk_states;
