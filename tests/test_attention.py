@@ -218,7 +218,8 @@ def test_deterministic_follows_torch_switch(monkeypatch):
 # ------------------------------------------------------------------------------ CUDA kernel
 
 # The backward's two dq methods on the kernels: the one-pass method forced through the environment
-# (by default it runs only where it is faster: long sequences at D = 128), and the deterministic one.
+# (by default it runs only where it is faster: long sequences at D = 128, causal ones at D = 64),
+# and the deterministic one.
 BACKWARD_ENV = "TK_OPS_ATTENTION_BACKWARD"
 BACKWARD_METHODS = ["one_pass", "deterministic"]
 

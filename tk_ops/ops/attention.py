@@ -28,7 +28,7 @@ Backward op
       dq may differ in its last bits from run to run), then a pass converts it. recompute: a second
       kernel recomputes the scores per query block and sums dq in registers, bitwise reproducible.
       deterministic=True always takes recompute; False takes the faster for the shape (one-pass at
-      D = 128 from Nk = 8192, as measured on the H100), or the method named by the environment
+      D = 128 from Nk = 8192 and causal D = 64 from Nk = 2048, as measured on the H100), or the method named by the environment
       variable TK_OPS_ATTENTION_BACKWARD (one_pass / recompute). dk and dv are reproducible always.
 
 The kernels serve bf16/fp16 with D = Dv in {64, 128}; everything else runs the reference, which

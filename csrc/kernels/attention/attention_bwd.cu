@@ -500,17 +500,22 @@ int64_t statistics_floats(const backward_problem& pr) {
 }
 
 // The one-pass method's fixed cost (zeroing, then converting, an fp32 copy of dq) pays off only
-// against enough score work per query row. Measured on the H100 (attention_notes.md, 2026-11-24,
-// bench_attention grid at 8f0d01d), one-pass / recompute time: at D = 128 0.94x from Nk = 8192
-// (causal 0.94-0.99x), 0.95-1.04x at Nk = 4096, 1.07-1.19x below; at D = 64 1.0-1.12x everywhere.
+// against enough score work per query row. Measured on the H100 after the statistics moved into the
+// stage ring (attention_notes.md, 2026-11-24, two bench_attention runs at 5762f53 and 388efb0),
+// one-pass / recompute time: at D = 128 0.94-1.04x from Nk = 4096 (noise of the card: +-5%),
+// 1.09-1.17x below; at D = 64 causal 0.93-0.97x from Nk = 2048; at D = 64 non-causal 1.0-1.05x.
 constexpr int64_t ONE_PASS_MIN_KEYS = 8192;
 constexpr int64_t ONE_PASS_HEAD_DIM = 128;
+constexpr int64_t ONE_PASS_CAUSAL_MIN_KEYS = 2048;
+constexpr int64_t ONE_PASS_CAUSAL_HEAD_DIM = 64;
 
 bool one_pass(const backward_problem& pr) {
   switch (pr.method) {
     case backward_method::recompute: return false;
     case backward_method::one_pass: return true;
-    case backward_method::fastest: return pr.q.dim == ONE_PASS_HEAD_DIM && pr.k.rows >= ONE_PASS_MIN_KEYS;
+    case backward_method::fastest:
+      return (pr.q.dim == ONE_PASS_HEAD_DIM && pr.k.rows >= ONE_PASS_MIN_KEYS) ||
+             (pr.causal && pr.q.dim == ONE_PASS_CAUSAL_HEAD_DIM && pr.k.rows >= ONE_PASS_CAUSAL_MIN_KEYS);
   }
   return false;
 }
