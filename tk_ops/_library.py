@@ -142,16 +142,19 @@ def backends() -> dict[str, str]:
 
 
 EXTENSION_STATUS = "not loaded"
+# tk_ops._C once loaded, else None. Besides registering the kernels it holds the norms' fast entries
+# (csrc/torch/fast_entry.cpp), which tk_ops.layer_norm and tk_ops.rms_norm try first.
+EXTENSION = None
 
 
 def load_extension() -> None:
     """Load ``tk_ops._C`` (the CUDA kernels) when it was built; otherwise keep the references."""
-    global EXTENSION_STATUS
+    global EXTENSION, EXTENSION_STATUS
     if os.environ.get("TK_OPS_DISABLE_EXTENSION") == "1":
         EXTENSION_STATUS = "disabled by TK_OPS_DISABLE_EXTENSION=1"
         return
     try:
-        importlib.import_module("tk_ops._C")  # registers the CUDA kernels on import
+        extension = importlib.import_module("tk_ops._C")  # registers the CUDA kernels on import
     except ModuleNotFoundError:
         EXTENSION_STATUS = "not built"
         return
@@ -159,4 +162,4 @@ def load_extension() -> None:
         EXTENSION_STATUS = f"failed to load: {error}"
         warnings.warn(f"tk_ops: the CUDA extension failed to load ({error}); using reference paths")
         return
-    EXTENSION_STATUS = "loaded"
+    EXTENSION, EXTENSION_STATUS = extension, "loaded"

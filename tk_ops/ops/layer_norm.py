@@ -349,6 +349,11 @@ def layer_norm(
     residual stream in x's dtype (fp32 when residual is fp32). Dropout draws its seed from the
     default generator of x's device (reproducible under ``torch.manual_seed``, CUDA-graph safe).
     """
+    if _library.EXTENSION is not None and not torch.compiler.is_compiling():
+        # Plain eager CUDA calls in C++ (csrc/torch/fast_entry.cpp); None: take the path below.
+        result = _library.EXTENSION.layer_norm(x, weight, bias, eps, residual, dropout_p, return_residual)
+        if result is not None:
+            return result
     if not (type(dropout_p) is float and 0.0 <= dropout_p < 1.0 and _plain_norm_arguments(x, residual, eps, weight, bias)):
         check_norm_arguments(x, residual, eps, weight=weight, bias=bias)
         if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):

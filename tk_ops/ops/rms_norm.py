@@ -165,6 +165,11 @@ def rms_norm(
     Returns ``out`` in x's dtype, or ``(out, h)`` with ``return_residual=True``: h is the pre-norm
     residual stream in x's dtype (fp32 when residual is fp32).
     """
+    if _library.EXTENSION is not None and not torch.compiler.is_compiling():
+        # Plain eager CUDA calls in C++ (csrc/torch/fast_entry.cpp); None: take the path below.
+        result = _library.EXTENSION.rms_norm(x, weight, eps, residual, return_residual)
+        if result is not None:
+            return result
     if not layer_norm_module._plain_norm_arguments(x, residual, eps, weight):
         check_norm_arguments(x, residual, eps, weight=weight)
         eps = float(eps)
