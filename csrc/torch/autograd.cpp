@@ -126,8 +126,9 @@ bool builds_graph(const Inputs&... inputs) {
 }
 
 // ctx.needs_input_grad of a Python autograd.Function: per tensor input, whether it required grad
-// when the forward ran (not whether this backward pass asks for it). Bit i is input i.
-constexpr const char* NEEDS_INPUT_GRAD = "needs_input_grad";
+// when the forward ran (not whether this backward pass asks for it). Bit i is input i. The key is
+// under 16 characters, so the std::string built for each lookup stays inline (no heap allocation).
+constexpr const char* NEEDS_INPUT_GRAD = "needs_grad";
 
 template <typename... Inputs>
 void save_needs_input_grad(AutogradContext* ctx, const Inputs&... inputs) {

@@ -256,9 +256,10 @@ bool run_backward(norm_kind kind, const at::Tensor& grad_out, const optional_ten
   if (!tk::norms::unsupported_reason(kind, p).empty()) return false;
   launch_on(h, [&](cudaStream_t stream) {
     // One partial row per block of the backward's grid on h's device: counted with that device current.
+    // None without parameter gradients (then the kernel writes no partial rows).
     const int64_t workspace_floats = tk::norms::backward_workspace_floats(kind, p, h.get_device());
-    const at::Tensor workspace = new_tensor({workspace_floats}, at::kFloat, h);
-    p.workspace = workspace.data_ptr<float>();
+    const at::Tensor workspace = workspace_floats > 0 ? new_tensor({workspace_floats}, at::kFloat, h) : at::Tensor();
+    p.workspace = workspace.defined() ? workspace.data_ptr<float>() : nullptr;
     return tk::norms::launch_backward(kind, p, stream);
   });
   return true;
