@@ -6,12 +6,21 @@ D = 64 with H = 32, causal and not; GQA (B = 4, Hq = 32, Hkv = 8, N = 4096, D = 
 that for the backward, which is timed alone (the forward that feeds it runs outside the timing).
 Each row names its pass (fwd; bwd, the default backward; bwd_one_pass, the one-pass dq method
 forced; bwd_det, deterministic=True; each backward against the baseline's backward, timed beside
-it) and its baseline (sdpa_cudnn, sdpa_flash), with the relative difference of ours from it (fwd:
-the output; the backwards: the gradients of q, k, v); calls under GRAPH_BELOW_MS (the short
-forwards) are also replayed in CUDA graphs, ours and cuDNN's (graph_ratio: the ratio without host
-overhead); writes benchmarks/results/attention.json and attention.png (benchmarks/common.py's rows).
+it) and its baseline (sdpa_cudnn, sdpa_flash, and fa4 where FlashAttention-4 imports), with the
+relative difference of ours from it (fwd: the output; the backwards: the gradients of q, k, v);
+calls under GRAPH_BELOW_MS (the short forwards) are also replayed in CUDA graphs, ours and cuDNN's
+(graph_ratio: the ratio without host overhead); writes benchmarks/results/attention.json and
+attention.png (benchmarks/common.py's rows; the header names the commit and the FA4 version).
+
+FlashAttention-4 (flash-attn-4, `flash_attn.cute.flash_attn_func`, its CuTe-DSL kernels; written
+against 4.0.0b36): a baseline only where it imports (on the device: benchmarks/gpu_session.sh
+installs the wheels of ../shared/tools/fa4-wheels.sh); otherwise one line says it is absent and the
+run goes on without its rows. It takes (B, N, H, D) tensors, GQA as fewer K/V heads: the copies into
+that layout are made outside the timing, like the forward that feeds a backward. It compiles each
+kernel configuration on its first call, which every provider makes before it is timed.
 
 Run from the repository root: python3 -m benchmarks.bench_attention [--out DIR] [--only grid gqa odd]
+    [--pass fwd --pass bwd ...]
 A small correctness pass (what compute-sanitizer runs): python3 -m benchmarks.bench_attention --check
 On the CPU, tiny cases, nothing timed: python3 -m benchmarks.bench_attention --dry-run [--out DIR]
 """
@@ -162,6 +171,47 @@ def sdpa(name: str, backend, graph: bool = False) -> common.Provider:
                            graph=graph)
 
 
+# FlashAttention-4: the module and the distribution (common.peer)
+FA4 = ("flash_attn.cute", "flash-attn-4")
+
+
+def fa4_attention(case: Case):
+    """FA4's forward as a function of (B, N, H, D) tensors, K/V with fewer heads for GQA, returning its
+    (out, lse)."""
+    flash_attn_func, scale = common.need(*FA4).flash_attn_func, case.head_dim**-0.5
+    return lambda q, k, v: flash_attn_func(q, k, v, softmax_scale=scale, causal=case.causal)
+
+
+def fa4_forward(case: Case, pass_: str):
+    if pass_ != "fwd":
+        return call
+    attention = fa4_attention(case)
+    return lambda q, k, v, grad_out: attention(q, k, v)
+
+
+def fa4_prepare(case: Case, pass_: str, inputs: tuple) -> tuple:
+    """The input set in FA4's (B, N, H, D) layout (contiguous copies, made here, outside the timing);
+    the backwards: autograd's backward of FA4 alone, on its forward's out, for the same grad_out
+    (in that layout), as the SDPA rows do."""
+    *qkv, grad_out = inputs
+    q, k, v = (t.transpose(1, 2).contiguous() for t in qkv)
+    if pass_ == "fwd":
+        return q, k, v, grad_out  # grad_out unused
+    grad_out = grad_out.transpose(1, 2).contiguous()
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = fa4_attention(case)(q, k, v)[0]
+    return (lambda: torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True),)
+
+
+def fa4_as_ours(case: Case, pass_: str, outputs: list) -> list:
+    """FA4's outputs in ours' (B, H, N, D) layout, for the check: the forward's out (its lse is left out),
+    the gradients of q, k, v (K/V's already per K/V head)."""
+    return [t.transpose(1, 2) for t in (outputs[:1] if pass_ == "fwd" else outputs)]
+
+
+FA4_PROVIDER = common.Provider("fa4", fa4_forward, prepare=fa4_prepare, as_ours=fa4_as_ours)
+
+
 BENCH = common.Bench(
     "attention", "Attention: tk_ops vs SDPA cuDNN / flash (bf16)",
     ours=common.Provider("tk_ops", ours, prepare=ours_backward, graph=True),
@@ -173,6 +223,19 @@ BENCH = common.Bench(
     graph_below_ms=GRAPH_BELOW_MS,
     panel=lambda row: f"{row['group']} D={row['head_dim']}",
 )
+
+
+def with_fa4(bench: common.Bench) -> tuple[common.Bench, str]:
+    """The bench with FA4 among the baselines where flash_attn.cute imports (printing which), else the
+    bench as it is and one line that says FA4 is absent; and that line for the results header."""
+    module, description = common.peer(*FA4)
+    if module is None or not hasattr(module, "flash_attn_func"):
+        description = description if module is None else f"{FA4[1]}: flash_attn.cute has no flash_attn_func"
+        print(f"FlashAttention-4 absent, no fa4 rows: {description}", flush=True)
+        return bench, f"absent: {description}"
+    print(f"FlashAttention-4 baseline (fa4): {description}, flash_attn.cute.flash_attn_func", flush=True)
+    return dataclasses.replace(bench, title=bench.title.replace(" (bf16)", " / FA4 (bf16)"),
+                               baselines=(*bench.baselines, FA4_PROVIDER)), description
 
 
 # ---------------------------------------------------------------------------- correctness
@@ -215,15 +278,18 @@ def check() -> None:
 
 
 def main(argv=None) -> None:
-    parser = common.arguments(__doc__)
+    parser = common.arguments(__doc__, passes=PASSES)
     parser.add_argument("--only", nargs="*", choices=GROUPS, default=list(GROUPS))
     args = parser.parse_args(argv)
-    if common.without_gpu(args, BENCH, [case for case in DRY_RUN_CASES if case.group in args.only]):
+    if args.plot_from:
+        return common.without_gpu(args, BENCH, [])
+    bench, fa4 = (BENCH, None) if args.check and not args.dry_run else with_fa4(BENCH)
+    if common.without_gpu(args, bench, [case for case in DRY_RUN_CASES if case.group in args.only]):
         return
     assert tk_ops.backends()["attention"] == "cuda kernel", f"tk_ops extension: {tk_ops.extension_status()}"
     if args.check:
         return check()
-    common.run(BENCH, cases(set(args.only)), out=args.out,
+    common.run(bench, cases(set(args.only)), out=args.out, passes=args.passes, fa4=fa4,
                flops="fwd 4 B H Nq Nk D (halved when causal), bwd 2.5x fwd; bf16")
 
 

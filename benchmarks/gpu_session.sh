@@ -21,11 +21,20 @@
 #                  NAME.json so far in this call: new/old time per row, and each side's run-to-run spread
 #   tune:NAME      python3 -m benchmarks.tune_NAME (compares candidate tile plans)
 #   sass           HGMMA / UTMALDG / spill counts of the built kernels
+#   fa4            nothing more than the FA4 setup every call makes (below): a call that only brings
+#                  .fa4/a, or says whether FA4 is installed
 # Run from the repository root. At most 8 files come back from OUT_DIR: one log per part, and
 # OUT_DIR/results.tar.gz, the folder results/ of every JSON and plot the benches wrote, packed again
 # after each bench (the folder itself lies outside OUT_DIR, so a call cut short still brings it back).
 # The device copy has no .git: pass the tree's commit and dirty flag as TK_OPS_COMMIT / TK_OPS_DIRTY
 # for the results files (benchmarks/common.py environment()); the baseline's comes from .ab/baseline/COMMIT.
+#
+# FlashAttention-4 (bench_attention's fa4 rows): ../shared/tools/fa4-wheels.sh .fa4 writes its wheels
+# as two halves, .fa4/a and .fa4/b, each under the 64 MiB a device call carries. Carry .fa4/a in one
+# call and .fa4/b in the next while the machine is still warm (30 s after a call). Every call copies the halves it finds into /tmp/fa4stage (outside the tree); once both
+# are there it joins the split wheel and installs everything into /tmp/fa4site, once (a later call,
+# or a second half carried again, finds the install and skips it; a changed stage installs afresh),
+# puts it on PYTHONPATH and says whether `flash_attn.cute` imports (env.log, "FA4: ..." lines).
 #
 # A/B against a commit (run `benchmarks/ab_prepare.sh REV` first, carry .ab): baseline and new runs
 # alternate, so that each side's spread shows the noise, e.g.
@@ -52,6 +61,55 @@ if [ -d .baselines ]; then
 fi
 status=0
 declare -A runs=()  # TREE-NAME -> how many runs of bench_NAME on that tree so far
+
+# fa4_setup: FlashAttention-4 from the halves of .fa4 (see the header), into FA4_SITE, on PYTHONPATH.
+FA4_STAGE=/tmp/fa4stage FA4_SITE=/tmp/fa4site
+FA4_JOINED=nvidia_cutlass_dsl_libs_cu13-4.7.0-cp312-cp312-manylinux_2_28_x86_64.whl  # what fa4-wheels.sh split
+fa4_setup() {
+  local half signature
+  for half in a b; do
+    if compgen -G ".fa4/$half/*" > /dev/null; then  # this call carried the half (or an earlier one left it)
+      rm -rf "$FA4_STAGE/$half" && mkdir -p "$FA4_STAGE" && cp -r ".fa4/$half" "$FA4_STAGE/$half" ||
+        { echo "FA4: could not stage .fa4/$half"; return 1; }
+    fi
+  done
+  [ -d "$FA4_STAGE" ] || { echo "FA4: no .fa4 here (not installed; bench_attention runs without fa4 rows)"; return 0; }
+  signature=$(cd "$FA4_STAGE" && find . -type f -printf '%p %s\n' | sort | md5sum | cut -c1-32)
+  if [ "$(cat "$FA4_SITE/.fa4-stage" 2> /dev/null)" = "$signature" ]; then
+    echo "FA4: already installed in $FA4_SITE from these wheels"
+  elif [ -f "$FA4_STAGE/a/cu13part.aa" ] && [ -f "$FA4_STAGE/b/cu13part.ab" ]; then
+    echo "FA4: joining the two halves and installing into $FA4_SITE"
+    rm -rf "$FA4_SITE" "$FA4_SITE.new" /tmp/fa4join && mkdir -p /tmp/fa4join &&
+      cat "$FA4_STAGE/a/cu13part.aa" "$FA4_STAGE/b/cu13part.ab" > "/tmp/fa4join/$FA4_JOINED" &&
+      python3 -m pip install -q --no-index --no-deps --no-cache-dir --target "$FA4_SITE.new" \
+        "$FA4_STAGE"/a/*.whl $(compgen -G "$FA4_STAGE/b/*.whl") "/tmp/fa4join/$FA4_JOINED" 2>&1 |
+        grep -v "^WARNING: Running pip as"
+    if [ "${PIPESTATUS[0]}" -ne 0 ] || [ ! -d "$FA4_SITE.new/flash_attn/cute" ]; then
+      rm -rf "$FA4_SITE.new"; echo "FA4: install FAILED (bench_attention runs without fa4 rows)"; return 1
+    fi
+    mv "$FA4_SITE.new" "$FA4_SITE" && echo "$signature" > "$FA4_SITE/.fa4-stage" && rm -rf /tmp/fa4join
+  else
+    echo "FA4: only half $(ls "$FA4_STAGE" | tr '\n' ' ')is here: carry the other half (.fa4/a or .fa4/b) in the next" \
+      "call while this machine is warm; not installed, bench_attention runs without fa4 rows"
+    return 0
+  fi
+  # The .pth of nvidia-cutlass-dsl (dsl_packages on sys.path, for `import cutlass`) is read only in site
+  # directories, not on PYTHONPATH: the folder goes on PYTHONPATH itself. Compiled kernels are kept in
+  # /tmp/fa4cache, so a later run on this machine does not compile them again.
+  export PYTHONPATH=$FA4_SITE:$FA4_SITE/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
+  export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=${FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED:-1}
+  export FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=${FLASH_ATTENTION_CUTE_DSL_CACHE_DIR:-/tmp/fa4cache}
+  local imported
+  if imported=$(python3 -c "import importlib.metadata as m; from flash_attn.cute import flash_attn_func
+print('FA4: imported, flash-attn-4', m.version('flash-attn-4'), '/ nvidia-cutlass-dsl', m.version('nvidia-cutlass-dsl'))" 2>&1)
+  then
+    echo "$imported" | tail -1
+  else
+    echo "$imported" | tail -4 | sed 's/^/FA4 import: /'
+    echo "FA4: NOT importable (above); bench_attention runs without fa4 rows"
+    return 1
+  fi
+}
 
 section() { printf '\n===== %s =====\n' "$*"; }
 
@@ -92,6 +150,9 @@ baseline_commit() { cat "$BASELINE/COMMIT" 2> /dev/null || echo "missing: run be
   [ -d "$BASELINE" ] && echo "baseline (.ab/baseline): $(baseline_commit)"
   echo "parts: ${parts[*]}"
 } 2>&1 | tee "$OUT/env.log"
+# In this shell (its exports are the benches'), its lines into env.log too.
+fa4_setup > /tmp/fa4_setup.log 2>&1 || status=1
+{ section "FlashAttention-4"; cat /tmp/fa4_setup.log; } | tee -a "$OUT/env.log"
 
 for part in "${parts[@]}"; do
   case "$part" in
@@ -183,6 +244,7 @@ for part in "${parts[@]}"; do
           for op in HGMMA UTMALDG UTMASTG STSM LDL STL; do echo "$op: $(grep -c "$op" /tmp/tk_sass.txt)"; done
         done; } 2>&1 | tee -a "$OUT/sass.log" || status=1
       ;;
+    fa4) ;;  # the setup above is all
     *) echo "unknown part: $part" | tee -a "$OUT/env.log"; status=1 ;;
   esac
 done

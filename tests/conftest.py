@@ -49,14 +49,15 @@ def poisoned_allocations():
 
 
 FAKE_PEERS = pathlib.Path(__file__).parent / "fake_peers"
-PEER_PACKAGES = ("fla", "mamba_ssm")
+PEER_PACKAGES = ("fla", "mamba_ssm", "flash_attn")
 
 
 @pytest.fixture
 def fake_peers(monkeypatch):
-    """The peer libraries of models.peers replaced by tests/fake_peers (their contracts in PyTorch), in
-    this process (first on sys.path, any real fla / mamba_ssm modules set aside) and in the
-    subprocesses it starts (first on PYTHONPATH). Yields the fakes' call records by model."""
+    """The peer libraries of models.peers and FlashAttention-4 (bench_attention's fa4 rows) replaced by
+    tests/fake_peers (their contracts in PyTorch), in this process (first on sys.path, any real fla /
+    mamba_ssm / flash_attn modules set aside) and in the subprocesses it starts (first on PYTHONPATH).
+    Yields the fakes' call records by model ("fa4": flash_attn.cute's)."""
 
     def peer_modules() -> list[str]:
         return [name for name in sys.modules if name.split(".")[0] in PEER_PACKAGES]
@@ -69,6 +70,7 @@ def fake_peers(monkeypatch):
     yield {
         "based": importlib.import_module("fla.ops.based").CALLS,
         "mamba2": importlib.import_module("mamba_ssm.ops.triton.ssd_combined").CALLS,
+        "fa4": importlib.import_module("flash_attn.cute").CALLS,
     }
     for name in peer_modules():  # the fakes; monkeypatch then puts back what it set aside
         del sys.modules[name]

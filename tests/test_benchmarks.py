@@ -268,10 +268,22 @@ def test_gemm_dry_run(tmp_path):
     assert (tmp_path / "gemm.png").stat().st_size > 0
 
 
-def test_attention_dry_run(tmp_path):
-    """The CPU has SDPA's flash backend but not cuDNN's (its rows say why); GQA's gradients of the
-    repeated K/V heads are summed per head to compare."""
+@pytest.fixture
+def fa4_lookup():
+    """common.peer's cache emptied before and after (whether flash_attn.cute imports is asked afresh)."""
+    common.peer.cache_clear()
+    yield
+    common.peer.cache_clear()
+
+
+def test_attention_dry_run(tmp_path, monkeypatch, capsys, fa4_lookup):
+    """Without FlashAttention-4 (flash_attn.cute not importable) one line says so and the run goes on
+    without fa4 rows. The CPU has SDPA's flash backend but not cuDNN's (its rows say why); GQA's
+    gradients of the repeated K/V heads are summed per head to compare."""
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)  # import flash_attn.cute: ImportError
     rows = dry_run(bench_attention, tmp_path, "attention")
+    absent = [line for line in capsys.readouterr().out.splitlines() if "FlashAttention-4" in line]
+    assert len(absent) == 1 and absent[0].startswith("FlashAttention-4 absent, no fa4 rows: flash-attn-4 not importable")
     tk_testing.assert_bench_rows(rows, bench_attention.DRY_RUN_CASES, bench_attention.PASSES, ["sdpa_cudnn", "sdpa_flash"])
     for row in rows:
         if row["baseline"] == "sdpa_flash":
@@ -279,6 +291,44 @@ def test_attention_dry_run(tmp_path):
         else:
             assert row["error"].startswith("sdpa_cudnn: RuntimeError")
     assert {row["group"] for row in rows} == set(bench_attention.GROUPS)
+
+
+def test_attention_dry_run_with_fa4(tmp_path, fake_peers, capsys, fa4_lookup):
+    """Where flash_attn.cute imports (here tests/fake_peers' FA4 contract in PyTorch), fa4 rows join every
+    case and pass: FA4 called on contiguous (B, N, H, D) tensors with K/V's own head count (GQA) and the
+    case's causal flag and scale, its forward and gradients equal to ours once laid out as ours."""
+    rows = dry_run(bench_attention, tmp_path, "attention")
+    assert "FlashAttention-4 baseline (fa4): flash-attn-4 fake" in capsys.readouterr().out
+    tk_testing.assert_bench_rows(rows, bench_attention.DRY_RUN_CASES, bench_attention.PASSES,
+                                 ["sdpa_cudnn", "sdpa_flash", "fa4"])
+    for row in rows:
+        if row["baseline"] == "fa4":
+            assert "error" not in row and row["rel_diff_vs_baseline"] < 1e-2, row
+    expected = []
+    for case in bench_attention.DRY_RUN_CASES:
+        q_shape = (case.batch, case.n, case.q_heads, case.head_dim)
+        kv_shape = (case.batch, case.n, case.kv_heads, case.head_dim)
+        call = {"q": q_shape, "k": kv_shape, "v": kv_shape, "softmax_scale": case.head_dim**-0.5, "causal": case.causal,
+                "contiguous": True}
+        # fwd: the first call and one timed call (a dry run's) on the one set; each backward: the forward in prepare
+        expected += [call] * (2 + len(bench_attention.OUR_BACKWARDS))
+    assert [{key: value for key, value in c.items() if key != "q_data_ptr"} for c in fake_peers["fa4"]] == expected
+
+
+def test_fa4_layout_is_prepared_outside_the_timed_call(fake_peers, fa4_lookup):
+    """The (B, N, H, D) copies are prepare's: the timed forward hands FA4 the prepared tensors as they are,
+    and the timed backward runs no forward."""
+    case = bench_attention.DRY_RUN_CASES[1]  # GQA, causal
+    inputs = bench_attention.make_inputs(case, "cpu")
+    prepared = bench_attention.fa4_prepare(case, "fwd", inputs)
+    assert prepared[0].shape == (case.batch, case.n, case.q_heads, case.head_dim) and prepared[0].is_contiguous()
+    assert torch.equal(prepared[0], inputs[0].transpose(1, 2))
+    out, _ = bench_attention.fa4_forward(case, "fwd")(*prepared)
+    assert fake_peers["fa4"][-1]["q_data_ptr"] == prepared[0].data_ptr()
+    backward = bench_attention.fa4_prepare(case, "bwd", inputs)
+    calls = len(fake_peers["fa4"])
+    grads = bench_attention.fa4_forward(case, "bwd")(*backward)
+    assert len(fake_peers["fa4"]) == calls and [g.shape for g in grads] == [t.transpose(1, 2).shape for t in inputs[:3]]
 
 
 def test_norms_dry_run(tmp_path):
