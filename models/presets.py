@@ -89,29 +89,29 @@ PRESETS = {
         "small": Preset(bert_shape(512, 8, 8, 2048),                    512,  32, 1000, 5e-4, 100,  100, "GPU"),
         "base": Preset(bert_shape(768, 12, 12, 3072),                   512,  32, 1000, 2e-4, 100,  100, "GPU"),
     },
-    # Based heads of 64 value channels (the kernels' Dv); the GPU presets are not yet run
+    # Based heads of 64 value channels (the kernels' Dv); small and 1b ran on the H100, base not yet
     "based": {  #   hidden, layers, heads, mlp, attention every
         "nano": Preset(based_shape(64, 2, 2, 160, 2),                    32,   4,    8, 3e-3,   2,    4, "CPU (tests)"),
         "tiny": Preset(based_shape(256, 4, 4, 768, 0),                  128,  16,  300, 2e-3,  30,   25, "CPU"),
-        "small": Preset(based_shape(512, 8, 8, 1536, 4),                512,  32, 1000, 1e-3, 100,  100, "GPU, not yet run"),
+        "small": Preset(based_shape(512, 8, 8, 1536, 4),                512,  32, 1000, 1e-3, 100,  100, "GPU (H100: bench_long_context)"),
         "base": Preset(based_shape(1024, 12, 16, 2816, 4),             1024,  16, 1000, 6e-4, 100,  100, "GPU, not yet run"),
-        "1b": Preset(based_shape(2048, 20, 32, 5632, 4),               2048,   8,  300, 3e-4,  30,   50, "H100, not yet run"),
+        "1b": Preset(based_shape(2048, 20, 32, 5632, 4),               2048,   8,  300, 3e-4,  30,   50, "H100 (bench_training)"),
     },
-    # no MLP: twice the layers of a transformer of the same width; the GPU presets are not yet run
+    # no MLP: twice the layers of a transformer of the same width; small and 1b ran on the H100, base not yet
     "mamba2": {  #  hidden, layers, state, chunk
         "nano": Preset(mamba2_shape(64, 2, 16, 16),                      32,   4,    8, 3e-3,   2,    4, "CPU (tests)"),
         "tiny": Preset(mamba2_shape(256, 8, 64, 64),                    128,  16,  300, 2e-3,  30,   25, "CPU"),
-        "small": Preset(mamba2_shape(512, 16, 128, 128),                512,  32, 1000, 1e-3, 100,  100, "GPU, not yet run"),
+        "small": Preset(mamba2_shape(512, 16, 128, 128),                512,  32, 1000, 1e-3, 100,  100, "GPU (H100: bench_long_context)"),
         "base": Preset(mamba2_shape(1024, 24, 128, 256),               1024,  16, 1000, 6e-4, 100,  100, "GPU, not yet run"),
-        "1b": Preset(mamba2_shape(2048, 40, 128, 256),                 2048,   8,  300, 3e-4,  30,   50, "H100, not yet run"),
+        "1b": Preset(mamba2_shape(2048, 40, 128, 256),                 2048,   8,  300, 3e-4,  30,   50, "H100 (bench_training, batch 4 x grad-accum 2)"),
     },
-    # sequence lengths of the GPU presets are powers of two (tk.fftconv's kernels); not yet run
+    # sequence lengths of the GPU presets are powers of two (tk.fftconv's kernels); small and 1b ran on the H100
     "hyena": {  #   hidden, layers, mlp
         "nano": Preset(hyena_shape(64, 2, 160),                          32,   4,    8, 3e-3,   2,    4, "CPU (tests)"),
         "tiny": Preset(hyena_shape(256, 4, 768),                        128,  16,  300, 2e-3,  30,   25, "CPU"),
-        "small": Preset(hyena_shape(512, 8, 1536),                      512,  32, 1000, 1e-3, 100,  100, "GPU, not yet run"),
+        "small": Preset(hyena_shape(512, 8, 1536),                      512,  32, 1000, 1e-3, 100,  100, "GPU (H100: bench_long_context)"),
         "base": Preset(hyena_shape(1024, 12, 2816),                    1024,  16, 1000, 6e-4, 100,  100, "GPU, not yet run"),
-        "1b": Preset(hyena_shape(2048, 18, 5632),                      2048,   8,  300, 3e-4,  30,   50, "H100, not yet run"),
+        "1b": Preset(hyena_shape(2048, 18, 5632),                      2048,   8,  300, 3e-4,  30,   50, "H100 (bench_training)"),
     },
 }
 # fmt: on
