@@ -385,7 +385,9 @@ def all_rows(bench: common.Bench, cases) -> list[dict]:
 
 
 GPU_ROWS = {  # stored results -> the rows the bench writes now, every case
-    "attention": lambda: all_rows(bench_attention.BENCH, bench_attention.cases(set(bench_attention.GROUPS))),
+    "attention": lambda: all_rows(  # FA4 among the baselines, as on a GPU where it imports
+        dataclasses.replace(bench_attention.BENCH, baselines=(*bench_attention.BENCH.baselines, bench_attention.FA4_PROVIDER)),
+        bench_attention.cases(set(bench_attention.GROUPS))),
     "gemm": lambda: all_rows(bench_gemm.BENCH, bench_gemm.cases(set(bench_gemm.GROUPS))),
     "norms": lambda: all_rows(bench_norms.BENCH, bench_norms.CASES),
     "rope": lambda: all_rows(bench_rope.BENCH, bench_rope.CASES),
