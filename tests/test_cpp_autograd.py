@@ -16,10 +16,7 @@ module's `child` tests, plus opcheck and torch.compile through the C++ kernels, 
 from __future__ import annotations
 
 import os
-import pathlib
 import shutil
-import subprocess
-import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -27,10 +24,10 @@ import pytest
 import torch
 
 import tk_ops
+import tk_testing
 from tk_ops import _library
 from tk_testing import check_compile_fullgraph, requires_kernel
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 LIBRARY_VARIABLE = "TK_OPS_TEST_LIBRARY"  # tests/conftest.py loads this library after tk_ops
 IN_CHILD = bool(os.environ.get(LIBRARY_VARIABLE))
 
@@ -323,29 +320,9 @@ def test_child_compiled_autograd_takes_the_cpp_nodes():
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
-def _build_cpu_library() -> str:
-    """Build csrc/torch/autograd.cpp for AutogradCPU in a child (loading it registers the kernels)."""
-    script = (
-        "import sys, torch.utils.cpp_extension as e\n"
-        "e.load(name='tk_ops_autograd_cpu', sources=[sys.argv[1]], extra_include_paths=[sys.argv[2]],\n"
-        "       extra_cflags=['-O1', '-std=c++20', '-DTK_OPS_AUTOGRAD_KEY=AutogradCPU'], is_python_module=False)\n"
-        "print(e._get_build_directory('tk_ops_autograd_cpu', False))\n"
-    )
-    built = subprocess.run(
-        [sys.executable, "-c", script, str(ROOT / "csrc/torch/autograd.cpp"), str(ROOT / "csrc")],
-        capture_output=True, text=True, timeout=900,
-    )
-    assert built.returncode == 0, f"building the CPU variant failed:\n{built.stdout}\n{built.stderr}"
-    return str(pathlib.Path(built.stdout.strip().splitlines()[-1]) / "tk_ops_autograd_cpu.so")
-
-
 @pytest.mark.skipif(IN_CHILD, reason="the child runs the checks")
 @pytest.mark.skipif(shutil.which("g++") is None or shutil.which("ninja") is None, reason="needs g++ and ninja")
 def test_cpu_build():
-    library = _build_cpu_library()
-    child = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "child", str(pathlib.Path(__file__))],
-        capture_output=True, text=True, timeout=900, cwd=ROOT, env={**os.environ, LIBRARY_VARIABLE: library},
-    )
-    assert child.returncode == 0, f"child tests failed:\n{child.stdout[-6000:]}\n{child.stderr[-3000:]}"
-    assert " passed" in child.stdout and "skipped" not in child.stdout.splitlines()[-1], child.stdout[-2000:]
+    library = tk_testing.build_cpu_variant("tk_ops_autograd_cpu", ["torch/autograd.cpp"],
+                                           "TK_OPS_AUTOGRAD_KEY=AutogradCPU", python_module=False)
+    tk_testing.run_tests_in_child(__file__, "child", LIBRARY_VARIABLE, library)

@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import pathlib
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -24,11 +21,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tk_ops
+import tk_testing
 from tk_ops import _library
 from tk_ops.ops import layer_norm as layer_norm_module
-from tk_ops.ops import rms_norm as rms_norm_module
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 ENTRY_VARIABLE = "TK_OPS_TEST_FAST_ENTRY"  # the CPU build of the entries, set by test_cpu_build for its child
 IN_CHILD = bool(os.environ.get(ENTRY_VARIABLE))
 
@@ -259,30 +255,9 @@ def test_compiled_calls_stay_in_the_graph(python_checks_counted):
 # ------------------------------------------------------------------ CPU, through a child process
 
 
-def _build_cpu_entries() -> str:
-    """Build fast_entry.cpp and module.cpp as a Python module `_C` for CPU tensors; return the .so's path."""
-    script = (
-        "import sys, torch.utils.cpp_extension as e\n"
-        "directory = e._get_build_directory('tk_ops_fast_entry_cpu', False)\n"
-        "e.load(name='_C', sources=sys.argv[1:3], extra_include_paths=[sys.argv[3]], build_directory=directory,\n"
-        "       extra_cflags=['-O1', '-std=c++20', '-DTK_OPS_FAST_ENTRY_DEVICE=CPU'])\n"
-        "print(directory)\n"
-    )
-    sources = [str(ROOT / "csrc/torch/fast_entry.cpp"), str(ROOT / "csrc/torch/module.cpp")]
-    built = subprocess.run([sys.executable, "-c", script, *sources, str(ROOT / "csrc")],
-                           capture_output=True, text=True, timeout=900)
-    assert built.returncode == 0, f"building the CPU variant failed:\n{built.stdout}\n{built.stderr}"
-    return str(pathlib.Path(built.stdout.strip().splitlines()[-1]) / "_C.so")
-
-
 @pytest.mark.skipif(IN_CHILD, reason="the child runs the checks")
 @pytest.mark.skipif(shutil.which("g++") is None or shutil.which("ninja") is None, reason="needs g++ and ninja")
 def test_cpu_build():
-    module = _build_cpu_entries()
-    child = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not test_cpu_build",
-         str(pathlib.Path(__file__))],
-        capture_output=True, text=True, timeout=900, cwd=ROOT, env={**os.environ, ENTRY_VARIABLE: module},
-    )
-    assert child.returncode == 0, f"child tests failed:\n{child.stdout[-6000:]}\n{child.stderr[-3000:]}"
-    assert " passed" in child.stdout and "skipped" not in child.stdout.splitlines()[-1], child.stdout[-2000:]
+    library = tk_testing.build_cpu_variant("_C", ["torch/fast_entry.cpp", "torch/module.cpp"],
+                                           "TK_OPS_FAST_ENTRY_DEVICE=CPU", python_module=True)
+    tk_testing.run_tests_in_child(__file__, "not test_cpu_build", ENTRY_VARIABLE, library)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import pathlib
+import subprocess
+import sys
 from collections.abc import Callable, Iterable, Sequence
 
 import pytest
@@ -219,3 +223,40 @@ def assert_bench_rows(rows: Sequence[dict], cases: Sequence, passes: Sequence[st
     for row in rows:
         assert all(key in row for key in BENCH_ROW_KEYS) and not row.get("mismatch"), row
         assert timed or (row["ours_ms"], row["baseline_ms"], row["ratio"]) == (None, None, None), row
+
+
+# ------------------------------------------------- C++ of the CUDA build, compiled for CPU tensors
+
+_REPOSITORY = pathlib.Path(__file__).resolve().parent.parent
+_CHILD_TIMEOUT_S = 900
+
+
+def build_cpu_variant(name: str, sources: Sequence[str], define: str, *, python_module: bool) -> str:
+    """Build csrc/ ``sources`` with torch.utils.cpp_extension and ``-D<define>`` (the switch that makes them
+    serve CPU tensors) in a child process, so that nothing is loaded or registered in this one; return
+    the library's path. The build directory is kept between runs, as cpp_extension keeps it."""
+    script = (
+        "import sys, torch.utils.cpp_extension as e\n"
+        "name, define, python_module, include, *sources = sys.argv[1:]\n"
+        "e.load(name=name, sources=sources, extra_include_paths=[include], is_python_module=python_module == '1',\n"
+        "       extra_cflags=['-O1', '-std=c++20', '-D' + define])\n"
+        "print(e._get_build_directory(name, False))\n"
+    )
+    csrc = _REPOSITORY / "csrc"
+    built = subprocess.run(
+        [sys.executable, "-c", script, name, define, str(int(python_module)), str(csrc), *(str(csrc / s) for s in sources)],
+        capture_output=True, text=True, timeout=_CHILD_TIMEOUT_S,
+    )
+    assert built.returncode == 0, f"building the CPU variant failed:\n{built.stdout}\n{built.stderr}"
+    return str(pathlib.Path(built.stdout.strip().splitlines()[-1]) / f"{name}.so")
+
+
+def run_tests_in_child(test_file: str, selection: str, variable: str, library: str) -> None:
+    """Run ``test_file``'s tests that ``-k selection`` picks in a child process whose environment names
+    ``library`` in ``variable`` (the test file loads it there); all of them must pass, none skip."""
+    child = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", selection, test_file],
+        capture_output=True, text=True, timeout=_CHILD_TIMEOUT_S, cwd=_REPOSITORY, env={**os.environ, variable: library},
+    )
+    assert child.returncode == 0, f"child tests failed:\n{child.stdout[-6000:]}\n{child.stderr[-3000:]}"
+    assert " passed" in child.stdout and "skipped" not in child.stdout.splitlines()[-1], child.stdout[-2000:]
