@@ -22,11 +22,11 @@ sum is exact.
 An exact node is rewritten only where tk measured at least as fast as the backend SDPA lowered it
 to (``SPEEDUP_OVER_BACKEND``, from one H100 run; ``RewriteOptions.always_rewrite_attention``
 skips this rule, for benchmarking):
-  * flash (FA2): tk is 1.07-2.01x in the forward, 1.27-1.91x forward + backward: rewritten;
-  * cuDNN: tk is 0.64-1.05x in the forward and 0.82-1.17x forward + backward, below 1 at most
-    lengths at both head dims: kept, except for a constant mask proven causal, where cuDNN reads
+  * flash (FA2): tk is 1.13-1.94x in the forward, 1.28-2.33x forward + backward: rewritten;
+  * cuDNN: tk is 0.67-1.06x in the forward and 0.83-1.34x forward + backward, below 1 at every
+    head dim without a mask: kept, except for a constant mask proven causal, where cuDNN reads
     the bias and computes every block while tk runs its causal kernel (cuDNN's non-causal time,
-    a lower bound for the masked run, is at least 1.18x tk's causal forward + backward and 0.92x at
+    a lower bound for the masked run, is at least 1.19x tk's causal forward + backward and 0.90x at
     head dim 64 in the forward alone: rewritten in training graphs, and in inference at 128);
   * efficient, and the CPU flash node: not measured; rewritten. SDPA picks efficient over flash
     only when flash refuses the inputs (a mask, as above), and the CPU node is only reached with
@@ -36,10 +36,10 @@ skips this rule, for benchmarking):
 A graph with the partner backward is judged by forward + backward, an inference graph by the
 forward; each figure is the minimum over the measured lengths (N 512..16384, B*N = 16384, causal
 and not), bf16 (fp16 runs the same kernels), tk's backward the default method for the shape
-(``deterministic=True``'s recompute method gives the same decisions: 0.87x and 1.16x where the
-default gives 0.90x and 1.18x). GQA (32 query / 8 key-value heads, N = 4096, D = 128) measured
-as MHA does: against cuDNN 0.98x non-causal and 1.01x causal forward + backward, against FA2
-1.7x; it is judged as MHA.
+(``deterministic=True``'s recompute method gives the same decisions: 0.91x and 1.15x where the
+default gives 0.90x and 1.19x). GQA (32 query / 8 key-value heads, N = 4096, D = 128) measured
+as MHA does: against cuDNN 1.00x forward + backward causal or not, against FA2 1.7x; it is
+judged as MHA.
 
 Which fused node a graph holds, and so what the rule decides, follows torch's SDPA backend settings
 at compile time (``sdpa_kernel``, ``torch.backends.cuda.enable_*_sdp``), which the FX graph and
