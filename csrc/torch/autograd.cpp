@@ -28,6 +28,8 @@
 #include <optional>
 #include <tuple>
 
+#include "strides.h"
+
 #ifndef TK_OPS_AUTOGRAD_KEY
 #define TK_OPS_AUTOGRAD_KEY AutogradCUDA
 #endif
@@ -39,6 +41,7 @@ using torch::autograd::AutogradContext;
 using torch::autograd::Function;
 using torch::autograd::variable_list;
 using optional_tensor = std::optional<Tensor>;
+using tk::strides::unit_last_stride;
 
 namespace {
 
@@ -56,6 +59,12 @@ c10::TypedOperatorHandle<Signature> find_op(const char* name) {
     static const c10::TypedOperatorHandle<__VA_ARGS__> handle = find_op<__VA_ARGS__>("tk::" #NAME); \
     return handle;                                                                           \
   }
+
+// The base of every Function here: its backward calls tk ops only, so compiled autograd may trace it.
+template <typename Self>
+struct traceable_function : Function<Self> {
+  static constexpr bool is_traceable = true;
+};
 
 using tensor_pair = std::tuple<Tensor, Tensor>;
 using tensor_triple = std::tuple<Tensor, Tensor, Tensor>;
@@ -145,20 +154,13 @@ Tensor or_undefined(const optional_tensor& t) { return t.has_value() ? *t : Tens
 optional_tensor or_none(const Tensor& t) { return t.defined() ? optional_tensor(t) : std::nullopt; }
 Tensor if_needed(bool needed, const Tensor& t) { return needed ? t : Tensor(); }
 
-// tk_ops._checks.unit_last_stride: kernels take any strides with a unit last stride.
-Tensor unit_last_stride(const Tensor& t) {
-  return t.dim() > 0 && t.size(-1) > 1 && t.stride(-1) != 1 ? t.contiguous() : t;
-}
-
 }  // namespace
 
 // Each Function is named <op>_autograd: its node's name() is torch::autograd::CppNode<tk::autograd::<op>_autograd>.
 
 // ------------------------------------------------------------------------- matmul and linear
 
-struct matmul_autograd : Function<matmul_autograd> {
-  static constexpr bool is_traceable = true;  // compiled autograd traces the backward (tk ops)
-
+struct matmul_autograd : traceable_function<matmul_autograd> {
   static Tensor forward(AutogradContext* ctx, const Tensor& a, const Tensor& b) {
     save_needs_input_grad(ctx, a, b);
     ctx->save_for_backward({a, b});
@@ -178,9 +180,7 @@ Tensor matmul_kernel(const Tensor& a, const Tensor& b) {
   return matmul_autograd::apply(a, b);
 }
 
-struct linear_autograd : Function<linear_autograd> {
-  static constexpr bool is_traceable = true;  // compiled autograd traces the backward (tk ops)
-
+struct linear_autograd : traceable_function<linear_autograd> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const optional_tensor& bias) {
     save_needs_input_grad(ctx, x, weight, bias);
     ctx->save_for_backward({x, weight});
@@ -204,9 +204,7 @@ Tensor linear_kernel(const Tensor& x, const Tensor& weight, const optional_tenso
 
 // ---------------------------------------------------------------------------------- attention
 
-struct attention_autograd : Function<attention_autograd> {
-  static constexpr bool is_traceable = true;  // compiled autograd traces the backward (tk ops)
-
+struct attention_autograd : traceable_function<attention_autograd> {
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
                                double scale, bool deterministic) {
     auto [out, lse] = below_autograd(attention(), q, k, v, causal, scale, deterministic);
@@ -240,13 +238,13 @@ tensor_pair attention_kernel(const Tensor& q, const Tensor& k, const Tensor& v, 
 
 // -------------------------------------------------------------------------------------- norms
 //
-// The statistics (mean, rstd), and h where the op returns an empty placeholder for it, are what
+// The statistics (mean, rstd), and h where the op returns an empty tensor for it, are what
 // the Python autograd marks non-differentiable. Here they leave the Function beside it (forward
 // writes them into `statistics`), so they come out exactly as marked outputs do (no grad_fn,
 // requires_grad False) and the node's context marks nothing: compiled autograd refuses C++ nodes
 // whose context marked outputs non-differentiable (CppNode::compiled_args asserts it never did).
 
-// Whether the norm's op returns h (the pre-norm residual stream) or an empty placeholder, in which
+// Whether the norm's op returns h (the pre-norm residual stream) or an empty tensor, in which
 // case the backward receives x as h (tk_ops/ops/layer_norm.py, "When h is materialised").
 bool materialises_h(const optional_tensor& residual, double dropout_p) { return residual.has_value() || dropout_p > 0; }
 
@@ -256,9 +254,7 @@ Tensor zeros_for_out(const Tensor& h, const AutogradContext* ctx) {
   return at::zeros(h.sizes(), h.options().dtype(dtype));
 }
 
-struct layer_norm_autograd : Function<layer_norm_autograd> {
-  static constexpr bool is_traceable = true;  // compiled autograd traces the backward (tk ops)
-
+struct layer_norm_autograd : traceable_function<layer_norm_autograd> {
   // Returns out, and h when it is materialised; `outputs` receives all four outputs of the op.
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const optional_tensor& weight,
                                const optional_tensor& bias, const optional_tensor& residual,
@@ -317,9 +313,7 @@ tensor_quadruple layer_norm_kernel(const Tensor& x, const optional_tensor& weigh
   return {differentiable[0], differentiable.size() > 1 ? differentiable[1] : h, mean, rstd};
 }
 
-struct rms_norm_autograd : Function<rms_norm_autograd> {
-  static constexpr bool is_traceable = true;  // compiled autograd traces the backward (tk ops)
-
+struct rms_norm_autograd : traceable_function<rms_norm_autograd> {
   // Returns out, and h when it is materialised; `outputs` receives all three outputs of the op.
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const optional_tensor& weight,
                                const optional_tensor& residual, double eps, tensor_triple* outputs) {
@@ -364,9 +358,7 @@ tensor_triple rms_norm_kernel(const Tensor& x, const optional_tensor& weight, co
 // --------------------------------------------------------------------------------------- rope
 
 // cos and sin are constants: saved for the backward, never differentiated (tk_ops/ops/rope.py).
-struct rope_autograd : Function<rope_autograd> {
-  static constexpr bool is_traceable = true;  // compiled autograd traces the backward (tk ops)
-
+struct rope_autograd : traceable_function<rope_autograd> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& cos, const Tensor& sin, bool interleaved) {
     ctx->save_for_backward({cos, sin});
     ctx->saved_data["interleaved"] = interleaved;
@@ -386,9 +378,7 @@ Tensor rope_kernel(const Tensor& x, const Tensor& cos, const Tensor& sin, bool i
   return rope_autograd::apply(x, cos, sin, interleaved);
 }
 
-struct rope_qk_autograd : Function<rope_qk_autograd> {
-  static constexpr bool is_traceable = true;  // compiled autograd traces the backward (tk ops)
-
+struct rope_qk_autograd : traceable_function<rope_qk_autograd> {
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& cos,
                                const Tensor& sin, bool interleaved) {
     save_needs_input_grad(ctx, q, k);
@@ -431,9 +421,7 @@ tensor_pair rope_qk_kernel(const Tensor& q, const Tensor& k, const Tensor& cos, 
 // each op (Self). The denominator is marked non-differentiable there; here it leaves the Function
 // beside out (see "norms"). The backward reads out and the denominator only when normalising.
 template <typename Self, typename Op>
-struct causal_linear_autograd : Function<Self> {
-  static constexpr bool is_traceable = true;  // compiled autograd traces the backward (tk ops)
-
+struct causal_linear_autograd : traceable_function<Self> {
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v, double eps,
                                bool normalize, Tensor* denominator) {
     auto [out, denominator_out] = below_autograd(Op::forward(), q, k, v, eps, normalize);
@@ -484,9 +472,7 @@ Tensor in_accepted_layout(const Tensor& t) {
   return t.size(2) == 1 || t.stride(2) == 1 || channel_last ? t : t.contiguous();
 }
 
-struct causal_conv1d_autograd : Function<causal_conv1d_autograd> {
-  static constexpr bool is_traceable = true;  // compiled autograd traces the backward (tk ops)
-
+struct causal_conv1d_autograd : traceable_function<causal_conv1d_autograd> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const optional_tensor& bias,
                         bool silu) {
     ctx->save_for_backward({x, weight, or_undefined(bias)});
@@ -510,9 +496,7 @@ Tensor causal_conv1d_kernel(const Tensor& x, const Tensor& weight, const optiona
 
 // ----------------------------------------------------------------------------------- fftconv
 
-struct fftconv_autograd : Function<fftconv_autograd> {
-  static constexpr bool is_traceable = true;  // compiled autograd traces the backward (tk ops)
-
+struct fftconv_autograd : traceable_function<fftconv_autograd> {
   static Tensor forward(AutogradContext* ctx, const Tensor& u, const Tensor& k, const optional_tensor& D) {
     ctx->save_for_backward({u, k, or_undefined(D)});
     return below_autograd(fftconv(), u, k, D);
@@ -536,9 +520,7 @@ Tensor fftconv_kernel(const Tensor& u, const Tensor& k, const optional_tensor& D
 // chunk_states is marked non-differentiable in tk_ops/ops/mamba2_ssd.py; here it leaves the
 // Function beside y and final_states (see "norms"). needs_input_grad bit i is the i-th input whose
 // gradient tk::mamba2_ssd_bwd returns: x, dt, A, B, C, D, z, dt_bias, initial_states.
-struct mamba2_ssd_autograd : Function<mamba2_ssd_autograd> {
-  static constexpr bool is_traceable = true;  // compiled autograd traces the backward (tk ops)
-
+struct mamba2_ssd_autograd : traceable_function<mamba2_ssd_autograd> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& dt, const Tensor& A,
                                const Tensor& B, const Tensor& C, int64_t chunk_size, const optional_tensor& D,
                                const optional_tensor& z, const optional_tensor& dt_bias, bool dt_softplus,

@@ -28,6 +28,7 @@
 #include <utility>
 
 #include "fast_entry.h"
+#include "strides.h"
 
 #ifndef TK_OPS_FAST_ENTRY_DEVICE
 #define TK_OPS_FAST_ENTRY_DEVICE CUDA
@@ -38,6 +39,7 @@ namespace {
 
 using at::Tensor;
 using optional_tensor = std::optional<Tensor>;
+using tk::strides::unit_last_stride;
 
 constexpr c10::DeviceType plain_device = c10::DeviceType::TK_OPS_FAST_ENTRY_DEVICE;
 
@@ -83,11 +85,6 @@ bool plain_optional(PyObject* object, const Tensor& x, at::IntArrayRef sizes, co
 bool plain_eps(PyObject* eps) { return PyFloat_CheckExact(eps) && PyFloat_AS_DOUBLE(eps) > 0; }
 
 bool is_bool(PyObject* object) { return object == Py_True || object == Py_False; }
-
-// tk_ops._checks.unit_last_stride: the kernels take any strides with a unit last stride.
-Tensor unit_last_stride(const Tensor& t) {
-  return t.dim() > 0 && t.size(-1) > 1 && t.stride(-1) != 1 ? t.contiguous() : t;
-}
 
 optional_tensor argument(const Tensor* t) {
   return t != nullptr ? optional_tensor(unit_last_stride(*t)) : std::nullopt;

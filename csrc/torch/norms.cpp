@@ -140,8 +140,8 @@ at::Tensor new_tensor(at::IntArrayRef sizes, at::ScalarType dtype, const at::Ten
 
 at::Tensor new_like(const at::Tensor& like) { return new_tensor(like.sizes(), like.scalar_type(), like); }
 
-// The empty placeholder of an output that is not computed (like.new_empty({0})).
-at::Tensor placeholder(const at::Tensor& like) { return new_tensor({0}, like.scalar_type(), like); }
+// The empty tensor returned for an output that is not computed (like.new_empty({0})).
+at::Tensor empty_output(const at::Tensor& like) { return new_tensor({0}, like.scalar_type(), like); }
 
 at::Tensor statistic(const at::Tensor& x) { return new_tensor(x.sizes().slice(0, x.dim() - 1), at::kFloat, x); }
 
@@ -194,7 +194,7 @@ layer_norm_outputs layer_norm_cuda(const at::Tensor& x, const optional_tensor& w
     const at::ScalarType stream = residual.has_value() ? residual->scalar_type() : x.scalar_type();
     const bool materialise_h = residual.has_value() || dropout_p > 0;
     at::Tensor out = new_like(x);
-    at::Tensor h = materialise_h ? new_tensor(x.sizes(), stream, x) : placeholder(x);
+    at::Tensor h = materialise_h ? new_tensor(x.sizes(), stream, x) : empty_output(x);
     at::Tensor mean = statistic(x), rstd = statistic(x);
     if (run_forward(norm_kind::layer, x, weight, bias, residual, dropout_seed, eps, dropout_p, out, h, mean, rstd)) {
       return {out, h, mean, rstd};
@@ -212,7 +212,7 @@ rms_norm_outputs rms_norm_cuda(const at::Tensor& x, const optional_tensor& weigh
   if (forward_supported(x, residual, weight, std::nullopt)) {
     const at::ScalarType stream = residual.has_value() ? residual->scalar_type() : x.scalar_type();
     at::Tensor out = new_like(x);
-    at::Tensor h = residual.has_value() ? new_tensor(x.sizes(), stream, x) : placeholder(x);
+    at::Tensor h = residual.has_value() ? new_tensor(x.sizes(), stream, x) : empty_output(x);
     at::Tensor rstd = statistic(x);
     if (run_forward(norm_kind::rms, x, weight, std::nullopt, residual, std::nullopt, eps, 0.0, out, h, std::nullopt,
                     rstd)) {
@@ -277,10 +277,10 @@ bool backward_supported(const at::Tensor& grad_out, const optional_tensor& grad_
 
 backward_outputs allocate_backward(const at::Tensor& grad_out, const at::Tensor& h, const optional_tensor& weight,
                                    const optional_tensor& bias, const std::array<bool, 4>& wanted) {
-  return {wanted[0] ? new_tensor(h.sizes(), grad_out.scalar_type(), grad_out) : placeholder(grad_out),
-          wanted[1] ? new_like(h) : placeholder(grad_out),
-          wanted[2] ? new_like(*weight) : placeholder(grad_out),
-          wanted[3] ? new_like(*bias) : placeholder(grad_out)};
+  return {wanted[0] ? new_tensor(h.sizes(), grad_out.scalar_type(), grad_out) : empty_output(grad_out),
+          wanted[1] ? new_like(h) : empty_output(grad_out),
+          wanted[2] ? new_like(*weight) : empty_output(grad_out),
+          wanted[3] ? new_like(*bias) : empty_output(grad_out)};
 }
 
 void check_backward(const char* op, const at::Tensor& grad_out, const optional_tensor& grad_h, const at::Tensor& h,
