@@ -17,8 +17,6 @@ the host's time per call).
 from __future__ import annotations
 
 import dataclasses
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -97,21 +95,6 @@ def fwd_bwd(fn):
     return run
 
 
-def wall_ms_per_call(fn, inputs: tuple) -> float:
-    """Median over ROUNDS rounds of CALLS calls and a synchronize, after a warm-up."""
-    for _ in range(20):
-        fn(*inputs)
-    torch.cuda.synchronize()
-    rounds = []
-    for _ in range(ROUNDS):
-        began = time.perf_counter()
-        for _ in range(CALLS):
-            fn(*inputs)
-        torch.cuda.synchronize()
-        rounds.append((time.perf_counter() - began) * 1e3 / CALLS)
-    return statistics.median(rounds)
-
-
 def provider(name: str, side: int) -> common.Provider:
     return common.Provider(name, lambda case, pass_: OPS[case.op][side] if pass_ == "fwd" else fwd_bwd(OPS[case.op][side]))
 
@@ -119,7 +102,7 @@ def provider(name: str, side: int) -> common.Provider:
 BENCH = common.Bench(
     "overhead", "Host time per eager call (tiny inputs): tk_ops vs torch", provider("tk_ops", 0), (provider("torch", 1),),
     inputs, passes=("fwd", "fwd_bwd"), set_bytes=lambda case, pass_, inputs: 0, max_sets=1,
-    timer=lambda fn, sets: wall_ms_per_call(fn, sets[0]),
+    timer=lambda fn, sets: common.host_us_per_call(fn, sets[0], CALLS, ROUNDS) / 1e3,
 )
 
 

@@ -107,18 +107,22 @@ def time_graph_ms(fn: Callable, input_sets: Sequence[tuple], rounds: int = 15, b
     return statistics.median(per_call)
 
 
-def host_us_per_call(fn: Callable, inputs: tuple, calls: int = 300) -> float:
-    """Host microseconds per call on a problem too small to keep the GPU busy (launch-bound)."""
+def host_us_per_call(fn: Callable, inputs: tuple, calls: int = 300, rounds: int = 1) -> float:
+    """Host microseconds per call on a problem too small to keep the GPU busy (launch-bound): the
+    median over `rounds` rounds of `calls` back-to-back calls closed by a synchronize, after a warm-up."""
     import time
 
     for _ in range(20):
         fn(*inputs)
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn(*inputs)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
+    per_call = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn(*inputs)
+        torch.cuda.synchronize()
+        per_call.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(per_call)
 
 
 def source_commit() -> dict:
