@@ -183,7 +183,7 @@ cudaError_t launch_persistent(void (*entry)(Params), int threads, size_t shared_
   }
   int device = 0, blocks_per_sm = 0;
   if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
-  if (const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, entry, threads, shared_bytes);
+  if (const cudaError_t err = pipeline::resident_blocks_per_sm(&blocks_per_sm, entry, threads, shared_bytes);
       err != cudaSuccess) {
     return err;
   }
