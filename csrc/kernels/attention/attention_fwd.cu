@@ -6,7 +6,8 @@
 //                               block j with the tensor cores working on P_{j-1} V_{j-1}:
 //                                 issue S_j = Q K_j^T;  issue O += P_{j-1} V_{j-1}
 //                                 wait S_j;  masked online softmax of S_j (rescale factor per row)
-//                                 wait O;  O *= rescale;  P_j = bf16/fp16(S_j)
+//                                 wait O;  O *= rescale (only when a row's max moved far);
+//                                 P_j = bf16/fp16(S_j)
 //                               and the two consumers take turns issuing (ping-pong), so one
 //                               warpgroup's softmax runs while the other's products run
 //   epilogue (consumers)        O /= rowsum, stmatrix into the Q tile, TMA store (tail rows clipped);
@@ -19,6 +20,28 @@
 
 namespace tk::attention {
 namespace {
+
+// Lazy rescaling (FlashAttention-4's conditional rescale): a row's O and sum stay scaled to the max
+// they were last rescaled to (`used`), and its exponentials are taken against that, until the row's
+// running max exceeds it by more than RESCALE_THRESHOLD (log2 units); only then, in a branch that a
+// warp takes when any of its rows needs it, are O and the sum rescaled to the new max. The common
+// block, whose max moved little or not at all, skips the O multiplies (D / 2 per thread and block).
+// Exact up to rounding: every row's O, sum and lse refer to the same `used`. The threshold bounds
+// p = exp2(s - used) by 2^RESCALE_THRESHOLD = 256: fp16 P (max 65504, about 2^16) keeps 2^8 of
+// headroom and bf16 (max about 2^128) far more; a row sum is at most Nk * 256 <= 2^38 in fp32; the
+// precision of p, the sum and O is relative and does not change with the scale. One value for both
+// types: fp16 bounds it below 16, and a larger one for bf16 would only skip the rare blocks whose
+// max rises by more than 8 (a factor 256 in p) after the first.
+constexpr float RESCALE_THRESHOLD = 8.0f;
+
+// Whether a row's max has moved far enough from the one its O and sum are scaled to (used = -inf
+// before the first visible key; -inf - -inf is NaN, which compares false: such a row stays put).
+struct moves_max {
+  __device__ static bool apply(float used, float max) { return max - used > RESCALE_THRESHOLD; }
+};
+struct lazy_max {
+  __device__ static float apply(float used, float max) { return moves_max::apply(used, max) ? max : used; }
+};
 
 // A row that has seen only hidden keys keeps max = -inf: its exponentials are taken against 0
 // instead (exp2(-inf - -inf) would be NaN).
@@ -66,7 +89,8 @@ struct forward_kernel : forward_plan<D> {
   using context = pipeline::task_context<forward_kernel>;
   using inputs = pipeline::stage_inputs<forward_kernel>;
 
-  // Per row: the running max of the scaled log2 scores and this lane's share of sum exp2(s - max).
+  // Per row: the max O and the sum are scaled to (the running max of the scaled log2 scores, or up
+  // to RESCALE_THRESHOLD below it) and this lane's share of sum exp2(s - max).
   struct consumer_state {
     output o;
     row_vector max, sum;
@@ -127,9 +151,10 @@ struct forward_kernel : forward_plan<D> {
   }
 
   // s = scale * log2(e) * (q.k), -inf where the key is hidden; then the online softmax: s becomes
-  // exp2(s - max) and `rescale` what the output rows must be scaled by for the new max.
+  // exp2(s - max) against the lazily moved max. Returns whether the output rows must be scaled by
+  // `rescale` (the same answer on every lane of the warp; `rescale` is set only then).
   template <bool MASKED>
-  __device__ static void softmax(const context& ctx, consumer_state& state, scores& s, int j, row_vector& rescale) {
+  __device__ static bool softmax(const context& ctx, consumer_state& state, scores& s, int j, row_vector& rescale) {
     const params& p = ctx.params;
     warp::mul(s, s, p.scale_log2);
     if constexpr (MASKED) {
@@ -139,14 +164,19 @@ struct forward_kernel : forward_plan<D> {
     }
     row_vector max, offset;
     warp::row_max(max, s, state.max);
+    const bool rescaled = warp::any_of<moves_max>(state.max, max);
+    warp::map<lazy_max>(max, state.max, max);
     warp::map<exponent_offset>(offset, max);
-    warp::sub(rescale, state.max, offset);
-    warp::exp2(rescale, rescale);
+    if (rescaled) {
+      warp::sub(rescale, state.max, offset);
+      warp::exp2(rescale, rescale);
+      warp::mul(state.sum, state.sum, rescale);
+    }
     state.max = max;
     warp::sub_row(s, s, offset);
     warp::exp2(s, s);
-    warp::mul(state.sum, state.sum, rescale);
     warp::lane_row_sum(state.sum, s, state.sum);
+    return rescaled;
   }
 
   // Key block j >= 1: S_j = Q K_j^T and O += P_{j-1} V_{j-1} in flight together, then the softmax
@@ -168,10 +198,10 @@ struct forward_kernel : forward_plan<D> {
     warpgroup::wait<1>(s);
     in.release(at, key_part);
     row_vector rescale;
-    softmax<MASKED>(ctx, state, s, j, rescale);
+    const bool rescaled = softmax<MASKED>(ctx, state, s, j, rescale);
     warpgroup::wait<0>(state.o, prob);
     in.release(previous, value_part);
-    warp::mul_row(state.o, state.o, rescale);
+    if (rescaled) warp::mul_row(state.o, state.o, rescale);
     warp::copy(prob, s);
   }
 

@@ -7,6 +7,9 @@
 //   lane_row_sum(l, p, l);  ...  all_lanes_row_sum(l);   a running sum kept per lane and combined
 //                                                        across lanes once, at the end
 //   total = across_warp<op::add>(value);                 one float per lane (any Op of maps.cuh)
+//   if (any_of<Pred>(a, b)) ...                          whether Pred(a[i], b[i]) holds for some
+//                                                        entry on some lane: a warp vote, so the
+//                                                        branch is uniform
 //
 // Each lane first reduces the elements it holds, in float, then the lanes that hold the rest of the
 // same lines exchange partial results by shuffles: the 4 threads of a group when the reduced axis
@@ -87,6 +90,17 @@ __device__ __forceinline__ float across_warp(float value) {
 #pragma unroll
   for (int mask = 1; mask < WARP_THREADS; mask *= 2) value = Op::apply(value, __shfl_xor_sync(ALL_LANES, value, mask));
   return value;
+}
+
+// Whether Pred::apply(v[i], x[i]...) (a bool on floats) holds for some entry i of some lane; every
+// lane gets the same answer (one vote).
+template <typename Pred, register_vector_type V, typename... X>
+__device__ __forceinline__ bool any_of(const V& v, const X&... x) {
+  bool holds = false;
+  for_each_slot<V>([&](int b, int s) {
+    holds |= Pred::apply(detail::vector_operand<V>(v, b, s), detail::vector_operand<V>(x, b, s)...);
+  });
+  return __any_sync(ALL_LANES, holds);
 }
 
 template <register_vector_type V>
