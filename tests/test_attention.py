@@ -56,10 +56,10 @@ def finite_lse_loss(out, lse, out_weight, lse_weight):
     return (out * out_weight).sum() + (lse.masked_fill(torch.isinf(lse), 0) * lse_weight).sum()
 
 
-def check_against_naive(q, k, v, causal, scale=None, out_tol=None, grad_tol=None, deterministic=None):
-    """Compare tk_ops.attention's out, lse and gradients (through out and lse) with naive_attention."""
+def check_forward_against_naive(q, k, v, causal, scale=None, out_tol=None, deterministic=None):
+    """Compare tk_ops.attention's out and lse with naive_attention; returns both and the reference's
+    (float64 leaves q64, k64, v64 that require grad, and the reference out and lse built from them)."""
     out_tol = tk_testing.TOLERANCE[q.dtype] if out_tol is None else out_tol
-    grad_tol = 2 * out_tol if grad_tol is None else grad_tol
     out, lse = tk_ops.attention(q, k, v, causal=causal, scale=scale, return_lse=True, deterministic=deterministic)
     assert out.dtype == q.dtype and lse.dtype == torch.float32
     assert out.shape == (*q.shape[:3], v.shape[3]) and lse.shape == q.shape[:3]
@@ -71,6 +71,16 @@ def check_against_naive(q, k, v, causal, scale=None, out_tol=None, grad_tol=None
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "lse: -inf rows differ"
     tk_testing.assert_rel_close(lse.masked_fill(torch.isinf(lse), 0), ref_lse.masked_fill(torch.isinf(ref_lse), 0),
                                 max(out_tol, 1e-6), "lse")
+    return out, lse, (q64, k64, v64), (ref_out, ref_lse)
+
+
+def check_against_naive(q, k, v, causal, scale=None, out_tol=None, grad_tol=None, deterministic=None):
+    """Compare tk_ops.attention's out, lse and gradients (through out and lse) with naive_attention."""
+    out_tol = tk_testing.TOLERANCE[q.dtype] if out_tol is None else out_tol
+    grad_tol = 2 * out_tol if grad_tol is None else grad_tol
+    out, lse, (q64, k64, v64), (ref_out, ref_lse) = check_forward_against_naive(
+        q, k, v, causal, scale, out_tol, deterministic
+    )
 
     # lse is fp32, so its weights are fp32 numbers for both sides.
     out_weight, lse_weight = torch.randn_like(ref_out), torch.randn_like(ref_lse).float().double()
@@ -254,6 +264,52 @@ def test_kernel_head_groups(monkeypatch, q_heads, kv_heads, head_dim, method):
     deterministic = use_backward_method(monkeypatch, method)
     inputs = make_qkv(2, q_heads, kv_heads, 333, 333, head_dim, dtype=torch.bfloat16, device="cuda")
     check_against_naive(*inputs, True, deterministic=deterministic)
+
+
+def scores_along_keys(profile: str, q_len: int, key_len: int, head_dim: int, dtype):
+    """q, k, v (1 batch, 2 heads) whose scores at scale 1 are a[i] * t[j] plus noise of about one unit:
+    t a profile along the keys (natural-log units), a[i] in [-1, 1] shuffled over the rows, so the rows
+    of one warp mix rising, flat and falling scores, and their maxima move at different key blocks.
+      rising  t[j] = 300 j / Nk: a row's max climbs through every key block, by up to 28 log2 units
+      late    t = 0 over the first three quarters of the keys, then climbing to 300: rescales come late
+      jumps   a staircase of 96-key steps, each up by 0 to 40 log2 units (values down to 20 below
+              the step): score ranges of hundreds of units, jumps far past any rescale threshold"""
+    generator = torch.Generator().manual_seed(0)
+    heads = 2
+    keys = torch.arange(key_len, dtype=torch.float64)
+    if profile == "rising":
+        t = 300 * keys / key_len
+    elif profile == "late":
+        t = 1200 * (keys / key_len - 0.75).clamp(min=0)
+    else:
+        steps = math.ceil(key_len / 96)
+        levels = torch.cumsum(torch.rand(steps, generator=generator, dtype=torch.float64) * 40 * math.log(2), 0)
+        t = levels.repeat_interleave(96)[:key_len] - 20 * torch.rand(key_len, generator=generator, dtype=torch.float64)
+    a = torch.linspace(-1, 1, q_len, dtype=torch.float64)[torch.randperm(q_len, generator=generator)]
+    q = 0.3 * torch.randn(1, heads, q_len, head_dim, generator=generator, dtype=torch.float64)
+    k = 0.3 * torch.randn(1, heads, key_len, head_dim, generator=generator, dtype=torch.float64)
+    v = torch.randn(1, heads, key_len, head_dim, generator=generator, dtype=torch.float64)
+    q[..., 0], k[..., 0] = a, t
+    return [x.to(device="cuda", dtype=dtype) for x in (q, k, v)]
+
+
+# An lse that follows a different max than the output and sum it goes with is off by that difference.
+LSE_ABSOLUTE_TOLERANCE = 5e-2
+
+
+@tk_testing.requires_kernel("attention")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("profile", ["rising", "late", "jumps"])
+def test_kernel_row_maxima_that_move_across_key_blocks(dtype, head_dim, causal, profile):
+    """The forward's online softmax keeps each row's output scaled to a stale max until the row's max
+    has moved far (lazy rescaling): rows whose max climbs through many key blocks, late, or in jumps
+    far past the threshold (where fp16 P would overflow if the threshold allowed it) must still give
+    the float64 out and lse."""
+    q, k, v = scores_along_keys(profile, 300, 2000, head_dim, dtype)
+    _, lse, _, (_, ref_lse) = check_forward_against_naive(q, k, v, causal, scale=1.0)
+    assert (lse.double().cpu() - ref_lse.detach().cpu()).abs().max() <= LSE_ABSOLUTE_TOLERANCE
 
 
 @tk_testing.requires_kernel("attention")
