@@ -18,8 +18,9 @@
 //                                    (resident Q, dO) and streams K/V blocks, so dQ is summed in
 //                                    registers too
 //
-// Scores live in the log2 domain: s2 = scale * log2(e) * q.k, p = exp2(s2 - max2), so the softmax
-// scale folds into one multiply and exponentials are single ex2 instructions.
+// Scores live in the log2 domain: s2 = scale * log2(e) * q.k, p = exp2(s2 - max2), so exponentials
+// are single ex2 instructions. The backward scales its scores with one multiply; the forward takes
+// its row maxima over the raw q.k and folds the scale and the max subtraction into one FFMA.
 #pragma once
 
 #include <cmath>

@@ -5,7 +5,8 @@
 //   consumers (warpgroups 1, 2) 64 query rows each; per key block j, overlapping the softmax of
 //                               block j with the tensor cores working on P_{j-1} V_{j-1}:
 //                                 issue S_j = Q K_j^T;  issue O += P_{j-1} V_{j-1}
-//                                 wait S_j;  masked online softmax of S_j (rescale factor per row)
+//                                 wait S_j;  masked online softmax of S_j (rescale factor per row;
+//                                 exp2(c s - max), scale and max in one FFMA per score)
 //                                 wait O;  O *= rescale (only when a row's max moved far);
 //                                 P_j = bf16/fp16(S_j)
 //                               and the two consumers take turns issuing (ping-pong), so one
@@ -16,6 +17,8 @@
 // Key blocks past the last one a causal block sees are never loaded. The blocks every row of a
 // consumer sees whole run first, without mask code; the blocks that cross the diagonal or the key
 // tail (TMA zero-fills keys >= Nk, whose scores must become -inf) run after them, masked.
+#include <cfloat>
+
 #include "attention.cuh"
 
 namespace tk::attention {
@@ -52,6 +55,10 @@ struct exponent_offset {
 struct reciprocal_or_zero {
   __device__ static float apply(float sum) { return sum > 0.0f ? 1.0f / sum : 0.0f; }
 };
+// The exponent of a score: c s - offset in one FFMA (one rounding).
+struct scale_minus_offset {
+  __device__ static float apply(float s, float c, float offset) { return fmaf(s, c, -offset); }
+};
 struct natural_lse {
   __device__ static float apply(float max2, float sum) { return sum > 0.0f ? (max2 + __log2f(sum)) * LN_2 : NEG_INF; }
 };
@@ -81,7 +88,8 @@ struct forward_kernel : forward_plan<D> {
     CUtensorMap q, k, v, out;  // boxes of one panel of q_tile / kv_tile / q_tile
     float* lse;
     int q_rows, k_rows, q_heads, batch, group;  // group = Hq / Hkv
-    float scale_log2;
+    float scale_log2;  // c = scale * log2(e), |c| >= FLT_MIN (run() lifts smaller ones, 0 included)
+    bool negative;     // c < 0: the row max of c s is c times the raw scores' row min
     bool causal;
 
     __device__ visibility vis() const { return {q_rows, k_rows, causal}; }
@@ -90,7 +98,7 @@ struct forward_kernel : forward_plan<D> {
   using inputs = pipeline::stage_inputs<forward_kernel>;
 
   // Per row: the max O and the sum are scaled to (the running max of the scaled log2 scores, or up
-  // to RESCALE_THRESHOLD below it) and this lane's share of sum exp2(s - max).
+  // to RESCALE_THRESHOLD below it; log2 units) and this lane's share of sum exp2(c s - max).
   struct consumer_state {
     output o;
     row_vector max, sum;
@@ -150,20 +158,30 @@ struct forward_kernel : forward_plan<D> {
     return ctx.task.block * plan::block_q + ctx.consumer * plan::rows_per_consumer;
   }
 
-  // s = scale * log2(e) * (q.k), -inf where the key is hidden; then the online softmax: s becomes
-  // exp2(s - max) against the lazily moved max. Returns whether the output rows must be scaled by
-  // `rescale` (the same answer on every lane of the warp; `rescale` is set only then).
+  // s = q.k (raw), then the online softmax: s becomes exp2(c s - max) against the lazily moved max
+  // (c = scale * log2(e)), one FFMA per score. The row max of c s is c times the row max of the raw
+  // scores (c > 0) or their row min (c < 0), rounded once: the same float as the max over the
+  // rounded products c s (rounding is monotone), so the statistics and lse are those of the scaled
+  // scores. Hidden keys get the raw score that c turns into -inf (-inf, or +inf for c < 0), which
+  // the reduction skips and the FFMA maps to -inf (p = 0; the offset is finite). Returns whether
+  // the output rows must be scaled by `rescale` (the same answer on every lane of the warp;
+  // `rescale` is set only then).
   template <bool MASKED>
   __device__ static bool softmax(const context& ctx, consumer_state& state, scores& s, int j, row_vector& rescale) {
     const params& p = ctx.params;
-    warp::mul(s, s, p.scale_log2);
     if constexpr (MASKED) {
       const visibility vis = p.vis();
       warp::mask(s, {first_row(ctx) + warpgroup::warp_row(), j * plan::block_kv},
-                 [&](int query, int key) { return vis.visible(query, key); }, NEG_INF);
+                 [&](int query, int key) { return vis.visible(query, key); }, p.negative ? INFINITY : NEG_INF);
     }
     row_vector max, offset;
-    warp::row_max(max, s, state.max);
+    if (!p.negative) {
+      warp::row_max(max, s);
+    } else {
+      warp::row_min(max, s);
+    }
+    warp::mul(max, max, p.scale_log2);
+    warp::max(max, max, state.max);
     const bool rescaled = warp::any_of<moves_max>(state.max, max);
     warp::map<lazy_max>(max, state.max, max);
     warp::map<exponent_offset>(offset, max);
@@ -173,7 +191,7 @@ struct forward_kernel : forward_plan<D> {
       warp::mul(state.sum, state.sum, rescale);
     }
     state.max = max;
-    warp::sub_row(s, s, offset);
+    warp::map<scale_minus_offset>(s, s, p.scale_log2, broadcast<tile_axis::rows, row_vector>{offset});
     warp::exp2(s, s);
     warp::lane_row_sum(state.sum, s, state.sum);
     return rescaled;
@@ -299,7 +317,13 @@ cudaError_t run(const forward_problem& pr, cudaStream_t stream) {
   p.q_heads = int(pr.q.heads);
   p.batch = int(pr.q.batch);
   p.group = int(pr.q.heads / pr.k.heads);
-  p.scale_log2 = pr.scale * LOG2_E;
+  // A |c| below the smallest normal float (0 included) would be flushed to 0 by the FTZ arithmetic,
+  // and 0 * -inf is NaN in a hidden key's FFMA. FLT_MIN gives the same probabilities: for any score
+  // |q.k| < 2^100, c s and the offset are below 2^-26 each, where exp2 is 1 to fp32 rounding (uniform
+  // weights), and lse = ln(number of visible keys) to rounding.
+  const float c = pr.scale * LOG2_E;
+  p.scale_log2 = std::fabs(c) < FLT_MIN ? FLT_MIN : c;
+  p.negative = p.scale_log2 < 0.0f;
   p.causal = pr.causal;
   return pipeline::launch<K>(p, K::tasks(p).count(), stream);
 }

@@ -2,7 +2,7 @@
 //
 //   row_max(m, s);          m[i] = max_j s[i][j]            (m: per_row_vector<decltype(s)>)
 //   row_max(m, s, m_prev);  m[i] = max(m_prev[i], max_j s[i][j])
-//   row_sum(l, p);  col_sum(c, t);  col_max(c, t);
+//   row_sum(l, p);  row_min(m, s);  col_sum(c, t);  col_max(c, t);
 //
 //   lane_row_sum(l, p, l);  ...  all_lanes_row_sum(l);   a running sum kept per lane and combined
 //                                                        across lanes once, at the end
@@ -70,6 +70,8 @@ __device__ __forceinline__ void reduce(V& dst, const Tile& src, const Init&... i
 
 template <register_vector_type V, register_tile_type T, typename... Init>
 __device__ __forceinline__ void row_max(V& dst, const T& src, const Init&... init) { detail::reduce<op::max, tile_axis::rows, true>(dst, src, init...); }
+template <register_vector_type V, register_tile_type T, typename... Init>
+__device__ __forceinline__ void row_min(V& dst, const T& src, const Init&... init) { detail::reduce<op::min, tile_axis::rows, true>(dst, src, init...); }
 template <register_vector_type V, register_tile_type T, typename... Init>
 __device__ __forceinline__ void row_sum(V& dst, const T& src, const Init&... init) { detail::reduce<op::add, tile_axis::rows, true>(dst, src, init...); }
 template <register_vector_type V, register_tile_type T, typename... Init>
