@@ -109,6 +109,14 @@ def test_head_dim_64_and_explicit_scale(causal):
     check_against_naive(*make_qkv(1, 4, 2, 45, 29, 64), causal, scale=0.37)
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.37], ids=["zero", "negative"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_zero_and_negative_scales(scale, causal):
+    """Any finite scale is the op's contract: 0 gives uniform weights over the visible keys, a negative
+    one favours the keys least like the query."""
+    check_against_naive(*make_qkv(1, 4, 2, 70, 33, 40), causal, scale=scale)
+
+
 def test_value_head_dim_may_differ():
     check_against_naive(*make_qkv(2, 2, 1, 23, 31, 40, value_dim=24), causal=True)
 
@@ -310,6 +318,28 @@ def test_kernel_row_maxima_that_move_across_key_blocks(dtype, head_dim, causal, 
     q, k, v = scores_along_keys(profile, 300, 2000, head_dim, dtype)
     _, lse, _, (_, ref_lse) = check_forward_against_naive(q, k, v, causal, scale=1.0)
     assert (lse.double().cpu() - ref_lse.detach().cpu()).abs().max() <= LSE_ABSOLUTE_TOLERANCE
+
+
+# Scales the forward's scale-and-subtract FFMA must handle (the default 1/sqrt(D) is everywhere above):
+# c = scale * log2(e) small or large; 0 and subnormal ones, which the launcher lifts to the smallest
+# normal float (0 * -inf would be NaN in a hidden key's FFMA); negative ones, whose row max is c times
+# the raw scores' row min and whose hidden keys are filled with +inf.
+KERNEL_SCALES = {"small": 0.01, "large": 2.0, "zero": 0.0, "subnormal": 1e-40, "negative": -0.125,
+                 "large_negative": -2.0}
+
+
+@tk_testing.requires_kernel("attention")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("scale", list(KERNEL_SCALES.values()), ids=list(KERNEL_SCALES))
+def test_kernel_scales(dtype, head_dim, causal, scale):
+    """Nq = 1100, Nk = 1000: unmasked key blocks, the masked key tail, and (causal) the diagonal blocks
+    and 100 rows that see no key; out, lse and the gradients against float64."""
+    inputs = make_qkv(1, 4, 2, 1100, 1000, head_dim, dtype=dtype, device="cuda")
+    out, lse, _ = check_against_naive(*inputs, causal, scale=scale)
+    if causal:
+        assert torch.all(out[:, :, :100] == 0) and torch.all(torch.isneginf(lse[:, :, :100]))
 
 
 @tk_testing.requires_kernel("attention")
