@@ -328,6 +328,24 @@ KERNEL_SCALES = {"small": 0.01, "large": 2.0, "zero": 0.0, "subnormal": 1e-40, "
                  "large_negative": -2.0}
 
 
+def check_subnormal_scale(q, k, v, causal, scale):
+    """A subnormal scale: out, lse and dv against float64 as usual; dq and dk are scale times numbers
+    of order one, far below the smallest normal of fp32 (whose kernels flush them to zero) and of
+    the outputs' dtype, so they are held to an absolute bound instead of a relative one."""
+    out, lse, (q64, k64, v64), (ref_out, ref_lse) = check_forward_against_naive(q, k, v, causal, scale)
+    out_weight, lse_weight = torch.randn_like(ref_out), torch.randn_like(ref_lse)
+    loss = finite_lse_loss(out, lse, out_weight.to(out.dtype), lse_weight.float())
+    dq, dk, dv = torch.autograd.grad(loss, (q, k, v))
+    ref_loss = finite_lse_loss(ref_out, ref_lse, out_weight, lse_weight)
+    ref_dq, ref_dk, ref_dv = torch.autograd.grad(ref_loss, (q64, k64, v64))
+    tk_testing.assert_rel_close(dv, ref_dv, 2 * tk_testing.TOLERANCE[q.dtype], "dv")
+    tiny = torch.finfo(torch.float32).tiny
+    for name, grad, ref_grad in (("dq", dq, ref_dq), ("dk", dk, ref_dk)):
+        assert ref_grad.abs().max() < tiny, f"{name}: the reference is not below fp32's normal range"
+        assert torch.isfinite(grad).all() and grad.float().abs().max() <= tiny, f"{name}: not flushed/tiny"
+    return out, lse
+
+
 @tk_testing.requires_kernel("attention")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -337,7 +355,10 @@ def test_kernel_scales(dtype, head_dim, causal, scale):
     """Nq = 1100, Nk = 1000: unmasked key blocks, the masked key tail, and (causal) the diagonal blocks
     and 100 rows that see no key; out, lse and the gradients against float64."""
     inputs = make_qkv(1, 4, 2, 1100, 1000, head_dim, dtype=dtype, device="cuda")
-    out, lse, _ = check_against_naive(*inputs, causal, scale=scale)
+    if abs(scale) >= torch.finfo(torch.float32).tiny:
+        out, lse, _ = check_against_naive(*inputs, causal, scale=scale)
+    else:
+        out, lse = check_subnormal_scale(*inputs, causal, scale)
     if causal:
         assert torch.all(out[:, :, :100] == 0) and torch.all(torch.isneginf(lse[:, :, :100]))
 
