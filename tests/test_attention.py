@@ -320,6 +320,41 @@ def test_kernel_row_maxima_that_move_across_key_blocks(dtype, head_dim, causal, 
     assert (lse.double().cpu() - ref_lse.detach().cpu()).abs().max() <= LSE_ABSOLUTE_TOLERANCE
 
 
+# Shapes the forward's query blocks make special: 192 rows (three consumers of 64) at D = 64, 128 at
+# D = 128, over 128-key blocks. Nq around multiples of 64, 128 and 192 (a block whose last consumer,
+# or last two, hold only rows past Nq; a last block that is exactly full), and causal Nq != Nk whose
+# diagonal crosses a block's consumers at different key blocks (some consumer sees a whole key block
+# hidden; rows that see no key at all).
+QUERY_BLOCK_SHAPES = [(64, 64), (65, 65), (129, 129), (191, 191), (192, 192), (193, 193), (383, 383),
+                      (384, 384), (385, 385), (576, 576), (577, 300), (192, 320), (320, 192), (193, 130),
+                      (64, 1000), (1000, 64)]
+
+
+@tk_testing.requires_kernel("attention")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("q_len, key_len", QUERY_BLOCK_SHAPES)
+def test_kernel_forward_query_block_edges(dtype, head_dim, causal, q_len, key_len):
+    """out and lse against float64 where the forward's query blocks end (GQA, two batches)."""
+    q, k, v = make_qkv(2, 4, 2, q_len, key_len, head_dim, dtype=dtype, device="cuda")
+    _, lse, _, _ = check_forward_against_naive(q, k, v, causal)
+    if causal and q_len > key_len:
+        assert torch.all(torch.isneginf(lse[:, :, : q_len - key_len]))
+
+
+@tk_testing.requires_kernel("attention")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("q_len, key_len", [(193, 193), (385, 300)])
+@pytest.mark.parametrize("method", BACKWARD_METHODS)
+def test_kernel_query_block_edges_with_gradients(monkeypatch, head_dim, causal, q_len, key_len, method):
+    """The backward reads the forward's lse, written by 192-row blocks at D = 64: gradients too."""
+    deterministic = use_backward_method(monkeypatch, method)
+    inputs = make_qkv(1, 4, 2, q_len, key_len, head_dim, dtype=torch.bfloat16, device="cuda")
+    check_against_naive(*inputs, causal, deterministic=deterministic)
+
+
 # Scales the forward's scale-and-subtract FFMA must handle (the default 1/sqrt(D) is everywhere above):
 # c = scale * log2(e) small or large; 0 and subnormal ones, which the launcher lifts to the smallest
 # normal float (0 * -inf would be NaN in a hidden key's FFMA); negative ones, whose row max is c times

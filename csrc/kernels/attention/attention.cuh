@@ -2,9 +2,10 @@
 //
 // Every kernel is a plan plus hooks on the producer/consumer template (tk/pipeline): warpgroup 0 is
 // the producer (one thread issues TMA), each consumer warpgroup owns 64 rows of a wgmma and
-// computes from shared memory.
+// computes from shared memory; two consumers, or three in the forward at D = 64.
 //
-//   forward   (attention_fwd.cu)  a block owns 128 query rows (resident Q); K/V blocks of 128 keys
+//   forward   (attention_fwd.cu)  a block owns 128 query rows at D = 128, 192 (three consumers) at
+//                                 D = 64 (resident Q; forward_plan); K/V blocks of 128 keys
 //                                 stream through a ring whose K and V parts are released apart;
 //                                 S = Q K^T (SS), online softmax in registers, O += P V (P from
 //                                 registers, RS)
@@ -25,6 +26,7 @@
 
 #include <cmath>
 #include <string>
+#include <type_traits>
 
 #include "attention.h"
 #include "kernels/common/heads_layout.cuh"
@@ -42,22 +44,54 @@ constexpr float LOG2_E = 1.4426950408889634f;
 constexpr float LN_2 = 0.6931471805599453f;
 constexpr float NEG_INF = -INFINITY;
 
-// Every attention kernel: two consumer warpgroups of one 64-row wgmma each; 2 x 240 consumer
-// registers plus a 24-register producer fill the register file. The stage counts (2 at D = 128,
-// 3 at D = 64 in the forward and dK/dV kernels; 2 in dQ) are the hand-picked values the kernels
-// were first measured with, not re-tuned since (the attention speed issue sweeps them).
-struct attention_plan {
+// Register splits (setmaxnreg counts per thread, multiples of 8) of a block of one producer and two
+// or three consumer warpgroups; the register file is 64K registers, 512 per thread of a warpgroup.
+// Each consumer warpgroup owns 64 rows of a wgmma.
+//   two consumers    2 x 240 + 24 (the producer: one thread issuing TMA)
+//   three consumers  3 x 160 + 24: 160 is the most three consumers can take (3 x 168 + 8 > 512);
+//                    the producer keeps what it uses today
+struct two_consumer_split {
   static constexpr int consumer_warpgroups = 2;
   static constexpr int rows_per_consumer = warpgroup::WGMMA_M;
   static constexpr int producer_registers = 24;
   static constexpr int consumer_registers = 240;
 };
+struct three_consumer_split {
+  static constexpr int consumer_warpgroups = 3;
+  static constexpr int rows_per_consumer = warpgroup::WGMMA_M;
+  static constexpr int producer_registers = 24;
+  static constexpr int consumer_registers = 160;
+};
+
+// Every backward kernel, and the forward at D = 128: two consumer warpgroups. The stage counts (2 at
+// D = 128, 3 at D = 64 in the forward and dK/dV kernels; 2 in dQ) are the hand-picked values the
+// kernels were first measured with, not re-tuned since (the attention speed issue sweeps them).
+using attention_plan = two_consumer_split;
+
+// The forward's tiles per head dim. D = 128: 128 query rows (two consumers) x 128 keys. D = 64:
+// 192 query rows (three consumers) x 128 keys, FlashAttention-3's hdim-64 tile (issue 17): at D = 64
+// a key block's tensor work per query row is half that of D = 128 while its softmax work is the
+// same, so each block's fixed costs (its Q load and pipeline fill, the epilogue, the K/V traffic
+// per query row) weigh more; a third consumer takes 1.5x the rows per task and per K/V load, and
+// gives the issue-turn rotation a third warpgroup to hide the softmax behind. Per consumer thread,
+// S (64 rows x 128 keys: 64 fp32) + O (64 x 64: 32 fp32) + P (64 x 128: 32 registers of packed
+// pairs) = 128 live registers at the P V issue, within 160. The key block stays 128: a wider one
+// (FA3's 192 keys, non-causal) makes that 176 and needs P V from shared memory (SS) instead.
+template <int D>
+using forward_split = std::conditional_t<D == 64, three_consumer_split, two_consumer_split>;
 
 template <int D>
-struct forward_plan : attention_plan {
-  static constexpr int block_q = consumer_warpgroups * rows_per_consumer;
+struct forward_plan : forward_split<D> {
+  static constexpr int block_q = forward_split<D>::consumer_warpgroups * forward_split<D>::rows_per_consumer;
   static constexpr int block_kv = 128;
   static constexpr int stages = D == 128 ? 2 : 3;
+  // How a masked key block hides keys: as a per-row prefix (key < vis.key_limit(query): 2 integers
+  // per thread, compared with each element's key after the S wait) or by the per-element rule
+  // (vis.visible). Under the 160-register cap of three consumers ptxas evaluated the per-element
+  // rule's 64 predicates ahead of the S wgmma and packed them into bit fields (~470 instructions
+  // between taking the issue turn and issuing; the masked step 1266 instructions against 723 with
+  // the prefix). D = 128 keeps the per-element rule, its SASS pinned to what was measured.
+  static constexpr bool mask_by_key_limit = D == 64;
 };
 
 template <int D>
@@ -84,7 +118,9 @@ struct dq_plan : attention_plan {
   static constexpr int stages = 2;
 };
 
-// The backward's per-row statistics are padded to whole query blocks of every kernel.
+// The backward's per-row statistics are padded to whole query blocks of every backward kernel. The
+// forward's lse is not padded ((B, Hq, Nq), rows >= Nq never stored), so its block_q (192 at D = 64)
+// need not divide this.
 constexpr int STATISTICS_ROW_MULTIPLE = 128;
 static_assert(STATISTICS_ROW_MULTIPLE % dq_plan<128>::block_q == 0 && STATISTICS_ROW_MULTIPLE % dkdv_plan<128>::block_q == 0);
 
@@ -98,6 +134,9 @@ struct visibility {
 
   __host__ __device__ int diagonal() const { return k_rows - q_rows; }
   __device__ bool visible(int query, int key) const { return key < k_rows && (!causal || key <= query + diagonal()); }
+  // The same rule as a prefix: query sees exactly the keys below key_limit(query) (no overflow: both
+  // lengths are at most 2^30).
+  __device__ int key_limit(int query) const { return causal ? min(k_rows, query + diagonal() + 1) : k_rows; }
   // Whether some (query, key) of the rectangle [q0, ...) x [k0, k0 + k_count) is hidden from query q0
   // onwards: a key past Nk, or (causal) a key past q0's diagonal.
   __device__ bool needs_mask(int q0, int k0, int k_count) const {

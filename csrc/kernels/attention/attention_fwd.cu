@@ -1,16 +1,18 @@
-// Attention forward: out = softmax(scale * q k^T + mask) v and lse, one 128-row query block per task.
+// Attention forward: out = softmax(scale * q k^T + mask) v and lse, one query block per task: 128
+// rows (two consumers) at D = 128, 192 rows (three consumers) at D = 64 (forward_plan).
 //
 //   producer (warpgroup 0)      TMA: Q once per task (resident), then K_j and V_j into a ring whose
 //                               K and V parts are released separately
-//   consumers (warpgroups 1, 2) 64 query rows each; per key block j, overlapping the softmax of
+//   consumers (warpgroups 1..)  64 query rows each; per key block j, overlapping the softmax of
 //                               block j with the tensor cores working on P_{j-1} V_{j-1}:
 //                                 issue S_j = Q K_j^T;  issue O += P_{j-1} V_{j-1}
 //                                 wait S_j;  masked online softmax of S_j (rescale factor per row;
 //                                 exp2(c s - max), scale and max in one FFMA per score)
 //                                 wait O;  O *= rescale (only when a row's max moved far);
 //                                 P_j = bf16/fp16(S_j)
-//                               and the two consumers take turns issuing (ping-pong), so one
-//                               warpgroup's softmax runs while the other's products run
+//                               and the consumers take turns issuing in a fixed rotation (ping-pong
+//                               with two; 0 -> 1 -> 2 -> 0 with three, as FA3 does at hdim 64), so
+//                               the others' softmax runs while one warpgroup's products run
 //   epilogue (consumers)        O /= rowsum, stmatrix into the Q tile, TMA store (tail rows clipped);
 //                               lse = ln(sum) + max in natural log
 //
@@ -140,8 +142,11 @@ struct forward_kernel : forward_plan<D> {
   // ------------------------------------------------------------------------------ consumers
 
   // The consumers issue their wgmmas in turn: consumer c waits for its turn, issues, and passes
-  // the turn to the next. Consumer 0 holds the first turn; the last consumer does not pass its
-  // final turn, so every barrier phase that is opened also completes.
+  // the turn to the next, (c + 1) mod consumers. Consumer 0 holds the first turn; the last consumer
+  // does not pass its final turn, so every barrier phase that is opened also completes. Every
+  // consumer takes the same number of turns per task (iterations + 1: the task's key blocks are
+  // the same for all its consumers), so the rotation stays aligned for any number of consumers.
+  // A turn barrier joins two warpgroups, whatever their number: the one passing and the one taking.
   static constexpr int turn_threads = 2 * WARPGROUP_THREADS;
   __device__ static void take_first_turn(int consumer) {
     if (consumer == 0) barrier_arrive(barrier_id::issue_turn, turn_threads);
@@ -171,8 +176,13 @@ struct forward_kernel : forward_plan<D> {
     const params& p = ctx.params;
     if constexpr (MASKED) {
       const visibility vis = p.vis();
-      warp::mask(s, {first_row(ctx) + warpgroup::warp_row(), j * plan::block_kv},
-                 [&](int query, int key) { return vis.visible(query, key); }, p.negative ? INFINITY : NEG_INF);
+      const fragment::coord origin{first_row(ctx) + warpgroup::warp_row(), j * plan::block_kv};
+      const float hidden = p.negative ? INFINITY : NEG_INF;
+      if constexpr (plan::mask_by_key_limit) {
+        warp::mask(s, origin, [&](int query, int key) { return key < vis.key_limit(query); }, hidden);
+      } else {
+        warp::mask(s, origin, [&](int query, int key) { return vis.visible(query, key); }, hidden);
+      }
     }
     row_vector max, offset;
     if (!p.negative) {
