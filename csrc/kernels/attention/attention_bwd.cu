@@ -209,10 +209,9 @@ struct dkdv_kernel : dkdv_plan<D> {
   }
 
   // Accumulated dQ, 2: the step's partial dQ[:, part] = dS K over the keys this consumer covers
-  // (issued, not waited for).
+  // (issued, not waited for; the caller has fenced the register operands).
   __device__ static void issue_dq_partial(const context& ctx, int step, dq_partial& dq) {
     const auto& grad_scores = ctx.scratch.grad_scores[step % dq_exchange::score_buffers];
-    warpgroup::fence();
     if constexpr (partials::column_parts == 1) {
       warpgroup::mma<operand_major::mn, operand_major::mn>(dq, grad_scores[ctx.consumer], 0,
                                                            ctx.resident.k[ctx.consumer], 0, false);
@@ -288,19 +287,20 @@ struct dkdv_kernel : dkdv_plan<D> {
       warp::sub_col(grad_p, grad_p, delta);
       warp::mul(grad_p, grad_p, s);
       warp::copy(grad_s, grad_p);
+      // Accumulated dQ: dS^T goes to shared memory and the dQ partial is issued before dK += dS^T Q,
+      // so that the partial is finished, staged and handed to the bulk reduction while dK runs
+      // (FA3's order); issued after dK, its staging would follow the step's last product.
+      if constexpr (sums_dq) share_grad_scores(ctx, step, grad_p);
       warpgroup::fence();
+      if constexpr (sums_dq) issue_dq_partial(ctx, step, dq);
       warpgroup::mma<operand_major::mn>(state.grad_k, grad_s, st.q, 0, true);
       warpgroup::commit();
       if constexpr (sums_dq) {
-        share_grad_scores(ctx, step, grad_p);
-        issue_dq_partial(ctx, step, dq);
-        warpgroup::wait<0>(state.grad_k, state.grad_v, prob, grad_s, dq);
-        in.release(at);
+        warpgroup::wait<1>(state.grad_v, prob, dq);  // dV and the partial have landed; dK may still run
         add_dq_partial(ctx, head, q0, dq);
-      } else {
-        warpgroup::wait<0>(state.grad_k, state.grad_v, prob, grad_s);
-        in.release(at);
       }
+      warpgroup::wait<0>(state.grad_k, state.grad_v, prob, grad_s);
+      in.release(at);
     }
   }
 
