@@ -500,12 +500,12 @@ int64_t statistics_floats(const backward_problem& pr) {
 }
 
 // The one-pass method's fixed cost (zeroing, then converting, an fp32 copy of dq) pays off only
-// against enough score work per query row. Measured on the H100 after the statistics moved into the
-// stage ring (attention_notes.md, 2026-11-24, two bench_attention runs at 5762f53 and 388efb0),
-// one-pass / recompute time: at D = 128 0.94-1.04x from Nk = 4096 (noise of the card: +-5%),
-// 1.09-1.17x below; at D = 64 causal 0.93-0.97x from Nk = 2048; at D = 64 non-causal 1.0-1.05x.
-constexpr int64_t ONE_PASS_MIN_KEYS = 8192;
-constexpr int64_t ONE_PASS_HEAD_DIM = 128;
+// against enough score work per query row. Measured on the H100 at c43da1e (the dq partial issued
+// before dK and staged under it; attention_notes.md, tenth session, two bench_attention runs),
+// one-pass / recompute time: 0.91-0.95x from Nk = 4096 at D = 64 and 0.91-0.98x at D = 128 (one
+// outlier, causal D = 128 N = 16384 forced: 1.01x), 0.96-0.97x at D = 64 causal from Nk = 2048, and
+// 0.98-1.21x below those lengths.
+constexpr int64_t ONE_PASS_MIN_KEYS = 4096;
 constexpr int64_t ONE_PASS_CAUSAL_MIN_KEYS = 2048;
 constexpr int64_t ONE_PASS_CAUSAL_HEAD_DIM = 64;
 
@@ -514,7 +514,7 @@ bool one_pass(const backward_problem& pr) {
     case backward_method::recompute: return false;
     case backward_method::one_pass: return true;
     case backward_method::fastest:
-      return (pr.q.dim == ONE_PASS_HEAD_DIM && pr.k.rows >= ONE_PASS_MIN_KEYS) ||
+      return pr.k.rows >= ONE_PASS_MIN_KEYS ||
              (pr.causal && pr.q.dim == ONE_PASS_CAUSAL_HEAD_DIM && pr.k.rows >= ONE_PASS_CAUSAL_MIN_KEYS);
   }
   return false;
