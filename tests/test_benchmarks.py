@@ -411,3 +411,28 @@ def test_no_case_of_the_stored_results_is_lost(stored):
     rows, missing = compare_results.compare([old, {"rows": GPU_ROWS[stored]()}], bench)
     old_names = set(compare_results.timings(old, bench))
     assert old_names and not old_names & set(missing), sorted(old_names & set(missing))[:5]
+
+
+def test_profile_training_groups_kernels_by_library():
+    from benchmarks.profile_training import group_of
+
+    tk_forward = "void tk::pipeline::producer_consumer_kernel<tk::attention::(anonymous namespace)::forward_kernel<bf16, 64>>"
+    assert group_of(tk_forward) == "tk::attention"
+    assert group_of("void tk::rope::rope_kernel<float>(params)") == "tk::rope"
+    assert group_of("nvjet_hsh_256x128_64x4_1x2_h_bz_coopA_TNT") == "cuBLAS"
+    assert group_of("cudnn_generated_fort_native_sdpa_sm90_flash_fprop") == "cuDNN"
+    assert group_of("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "Triton (Inductor)"
+    assert group_of("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<adam>") == "optimizer"
+    assert group_of("void at::native::vectorized_elementwise_kernel<4>") == "other"
+
+
+def test_profile_training_runs_on_the_cpu(tmp_path):
+    from benchmarks import profile_training
+    from models import data
+    from test_train import synthetic_text
+
+    data.prepare(tmp_path / "data", synthetic_text(), source="synthetic", vocab_size=320)
+    profile_training.main(["--warmup", "1", "--steps", "1", "--out", str(tmp_path), "--", "--model", "llama",
+                           "--preset", "nano", "--device", "cpu", "--data", str(tmp_path / "data")])  # fmt: skip
+    document = json.loads((tmp_path / "profile_training_llama_nano_tk_ops.json").read_text())
+    assert document["kernel_ms_per_step"] > 0 and document["top_kernels_ms"]
