@@ -16,7 +16,9 @@
 #   apply:PATCH    apply the patch file PATCH to this copy only, to measure a variant (then build:warm)
 #   bench:NAME[@baseline][=A,B]  python3 -m benchmarks.bench_NAME --out results/TREE-K [A B], TREE new
 #                  or baseline (the baseline tree's own bench_NAME on its own tk_ops), K the how-many-th
-#                  run of NAME on that tree in this call
+#                  run of NAME on that tree in this call. Every comma splits: a value that holds commas
+#                  goes as a repeated flag where the bench appends (bench:training=--variants,tk-compile,
+#                  --variants,reference-compile), not as one comma-separated value
 #   compare:NAME   benchmarks/compare_results.py over the pairs (results/baseline-K, results/new-K) of
 #                  NAME.json so far in this call: new/old time per row, and each side's run-to-run spread
 #   tune:NAME      python3 -m benchmarks.tune_NAME (compares candidate tile plans)
