@@ -50,18 +50,16 @@ constexpr float NEG_INF = -INFINITY;
 //   two consumers    2 x 240 + 24 (the producer: one thread issuing TMA)
 //   three consumers  3 x 160 + 24: 160 is the most three consumers can take (3 x 168 + 8 > 512);
 //                    the producer keeps what it uses today
-struct two_consumer_split {
-  static constexpr int consumer_warpgroups = 2;
+// (tk::pipeline checks each split against the register file where a kernel is instantiated.)
+template <int CONSUMERS, int CONSUMER_REGISTERS>
+struct register_split {
+  static constexpr int consumer_warpgroups = CONSUMERS;
   static constexpr int rows_per_consumer = warpgroup::WGMMA_M;
   static constexpr int producer_registers = 24;
-  static constexpr int consumer_registers = 240;
+  static constexpr int consumer_registers = CONSUMER_REGISTERS;
 };
-struct three_consumer_split {
-  static constexpr int consumer_warpgroups = 3;
-  static constexpr int rows_per_consumer = warpgroup::WGMMA_M;
-  static constexpr int producer_registers = 24;
-  static constexpr int consumer_registers = 160;
-};
+using two_consumer_split = register_split<2, 240>;
+using three_consumer_split = register_split<3, 160>;
 
 // Every backward kernel, and the forward at D = 128: two consumer warpgroups. The stage counts (2 at
 // D = 128, 3 at D = 64 in the forward and dK/dV kernels; 2 in dQ) are the hand-picked values the
