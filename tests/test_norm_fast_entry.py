@@ -147,14 +147,23 @@ class _Subclass(torch.Tensor):
     pass
 
 
-class _Recording(TorchFunctionMode):
+def _recording(mode_class, hook: str):
+    """A mode of ``mode_class`` (TorchFunctionMode or TorchDispatchMode) whose ``hook`` records every
+    function it sees in ``seen`` and runs it."""
+
     def __init__(self):
-        super().__init__()
+        mode_class.__init__(self)
         self.seen = []
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def record(self, func, types, args=(), kwargs=None):
         self.seen.append(func)
         return func(*args, **(kwargs or {}))
+
+    return type(f"Recording{mode_class.__name__}", (mode_class,), {"__init__": __init__, hook: record})
+
+
+_RecordingFunctions = _recording(TorchFunctionMode, "__torch_function__")
+_RecordingDispatch = _recording(TorchDispatchMode, "__torch_dispatch__")
 
 
 def _other_calls(device=DEVICE):
@@ -215,7 +224,7 @@ def test_bad_calls_raise_the_python_errors(function):
 def test_a_torch_function_mode_sees_the_python_path(function, python_checks_counted):
     args = (_t((4, HIDDEN), NARROW), _t((HIDDEN,), NARROW), *((None,) if function is tk_ops.layer_norm else ()))
     entry, entry_args = _entry_arguments(function, args, {})
-    with _Recording() as mode:
+    with _RecordingFunctions() as mode:
         assert entry(*entry_args) is None
         function(*args)
     assert len(python_checks_counted) == 1
@@ -224,17 +233,8 @@ def test_a_torch_function_mode_sees_the_python_path(function, python_checks_coun
 
 @runs_entries
 def test_a_dispatch_mode_sees_the_op_of_the_entry(python_checks_counted):
-    class Recording(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.seen.append(func)
-            return func(*args, **(kwargs or {}))
-
     x, w = _t((4, HIDDEN), NARROW), _t((HIDDEN,), NARROW)
-    with Recording() as mode:
+    with _RecordingDispatch() as mode:
         tk_ops.layer_norm(x, w, None)
         tk_ops.rms_norm(x, w)
     assert not python_checks_counted

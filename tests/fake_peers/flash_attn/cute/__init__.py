@@ -16,7 +16,7 @@ def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None
                     window_size=(None, None), learnable_sink=None, softcap=0.0, num_splits=1, pack_gqa=None,
                     deterministic=False, **unsupported):
     if qv is not None or gather_kv_indices is not None or learnable_sink is not None or softcap or unsupported:
-        raise NotImplementedError("the fake has only q, k, v, softmax_scale, causal")
+        raise TypeError("this fake of flash_attn_func takes q, k, v, softmax_scale and causal (the bench passes no other)")
     batch, q_len, heads, head_dim = q.shape
     k_len, kv_heads = k.shape[1], k.shape[2]
     if k.shape != (batch, k_len, kv_heads, head_dim) or v.shape != k.shape or heads % kv_heads:
