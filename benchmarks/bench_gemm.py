@@ -4,7 +4,11 @@ Short problems (under 0.1 ms) are also timed as CUDA-graph replays, which remove
 from both sides (the eager numbers include our Python op layer; the host cost per call is
 printed first). Shapes: M = N = K from 1024 to 16384; M = N = 4096 with K from 64 to 1024; the Llama MLP linear
 (T = 16384, K = 4096, N = 11008) with the weight row-major and column-major; all four operand
-layouts at 8192^3; bf16 and fp16. Prints TFLOP/s (2 M N K per product), the ratio to cuBLAS and
+layouts at 8192^3; bf16 and fp16; and (llama_train, bf16) every product of one Llama-3.2-1B
+training step (models/presets.py "1b", 8 x 2048 tokens) in the operand layouts tk_ops.linear's
+forward and backward hand the kernel: forward x @ W^T (weight row-major), dX = grad @ W (both
+row-major), dW = grad^T @ x (grad as a transposed view), with each product's count per step and a
+step-weighted total at the end. Prints TFLOP/s (2 M N K per product), the ratio to cuBLAS and
 the fraction of the cuBLAS bf16 8192^3 rate measured in this run, and the relative difference of
 ours from cuBLAS; writes benchmarks/results/gemm.json and gemm.png (benchmarks/common.py's rows).
 
@@ -25,13 +29,13 @@ import tk_ops
 from benchmarks import common
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-GROUPS = ("square", "k_sweep", "layouts", "llama")
+GROUPS = ("square", "k_sweep", "layouts", "llama", "llama_train")
 GRAPH_BELOW_MS = 0.1  # eager times this short are dominated by launch overhead: also time graph replays
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    group: str  # square, k_sweep, layouts, llama
+    group: str  # square, k_sweep, layouts, llama, llama_train
     op: str  # matmul or linear
     m: int
     n: int
@@ -47,6 +51,32 @@ class Case:
         return f"M={self.m} N={self.n} K={self.k}"
 
 
+# One Llama-3.2-1B training step (models/presets.py "1b": hidden 2048, 16 layers, 32 query / 8 kv
+# heads of 64, MLP 8192, vocabulary 8192, lm_head tied to the embedding; 8 x 2048 tokens). Every
+# linear is tk_ops.linear without bias: q, k, v, o and gate, up, down per layer (nothing fused) and
+# the lm_head once. Per linear (in -> out features) the step runs three products (tk::linear and
+# tk::linear_bwd, csrc/torch/gemm.cpp):
+#   forward  x (T, in) @ W^T             M = T,   N = out, K = in   linear, weight row-major: A and B K-major
+#   dX       grad (T, out) @ W (out, in) M = T,   N = in,  K = out  matmul nn: A K-major, B MN-major
+#   dW       grad^T (out, T) @ x (T, in) M = out, N = in,  K = T    matmul tn: A and B MN-major
+LLAMA_TOKENS = 8 * 2048
+LLAMA_LINEARS = {  # name: (in features, out features, count per step)
+    "q_proj": (2048, 2048, 16), "k_proj": (2048, 512, 16), "v_proj": (2048, 512, 16), "o_proj": (2048, 2048, 16),
+    "gate_proj": (2048, 8192, 16), "up_proj": (2048, 8192, 16), "down_proj": (8192, 2048, 16), "lm_head": (2048, 8192, 1),
+}
+
+
+def llama_train_products() -> dict[tuple[str, int, int, int, str], list[tuple[str, int]]]:
+    """(op, M, N, K, layout) -> [(linear and product, count per step)]: the distinct products of the step."""
+    out: dict[tuple[str, int, int, int, str], list[tuple[str, int]]] = {}
+    for name, (fan_in, fan_out, count) in LLAMA_LINEARS.items():
+        for product, key in (("fwd", ("linear", LLAMA_TOKENS, fan_out, fan_in, "weight-row-major")),
+                             ("dX", ("matmul", LLAMA_TOKENS, fan_in, fan_out, "nn")),
+                             ("dW", ("matmul", fan_out, fan_in, LLAMA_TOKENS, "tn"))):
+            out.setdefault(key, []).append((f"{name} {product}", count))
+    return out
+
+
 def cases(groups: set[str]) -> list[Case]:
     out = []
     for dtype in DTYPES:
@@ -58,12 +88,33 @@ def cases(groups: set[str]) -> list[Case]:
             out += [Case("layouts", "matmul", 8192, 8192, 8192, layout, dtype) for layout in ("nt", "tn", "tt")]
         if "llama" in groups:
             out += [Case("llama", "linear", 16384, 11008, 4096, layout, dtype) for layout in ("weight-row-major", "weight-col-major")]
+        if "llama_train" in groups and dtype == "bf16":  # the step's dtype
+            out += [Case("llama_train", op, m, n, k, layout, dtype) for op, m, n, k, layout in llama_train_products()]
     return out
+
+
+def step_total(rows: list[dict]) -> None:
+    """Print the llama_train rows weighted by their counts per step: the GEMM time of one step."""
+    products = llama_train_products()
+    ours = theirs = 0.0
+    for row in rows:
+        key = (row["op"], row["m"], row["n"], row["k"], row["layout"])
+        if row["group"] != "llama_train" or key not in products or row["ours_ms"] is None or row["baseline_ms"] is None:
+            continue
+        count = sum(n for _, n in products[key])
+        ours, theirs = ours + count * row["ours_ms"], theirs + count * row["baseline_ms"]
+        print(f"  {row['shape']} {row['layout']}: x{count} ({', '.join(name for name, _ in products[key])})")
+    if ours:
+        print(f"llama_train, one step's GEMMs (sum of count x eager ms): tk_ops {ours:.1f} ms, cuBLAS {theirs:.1f} ms, "
+              f"ratio {theirs / ours:.3f}")
 
 
 # --dry-run: each group's operand layouts at sizes a CPU runs in a moment
 DRY_RUN_CASES = [Case("square", "matmul", 48, 48, 48, "nn", "bf16"), Case("k_sweep", "matmul", 40, 48, 8, "nn", "fp16"),
-                 Case("layouts", "matmul", 40, 24, 56, "tt", "bf16"), Case("llama", "linear", 32, 40, 24, "weight-col-major", "bf16")]
+                 Case("layouts", "matmul", 40, 24, 56, "tt", "bf16"), Case("llama", "linear", 32, 40, 24, "weight-col-major", "bf16"),
+                 Case("llama_train", "linear", 64, 16, 32, "weight-row-major", "bf16"),  # forward
+                 Case("llama_train", "matmul", 64, 32, 16, "nn", "bf16"),  # dX
+                 Case("llama_train", "matmul", 16, 32, 64, "tn", "bf16")]  # dW
 
 
 def make_inputs(case: Case, device="cuda") -> tuple:
@@ -156,9 +207,10 @@ def main(argv=None) -> None:
         "torch.matmul": common.host_us_per_call(torch.matmul, tiny),
     }
     print("host us per call (256^3, launch-bound): " + ", ".join(f"{k} {v:.1f}" for k, v in host_us.items()))
-    common.run(BENCH, cases(set(args.only)), out=args.out, tflops_ceiling=ceiling, ceiling_tflops=round(ceiling, 1),
-               ceiling="torch.matmul bf16 8192^3 (cuBLAS), this run",
-               host_us_per_call={k: round(v, 1) for k, v in host_us.items()})
+    rows = common.run(BENCH, cases(set(args.only)), out=args.out, tflops_ceiling=ceiling, ceiling_tflops=round(ceiling, 1),
+                      ceiling="torch.matmul bf16 8192^3 (cuBLAS), this run",
+                      host_us_per_call={k: round(v, 1) for k, v in host_us.items()})
+    step_total(rows)
 
 
 if __name__ == "__main__":
