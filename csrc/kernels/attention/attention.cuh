@@ -25,6 +25,7 @@
 // its row maxima over the raw q.k and folds the scale and the max subtraction into one FFMA.
 #pragma once
 
+#include <climits>
 #include <cmath>
 #include <string>
 #include <type_traits>
@@ -116,6 +117,18 @@ struct dkdv_plan : attention_plan {
   // block_q = 128 the packed P^T (32 registers) beside the fp32 S^T, dP^T, dK and dV (64 + 64 + 64)
   // spilled under the 240-register cap.
   static constexpr bool dv_after_scores = block_q > warpgroup::WGMMA_M;
+  // Register budget at block_q = 128 (per consumer thread: S^T 64 + dP^T 64 + dK 32 + dV 32 fp32, and
+  // the packed P^T and dS^T operands 32 + 32), each of which ptxas needs or it serialises every
+  // wgmma (C7512) and spills:
+  // - S^T and dP^T are overwritten (warpgroup::mma_overwrite): with mma(..., false) the previous
+  //   step's values are an input of the first product, so both stayed live around the whole loop
+  //   (128 registers beside dK, dV, P^T and dS^T: 256 > 240);
+  // - dS^T is formed and P^T, dS^T packed pair by pair (each fp32 pair dies as its operands appear),
+  //   and the one-pass kernel shares the packed dS^T (not a third fp32 copy);
+  // - the mask is a per-key query floor (2 integers per thread, as the forward's key limit at
+  //   D = 64) rather than the per-element rule, whose 64 predicates ptxas evaluated early and kept.
+  static constexpr bool scores_overwritten = block_q > warpgroup::WGMMA_M;
+  static constexpr bool mask_by_query_floor = block_q > warpgroup::WGMMA_M;
 };
 
 // The one-pass backward's dQ partial per step and consumer: 64 rows (one wgmma M) by part_cols
@@ -161,6 +174,11 @@ struct visibility {
   // The same rule as a prefix: query sees exactly the keys below key_limit(query) (no overflow: both
   // lengths are at most 2^30).
   __device__ int key_limit(int query) const { return causal ? min(k_rows, query + diagonal() + 1) : k_rows; }
+  // The same rule per key: key is seen by exactly the queries from query_floor(key) on (none when
+  // key >= Nk; no overflow, as above).
+  __device__ int query_floor(int key) const {
+    return key >= k_rows ? INT_MAX : causal ? key - diagonal() : INT_MIN;
+  }
   // Whether some (query, key) of the rectangle [q0, ...) x [k0, k0 + k_count) is hidden from query q0
   // onwards: a key past Nk, or (causal) a key past q0's diagonal.
   __device__ bool needs_mask(int q0, int k0, int k_count) const {

@@ -91,6 +91,21 @@ __global__ void __launch_bounds__(STATISTICS_THREADS) statistics_kernel(const st
 struct shuffled_column_pairs {
   float2 held[fragment::HALVES];
 
+  // held[h] of lane THREADS_PER_GROUP * BC + (this lane's thread in group): group BC's lane in this
+  // lane's position. shfl.sync.idx with segment mask 3 keeps the lane's own low two bits and takes
+  // the rest from the immediate, so the source lane costs no register (with __shfl_sync's lane
+  // argument each of the 8 base tiles kept its own lane index live through the step).
+  template <int BC>
+  __device__ __forceinline__ float2 from_group(int h) const {
+    static_assert(fragment::THREADS_PER_GROUP == 4, "the segment mask keeps the lane's thread in group");
+    constexpr int lane_bits = fragment::THREADS_PER_GROUP * BC;
+    constexpr int clamp = ((fragment::THREADS_PER_GROUP - 1) << 8) | (WARP_THREADS - 1);
+    float2 v;
+    asm volatile("shfl.sync.idx.b32 %0, %1, %2, %3, %4;" : "=f"(v.x) : "f"(held[h].x), "n"(lane_bits), "n"(clamp), "n"(ALL_LANES));
+    asm volatile("shfl.sync.idx.b32 %0, %1, %2, %3, %4;" : "=f"(v.y) : "f"(held[h].y), "n"(lane_bits), "n"(clamp), "n"(ALL_LANES));
+    return v;
+  }
+
   __device__ __forceinline__ void load(const float* values) {
     for (int h = 0; h < fragment::HALVES; ++h) {
       held[h] = *reinterpret_cast<const float2*>(values + BASE_TILE * fragment::group_id() + fragment::CORE * h +
@@ -103,22 +118,53 @@ struct shuffled_column_pairs {
   __device__ __forceinline__ void map(Tile& dst, F&& f) const {
     static_assert(Tile::layout == register_layout::row && std::is_same_v<typename Tile::element, float>);
     static_assert(Tile::col_blocks == fragment::GROUPS, "one base tile of columns per group of lanes");
+    [&]<int... BC>(std::integer_sequence<int, BC...>) {
+      ([&] {
 #pragma unroll
-    for (int bc = 0; bc < Tile::col_blocks; ++bc) {
-      const int from = fragment::THREADS_PER_GROUP * bc + fragment::thread_in_group();
+        for (int h = 0; h < fragment::HALVES; ++h) {
+          const float2 v = from_group<BC>(h);
 #pragma unroll
-      for (int h = 0; h < fragment::HALVES; ++h) {
-        const float2 v{__shfl_sync(ALL_LANES, held[h].x, from), __shfl_sync(ALL_LANES, held[h].y, from)};
+          for (int br = 0; br < Tile::row_blocks; ++br) {
 #pragma unroll
-        for (int br = 0; br < Tile::row_blocks; ++br) {
-#pragma unroll
-          for (int r = 0; r < fragment::HALVES; ++r) {
-            auto& pair = dst.pairs[br][bc][fragment::quadrant(r, h)];
-            pair = f(pair, v);
+            for (int r = 0; r < fragment::HALVES; ++r) {
+              auto& pair = dst.pairs[br][BC][fragment::quadrant(r, h)];
+              pair = f(pair, v);
+            }
           }
         }
-      }
-    }
+      }(), ...);
+    }(std::make_integer_sequence<int, Tile::col_blocks>{});
+  }
+
+  // dS^T = P^T (dP^T - delta[query]) in place of dP^T, with P^T and dS^T converted to the 16-bit
+  // register operands of dV and dK pair by pair, each shuffled delta pair used at once: every fp32
+  // pair of P^T and dP^T dies as its two packed pairs appear, so the step never holds both fp32
+  // tiles beside a whole packed one.
+  template <typename Scores, typename Operand>
+  __device__ __forceinline__ void grad_scores(const Scores& p, Scores& dp, Operand& p16, Operand& ds16) const {
+    static_assert(Scores::layout == register_layout::row && std::is_same_v<typename Scores::element, float>);
+    static_assert(Scores::col_blocks == fragment::GROUPS, "one base tile of columns per group of lanes");
+    using pair16 = typename Operand::pair_type;
+    [&]<int... BC>(std::integer_sequence<int, BC...>) {
+      ([&] {
+#pragma unroll
+        for (int h = 0; h < fragment::HALVES; ++h) {
+          const float2 d = from_group<BC>(h);
+#pragma unroll
+          for (int br = 0; br < Scores::row_blocks; ++br) {
+#pragma unroll
+            for (int r = 0; r < fragment::HALVES; ++r) {
+              const int q = fragment::quadrant(r, h);
+              const float2 pp = p.pairs[br][BC][q];
+              float2& g = dp.pairs[br][BC][q];
+              g = float2{pp.x * (g.x - d.x), pp.y * (g.y - d.y)};
+              p16.pairs[br][BC][q] = convert_pair<pair16>(pp);
+              ds16.pairs[br][BC][q] = convert_pair<pair16>(g);
+            }
+          }
+        }
+      }(), ...);
+    }(std::make_integer_sequence<int, Scores::col_blocks>{});
   }
 };
 
@@ -238,9 +284,16 @@ struct dkdv_kernel : dkdv_plan<D> {
   // Accumulated dQ, 1: this consumer's dS^T into shared memory, where every consumer that needs it
   // can read it as dS (its MN-major view). The barrier also certifies that the previous step's
   // partial staging has been read by its reduction.
-  __device__ static void share_grad_scores(const context& ctx, int step, const scores& grad_scores) {
+  // dS^T comes as the fp32 accumulator (block_q = 64) or as the packed operand of dK (block_q = 128).
+  template <typename Tile>
+  __device__ static void share_grad_scores(const context& ctx, int step, const Tile& grad_scores) {
     if (is_warpgroup_leader()) tma::wait_stores_read<0>();
-    warpgroup::store<0>(ctx.scratch.grad_scores[step % dq_exchange::score_buffers][ctx.consumer], grad_scores);
+    score_tile& dst = ctx.scratch.grad_scores[step % dq_exchange::score_buffers][ctx.consumer];
+    if constexpr (std::is_same_v<Tile, scores>) {
+      warpgroup::store<0>(dst, grad_scores);
+    } else {
+      warp::store(dst, grad_scores, warpgroup::warp_row(), 0);
+    }
     fence_async_shared();  // the stmatrix writes must be visible to wgmma
     barrier_sync(barrier_id::scores_shared, plan::consumer_warpgroups * WARPGROUP_THREADS);
   }
@@ -296,10 +349,17 @@ struct dkdv_kernel : dkdv_plan<D> {
       const stage& st = in.wait(at);
       // S^T = K Q^T and dP^T = V dO^T, committed apart so that P^T is formed while dP^T runs.
       warpgroup::fence();
-      warpgroup::mma<operand_major::k, operand_major::k>(s, k, 0, st.q, 0, false);
-      warpgroup::commit();
-      warpgroup::mma<operand_major::k, operand_major::k>(grad_p, v, 0, st.grad_out, 0, false);
-      warpgroup::commit();
+      if constexpr (plan::scores_overwritten) {
+        warpgroup::mma_overwrite<operand_major::k, operand_major::k>(s, k, 0, st.q, 0);
+        warpgroup::commit();
+        warpgroup::mma_overwrite<operand_major::k, operand_major::k>(grad_p, v, 0, st.grad_out, 0);
+        warpgroup::commit();
+      } else {
+        warpgroup::mma<operand_major::k, operand_major::k>(s, k, 0, st.q, 0, false);
+        warpgroup::commit();
+        warpgroup::mma<operand_major::k, operand_major::k>(grad_p, v, 0, st.grad_out, 0, false);
+        warpgroup::commit();
+      }
       query_vector lse2, delta;  // this lane's query columns (block_q = 64)
       shuffled_column_pairs lse2_spread, delta_spread;  // the same, spread over the warp (block_q = 128)
       if constexpr (!plan::statistics_from_shared) {
@@ -323,8 +383,13 @@ struct dkdv_kernel : dkdv_plan<D> {
         warp::exp2(s, s);
       }
       if (vis.needs_mask(q0, key0, plan::rows_per_consumer)) {
-        warp::mask(s, {key0 + warpgroup::warp_row(), q0}, [&](int key, int query) { return vis.visible(query, key); },
-                   0.0f);
+        if constexpr (plan::mask_by_query_floor) {
+          warp::mask(s, {key0 + warpgroup::warp_row(), q0},
+                     [&](int key, int query) { return query >= vis.query_floor(key); }, 0.0f);
+        } else {
+          warp::mask(s, {key0 + warpgroup::warp_row(), q0}, [&](int key, int query) { return vis.visible(query, key); },
+                     0.0f);
+        }
       }
       if constexpr (!plan::dv_after_scores) {
         warp::copy(prob, s);
@@ -333,29 +398,29 @@ struct dkdv_kernel : dkdv_plan<D> {
         warpgroup::mma<operand_major::mn>(state.grad_v, prob, st.grad_out, 0, true);
         warpgroup::commit();
         warpgroup::wait<1>(grad_p);  // dP^T has landed; dV may still run
-      } else {
-        warpgroup::wait<0>(grad_p);
-      }
-      // dS^T = P^T (dP^T - delta[query])
-      if constexpr (plan::statistics_from_shared) {
-        delta_spread.map(grad_p, [](float2 x, float2 d) { return float2{x.x - d.x, x.y - d.y}; });
-      } else {
+        // dS^T = P^T (dP^T - delta[query])
         warp::sub_col(grad_p, grad_p, delta);
-      }
-      warp::mul(grad_p, grad_p, s);
-      if constexpr (plan::dv_after_scores) {
-        // P^T is packed for dV only now, once its fp32 copy is dead (no 32 registers beside S^T and
-        // dP^T); dV is issued first of the step's products.
-        warp::copy(prob, s);
+        warp::mul(grad_p, grad_p, s);
+        warp::copy(grad_s, grad_p);
+      } else {
+        // dS^T with P^T and dS^T packed as it is formed (FA3's order: dV is issued first of the
+        // step's products, once both operands exist).
+        warpgroup::wait<0>(grad_p);
+        delta_spread.grad_scores(s, grad_p, prob, grad_s);
         warpgroup::fence();
         warpgroup::mma<operand_major::mn>(state.grad_v, prob, st.grad_out, 0, true);
         warpgroup::commit();
       }
-      warp::copy(grad_s, grad_p);
       // Accumulated dQ: dS^T goes to shared memory and the dQ partial is issued before dK += dS^T Q,
       // so that the partial is finished, staged and handed to the bulk reduction while dK runs
       // (FA3's order); issued after dK, its staging would follow the step's last product.
-      if constexpr (sums_dq) share_grad_scores(ctx, step, grad_p);
+      if constexpr (sums_dq) {
+        if constexpr (plan::dv_after_scores) {
+          share_grad_scores(ctx, step, grad_s);
+        } else {
+          share_grad_scores(ctx, step, grad_p);
+        }
+      }
       warpgroup::fence();
       if constexpr (sums_dq) issue_dq_partial(ctx, step, dq);
       warpgroup::mma<operand_major::mn>(state.grad_k, grad_s, st.q, 0, true);
