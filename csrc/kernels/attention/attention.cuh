@@ -87,13 +87,6 @@ struct forward_plan : forward_split<D> {
   static constexpr int block_q = forward_split<D>::consumer_warpgroups * forward_split<D>::rows_per_consumer;
   static constexpr int block_kv = 128;
   static constexpr int stages = D == 128 ? 2 : 3;
-  // How a masked key block hides keys: as a per-row prefix (key < vis.key_limit(query): 2 integers
-  // per thread, compared with each element's key after the S wait) or by the per-element rule
-  // (vis.visible). Under the 160-register cap of three consumers ptxas evaluated the per-element
-  // rule's 64 predicates ahead of the S wgmma and packed them into bit fields (~470 instructions
-  // between taking the issue turn and issuing; the masked step 1266 instructions against 723 with
-  // the prefix). D = 128 keeps the per-element rule, its SASS pinned to what was measured.
-  static constexpr bool mask_by_key_limit = D == 64;
 };
 
 // The dK/dV kernel's step: block_q queries against the block's 128 keys (64 per consumer). D = 128:
