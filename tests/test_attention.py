@@ -355,6 +355,30 @@ def test_kernel_query_block_edges_with_gradients(monkeypatch, head_dim, causal, 
     check_against_naive(*inputs, causal, deterministic=deterministic)
 
 
+# The dK/dV kernel's query steps: 64 rows at D = 128, 128 at D = 64 (FlashAttention-3's hdim-64 tile:
+# each consumer's S^T is its 64 keys x 128 queries, lse2 / delta shuffled across lanes, the mask a
+# per-key query floor, the one-pass dQ partial split by rows between the consumers). Nq around
+# multiples of 128 (a last step that is exactly full, holds one row, or all but one) against an Nk
+# that differs (causal diagonals that cross a step at different keys for each consumer; with Nq > Nk
+# rows that see no key), both dq methods; (batch, Hq, Hkv) MHA, and one GQA case whose key blocks
+# stream the steps of two query heads.
+DKDV_STEP_SHAPES = [(127, 300, 1, 2, 2), (128, 200, 1, 2, 2), (129, 64, 1, 2, 2), (255, 385, 1, 2, 2),
+                    (257, 129, 1, 2, 2), (257, 300, 2, 4, 2)]
+
+
+@tk_testing.requires_kernel("attention")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("q_len, key_len, batch, q_heads, kv_heads", DKDV_STEP_SHAPES)
+@pytest.mark.parametrize("method", BACKWARD_METHODS)
+def test_kernel_dkdv_query_steps_at_head_dim_64(monkeypatch, dtype, causal, q_len, key_len, batch, q_heads,
+                                                kv_heads, method):
+    """Gradients against float64 where the D = 64 dK/dV kernel's 128-query steps end."""
+    deterministic = use_backward_method(monkeypatch, method)
+    inputs = make_qkv(batch, q_heads, kv_heads, q_len, key_len, 64, dtype=dtype, device="cuda")
+    check_against_naive(*inputs, causal, deterministic=deterministic)
+
+
 # Scales the forward's scale-and-subtract FFMA must handle (the default 1/sqrt(D) is everywhere above):
 # c = scale * log2(e) small or large; 0 and subnormal ones, which the launcher lifts to the smallest
 # normal float (0 * -inf would be NaN in a hidden key's FFMA); negative ones, whose row max is c times

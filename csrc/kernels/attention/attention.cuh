@@ -11,7 +11,8 @@
 //                                 registers, RS)
 //   backward  (attention_bwd.cu)  1. per-row statistics: lse in base 2, delta = rowsum(dO * O) - dlse
 //                                 2. dK, dV: a block owns 128 keys of one K/V head (resident K, V)
-//                                    and streams the 64-row query tiles of every query head of its
+//                                    and streams the query tiles (64 rows at D = 128, 128 at
+//                                    D = 64: dkdv_plan) of every query head of its
 //                                    group, so GQA sums stay in registers (no atomics, deterministic)
 //                                 3. dQ, by default in the same pass: each step's dQ partial is
 //                                    added into an fp32 accumulator by bulk reductions, then
@@ -24,6 +25,7 @@
 // its row maxima over the raw q.k and folds the scale and the max subtraction into one FFMA.
 #pragma once
 
+#include <climits>
 #include <cmath>
 #include <string>
 #include <type_traits>
@@ -83,30 +85,57 @@ struct forward_plan : forward_split<D> {
   static constexpr int block_q = forward_split<D>::consumer_warpgroups * forward_split<D>::rows_per_consumer;
   static constexpr int block_kv = 128;
   static constexpr int stages = D == 128 ? 2 : 3;
-  // How a masked key block hides keys: as a per-row prefix (key < vis.key_limit(query): 2 integers
-  // per thread, compared with each element's key after the S wait) or by the per-element rule
-  // (vis.visible). Under the 160-register cap of three consumers ptxas evaluated the per-element
-  // rule's 64 predicates ahead of the S wgmma and packed them into bit fields (~470 instructions
-  // between taking the issue turn and issuing; the masked step 1266 instructions against 723 with
-  // the prefix). D = 128 keeps the per-element rule, its SASS pinned to what was measured.
-  static constexpr bool mask_by_key_limit = D == 64;
 };
 
+// The dK/dV kernel's step: block_q queries against the block's 128 keys (64 per consumer). D = 128:
+// 64 queries (one wgmma N of S^T = K Q^T per consumer). D = 64: 128 queries, FlashAttention-3's
+// hdim-64 tile (128 x 128, two MMA warpgroups, S^T / dP^T per warpgroup, dV and dK from
+// registers): a step's tensor work per query is half that of D = 128 while its fixed costs (stage
+// wait and release, schedule, descriptors, barriers, the dQ partial's staging and reduction) are the
+// same, so doubling the queries per step halves their share. Per consumer thread S^T and dP^T are
+// 64 fp32 each (64 keys x 128 queries), so lse2 and delta are held spread over the warp (4
+// registers each) and shuffled to where they are used, as FA3 does, instead of 2 x 32 registers.
 template <int D>
 struct dkdv_plan : attention_plan {
   static constexpr int block_kv = consumer_warpgroups * rows_per_consumer;
-  static constexpr int block_q = 64;  // one wgmma N: S^T = K Q^T is 64 keys x block_q queries per consumer
+  static constexpr int block_q = D == 64 ? 128 : 64;  // wgmma N of S^T = K Q^T: 64 keys x block_q queries per consumer
   static constexpr int stages = D == 128 ? 2 : 3;
+  // The one-pass kernel's stages: its dS^T exchange (4 x 16 KB at D = 64) and partial staging
+  // (2 x 16 KB) leave room for two stages of 128 queries (33 KB each) at D = 64 (three: 232 KB > 227 KB).
+  static constexpr int one_pass_stages = 2;
+  static constexpr bool statistics_from_shared = block_q > warpgroup::WGMMA_M;
+  // dV += P^T dO issued after dS^T is formed (FA3's order) rather than before the dP^T wait: at
+  // block_q = 128 the packed P^T (32 registers) beside the fp32 S^T, dP^T, dK and dV (64 + 64 + 64)
+  // spilled under the 240-register cap.
+  static constexpr bool dv_after_scores = block_q > warpgroup::WGMMA_M;
+  // Register budget at block_q = 128 (per consumer thread: S^T 64 + dP^T 64 + dK 32 + dV 32 fp32, and
+  // the packed P^T and dS^T operands 32 + 32), each of which ptxas needs or it serialises every
+  // wgmma (C7512) and spills:
+  // - S^T and dP^T are overwritten (warpgroup::mma_overwrite): with mma(..., false) the previous
+  //   step's values are an input of the first product, so both stayed live around the whole loop
+  //   (128 registers beside dK, dV, P^T and dS^T: 256 > 240);
+  // - dS^T is formed and P^T, dS^T packed pair by pair (each fp32 pair dies as its operands appear),
+  //   and the one-pass kernel shares the packed dS^T (not a third fp32 copy);
+  // - the mask is a per-key query floor (2 integers per thread, as the forward's key limit at
+  //   D = 64) rather than the per-element rule, whose 64 predicates ptxas evaluated early and kept.
+  static constexpr bool scores_overwritten = block_q > warpgroup::WGMMA_M;
+  static constexpr bool mask_by_query_floor = block_q > warpgroup::WGMMA_M;
 };
 
-// The one-pass backward's dQ partial per step: the step's 64 query rows by part_cols columns. At
-// D = 128 the consumers split dQ's columns and each sums over all 128 keys of the block (a 64 x 128
-// fp32 partial would not fit beside dK and dV in the registers); at D = 64 each sums over its own 64
-// keys, whole rows, and the two partials meet in the reduction.
+// The one-pass backward's dQ partial per step and consumer: 64 rows (one wgmma M) by part_cols
+// columns, summed over all 128 keys of the block (the consumers exchange their dS^T through shared
+// memory). D = 128: a step has 64 query rows and the consumers split dQ's columns (a 64 x 128 fp32
+// partial would not fit beside dK and dV in the registers). D = 64: a step has 128 query rows and
+// the consumers split them, consumer c taking rows [64 c, 64 c + 64) (FA3's hdim-64 split). Either
+// way consumer c's partial is part c of the step, and the fp32 accumulator holds each 64-row block
+// of dQ as its column parts one after the other, each in fragment order.
 template <int D>
 struct dq_partial_plan {
+  static constexpr int rows = warpgroup::WGMMA_M;
+  static constexpr int row_parts = dkdv_plan<D>::block_q / rows;
   static constexpr int column_parts = D == 128 ? 2 : 1;
   static constexpr int part_cols = D / column_parts;
+  static_assert(row_parts * column_parts == attention_plan::consumer_warpgroups, "one part per consumer");
 };
 
 template <int D>
@@ -120,7 +149,8 @@ struct dq_plan : attention_plan {
 // forward's lse is not padded ((B, Hq, Nq), rows >= Nq never stored), so its block_q (192 at D = 64)
 // need not divide this.
 constexpr int STATISTICS_ROW_MULTIPLE = 128;
-static_assert(STATISTICS_ROW_MULTIPLE % dq_plan<128>::block_q == 0 && STATISTICS_ROW_MULTIPLE % dkdv_plan<128>::block_q == 0);
+static_assert(STATISTICS_ROW_MULTIPLE % dq_plan<128>::block_q == 0 && STATISTICS_ROW_MULTIPLE % dq_plan<64>::block_q == 0 &&
+              STATISTICS_ROW_MULTIPLE % dkdv_plan<128>::block_q == 0 && STATISTICS_ROW_MULTIPLE % dkdv_plan<64>::block_q == 0);
 
 // ------------------------------------------------------------------------------------ masking
 
@@ -135,6 +165,11 @@ struct visibility {
   // The same rule as a prefix: query sees exactly the keys below key_limit(query) (no overflow: both
   // lengths are at most 2^30).
   __device__ int key_limit(int query) const { return causal ? min(k_rows, query + diagonal() + 1) : k_rows; }
+  // The same rule per key: key is seen by exactly the queries from query_floor(key) on (none when
+  // key >= Nk; no overflow, as above).
+  __device__ int query_floor(int key) const {
+    return key >= k_rows ? INT_MAX : causal ? key - diagonal() : INT_MIN;
+  }
   // Whether some (query, key) of the rectangle [q0, ...) x [k0, k0 + k_count) is hidden from query q0
   // onwards: a key past Nk, or (causal) a key past q0's diagonal.
   __device__ bool needs_mask(int q0, int k0, int k_count) const {

@@ -7,13 +7,14 @@
 //   statistics_kernel   per query row: lse2 = lse * log2(e) (+inf for rows that saw no key, so
 //                       their P is exactly 0) and delta; rows padded to STATISTICS_ROW_MULTIPLE
 //   dkdv_kernel         a block owns 128 keys of one K/V head (64 per consumer warpgroup) and
-//                       streams 64-row Q / dO tiles (with their rows' lse2 and delta) of every
-//                       query head of the group:
+//                       streams Q / dO tiles of block_q rows (64 at D = 128, 128 at D = 64; with
+//                       their rows' lse2 and delta) of every query head of the group:
 //                         S^T = K Q^T, dP^T = V dO^T (SS);  P^T = exp2(S^T - lse2);  dV += P^T dO (RS)
 //                         dS^T = P^T (dP^T - delta);  dK += dS^T Q (RS)
 // then, for dQ, either
 //   accumulated (one pass, the default): the dkdv kernel also writes each step's dS^T to shared
-//                       memory, forms the step's dQ partial dS K (SS) and adds it into an fp32
+//                       memory, forms the step's dQ partial dS K (SS; each consumer one part of
+//                       the step's dQ over all 128 keys: dq_partial_plan) and adds it into an fp32
 //                       accumulator in global memory with a bulk reduction (the copy engine adds,
 //                       the consumers move on); dq_convert_kernel scales and converts it. The
 //                       order of the adds varies from run to run, so dq is not bitwise
@@ -82,12 +83,99 @@ __global__ void __launch_bounds__(STATISTICS_THREADS) statistics_kernel(const st
 
 // ------------------------------------------------------------------------------------ dK, dV
 
+// Column statistics of a 128-column row-layout tile spread over the warp (FA3's shuffled
+// statistics): a lane of group g holds, for each column half h, the pair of columns
+// 16 g + 8 h + 2 t, 2 t + 1 (t = its thread in group), i.e. its own columns' pair of base tile g.
+// Four registers per vector instead of 32; each base tile's pair is fetched from group bc's lane
+// by a shuffle where it is used.
+struct shuffled_column_pairs {
+  float2 held[fragment::HALVES];
+
+  // held[h] of lane THREADS_PER_GROUP * BC + (this lane's thread in group): group BC's lane in this
+  // lane's position. shfl.sync.idx with segment mask 3 keeps the lane's own low two bits and takes
+  // the rest from the immediate, so the source lane costs no register (with __shfl_sync's lane
+  // argument each of the 8 base tiles kept its own lane index live through the step).
+  template <int BC>
+  __device__ __forceinline__ float2 from_group(int h) const {
+    static_assert(fragment::THREADS_PER_GROUP == 4, "the segment mask keeps the lane's thread in group");
+    constexpr int lane_bits = fragment::THREADS_PER_GROUP * BC;
+    constexpr int clamp = ((fragment::THREADS_PER_GROUP - 1) << 8) | (WARP_THREADS - 1);
+    float2 v;
+    asm volatile("shfl.sync.idx.b32 %0, %1, %2, %3, %4;" : "=f"(v.x) : "f"(held[h].x), "n"(lane_bits), "n"(clamp), "n"(ALL_LANES));
+    asm volatile("shfl.sync.idx.b32 %0, %1, %2, %3, %4;" : "=f"(v.y) : "f"(held[h].y), "n"(lane_bits), "n"(clamp), "n"(ALL_LANES));
+    return v;
+  }
+
+  __device__ __forceinline__ void load(const float* values) {
+    for (int h = 0; h < fragment::HALVES; ++h) {
+      held[h] = *reinterpret_cast<const float2*>(values + BASE_TILE * fragment::group_id() + fragment::CORE * h +
+                                                 fragment::PAIR * fragment::thread_in_group());
+    }
+  }
+
+  // dst = f(pair, v) for each packed pair of dst, v the statistics of the pair's two columns.
+  template <typename Tile, typename F>
+  __device__ __forceinline__ void map(Tile& dst, F&& f) const {
+    static_assert(Tile::layout == register_layout::row && std::is_same_v<typename Tile::element, float>);
+    static_assert(Tile::col_blocks == fragment::GROUPS, "one base tile of columns per group of lanes");
+    [&]<int... BC>(std::integer_sequence<int, BC...>) {
+      ([&] {
+#pragma unroll
+        for (int h = 0; h < fragment::HALVES; ++h) {
+          const float2 v = from_group<BC>(h);
+#pragma unroll
+          for (int br = 0; br < Tile::row_blocks; ++br) {
+#pragma unroll
+            for (int r = 0; r < fragment::HALVES; ++r) {
+              auto& pair = dst.pairs[br][BC][fragment::quadrant(r, h)];
+              pair = f(pair, v);
+            }
+          }
+        }
+      }(), ...);
+    }(std::make_integer_sequence<int, Tile::col_blocks>{});
+  }
+
+  // dS^T = P^T (dP^T - delta[query]) in place of dP^T, with P^T and dS^T converted to the 16-bit
+  // register operands of dV and dK pair by pair, each shuffled delta pair used at once: every fp32
+  // pair of P^T and dP^T dies as its two packed pairs appear, so the step never holds both fp32
+  // tiles beside a whole packed one.
+  template <typename Scores, typename Operand>
+  __device__ __forceinline__ void grad_scores(const Scores& p, Scores& dp, Operand& p16, Operand& ds16) const {
+    static_assert(Scores::layout == register_layout::row && std::is_same_v<typename Scores::element, float>);
+    static_assert(Scores::col_blocks == fragment::GROUPS, "one base tile of columns per group of lanes");
+    using pair16 = typename Operand::pair_type;
+    [&]<int... BC>(std::integer_sequence<int, BC...>) {
+      ([&] {
+#pragma unroll
+        for (int h = 0; h < fragment::HALVES; ++h) {
+          const float2 d = from_group<BC>(h);
+#pragma unroll
+          for (int br = 0; br < Scores::row_blocks; ++br) {
+#pragma unroll
+            for (int r = 0; r < fragment::HALVES; ++r) {
+              const int q = fragment::quadrant(r, h);
+              const float2 pp = p.pairs[br][BC][q];
+              float2& g = dp.pairs[br][BC][q];
+              g = float2{pp.x * (g.x - d.x), pp.y * (g.y - d.y)};
+              p16.pairs[br][BC][q] = convert_pair<pair16>(pp);
+              ds16.pairs[br][BC][q] = convert_pair<pair16>(g);
+            }
+          }
+        }
+      }(), ...);
+    }(std::make_integer_sequence<int, Scores::col_blocks>{});
+  }
+};
+
 // How the dK/dV kernel leaves dQ: to dq_kernel (recomputed) or summed itself (accumulated).
 enum class dq_method { recomputed, accumulated };
 
 template <typename T, int D, dq_method DQ>
 struct dkdv_kernel : dkdv_plan<D> {
   using plan = dkdv_plan<D>;
+  static constexpr bool sums_dq = DQ == dq_method::accumulated;
+  static constexpr int stages = sums_dq ? plan::one_pass_stages : plan::stages;
   using kv_tile = shared_tile<T, plan::rows_per_consumer, D>;  // one consumer's keys, later its dK / dV
   using q_tile = shared_tile<T, plan::block_q, D>;
   using scores = warpgroup::accumulator<plan::block_q>;  // S^T and dP^T: a warp's 16 keys x block_q queries
@@ -98,14 +186,13 @@ struct dkdv_kernel : dkdv_plan<D> {
   // The accumulated method's dQ exchange: each consumer's dS^T (its keys x the step's queries)
   // double-buffered by step parity (one consumer may write the next step's while the other still
   // reads this one's), and each consumer's dQ partial staged in fragment order for the reduction.
-  static constexpr bool sums_dq = DQ == dq_method::accumulated;
   using partials = dq_partial_plan<D>;
   using score_tile = shared_tile<T, plan::rows_per_consumer, plan::block_q>;
   using dq_partial = warpgroup::accumulator<partials::part_cols>;
-  static_assert(plan::block_q == warpgroup::WGMMA_M, "a dQ partial is one wgmma's rows");
+  static_assert(plan::block_q == partials::row_parts * partials::rows, "a step's rows are its row parts");
   struct dq_exchange {
     static constexpr int score_buffers = 2;
-    static constexpr int partial_floats = plan::block_q * partials::part_cols;
+    static constexpr int partial_floats = partials::rows * partials::part_cols;
     score_tile grad_scores[score_buffers][plan::consumer_warpgroups];
     alignas(tma::BULK_ALIGNMENT_BYTES) float partial[plan::consumer_warpgroups][partial_floats];
   };
@@ -197,29 +284,29 @@ struct dkdv_kernel : dkdv_plan<D> {
   // Accumulated dQ, 1: this consumer's dS^T into shared memory, where every consumer that needs it
   // can read it as dS (its MN-major view). The barrier also certifies that the previous step's
   // partial staging has been read by its reduction.
-  __device__ static void share_grad_scores(const context& ctx, int step, const scores& grad_scores) {
+  // dS^T comes as the fp32 accumulator (block_q = 64) or as the packed operand of dK (block_q = 128).
+  template <typename Tile>
+  __device__ static void share_grad_scores(const context& ctx, int step, const Tile& grad_scores) {
     if (is_warpgroup_leader()) tma::wait_stores_read<0>();
-    warpgroup::store<0>(ctx.scratch.grad_scores[step % dq_exchange::score_buffers][ctx.consumer], grad_scores);
-    fence_async_shared();  // the stmatrix writes must be visible to wgmma
-    if constexpr (partials::column_parts == 1) {
-      barrier_sync(barrier_after(barrier_id::scores_shared, ctx.consumer), WARPGROUP_THREADS);
+    score_tile& dst = ctx.scratch.grad_scores[step % dq_exchange::score_buffers][ctx.consumer];
+    if constexpr (std::is_same_v<Tile, scores>) {
+      warpgroup::store<0>(dst, grad_scores);
     } else {
-      barrier_sync(barrier_id::scores_shared, plan::consumer_warpgroups * WARPGROUP_THREADS);
+      warp::store(dst, grad_scores, warpgroup::warp_row(), 0);
     }
+    fence_async_shared();  // the stmatrix writes must be visible to wgmma
+    barrier_sync(barrier_id::scores_shared, plan::consumer_warpgroups * WARPGROUP_THREADS);
   }
 
-  // Accumulated dQ, 2: the step's partial dQ[:, part] = dS K over the keys this consumer covers
-  // (issued, not waited for; the caller has fenced the register operands).
+  // Accumulated dQ, 2: this consumer's part of the step's dQ = dS K over all the block's keys: its
+  // rows (D = 64) or its columns (D = 128). Issued, not waited for; the caller has fenced the
+  // register operands.
   __device__ static void issue_dq_partial(const context& ctx, int step, dq_partial& dq) {
     const auto& grad_scores = ctx.scratch.grad_scores[step % dq_exchange::score_buffers];
-    if constexpr (partials::column_parts == 1) {
-      warpgroup::mma<operand_major::mn, operand_major::mn>(dq, grad_scores[ctx.consumer], 0,
-                                                           ctx.resident.k[ctx.consumer], 0, false);
-    } else {
-      const int col0 = ctx.consumer * partials::part_cols;
-      for (int c = 0; c < plan::consumer_warpgroups; ++c) {
-        warpgroup::mma<operand_major::mn, operand_major::mn>(dq, grad_scores[c], 0, ctx.resident.k[c], col0, c > 0);
-      }
+    const int row0 = partials::row_parts > 1 ? ctx.consumer * partials::rows : 0;
+    const int col0 = partials::column_parts > 1 ? ctx.consumer * partials::part_cols : 0;
+    for (int c = 0; c < plan::consumer_warpgroups; ++c) {
+      warpgroup::mma<operand_major::mn, operand_major::mn>(dq, grad_scores[c], row0, ctx.resident.k[c], col0, c > 0);
     }
     warpgroup::commit();
   }
@@ -232,9 +319,11 @@ struct dkdv_kernel : dkdv_plan<D> {
     barrier_sync(barrier_after(barrier_id::partial_staged, ctx.consumer), WARPGROUP_THREADS);
     if (is_warpgroup_leader()) {
       const gradient_shape& g = ctx.params.shape;
-      const int part = partials::column_parts == 1 ? 0 : ctx.consumer;
+      // Part c of the step: rows q0 + 64 c (D = 64) or the second column half of rows q0 (D = 128),
+      // both partial_floats * c past the step's first row.
       float* tile = ctx.params.dq_accumulator + (g.statistics_offset(ctx.task.batch, q_head) + q0) * D;
-      tma::reduce_add(tile + part * dq_exchange::partial_floats, staging, dq_exchange::partial_floats * sizeof(float));
+      tma::reduce_add(tile + ctx.consumer * dq_exchange::partial_floats, staging,
+                      dq_exchange::partial_floats * sizeof(float));
       tma::commit_stores();
     }
   }
@@ -260,37 +349,78 @@ struct dkdv_kernel : dkdv_plan<D> {
       const stage& st = in.wait(at);
       // S^T = K Q^T and dP^T = V dO^T, committed apart so that P^T is formed while dP^T runs.
       warpgroup::fence();
-      warpgroup::mma<operand_major::k, operand_major::k>(s, k, 0, st.q, 0, false);
-      warpgroup::commit();
-      warpgroup::mma<operand_major::k, operand_major::k>(grad_p, v, 0, st.grad_out, 0, false);
-      warpgroup::commit();
-      query_vector lse2, delta;  // this lane's query columns
-      warp::load(lse2, st.lse2.data);
-      warp::load(delta, st.delta.data);
+      if constexpr (plan::scores_overwritten) {
+        warpgroup::mma_overwrite<operand_major::k, operand_major::k>(s, k, 0, st.q, 0);
+        warpgroup::commit();
+        warpgroup::mma_overwrite<operand_major::k, operand_major::k>(grad_p, v, 0, st.grad_out, 0);
+        warpgroup::commit();
+      } else {
+        warpgroup::mma<operand_major::k, operand_major::k>(s, k, 0, st.q, 0, false);
+        warpgroup::commit();
+        warpgroup::mma<operand_major::k, operand_major::k>(grad_p, v, 0, st.grad_out, 0, false);
+        warpgroup::commit();
+      }
+      query_vector lse2, delta;  // this lane's query columns (block_q = 64)
+      shuffled_column_pairs lse2_spread, delta_spread;  // the same, spread over the warp (block_q = 128)
+      if constexpr (!plan::statistics_from_shared) {
+        warp::load(lse2, st.lse2.data);
+        warp::load(delta, st.delta.data);
+      } else {
+        lse2_spread.load(st.lse2.data);
+        delta_spread.load(st.delta.data);
+      }
       warpgroup::wait<1>(s);
 
       // P^T = exp2(s2 - lse2[query]), 0 where the key is hidden from the query.
-      warp::mul(s, s, g.scale_log2);
-      warp::sub_col(s, s, lse2);
-      warp::exp2(s, s);
-      if (vis.needs_mask(q0, key0, plan::rows_per_consumer)) {
-        warp::mask(s, {key0 + warpgroup::warp_row(), q0}, [&](int key, int query) { return vis.visible(query, key); },
-                   0.0f);
+      if constexpr (plan::statistics_from_shared) {
+        const float c = g.scale_log2;
+        lse2_spread.map(s, [c](float2 x, float2 l) {
+          return float2{op::exp2::apply(x.x * c - l.x), op::exp2::apply(x.y * c - l.y)};
+        });
+      } else {
+        warp::mul(s, s, g.scale_log2);
+        warp::sub_col(s, s, lse2);
+        warp::exp2(s, s);
       }
-      warp::copy(prob, s);
-      // dV += P^T dO runs while dS^T is formed.
-      warpgroup::fence();
-      warpgroup::mma<operand_major::mn>(state.grad_v, prob, st.grad_out, 0, true);
-      warpgroup::commit();
-      warpgroup::wait<1>(grad_p);  // dP^T has landed; dV may still run
-      // dS^T = P^T (dP^T - delta[query])
-      warp::sub_col(grad_p, grad_p, delta);
-      warp::mul(grad_p, grad_p, s);
-      warp::copy(grad_s, grad_p);
+      if (vis.needs_mask(q0, key0, plan::rows_per_consumer)) {
+        if constexpr (plan::mask_by_query_floor) {
+          warp::mask(s, {key0 + warpgroup::warp_row(), q0},
+                     [&](int key, int query) { return query >= vis.query_floor(key); }, 0.0f);
+        } else {
+          warp::mask(s, {key0 + warpgroup::warp_row(), q0}, [&](int key, int query) { return vis.visible(query, key); },
+                     0.0f);
+        }
+      }
+      if constexpr (!plan::dv_after_scores) {
+        warp::copy(prob, s);
+        // dV += P^T dO runs while dS^T is formed.
+        warpgroup::fence();
+        warpgroup::mma<operand_major::mn>(state.grad_v, prob, st.grad_out, 0, true);
+        warpgroup::commit();
+        warpgroup::wait<1>(grad_p);  // dP^T has landed; dV may still run
+        // dS^T = P^T (dP^T - delta[query])
+        warp::sub_col(grad_p, grad_p, delta);
+        warp::mul(grad_p, grad_p, s);
+        warp::copy(grad_s, grad_p);
+      } else {
+        // dS^T with P^T and dS^T packed as it is formed (FA3's order: dV is issued first of the
+        // step's products, once both operands exist).
+        warpgroup::wait<0>(grad_p);
+        delta_spread.grad_scores(s, grad_p, prob, grad_s);
+        warpgroup::fence();
+        warpgroup::mma<operand_major::mn>(state.grad_v, prob, st.grad_out, 0, true);
+        warpgroup::commit();
+      }
       // Accumulated dQ: dS^T goes to shared memory and the dQ partial is issued before dK += dS^T Q,
       // so that the partial is finished, staged and handed to the bulk reduction while dK runs
       // (FA3's order); issued after dK, its staging would follow the step's last product.
-      if constexpr (sums_dq) share_grad_scores(ctx, step, grad_p);
+      if constexpr (sums_dq) {
+        if constexpr (plan::dv_after_scores) {
+          share_grad_scores(ctx, step, grad_s);
+        } else {
+          share_grad_scores(ctx, step, grad_p);
+        }
+      }
       warpgroup::fence();
       if constexpr (sums_dq) issue_dq_partial(ctx, step, dq);
       warpgroup::mma<operand_major::mn>(state.grad_k, grad_s, st.q, 0, true);
@@ -309,7 +439,7 @@ struct dkdv_kernel : dkdv_plan<D> {
   // other's keys for dQ, neither overwrites its K before both have finished reading.
   __device__ static void store(const context& ctx, consumer_state& state) {
     const params& p = ctx.params;
-    if constexpr (sums_dq && partials::column_parts > 1) {
+    if constexpr (sums_dq) {
       barrier_sync(barrier_id::keys_read, plan::consumer_warpgroups * WARPGROUP_THREADS);
     }
     warp::mul(state.grad_k, state.grad_k, p.shape.scale);
@@ -329,20 +459,21 @@ struct dkdv_kernel : dkdv_plan<D> {
 // --------------------------------------------------------------------------------- dQ convert
 
 // The accumulated method's last pass: dq = scale * the fp32 accumulator, one warpgroup per
-// 64-row query tile, each warp reading its rows' fragments back as the dkdv kernel wrote them.
+// 64-row block of dQ (a partial's rows at both head dims), each warp reading its rows' fragments
+// back as the dkdv kernel wrote them.
 template <typename T>
 struct dq_convert_params {
   const float* dq_accumulator;
   T* grad_q;  // (B, Hq, Nq, D) contiguous
   int q_rows, statistics_rows;
   float scale;
-  int64_t tiles;  // B * Hq * statistics_rows / block_q
+  int64_t tiles;  // B * Hq * statistics_rows / dq_partial_plan<D>::rows
 };
 
 template <typename T, int D>
 __global__ void __launch_bounds__(WARPGROUP_THREADS) dq_convert_kernel(const dq_convert_params<T> p) {
   using partials = dq_partial_plan<D>;
-  constexpr int block_q = dkdv_plan<D>::block_q;
+  constexpr int block_q = partials::rows;
   constexpr int partial_floats = block_q * partials::part_cols;
   const int tiles_per_head = p.statistics_rows / block_q;
   for (int64_t tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
@@ -613,7 +744,7 @@ cudaError_t run_dkdv(const backward_problem& pr, const workspace_view& w, cudaSt
   return pipeline::launch<K>(p, K::tasks(p).count(), stream);
 }
 
-// One block per 64-row query tile, up to a grid's limit (the kernel strides over the rest).
+// One block per 64-row block of dQ, up to a grid's limit (the kernel strides over the rest).
 constexpr int64_t MAX_CONVERT_BLOCKS = int64_t(1) << 20;
 
 template <typename T, int D>
@@ -624,7 +755,7 @@ cudaError_t run_dq_convert(const backward_problem& pr, const workspace_view& w, 
   p.q_rows = int(pr.q.rows);
   p.statistics_rows = int(padded_statistics_rows(pr.q.rows));
   p.scale = pr.scale;
-  p.tiles = statistics_floats(pr) / dkdv_plan<D>::block_q;
+  p.tiles = statistics_floats(pr) / dq_partial_plan<D>::rows;
   const unsigned blocks = unsigned(std::min(p.tiles, MAX_CONVERT_BLOCKS));
   return pipeline::launch(dq_convert_kernel<T, D>, blocks, WARPGROUP_THREADS, 0, stream, p);
 }

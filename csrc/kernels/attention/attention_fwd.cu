@@ -178,11 +178,11 @@ struct forward_kernel : forward_plan<D> {
       const visibility vis = p.vis();
       const fragment::coord origin{first_row(ctx) + warpgroup::warp_row(), j * plan::block_kv};
       const float hidden = p.negative ? INFINITY : NEG_INF;
-      if constexpr (plan::mask_by_key_limit) {
-        warp::mask(s, origin, [&](int query, int key) { return key < vis.key_limit(query); }, hidden);
-      } else {
-        warp::mask(s, origin, [&](int query, int key) { return vis.visible(query, key); }, hidden);
-      }
+      // Hidden keys as a per-row prefix (key < key_limit(query): 2 integers per thread, compared
+      // with each element's key after the S wait). The per-element rule (vis.visible) let ptxas
+      // evaluate its 64 predicates ahead of the S wgmma and pack them into bit fields: ~300-470
+      // instructions between taking the issue turn and issuing (attention_notes.md, tenth session).
+      warp::mask(s, origin, [&](int query, int key) { return key < vis.key_limit(query); }, hidden);
     }
     row_vector max, offset;
     if (!p.negative) {

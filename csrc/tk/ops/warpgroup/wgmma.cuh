@@ -77,6 +77,8 @@ __device__ __forceinline__ float& accumulator_register(accumulator<N>& acc) {
 #define TK_REG_NEXT(i) ", %" #i
 #define TK_ACC_FIRST(i) "+f"(detail::accumulator_register<i>(d))
 #define TK_ACC_NEXT(i) , "+f"(detail::accumulator_register<i>(d))
+#define TK_OUT_FIRST(i) "=f"(detail::accumulator_register<i>(d))
+#define TK_OUT_NEXT(i) , "=f"(detail::accumulator_register<i>(d))
 
 // A and B from shared memory. Operands after the R accumulators: a, b, accumulate, trans-a, trans-b.
 #define TK_WGMMA_SS_ASM(N, SEQ, PTX_TYPE, A, B, ACC, TA, TB)                                               \
@@ -85,6 +87,14 @@ __device__ __forceinline__ float& accumulator_register(accumulator<N>& acc) {
                TK_REG_NEXT) "}, %" A ", %" B ", accumulate, 1, 1, %" TA ", %" TB ";\n}\n"                        \
                : SEQ(TK_ACC_FIRST, TK_ACC_NEXT)                                                                  \
                : "l"(a), "l"(b), "r"(accumulate), "n"(TRANS_A), "n"(TRANS_B))
+
+// The same with the accumulator written only (scale-d 0): its old values are no input, so they need
+// not stay live up to the product (a register accumulator rebuilt every loop step).
+#define TK_WGMMA_SS_OVERWRITE_ASM(N, SEQ, PTX_TYPE, A, B, TA, TB)                                            \
+  asm volatile(" wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE " {" SEQ(TK_REG_FIRST, \
+               TK_REG_NEXT) "}, %" A ", %" B ", 0, 1, 1, %" TA ", %" TB ";\n"                                    \
+               : SEQ(TK_OUT_FIRST, TK_OUT_NEXT)                                                                  \
+               : "l"(a), "l"(b), "n"(TRANS_A), "n"(TRANS_B))
 
 // A from registers (4 x b32), B from shared memory. Operands after the accumulators:
 // a0..a3, b, accumulate, trans-b.
@@ -109,6 +119,15 @@ template <int N> struct wgmma_instruction;
         TK_WGMMA_SS_ASM(N, SEQ, "f16", i0, i1, i2, i3, i4);                                                   \
       }                                                                                                       \
     }                                                                                                         \
+    template <typename T, int TRANS_A, int TRANS_B>                                                           \
+    __device__ static void ss_overwrite(accumulator<N>& d, uint64_t a, uint64_t b) {                           \
+      if constexpr (std::is_same_v<T, bf16>) {                                                                \
+        TK_WGMMA_SS_OVERWRITE_ASM(N, SEQ, "bf16", i0, i1, i2, i3);                                            \
+      } else {                                                                                                \
+        static_assert(std::is_same_v<T, half>, "wgmma operands are bf16 or fp16 here");                      \
+        TK_WGMMA_SS_OVERWRITE_ASM(N, SEQ, "f16", i0, i1, i2, i3);                                             \
+      }                                                                                                       \
+    }                                                                                                         \
     template <typename T, int TRANS_B>                                                                        \
     __device__ static void rs(accumulator<N>& d, const uint32_t (&a)[4], uint64_t b, int accumulate) {                 \
       if constexpr (std::is_same_v<T, bf16>) {                                                                \
@@ -131,6 +150,9 @@ TK_DEFINE_WGMMA(256, TK_SEQ_128, "128", "129", "130", "131", "132", "133", "134"
 #undef TK_DEFINE_WGMMA
 #undef TK_WGMMA_RS_ASM
 #undef TK_WGMMA_SS_ASM
+#undef TK_WGMMA_SS_OVERWRITE_ASM
+#undef TK_OUT_NEXT
+#undef TK_OUT_FIRST
 #undef TK_ACC_NEXT
 #undef TK_ACC_FIRST
 #undef TK_REG_NEXT
@@ -209,6 +231,28 @@ __device__ __forceinline__ void mma(accumulator<N>& acc, const TileA& a, int a_m
     const uint64_t b_desc = describe<B_MAJOR>(b, b_mn0, k0).bits;
     wgmma_instruction<N>::template ss<T, trans_a, trans_b>(acc, a_desc, b_desc,
                                                            (accumulate || k0 > 0) ? 1 : 0);
+  }
+}
+
+// acc = A[a_mn0 : a_mn0 + 64, :] * B[:, b_mn0 : b_mn0 + N], as mma with `accumulate` false, except
+// that acc's previous values are not an input of the first product (write-only asm operands). For an
+// accumulator that a loop rebuilds every step: with mma, its last values stay live around the loop
+// up to the next step's first product (its registers can be used for nothing else meanwhile).
+template <operand_major A_MAJOR, operand_major B_MAJOR, int N, typename TileA, typename TileB>
+__device__ __forceinline__ void mma_overwrite(accumulator<N>& acc, const TileA& a, int a_mn0, const TileB& b, int b_mn0) {
+  using T = typename TileA::element;
+  static_assert(std::is_same_v<T, typename TileB::element>, "A and B must have one element type");
+  constexpr int k = k_extent<A_MAJOR, TileA>();
+  static_assert(k == k_extent<B_MAJOR, TileB>(), "A and B tiles must cover the same K");
+  static_assert(k % 16 == 0, "wgmma steps through K 16 at a time");
+  constexpr int trans_a = A_MAJOR == operand_major::mn ? 1 : 0;
+  constexpr int trans_b = B_MAJOR == operand_major::mn ? 1 : 0;
+  wgmma_instruction<N>::template ss_overwrite<T, trans_a, trans_b>(acc, describe<A_MAJOR>(a, a_mn0, 0).bits,
+                                                                   describe<B_MAJOR>(b, b_mn0, 0).bits);
+#pragma unroll
+  for (int k0 = 16; k0 < k; k0 += 16) {
+    wgmma_instruction<N>::template ss<T, trans_a, trans_b>(acc, describe<A_MAJOR>(a, a_mn0, k0).bits,
+                                                           describe<B_MAJOR>(b, b_mn0, k0).bits, 1);
   }
 }
 
