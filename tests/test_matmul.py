@@ -137,9 +137,11 @@ def test_backward_ops_return_empty_for_unrequested_gradients():
 LAYOUTS = ["nn", "nt", "tn", "tt"]  # A then B: n = row-major, t = column-major (a transposed view)
 # (M, K, N): tails in every dimension, sizes of 1 in each position, primes where TMA allows them
 # (strides must be multiples of 16 bytes, so a dimension that is a stride is a multiple of 8).
+# The kernel picks its tile plan per problem (gemm.cuh, faster_with_narrow_tiles): every shape here
+# but (1500, 72, 2600) (12 x 11 = 132 tiles of 128 x 256, one full round) runs 128 x 64 tiles.
 KERNEL_SHAPES = [
     (1, 8, 8), (1, 8, 1), (5, 1, 8), (97, 1, 136), (131, 72, 264), (7, 1000, 40), (256, 64, 256),
-    (383, 200, 520), (2000, 136, 4104),
+    (383, 200, 520), (2000, 136, 4104), (1500, 72, 2600),
 ]
 
 
@@ -236,6 +238,19 @@ def test_linear_kernel_gradients(dtype):
     reference_linear(*refs).backward(grad.cpu().double())
     for got, ref in zip((x, weight, bias), refs):
         assert_rel_close(got.grad, ref.grad, TOLERANCE[dtype])
+
+
+@requires_kernel("linear_bwd")
+def test_linear_kernel_weight_gradient_over_many_tokens():
+    """The shape of a Llama K or V projection's weight gradient, scaled down: few output tiles over a
+    long K (the tokens, with a tail), which the kernel runs in 128 x 64 tiles."""
+    dtype = torch.bfloat16
+    x = torch.randn(4100, 1032, dtype=dtype, device="cuda", requires_grad=True)
+    weight = (torch.randn(264, 1032, dtype=dtype, device="cuda") / 32).requires_grad_()
+    grad = torch.randn(4100, 264, dtype=dtype, device="cuda")
+    tk_ops.linear(x, weight).backward(grad)
+    assert_rel_close(weight.grad, float64_product(grad.mT, x.detach()), TOLERANCE[dtype])
+    assert_rel_close(x.grad, float64_product(grad, weight.detach()), TOLERANCE[dtype])
 
 
 @requires_kernel("matmul_bwd")

@@ -1,4 +1,5 @@
-// GEMM on the tile core: C = A * B (+ bias), one 128 x 256 tile of C per block and step.
+// GEMM on the tile core: C = A * B (+ bias), one 128 x 256 tile of C per block and step (or
+// 128 x 64 for problems with few tiles: narrow_tile_plan).
 //
 //   producer (1 warpgroup)      TMA: A tile (128 x 64) and B tile (64 x 256) into a ring of stages
 //   consumers (2 warpgroups)    wgmma: each owns 64 rows of the tile, acc (64 x 256 fp32) += A B
@@ -38,6 +39,31 @@ struct tile_plan {
   // The producer only issues TMA; each consumer holds a 128-register accumulator plus addressing.
   static constexpr int producer_registers = 40;
   static constexpr int consumer_registers = 232;
+  // Speed of a k-step per output element, relative to this plan (see narrow_tile_plan).
+  static constexpr double relative_rate = 1.0;
+};
+
+// The plan for problems with too few 128 x 256 tiles to occupy the SMs, chosen by
+// faster_with_narrow_tiles below. Case in point: the weight gradients of the K and V projections
+// of a Llama-3.2-1B training step, 512 x 2048 outputs over K = 16384 tokens: 32 tiles of 128 x 256,
+// so 100 of 132 SMs idle through 256 k-steps, against 128 tiles of 128 x 64 (cuBLAS's nvjet
+// picks 128 x 64 there too). Each consumer's wgmma is 64 x 64 x 16 (32 accumulator registers).
+// Shared memory: 8 stages x (16 + 8) KB of operands + 2 consumers x 8 KB of staging = 208 KB (a
+// ninth stage would need 232 KB). More stages than the default because a stage holds a quarter of
+// the work: the same bytes in flight cover the TMA latency. One 64-column store chunk per tile,
+// so one staging slot.
+struct narrow_tile_plan : tile_plan {
+  static constexpr int block_n = 64;
+  static constexpr int stages = 8;
+  static constexpr int store_slots = 1;
+  // A narrow tile reads more shared memory per product: per 16-deep k slice the two consumers
+  // issue 2 x N/2 = N cycles of tensor work against 2 x (2 KB of A + 32 N bytes of B) / 128 B per
+  // cycle = 32 + N/2 cycles of shared-memory reads: 64 against 64 at N = 64 (no slack), 256
+  // against 160 at N = 256. Measured on the same H100 step (results/profile_training_llama_1b_
+  // reference.json), cuBLAS's 128 x 64 kernel ran these products at 592 TFLOP/s against 740-750
+  // for its 256 x 128 kernel on the large ones: 0.8; we take 0.75 to leave the default plan every
+  // case that is close.
+  static constexpr double relative_rate = 0.75;
 };
 
 // An operand tile of MN x K elements as shared memory holds it for the given major-ness.
@@ -204,6 +230,33 @@ std::string unsupported_reason_for(const problem& p) {
     return "C: " + r;
   }
   return {};
+}
+
+// The time a plan takes on problem p, in units of one default-plan k-step: the persistent grid
+// runs ceil(tiles / SMs) rounds of tiles (the last one possibly part-filled), each of ceil(K /
+// block_k) k-steps whose cost scales with the tile's area over the plan's relative rate. The
+// epilogue is left out: it is the same bytes under either plan.
+template <typename Plan>
+double estimated_steps(const problem& p, int sms) {
+  const int64_t tiles = ceil_div<int64_t>(p.m, Plan::block_m) * ceil_div<int64_t>(p.n, Plan::block_n);
+  const int64_t rounds = ceil_div<int64_t>(tiles, sms);
+  const double step = double(Plan::block_m * Plan::block_n) / (tile_plan::block_m * tile_plan::block_n) / Plan::relative_rate;
+  return double(rounds) * double(ceil_div<int64_t>(p.k, Plan::block_k)) * step;
+}
+
+// True where narrow tiles are expected to finish first: problems whose 128 x 256 tiles leave most
+// SMs idle. Ties stay on the default plan. Of the Llama-3.2-1B training products only the K and V
+// weight gradients (32 tiles) take narrow tiles; the others (128 to 4096 tiles, rounds 97% occupied
+// on 132 SMs) keep the default plan, whose kernels are unchanged.
+inline bool faster_with_narrow_tiles(const problem& p, int sms) {
+  return estimated_steps<narrow_tile_plan>(p, sms) < estimated_steps<tile_plan>(p, sms);
+}
+
+// SMs of the current device (cached per device), for the plan choice.
+inline int current_sm_count() {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) device = 0;
+  return pipeline::sm_count(device);
 }
 
 // Encode the tensor maps and launch kernel K over a persistent grid.
