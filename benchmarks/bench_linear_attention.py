@@ -182,10 +182,13 @@ def time_one_baseline(fields: list[str], dry_run: bool) -> None:
 
 # ---------------------------------------------------------------------------------- correctness
 
-# (kind, B, H, N, F, Dv, strided): kernel sizes (F = 16, Dv = 64 for Based) and others, odd N
+# (kind, B, H, N, F, Dv, strided): kernel sizes (F = 16, Dv = 64 for Based) and others, odd N; the
+# sanitizers run this sweep, so it holds a Based shape whose forward splits.
 CHECK_SHAPES = (
     ("based", 2, 3, 77, 16, 64, False), ("based", 1, 2, 333, 16, 64, True), ("based", 3, 1, 1, 16, 64, False),
     ("based", 2, 2, 129, 8, 32, False),
+    # Few tasks, long enough that the forward splits the sequence into segments (states pass, scan).
+    ("based", 1, 1, 1100, 16, 64, True),
     ("generic", 2, 3, 77, 16, 64, False), ("generic", 1, 2, 200, 64, 64, True), ("generic", 2, 1, 129, 128, 128, False),
     ("generic", 1, 2, 65, 256, 64, False), ("generic", 2, 2, 33, 32, 40, True),
 )

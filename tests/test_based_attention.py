@@ -184,6 +184,74 @@ def test_kernel_strided_views(normalize):
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
+# Few (batch, head, value block) tasks for the SMs: the forward cuts each sequence into segments of whole
+# chunks (its split rule, plan_segments in based_attention_fwd.cu, picks 22 segments of 6 chunks at
+# B = H = 1, N = 8209, Dv <= 64 on an H100's 132 SMs, 16 of 20 at B = 1, H = 2, N = 20000, Dv = 128,
+# 13 of 5 at N = 4097), computes each segment's moments, prefix-sums them and runs the output from each
+# segment's entering state. Tails: N is not a multiple of the chunk, the last segment is shorter. Every
+# output and denominator must be written (poisoned allocations) and match float64.
+SPLIT_CASES = {
+    "B=1 H=1 N=8209 Dv=64": (1, 1, 8192 + 17, 64),
+    "B=1 H=1 N=8209 Dv=32": (1, 1, 8192 + 17, 32),
+    "B=1 H=2 N=20000 Dv=128": (1, 2, 20000, 128),
+    "B=2 H=1 N=4097 Dv=64": (2, 1, 4097, 64),
+    "B=1 H=3 N=1100 Dv=256": (1, 3, 1100, 256),
+}
+
+
+@tk_testing.requires_kernel("based_attention")
+@pytest.mark.parametrize("case", SPLIT_CASES.values(), ids=SPLIT_CASES.keys())
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_split_sequences(dtype, normalize, case):
+    b, h, n, dv = case
+    torch.manual_seed(0)
+    q, k = (torch.randn(b, h, n, 16, dtype=dtype, device="cuda") for _ in range(2))
+    v = torch.randn(b, h, n, dv, dtype=dtype, device="cuda")
+    # NaN where the outputs, the denominator and the segment states will be allocated.
+    poisoned_allocations(4 * v.numel() * 2 + 4 * q[..., 0].numel() * 4 + b * h * (dv // 32) * 64 * 10752 * 4)
+    out, denominator = based_attention_module.based_attention_op(q, k, v, 1e-12, normalize)
+    ref_out, ref_denominator = reference_based_attention(q, k, v, normalize, 1e-12)
+    assert out.dtype == dtype and not out.isnan().any()
+    assert_rel_close(out, ref_out, 2 * TOLERANCE[dtype])
+    if normalize:
+        assert not denominator.isnan().any()
+        assert_rel_close(denominator, ref_denominator, 1e-3, "denominator")
+    # The same call again (fresh workspace, NaN-poisoned again) gives the same bits: no state is read
+    # before it is written.
+    poisoned_allocations(4 * v.numel() * 2 + b * h * (dv // 32) * 64 * 10752 * 4)
+    again, _ = based_attention_module.based_attention_op(q, k, v, 1e-12, normalize)
+    torch.testing.assert_close(again, out, rtol=0, atol=0)
+
+
+@tk_testing.requires_kernel("based_attention")
+@pytest.mark.parametrize("normalize", [False, True])
+def test_kernel_split_sequences_strided_views(normalize):
+    """A split forward on (B, N, H, F) tensors transposed to (B, H, N, F) and v a column slice: no copies."""
+    b, n, h = 1, 4096 + 33, 2
+    q, k = (torch.randn(b, n, h, 16, dtype=torch.bfloat16, device="cuda").transpose(1, 2) for _ in range(2))
+    v = torch.randn(b, h, n, 96, dtype=torch.bfloat16, device="cuda")[..., 16:80]
+    assert not q.is_contiguous() and not v.is_contiguous()
+    with tk_testing.RecordTkCalls() as calls:
+        out = tk_ops.based_attention(q, k, v, normalize=normalize)
+    assert calls.calls["based_attention"][0][0].data_ptr() == q.data_ptr()
+    expected = tk_ops.based_attention(q.contiguous(), k.contiguous(), v.contiguous(), normalize=normalize)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    ref_out, _ = reference_based_attention(q, k, v, normalize, 1e-12)
+    assert_rel_close(out, ref_out, 2 * TOLERANCE[torch.bfloat16])
+
+
+@tk_testing.requires_kernel("based_attention")
+def test_kernel_split_sequences_gradients():
+    """The backward reads the split forward's out and denominator: gradients against float64."""
+    q, k, v = (torch.randn(1, 1, 3000, d, dtype=torch.bfloat16, device="cuda", requires_grad=True) for d in (16, 16, 64))
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out = tk_ops.based_attention(q, k, v)
+    ref = based_attention_module.based_attention_op(q64, k64, v64, 1e-12, True)[0]
+    assert_rel_close(out, ref, 2 * TOLERANCE[torch.bfloat16])
+    tk_testing.assert_gradients_close(out, (q, k, v), ref, (q64, k64, v64), 3 * TOLERANCE[torch.bfloat16], "qkv")
+
+
 @tk_testing.requires_kernel("based_attention")
 def test_kernel_cuda_graph_capture_and_replay():
     q, k, v = make_inputs(500, f=16, dv=64, dtype=torch.bfloat16, device="cuda")

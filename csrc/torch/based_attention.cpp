@@ -4,7 +4,9 @@
 // strides with a unit last stride, so (B, N, H, F) views need no copy) and launches on the current
 // stream. What the kernel cannot take (fp32/fp64, F other than 16, Dv not a multiple of 32 up to
 // 256, another GPU, strides TMA cannot describe) goes to the reference twin tk::based_attention_ref,
-// which warns once. tk::based_attention_bwd runs the backward kernels on the same inputs (grad_out,
+// which warns once. When the forward's split rule cuts the sequences into segments (few (batch,
+// head) tasks for the SMs), the entry allocates the segments' fp32 states as a workspace that lives
+// for the launch (stream-ordered by the caching allocator). tk::based_attention_bwd runs the backward kernels on the same inputs (grad_out,
 // and out when normalising, with the layout rules of v) and falls back to
 // tk::based_attention_bwd_ref otherwise.
 #include <ATen/ATen.h>
@@ -29,7 +31,13 @@ std::tuple<at::Tensor, at::Tensor> based_attention_cuda(const at::Tensor& q, con
   if (!plan) {
     return tk::registration::fallback<&based_attention_cuda>("tk::based_attention_ref", q, k, v, eps, normalize);
   }
-  return causal_linear::run_forward(*plan, q, v, normalize, [](const based::forward_problem& p, cudaStream_t stream) {
+  return causal_linear::run_forward(*plan, q, v, normalize, [&](based::forward_problem& p, cudaStream_t stream) {
+    // The segment states of a split forward (fp32, on q's device: the guard of the launch is current).
+    at::Tensor workspace;
+    if (const int64_t floats = based::forward_workspace_floats(p); floats > 0) {
+      workspace = at::empty({floats}, q.options().dtype(at::kFloat));
+      p.workspace = workspace.data_ptr<float>();
+    }
     return based::launch(p, stream);
   });
 }

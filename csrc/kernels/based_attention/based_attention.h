@@ -19,6 +19,11 @@ using forward_problem = causal_forward_problem;
 
 using backward_problem = causal_backward_problem;
 
+// Floats of fp32 workspace the forward needs (forward_problem::workspace): 0 unless its split rule cuts
+// the sequences into segments on the current device (then per (batch, head), segment but the last and
+// 32 value columns, one state record of 10752 floats).
+int64_t forward_workspace_floats(const forward_problem& p);
+
 // Floats of workspace the backward needs.
 int64_t backward_workspace_floats(int64_t batch, int64_t heads, int64_t rows, int64_t value_dim, bool normalize);
 

@@ -14,6 +14,9 @@ struct causal_forward_problem {
   heads_view q, k, v;
   void* out;           // (B, H, N, Dv) contiguous
   float* denominator;  // (B, H, N) contiguous; written (without eps) only when normalize
+  // The family's forward_workspace_floats(...) floats (Based: the segment states when the forward
+  // splits the sequences; null when it needs none).
+  float* workspace = nullptr;
 };
 
 // The backward: grad_out, q, k, v as the forward's views; out and denominator (the forward's
