@@ -171,9 +171,10 @@ def test_kernel_denominator_output():
 
 @tk_testing.requires_kernel("based_attention")
 @pytest.mark.parametrize("normalize", [False, True])
-def test_kernel_strided_views(normalize):
-    """(B, N, H, F) tensors transposed to (B, H, N, F), and v a column slice: no copies, same numbers."""
-    b, n, h = 2, 300, 3
+@pytest.mark.parametrize("b, n, h", [(2, 300, 3), (1, 4096 + 33, 2)], ids=["one_pass", "split"])
+def test_kernel_strided_views(normalize, b, n, h):
+    """(B, N, H, F) tensors transposed to (B, H, N, F), and v a column slice: no copies, same numbers,
+    in one pass and in a forward that splits the sequences (few tasks: see the split tests below)."""
     q, k = (torch.randn(b, n, h, 16, dtype=torch.bfloat16, device="cuda").transpose(1, 2) for _ in range(2))
     v = torch.randn(b, h, n, 96, dtype=torch.bfloat16, device="cuda")[..., 16:80]
     assert not q.is_contiguous() and not v.is_contiguous()
@@ -182,6 +183,8 @@ def test_kernel_strided_views(normalize):
     assert calls.calls["based_attention"][0][0].data_ptr() == q.data_ptr()
     expected = tk_ops.based_attention(q.contiguous(), k.contiguous(), v.contiguous(), normalize=normalize)
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    ref_out, _ = reference_based_attention(q, k, v, normalize, 1e-12)
+    assert_rel_close(out, ref_out, 2 * TOLERANCE[torch.bfloat16])
 
 
 # Few (batch, head, value block) tasks for the SMs: the forward cuts each sequence into segments of whole
@@ -222,23 +225,6 @@ def test_kernel_split_sequences(dtype, normalize, case):
     poisoned_allocations(4 * v.numel() * 2 + b * h * (dv // 32) * 64 * 10752 * 4)
     again, _ = based_attention_module.based_attention_op(q, k, v, 1e-12, normalize)
     torch.testing.assert_close(again, out, rtol=0, atol=0)
-
-
-@tk_testing.requires_kernel("based_attention")
-@pytest.mark.parametrize("normalize", [False, True])
-def test_kernel_split_sequences_strided_views(normalize):
-    """A split forward on (B, N, H, F) tensors transposed to (B, H, N, F) and v a column slice: no copies."""
-    b, n, h = 1, 4096 + 33, 2
-    q, k = (torch.randn(b, n, h, 16, dtype=torch.bfloat16, device="cuda").transpose(1, 2) for _ in range(2))
-    v = torch.randn(b, h, n, 96, dtype=torch.bfloat16, device="cuda")[..., 16:80]
-    assert not q.is_contiguous() and not v.is_contiguous()
-    with tk_testing.RecordTkCalls() as calls:
-        out = tk_ops.based_attention(q, k, v, normalize=normalize)
-    assert calls.calls["based_attention"][0][0].data_ptr() == q.data_ptr()
-    expected = tk_ops.based_attention(q.contiguous(), k.contiguous(), v.contiguous(), normalize=normalize)
-    torch.testing.assert_close(out, expected, rtol=0, atol=0)
-    ref_out, _ = reference_based_attention(q, k, v, normalize, 1e-12)
-    assert_rel_close(out, ref_out, 2 * TOLERANCE[torch.bfloat16])
 
 
 @tk_testing.requires_kernel("based_attention")

@@ -138,6 +138,14 @@ struct chunk_moments {
     warp::mma_AtB(key_sum, ones, k, key_sum);
   }
 
+  // The state of a sequence's (or segment's) start: no keys yet.
+  __device__ __forceinline__ static void zero(moments (&m)[SLABS], small_tile& key_gram, small_tile& key_sum) {
+#pragma unroll
+    for (int t = 0; t < SLABS; ++t) warp::zero(m[t]);
+    warp::zero(key_gram);
+    warp::zero(key_sum);
+  }
+
   // The warpgroup's state into a record (the denominator's moments from warp 0: every warp holds them).
   __device__ static void store(float* record, const moments (&m)[SLABS], const small_tile& key_gram,
                                const small_tile& key_sum) {
@@ -213,9 +221,7 @@ struct segment_ends_kernel : based_plan {
   }
 
   __device__ static void compute(const context& ctx, consumer_state& st, inputs& in) {
-    for (int t = 0; t < SLABS; ++t) warp::zero(st.m[t]);
-    warp::zero(st.key_gram);
-    warp::zero(st.key_sum);
+    helper::zero(st.m, st.key_gram, st.key_sum);
     key_cols ones;
     warp::fill(ones, 1.0f);
     auto at = in.first();
@@ -364,9 +370,7 @@ struct forward_kernel : based_plan, chunked_causal::kernel_base<T, FEATURES, CHU
       }
     }
     if (!entered) {
-      for (int t = 0; t < SLABS; ++t) warp::zero(st.m[t]);
-      warp::zero(st.key_gram);
-      warp::zero(st.key_sum);
+      helper::zero(st.m, st.key_gram, st.key_sum);
     }
     key_cols ones;
     warp::fill(ones, 1.0f);

@@ -212,19 +212,28 @@ __device__ __forceinline__ void wait(Tiles&... tiles) {
   (pin(tiles), ...);
 }
 
+// What a product of two shared tiles needs to know of them, checked once: one element type, the same
+// K extent (a multiple of wgmma's 16), and which operand is stored MN-major (transposed).
+template <operand_major A_MAJOR, operand_major B_MAJOR, typename TileA, typename TileB>
+struct shared_operands {
+  using element = typename TileA::element;
+  static_assert(std::is_same_v<element, typename TileB::element>, "A and B must have one element type");
+  static constexpr int k = k_extent<A_MAJOR, TileA>();
+  static_assert(k == k_extent<B_MAJOR, TileB>(), "A and B tiles must cover the same K");
+  static_assert(k % 16 == 0, "wgmma steps through K 16 at a time");
+  static constexpr int trans_a = A_MAJOR == operand_major::mn ? 1 : 0;
+  static constexpr int trans_b = B_MAJOR == operand_major::mn ? 1 : 0;
+};
+
 // acc (+)= A[a_mn0 : a_mn0 + 64, :] * B[:, b_mn0 : b_mn0 + N] over the whole K extent of the two
 // tiles (in steps of 16); `accumulate` false overwrites acc with the product. Issues only: the
 // caller commits and waits.
 template <operand_major A_MAJOR, operand_major B_MAJOR, int N, typename TileA, typename TileB>
 __device__ __forceinline__ void mma(accumulator<N>& acc, const TileA& a, int a_mn0, const TileB& b, int b_mn0,
                                     bool accumulate) {
-  using T = typename TileA::element;
-  static_assert(std::is_same_v<T, typename TileB::element>, "A and B must have one element type");
-  constexpr int k = k_extent<A_MAJOR, TileA>();
-  static_assert(k == k_extent<B_MAJOR, TileB>(), "A and B tiles must cover the same K");
-  static_assert(k % 16 == 0, "wgmma steps through K 16 at a time");
-  constexpr int trans_a = A_MAJOR == operand_major::mn ? 1 : 0;
-  constexpr int trans_b = B_MAJOR == operand_major::mn ? 1 : 0;
+  using ops = shared_operands<A_MAJOR, B_MAJOR, TileA, TileB>;
+  using T = typename ops::element;
+  constexpr int k = ops::k, trans_a = ops::trans_a, trans_b = ops::trans_b;
 #pragma unroll
   for (int k0 = 0; k0 < k; k0 += 16) {
     const uint64_t a_desc = describe<A_MAJOR>(a, a_mn0, k0).bits;
@@ -240,13 +249,9 @@ __device__ __forceinline__ void mma(accumulator<N>& acc, const TileA& a, int a_m
 // up to the next step's first product (its registers can be used for nothing else meanwhile).
 template <operand_major A_MAJOR, operand_major B_MAJOR, int N, typename TileA, typename TileB>
 __device__ __forceinline__ void mma_overwrite(accumulator<N>& acc, const TileA& a, int a_mn0, const TileB& b, int b_mn0) {
-  using T = typename TileA::element;
-  static_assert(std::is_same_v<T, typename TileB::element>, "A and B must have one element type");
-  constexpr int k = k_extent<A_MAJOR, TileA>();
-  static_assert(k == k_extent<B_MAJOR, TileB>(), "A and B tiles must cover the same K");
-  static_assert(k % 16 == 0, "wgmma steps through K 16 at a time");
-  constexpr int trans_a = A_MAJOR == operand_major::mn ? 1 : 0;
-  constexpr int trans_b = B_MAJOR == operand_major::mn ? 1 : 0;
+  using ops = shared_operands<A_MAJOR, B_MAJOR, TileA, TileB>;
+  using T = typename ops::element;
+  constexpr int k = ops::k, trans_a = ops::trans_a, trans_b = ops::trans_b;
   wgmma_instruction<N>::template ss_overwrite<T, trans_a, trans_b>(acc, describe<A_MAJOR>(a, a_mn0, 0).bits,
                                                                    describe<B_MAJOR>(b, b_mn0, 0).bits);
 #pragma unroll
