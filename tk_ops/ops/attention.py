@@ -27,8 +27,8 @@ Backward op
       partial into an fp32 accumulator (bulk reductions in an order that varies between runs, so
       dq may differ in its last bits from run to run), then a pass converts it. recompute: a second
       kernel recomputes the scores per query block and sums dq in registers, bitwise reproducible.
-      deterministic=True always takes recompute; False takes the faster for the shape (one-pass from
-      Nk = 4096, and at causal D = 64 from Nk = 2048, as measured on the H100), or the method named
+      deterministic=True always takes recompute; False takes the faster for the shape (one-pass at D = 64
+      and from Nk = 4096 at D = 128, as measured on the H100), or the method named
       by the environment variable TK_OPS_ATTENTION_BACKWARD (one_pass / recompute). dk and dv are reproducible always.
 
 The kernels serve bf16/fp16 with D = Dv in {64, 128}; everything else runs the reference, which
@@ -257,8 +257,8 @@ def attention(
 
     ``deterministic``: True makes the backward on the kernels bitwise reproducible (dq from a
     second kernel that recomputes the scores); False (the default, as in FlashAttention) lets it
-    sum dq in the dk/dv pass with fp32 reductions in varying order where that is faster (Nk >= 4096:
-    2-9% less backward time on the H100), so dq may differ in its last bits
+    sum dq in the dk/dv pass with fp32 reductions in varying order where that is faster (D = 64, and
+    Nk >= 4096 at D = 128: 2-16% less backward time on the H100), so dq may differ in its last bits
     between runs. None follows ``torch.are_deterministic_algorithms_enabled()``.
     """
     if not (_checks.uniform_floats(q, k, v, autocast=True) and _plain_shapes(q.shape, k.shape, v.shape, scale)):

@@ -631,22 +631,20 @@ int64_t statistics_floats(const backward_problem& pr) {
 }
 
 // The one-pass method's fixed cost (zeroing, then converting, an fp32 copy of dq) pays off only
-// against enough score work per query row. Measured on the H100 at c43da1e (the dq partial issued
-// before dK and staged under it; attention_notes.md, tenth session, two bench_attention runs),
-// one-pass / recompute time: 0.91-0.95x from Nk = 4096 at D = 64 and 0.91-0.98x at D = 128 (one
-// outlier, causal D = 128 N = 16384 forced: 1.01x), 0.96-0.97x at D = 64 causal from Nk = 2048, and
-// 0.98-1.21x below those lengths.
+// against enough score work per query row. At D = 128, measured on the H100 at c43da1e (attention_notes.md,
+// tenth session), one-pass / recompute time: 0.91-0.98x from Nk = 4096, 0.98-1.21x below. At D = 64,
+// whose dK/dV steps take 128 queries since e68d536 (the recompute kernel's dq steps did not change),
+// one-pass is the faster at every length measured there: 0.94-0.97x at Nk = 512-1024, 0.90-0.91x at
+// 2048, 0.84-0.86x from 4096, causal or not (eleventh session).
 constexpr int64_t ONE_PASS_MIN_KEYS = 4096;
-constexpr int64_t ONE_PASS_CAUSAL_MIN_KEYS = 2048;
-constexpr int64_t ONE_PASS_CAUSAL_HEAD_DIM = 64;
+constexpr int ONE_PASS_ALWAYS_HEAD_DIM = 64;
 
 bool one_pass(const backward_problem& pr) {
   switch (pr.method) {
     case backward_method::recompute: return false;
     case backward_method::one_pass: return true;
     case backward_method::fastest:
-      return pr.k.rows >= ONE_PASS_MIN_KEYS ||
-             (pr.causal && pr.q.dim == ONE_PASS_CAUSAL_HEAD_DIM && pr.k.rows >= ONE_PASS_CAUSAL_MIN_KEYS);
+      return pr.q.dim == ONE_PASS_ALWAYS_HEAD_DIM || pr.k.rows >= ONE_PASS_MIN_KEYS;
   }
   return false;
 }
