@@ -367,8 +367,8 @@ def test_always_rewrite_attention_overrides_the_rule(head_dim, training):
 @pytest.mark.parametrize(
     "head_dim, training, rewritten",
     # cuDNN with a bias computes every block; tk's causal kernel beats that except in the forward
-    # alone (0.93x at head dim 64, 0.99x at 128, both at N = 512)
-    [(64, False, False), (64, True, True), (128, False, False), (128, True, True)],
+    # alone at head dim 64 (0.85x at N = 512; 1.07x at 128)
+    [(64, False, False), (64, True, True), (128, False, True), (128, True, True)],
 )
 def test_rule_on_cudnn_with_a_constant_causal_mask(head_dim, training, rewritten):
     rewrites, _ = rewritten_backend_graph("cudnn", head_dim, training=training, mask="additive_causal")
@@ -388,7 +388,7 @@ def test_rule_keeps_cudnn_with_an_all_true_constant_mask():
 @pytest.mark.parametrize("training", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_rule_replaces_flash(head_dim, training):
-    """tk measured at least as fast as FA2 at both head dims (1.11x in the forward at D=64, N=512)."""
+    """tk measured at least as fast as FA2 at both head dims (1.13x in the forward at D=64, N=512)."""
     rewrites, graph = rewritten_backend_graph("flash", head_dim, training=training)
     assert rewrites == 1 and _ATEN._scaled_dot_product_flash_attention.default not in called_ops(graph)
 

@@ -22,13 +22,13 @@ sum is exact.
 An exact node is rewritten only where tk measured at least as fast as the backend SDPA lowered it
 to (``SPEEDUP_OVER_BACKEND``, from one H100 run; ``RewriteOptions.always_rewrite_attention``
 skips this rule, for benchmarking):
-  * flash (FA2): tk is 1.11-1.92x in the forward, 1.41-2.38x forward + backward: rewritten;
-  * cuDNN: tk is 0.69-0.99x in the forward and 0.88-1.36x forward + backward, below 1 at every
-    head dim without a mask: kept, except for a constant mask proven causal, where cuDNN reads
-    the bias and computes every block while tk runs its causal kernel (cuDNN's non-causal time,
-    a lower bound for the masked run, is at least 1.19x tk's causal forward + backward, but 0.93x
-    (head dim 64) and 0.99x (128, both at N = 512) in the forward alone: rewritten in training
-    graphs only);
+  * flash (FA2): tk is 1.13-1.71x in the forward, 1.49-2.26x forward + backward: rewritten;
+  * cuDNN: without a mask tk is 0.64-0.87x in the forward and 0.92-0.95x forward + backward at
+    the worst lengths: kept. With a constant mask proven causal cuDNN reads the bias and computes
+    every block while tk runs its causal kernel: cuDNN's non-causal time, a lower bound for the
+    masked run, is at least 1.17x tk's causal forward + backward (rewritten in training graphs),
+    and in the forward alone 1.07x at head dim 128 (rewritten in inference graphs too) but 0.85x
+    at 64 (N = 512; kept there);
   * efficient, and the CPU flash node: not measured; rewritten. SDPA picks efficient over flash
     only when flash refuses the inputs (a mask, as above), and the CPU node is only reached with
     ``any_device`` (no tk kernel there: the CPU suite exercises the rewrite through it);
@@ -37,10 +37,10 @@ skips this rule, for benchmarking):
 A graph with the partner backward is judged by forward + backward, an inference graph by the
 forward; each figure is the minimum over the measured lengths (N 512..16384, B*N = 16384, causal
 and not), bf16 (fp16 runs the same kernels), tk's backward the default method for the shape
-(``deterministic=True``'s recompute method gives the same decisions: 0.89x and 1.18x where the
-default gives 0.88x and 1.19x). GQA (32 query / 8 key-value heads, N = 4096, D = 128) measured
-as MHA does: against cuDNN 1.01-1.04x forward + backward causal or not, against FA2 1.7-1.8x; it is
-judged as MHA.
+(``deterministic=True``'s recompute method gives the same decisions: 0.87x and 1.17x where the
+default gives 0.95x and 1.17x at head dim 64). GQA (32 query / 8 key-value heads, N = 4096,
+D = 128) measured as MHA does: against cuDNN 1.01x forward + backward causal or not, against FA2
+1.7x; it is judged as MHA.
 
 Which fused node a graph holds, and so what the rule decides, follows torch's SDPA backend settings
 at compile time (``sdpa_kernel``, ``torch.backends.cuda.enable_*_sdp``), which the FX graph and
@@ -101,20 +101,20 @@ class Speedup:
 
 SPEEDUP_MEASURED_IN = "benchmarks/results/attention.json"
 # (backend forward node, head dim, the node's mask is a constant that tk runs as causal) -> Speedup,
-# from the "grid" rows of SPEEDUP_MEASURED_IN (bench_attention at 99c6318; passes "fwd" and "bwd",
+# from the "grid" rows of SPEEDUP_MEASURED_IN (bench_attention at 206ce48; passes "fwd" and "bwd",
 # tk's default backward; baselines sdpa_cudnn and sdpa_flash, tk's time from the same row as the
 # backend's). With a causal constant mask the backend's non-causal time stands for its masked run
 # (a lower bound: it computes every block and reads the bias besides) against tk's causal time. Backends absent from the table were not
 # measured and are rewritten. tests/test_inductor.py recomputes the table from the file.
 SPEEDUP_OVER_BACKEND = {
-    (aten._scaled_dot_product_cudnn_attention.default, 128, False): Speedup(0.79, 0.93),
-    (aten._scaled_dot_product_cudnn_attention.default, 128, True): Speedup(0.99, 1.36),
-    (aten._scaled_dot_product_cudnn_attention.default, 64, False): Speedup(0.69, 0.88),
-    (aten._scaled_dot_product_cudnn_attention.default, 64, True): Speedup(0.93, 1.19),
-    (aten._scaled_dot_product_flash_attention.default, 128, False): Speedup(1.50, 1.65),
-    (aten._scaled_dot_product_flash_attention.default, 128, True): Speedup(1.92, 2.38),
-    (aten._scaled_dot_product_flash_attention.default, 64, False): Speedup(1.11, 1.41),
-    (aten._scaled_dot_product_flash_attention.default, 64, True): Speedup(1.46, 1.78),
+    (aten._scaled_dot_product_cudnn_attention.default, 128, False): Speedup(0.87, 0.92),
+    (aten._scaled_dot_product_cudnn_attention.default, 128, True): Speedup(1.07, 1.33),
+    (aten._scaled_dot_product_cudnn_attention.default, 64, False): Speedup(0.64, 0.95),
+    (aten._scaled_dot_product_cudnn_attention.default, 64, True): Speedup(0.85, 1.17),
+    (aten._scaled_dot_product_flash_attention.default, 128, False): Speedup(1.52, 1.67),
+    (aten._scaled_dot_product_flash_attention.default, 128, True): Speedup(1.71, 2.26),
+    (aten._scaled_dot_product_flash_attention.default, 64, False): Speedup(1.13, 1.49),
+    (aten._scaled_dot_product_flash_attention.default, 64, True): Speedup(1.35, 1.82),
 }
 _MEASURED_BACKENDS = {forward for forward, _, _ in SPEEDUP_OVER_BACKEND}
 
