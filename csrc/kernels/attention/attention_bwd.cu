@@ -113,9 +113,10 @@ struct shuffled_column_pairs {
     }
   }
 
-  // dst = f(pair, v) for each packed pair of dst, v the statistics of the pair's two columns.
+  // f(br, bc, q, v) for each packed pair [br][bc][q] of an fp32 row-layout Tile, v the statistics of
+  // the pair's two columns (each shuffled once and used by every row block at once).
   template <typename Tile, typename F>
-  __device__ __forceinline__ void map(Tile& dst, F&& f) const {
+  __device__ __forceinline__ void for_each_pair(F&& f) const {
     static_assert(Tile::layout == register_layout::row && std::is_same_v<typename Tile::element, float>);
     static_assert(Tile::col_blocks == fragment::GROUPS, "one base tile of columns per group of lanes");
     [&]<int... BC>(std::integer_sequence<int, BC...>) {
@@ -126,14 +127,20 @@ struct shuffled_column_pairs {
 #pragma unroll
           for (int br = 0; br < Tile::row_blocks; ++br) {
 #pragma unroll
-            for (int r = 0; r < fragment::HALVES; ++r) {
-              auto& pair = dst.pairs[br][BC][fragment::quadrant(r, h)];
-              pair = f(pair, v);
-            }
+            for (int r = 0; r < fragment::HALVES; ++r) f(br, BC, fragment::quadrant(r, h), v);
           }
         }
       }(), ...);
     }(std::make_integer_sequence<int, Tile::col_blocks>{});
+  }
+
+  // dst = f(pair, v) for each packed pair of dst, v the statistics of the pair's two columns.
+  template <typename Tile, typename F>
+  __device__ __forceinline__ void map(Tile& dst, F&& f) const {
+    for_each_pair<Tile>([&](int br, int bc, int q, float2 v) {
+      auto& pair = dst.pairs[br][bc][q];
+      pair = f(pair, v);
+    });
   }
 
   // dS^T = P^T (dP^T - delta[query]) in place of dP^T, with P^T and dS^T converted to the 16-bit
@@ -142,29 +149,14 @@ struct shuffled_column_pairs {
   // tiles beside a whole packed one.
   template <typename Scores, typename Operand>
   __device__ __forceinline__ void grad_scores(const Scores& p, Scores& dp, Operand& p16, Operand& ds16) const {
-    static_assert(Scores::layout == register_layout::row && std::is_same_v<typename Scores::element, float>);
-    static_assert(Scores::col_blocks == fragment::GROUPS, "one base tile of columns per group of lanes");
     using pair16 = typename Operand::pair_type;
-    [&]<int... BC>(std::integer_sequence<int, BC...>) {
-      ([&] {
-#pragma unroll
-        for (int h = 0; h < fragment::HALVES; ++h) {
-          const float2 d = from_group<BC>(h);
-#pragma unroll
-          for (int br = 0; br < Scores::row_blocks; ++br) {
-#pragma unroll
-            for (int r = 0; r < fragment::HALVES; ++r) {
-              const int q = fragment::quadrant(r, h);
-              const float2 pp = p.pairs[br][BC][q];
-              float2& g = dp.pairs[br][BC][q];
-              g = float2{pp.x * (g.x - d.x), pp.y * (g.y - d.y)};
-              p16.pairs[br][BC][q] = convert_pair<pair16>(pp);
-              ds16.pairs[br][BC][q] = convert_pair<pair16>(g);
-            }
-          }
-        }
-      }(), ...);
-    }(std::make_integer_sequence<int, Scores::col_blocks>{});
+    for_each_pair<Scores>([&](int br, int bc, int q, float2 d) {
+      const float2 pp = p.pairs[br][bc][q];
+      float2& g = dp.pairs[br][bc][q];
+      g = float2{pp.x * (g.x - d.x), pp.y * (g.y - d.y)};
+      p16.pairs[br][bc][q] = convert_pair<pair16>(pp);
+      ds16.pairs[br][bc][q] = convert_pair<pair16>(g);
+    });
   }
 };
 
