@@ -464,10 +464,9 @@ struct forward_kernel : based_plan, chunked_causal::kernel_base<T, FEATURES, CHU
 // an estimate, not measured. A task's start (the entering record, 43 KB, and the first loads) one
 // chunk; the scan's segment and the two extra launches as mamba2_ssd measured them.
 constexpr sequence_split::split_costs SPLIT_COSTS{
-    .per_sm = based_plan::blocks_per_sm,
-    .solo_chunk = 0.63,
+    .solo_unit = 0.63,
     .task_start = 1.0,
-    .states_chunk = 0.4,
+    .states_unit = 0.4,
     .scan_segment = 0.25,
     .split_launches = 2.0,
     .max_waves = 4,
@@ -480,7 +479,17 @@ segment_geometry plan_segments(const forward_problem& pr, int sms) {
   const int64_t tasks = pr.q.batch * pr.q.heads * (pr.v.dim / VALUE_BLOCK);
   // (Segments of so many tasks that their grid would not fit are never predicted faster: capped anyway.)
   const int most = int(std::min<int64_t>(MAX_SEGMENTS, chunked_causal::MAX_GRID_TASKS / tasks));
-  const sequence_split::split cut = sequence_split::plan_split(tasks, at.chunks, most, sms, SPLIT_COSTS);
+  const sequence_split::split_work work{
+      .tasks = tasks,
+      .per_sm = based_plan::blocks_per_sm,
+      .states_tasks = tasks,
+      .states_per_sm = based_plan::blocks_per_sm,
+      .chunks = at.chunks,
+      .chunk_units = 1.0,
+      .sequence_units = double(at.chunks),
+      .max_segments = most,
+  };
+  const sequence_split::split cut = sequence_split::plan_split(work, sms, SPLIT_COSTS);
   at.chunks_per_segment = cut.chunks_per_segment;
   at.segments = cut.segments;
   return at;
@@ -511,7 +520,7 @@ cudaError_t run(const forward_problem& pr, cudaStream_t stream) {
   at.states = pr.workspace;
   using E = segment_ends_kernel<T>;
   using K = forward_kernel<T, true>;
-  static_assert(pipeline::kernel_shared_bytes<E> * E::blocks_per_sm <= 228 * 1024, "the plan's blocks fit an SM");
+  static_assert(pipeline::kernel_shared_bytes<E> * E::blocks_per_sm <= pipeline::MAX_SHARED_BYTES_PER_SM, "the plan's blocks fit an SM");
   const typename E::params ends = E::make_params(pr, at);
   if (const cudaError_t err = pipeline::launch<E>(ends, E::tasks(ends).count(), stream); err != cudaSuccess) return err;
   // Per (batch, head): segments - 1 slots of value_blocks records each.

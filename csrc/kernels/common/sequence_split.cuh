@@ -8,14 +8,14 @@
 //                 mamba2_ssd's scan also decays, in its own kernel)
 //   forward       one task per (sequence, segment), from the state entering its segment
 //
-// plan_split is the cost model deciding the cut, first written for mamba2_ssd (which still has its own
-// copy with its measured constants: moving it onto this one is a host-only change left for a session
-// that can re-run its split tests), in units of one chunk of the forward on an SM running `per_sm`
-// blocks. A pass of `grid` equal blocks of `chunks` chunks takes ceil(grid / (per_sm SMs)) waves of
-// chunks, or solo_chunk of that when every block has an SM to itself. The split adds a start per task
-// (the entering state and the first loads), the states pass (states_chunk a chunk), the scan
-// (scan_segment a segment) and its extra launches. Every segment count up to max_waves waves' worth is
-// tried; the fastest predicted one wins (1: one pass, no split).
+// plan_split is the cost model deciding the cut (mamba2_ssd and based_attention each give it their
+// measured constants), in a kernel's unit of work (a chunk, or a block of positions) on an SM running
+// the forward's `per_sm` blocks. A pass of `grid` equal blocks of `units` units takes
+// ceil(grid / (per_sm SMs)) waves of units, or solo_unit of that when every block has an SM to itself.
+// The split adds a start per task (the entering state and the first loads), the states pass
+// (states_unit a unit, on its own tasks and blocks an SM), the scan (scan_segment a segment) and its
+// extra launches. Every segment count up to max_waves waves of states-pass tasks is tried; the fastest
+// predicted one wins (1: one pass, no split).
 #pragma once
 
 #include <algorithm>
@@ -26,13 +26,26 @@
 namespace tk::sequence_split {
 
 struct split_costs {
-  int per_sm;             // blocks an SM, the forward and the states pass alike
-  double solo_chunk;      // a chunk of a block alone on its SM (<= 1)
+  double solo_unit;       // a unit of a block alone on its SM (<= 1)
   double task_start;      // a task's entering state and first loads
-  double states_chunk;    // a chunk of the states pass
+  double states_unit;     // a unit of the states pass
   double scan_segment;    // a segment of the scan
   double split_launches;  // the split's two extra launches
-  int max_waves;          // segment counts tried: up to this many waves of tasks
+  int max_waves;          // segment counts tried: up to this many waves of states-pass tasks
+};
+
+// What is cut: sequences of `chunks` chunks (`chunk_units` units each, `sequence_units` in all: the
+// last chunk may be short), run by `tasks` forward tasks (`per_sm` an SM) and, when split,
+// `states_tasks` states-pass tasks (`states_per_sm` an SM) a segment.
+struct split_work {
+  int64_t tasks;
+  int per_sm;
+  int64_t states_tasks;
+  int states_per_sm;
+  int chunks;
+  double chunk_units;
+  double sequence_units;
+  int max_segments;
 };
 
 // How each sequence is cut: `segments` runs of `chunks_per_segment` chunks (the last may be shorter).
@@ -41,31 +54,31 @@ struct split {
   int segments;
 };
 
-// A grid of `grid` equal blocks of `chunks` chunks each.
-inline double pass_time(int64_t grid, double chunks, int sms, const split_costs& c) {
-  if (c.per_sm > 1 && grid <= sms) return c.solo_chunk * chunks;
-  return double(ceil_div<int64_t>(grid, int64_t(c.per_sm) * sms)) * chunks;
+// A grid of `grid` equal blocks of `units` units each, `per_sm` an SM.
+inline double pass_time(int64_t grid, double units, int per_sm, int sms, const split_costs& c) {
+  if (per_sm > 1 && grid <= sms) return c.solo_unit * units;
+  return double(ceil_div<int64_t>(grid, int64_t(per_sm) * sms)) * units;
 }
 
-// The predicted time (chunks) of `segments` segments for `tasks` tasks a segment (one launch when 1).
-inline double predicted_time(int64_t tasks, int chunks, int segments, int sms, const split_costs& c) {
-  if (segments <= 1) return pass_time(tasks, chunks + c.task_start, sms, c);
-  const int chunks_per_segment = ceil_div(chunks, segments);
-  return pass_time(tasks * segments, chunks_per_segment + c.task_start, sms, c) +
-         c.states_chunk * pass_time(tasks * (segments - 1), chunks_per_segment, sms, c) +
+// The predicted time (units) of cutting `w`'s sequences into `segments` segments (one launch when 1).
+inline double predicted_time(const split_work& w, int segments, int sms, const split_costs& c) {
+  if (segments <= 1) return pass_time(w.tasks, w.sequence_units + c.task_start, w.per_sm, sms, c);
+  const double segment_units = ceil_div(w.chunks, segments) * w.chunk_units;
+  return pass_time(w.tasks * segments, segment_units + c.task_start, w.per_sm, sms, c) +
+         c.states_unit * pass_time(w.states_tasks * (segments - 1), segment_units, w.states_per_sm, sms, c) +
          c.scan_segment * segments + c.split_launches;
 }
 
-// The fastest predicted cut of sequences of `chunks` chunks, `tasks` tasks a segment.
-inline split plan_split(int64_t tasks, int chunks, int max_segments, int sms, const split_costs& c) {
-  split best{chunks, 1};
-  double best_time = predicted_time(tasks, chunks, 1, sms, c);
-  const int64_t most =
-      std::min<int64_t>({int64_t(chunks), int64_t(max_segments), int64_t(c.max_waves) * c.per_sm * sms / tasks});
+// The fastest predicted cut of `w`'s sequences.
+inline split plan_split(const split_work& w, int sms, const split_costs& c) {
+  split best{w.chunks, 1};
+  double best_time = predicted_time(w, 1, sms, c);
+  const int64_t most = std::min<int64_t>(
+      {int64_t(w.chunks), int64_t(w.max_segments), int64_t(c.max_waves) * w.states_per_sm * sms / w.states_tasks});
   for (int segments = 2; segments <= most; ++segments) {
-    const int chunks_per_segment = ceil_div(chunks, segments);
-    if (ceil_div(chunks, chunks_per_segment) != segments) continue;  // the same cut as fewer segments
-    const double time = predicted_time(tasks, chunks, segments, sms, c);
+    const int chunks_per_segment = ceil_div(w.chunks, segments);
+    if (ceil_div(w.chunks, chunks_per_segment) != segments) continue;  // the same cut as fewer segments
+    const double time = predicted_time(w, segments, sms, c);
     if (time < best_time) {
       best = {chunks_per_segment, segments};
       best_time = time;
@@ -110,9 +123,10 @@ __global__ void __launch_bounds__(THREADS) segment_prefix_sum_kernel(float* data
 }
 
 // Launches the scan over `sequences` x `slots` records of `elements` floats (nothing when slots < 2:
-// one slot is its own prefix sum).
-inline cudaError_t segment_prefix_sum(float* data, int64_t sequences, int slots, int64_t elements,
-                                      cudaStream_t stream) {
+// one slot is its own prefix sum). A template too, instantiated only where called, so that a unit
+// including this header for the cost model alone (mamba2_ssd, whose scan decays) compiles no scan kernel.
+template <typename = void>
+cudaError_t segment_prefix_sum(float* data, int64_t sequences, int slots, int64_t elements, cudaStream_t stream) {
   if (slots < 2) return cudaSuccess;
   const int64_t blocks = sequences * ceil_div<int64_t>(elements, SCAN_ELEMENTS_PER_BLOCK);
   return pipeline::launch(segment_prefix_sum_kernel<SCAN_THREADS>, dim3(unsigned(blocks)), dim3(SCAN_THREADS), 0,

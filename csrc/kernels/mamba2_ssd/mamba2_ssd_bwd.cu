@@ -887,7 +887,7 @@ float* partials_of(const ssd_backward_problem& pr) {
 template <typename T, int N>
 cudaError_t run_states(const ssd_backward_problem& pr, cudaStream_t stream) {
   using K = states_kernel<T, N>;
-  static_assert(pipeline::kernel_shared_bytes<K> * K::blocks_per_sm <= 228 * 1024, "the plan's blocks fit an SM");
+  static_assert(pipeline::kernel_shared_bytes<K> * K::blocks_per_sm <= pipeline::MAX_SHARED_BYTES_PER_SM, "the plan's blocks fit an SM");
   const typename K::params p = K::make_params(pr);
   return pipeline::launch<K>(p, K::tasks(p).count(), stream);
 }

@@ -44,8 +44,9 @@
 // of Y are never stored. The state's copy is 16-bit (as the linear-attention kernels' moment
 // copies): in fp16 its entries must stay below 65504.
 //
-// The split rule (plan_split): a cost model in units of one 64-position block of forward_kernel on
-// an SM running two heads (3.8 us on the H100 at N = 128, one head a block, measured). A pass of
+// The split rule (plan_split, on kernels/common/sequence_split.cuh's cost model): in units of one
+// 64-position block of forward_kernel on an SM running two heads (3.8 us on the H100 at N = 128, one
+// head a block, measured). A pass of
 // `grid` equal thread blocks of `blocks` blocks takes ceil(grid / thread blocks an SM / SMs) waves of
 // blocks + 1 (the entering state and the first loads), or 0.75 of that when a two-block plan's
 // blocks each have an SM to themselves (measured: 2.9 vs 3.8 us a block). The split adds the states
@@ -79,6 +80,7 @@
 #include <climits>
 
 #include "kernels/common/heads_layout.cuh"
+#include "kernels/common/sequence_split.cuh"
 #include "mamba2_ssd.cuh"
 #include "mamba2_ssd.h"
 #include "tk/tk.cuh"
@@ -137,12 +139,6 @@ struct segment_order {
     const int sequence = index % sequences;
     return {sequence / heads, sequence % heads, index / sequences};  // .block is the segment
   }
-};
-
-// How each sequence is cut: `segments` runs of `chunks_per_segment` chunks (the last may be shorter).
-struct sequence_split {
-  int chunks_per_segment;
-  int segments;
 };
 
 // What the kernels of a split need to find a segment's blocks and its slots in chunk_states.
@@ -637,47 +633,35 @@ typename segment_ends_kernel<T, N>::params segment_ends_params(const ssd_forward
 
 // ------------------------------------------------------------------------------ the split rule
 
-// The cost model of the header comment, in blocks of forward_kernel on an SM running two heads.
-constexpr int HEADS_PER_SM = 2;                 // every plan's consumer warpgroups on an SM
-constexpr double SOLO_BLOCK_TIME = 0.75;        // a block alone on an SM of a 2-block plan (H100: 2.9 vs 3.8 us)
-constexpr double TASK_START_TIME = 1.0;         // a task's entering state and first loads
-constexpr double STATES_BLOCK_TIME = 0.25;      // a block of the states pass: one product of the four
-constexpr double SCAN_SEGMENT_TIME = 0.25;      // a segment of the scan: a global round trip
-constexpr double SPLIT_LAUNCH_TIME = 2.0;       // the split's two extra launches
-constexpr int MAX_SPLIT_WAVES = 4;              // segment counts tried: up to this many waves of heads
+// The cost model of the header comment (sequence_split.cuh's, in 64-position blocks of forward_kernel
+// on an SM running two heads).
+constexpr int HEADS_PER_SM = 2;  // every plan's consumer warpgroups on an SM
+constexpr sequence_split::split_costs SPLIT_COSTS{
+    .solo_unit = 0.75,       // a block alone on an SM of a 2-block plan (H100: 2.9 vs 3.8 us)
+    .task_start = 1.0,       // a task's entering state and first loads
+    .states_unit = 0.25,     // a block of the states pass: one product of the four
+    .scan_segment = 0.25,    // a segment of the scan: a global round trip
+    .split_launches = 2.0,   // the split's two extra launches
+    .max_waves = 4,          // segment counts tried: up to this many waves of heads
+};
 // The states pass leaves each sequence's segment decays in its final_states (P x N, N >= 64 floats).
 constexpr int MAX_SEGMENTS = HEAD_DIM * 64;
 
-// A grid of `grid` equal thread blocks of `blocks` 64-position blocks each, `per_sm` an SM.
-double pass_time(int64_t grid, double blocks, int sms, int per_sm) {
-  if (per_sm > 1 && grid <= sms) return SOLO_BLOCK_TIME * blocks;
-  return double(ceil_div<int64_t>(grid, int64_t(per_sm) * sms)) * blocks;
-}
-
 // `sequences` = Bt H, `heads_per_task` heads a forward_kernel block (HEADS_PER_SM / heads_per_task
 // blocks an SM); the states pass runs one head a block, two an SM.
-sequence_split plan_split(int64_t sequences, int heads_per_task, int chunks, int blocks_per_chunk, int blocks,
-                          int sms) {
-  const int64_t groups = sequences / heads_per_task;
-  const int per_sm = HEADS_PER_SM / heads_per_task;
-  sequence_split best{chunks, 1};
-  double best_time = pass_time(groups, blocks + TASK_START_TIME, sms, per_sm);
-  const int64_t most =
-      std::min<int64_t>({chunks, MAX_SEGMENTS, int64_t(MAX_SPLIT_WAVES) * HEADS_PER_SM * sms / sequences});
-  for (int segments = 2; segments <= most; ++segments) {
-    const int chunks_per_segment = ceil_div(chunks, segments);
-    if (ceil_div(chunks, chunks_per_segment) != segments) continue;  // the same cut as fewer segments
-    const double segment_blocks = chunks_per_segment * blocks_per_chunk;
-    const double time =
-        pass_time(groups * segments, segment_blocks + TASK_START_TIME, sms, per_sm) +
-        STATES_BLOCK_TIME * pass_time(sequences * (segments - 1), segment_blocks, sms, HEADS_PER_SM) +
-        SCAN_SEGMENT_TIME * segments + SPLIT_LAUNCH_TIME;
-    if (time < best_time) {
-      best = {chunks_per_segment, segments};
-      best_time = time;
-    }
-  }
-  return best;
+sequence_split::split plan_split(int64_t sequences, int heads_per_task, int chunks, int blocks_per_chunk,
+                                 int blocks, int sms) {
+  const sequence_split::split_work work{
+      .tasks = sequences / heads_per_task,
+      .per_sm = HEADS_PER_SM / heads_per_task,
+      .states_tasks = sequences,
+      .states_per_sm = HEADS_PER_SM,
+      .chunks = chunks,
+      .chunk_units = double(blocks_per_chunk),
+      .sequence_units = double(blocks),
+      .max_segments = MAX_SEGMENTS,
+  };
+  return sequence_split::plan_split(work, sms, SPLIT_COSTS);
 }
 
 template <typename F>
@@ -690,7 +674,7 @@ auto dispatch(const ssd_forward_problem& p, F&& f) {
 template <typename T, int N>
 cudaError_t run_segment_ends(const ssd_forward_problem& pr, const segment_geometry& at, cudaStream_t stream) {
   using K = segment_ends_kernel<T, N>;
-  static_assert(pipeline::kernel_shared_bytes<K> * K::blocks_per_sm <= 228 * 1024, "the plan's blocks fit an SM");
+  static_assert(pipeline::kernel_shared_bytes<K> * K::blocks_per_sm <= pipeline::MAX_SHARED_BYTES_PER_SM, "the plan's blocks fit an SM");
   static_assert(state_elements<N> % SCAN_ELEMENTS_PER_BLOCK == 0, "the scan's blocks tile a state");
   const typename K::params p = segment_ends_params<T, N>(pr, at);
   if (const cudaError_t err = pipeline::launch<K>(p, K::tasks(p).count(), stream); err != cudaSuccess) return err;
@@ -703,7 +687,7 @@ cudaError_t run_segment_ends(const ssd_forward_problem& pr, const segment_geomet
 template <typename T, int N, bool GATED, int HEADS>
 cudaError_t run_heads(const ssd_forward_problem& pr, int sms, cudaStream_t stream) {
   using K = forward_kernel<T, N, GATED, HEADS>;
-  static_assert(pipeline::kernel_shared_bytes<K> * K::blocks_per_sm <= 228 * 1024, "the plan's blocks fit an SM");
+  static_assert(pipeline::kernel_shared_bytes<K> * K::blocks_per_sm <= pipeline::MAX_SHARED_BYTES_PER_SM, "the plan's blocks fit an SM");
   static_assert(K::consumer_warpgroups * K::blocks_per_sm == HEADS_PER_SM &&
                     segment_ends_kernel<T, N>::blocks_per_sm == HEADS_PER_SM,
                 "the split's cost model counts two heads an SM");
@@ -714,7 +698,7 @@ cudaError_t run_heads(const ssd_forward_problem& pr, int sms, cudaStream_t strea
   at.blocks = int(ceil_div(pr.x.rows, int64_t(BLOCK)));
   at.blocks_per_chunk = pr.chunk_size / BLOCK;
   at.chunks = int(ceil_div(pr.x.rows, int64_t(pr.chunk_size)));
-  const sequence_split split =
+  const sequence_split::split split =
       plan_split(int64_t(at.batch) * at.heads, HEADS, at.chunks, at.blocks_per_chunk, at.blocks, sms);
   at.chunks_per_segment = split.chunks_per_segment;
   at.segments = split.segments;

@@ -34,6 +34,8 @@ namespace tk::pipeline {
 
 // Dynamic shared memory one Hopper block may opt into (227 KB).
 constexpr size_t MAX_SHARED_BYTES_PER_BLOCK = 227 * 1024;
+// An SM's shared memory, which the blocks resident on it share (228 KB on sm_90).
+constexpr size_t MAX_SHARED_BYTES_PER_SM = 228 * 1024;
 
 // The storage plus room to align its start to a swizzle period.
 template <typename Storage>
