@@ -153,7 +153,7 @@ CASES = {
     # bench_mamba2's long anchor: 160 (batch, head) chains for 132 SMs
     "mamba2_ssd_fwd_n128_l16384": lambda: mamba2_ssd(2, 16384, 80, 1, 128, 256),
     "mamba2_ssd_bwd_n128_l16384": lambda: mamba2_ssd_backward(2, 16384, 80, 1, 128, 256),
-    # one warp per row at 1024, four at 4096 (norms_notes.md compares the two)
+    # one warp per row at 1024, four at 4096 (benchmarks/results/norms.md compares the two)
     "layer_norm_bwd_h1024": lambda: layer_norm_backward(32768, 1024),
     "layer_norm_bwd_h4096": lambda: layer_norm_backward(32768, 4096),
     # bench_conv1d's shapes: channel-first items of 1024 positions, channel-last walks of the resident grid

@@ -57,7 +57,7 @@ def check_flags(reference: bool, peer: bool) -> None:
 def _load(module: str, name: str, package: str, model: str) -> Callable:
     """The peer op, hidden from torch.compile: compiled peer models compile everything around it and
     run the op as its library ships it (Inductor re-compiling fla 0.6.0's Triton backward fails on
-    the H100's torch 2.11: a CompilationError in Triton's dot, training_notes.md)."""
+    the H100's torch 2.11: a CompilationError in Triton's dot, benchmarks/results/training.md)."""
     try:
         return torch.compiler.disable(getattr(importlib.import_module(module), name))
     except Exception as error:  # not installed, or one of its own imports (triton, a GPU) fails

@@ -493,7 +493,7 @@ def test_kernel_cuda_graph_capture_and_replay():
 BACKWARD_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
 # grad_A and grad_dt_bias are (H,) sums over every position of products that cancel; in bf16 the
 # kernel's 16-bit copy of the gated output gradient leaves them up to 2.4e-2 off on the H100 (one
-# case of 108; the target is 1e-2: missed, see benchmarks/results/mamba2_notes.md).
+# case of 108; the target is 1e-2: missed, see benchmarks/results/mamba2.md).
 SUMMED_PARAMETER_TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
 

@@ -33,7 +33,7 @@ skips this rule, for benchmarking):
     only when flash refuses the inputs (a mask, as above), and the CPU node is only reached with
     ``any_device`` (no tk kernel there: the CPU suite exercises the rewrite through it);
   * the math decomposition (matmuls and softmax, no fused node) is not matched: Hugging Face BERT
-    on the H100 lowers there and keeps it (benchmarks/results/compile_notes.md).
+    on the H100 lowers there and keeps it (benchmarks/results/compile.md).
 A graph with the partner backward is judged by forward + backward, an inference graph by the
 forward; each figure is the minimum over the measured lengths (N 512..16384, B*N = 16384, causal
 and not), bf16 (fp16 runs the same kernels), tk's backward the default method for the shape

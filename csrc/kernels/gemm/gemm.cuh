@@ -25,7 +25,7 @@ using warpgroup::operand_major;
 // staging = 224 KB of the 227 KB a block may have. Alternatives measured side by side
 // (benchmarks/tune_gemm.py: 3 stages with wider staging, one staging slot, 24/240 registers,
 // raster groups of 4 or 16, TMA boxes of 64 rows, 128 x 128 tiles) were within run-to-run noise
-// of this plan or slower; benchmarks/results/gemm_notes.md has the numbers.
+// of this plan or slower; benchmarks/results/gemm.md has the numbers.
 struct tile_plan {
   static constexpr int block_m = 128;
   static constexpr int block_n = 256;

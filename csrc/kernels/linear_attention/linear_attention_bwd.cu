@@ -569,7 +569,7 @@ cudaError_t run_dkdv(const backward_problem& pr, const workspace_view& w, int gr
 // the features: a half's grad_q and grad_k need only its own columns of q and k (dA and the row
 // statistics do not depend on F), so they are stored straight into their columns, where a 32-column
 // value-block split would write fp32 partials of all 256 features per block and reduce them (ncu:
-// 6.4 GB of partial traffic at B = 8, H = 16, N = 4096; linear_attention_notes.md). grad_v sums over
+// 6.4 GB of partial traffic at B = 8, H = 16, N = 4096; benchmarks/results/linear_attention.md). grad_v sums over
 // the features (A = Q K^T and K R), so the second half's is staged in the workspace and added.
 constexpr int SPLIT_FEATURES = 256;
 constexpr int HALF_FEATURES = SPLIT_FEATURES / 2;
