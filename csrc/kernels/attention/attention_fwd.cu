@@ -181,7 +181,7 @@ struct forward_kernel : forward_plan<D> {
       // Hidden keys as a per-row prefix (key < key_limit(query): 2 integers per thread, compared
       // with each element's key after the S wait). The per-element rule (vis.visible) let ptxas
       // evaluate its 64 predicates ahead of the S wgmma and pack them into bit fields: ~300-470
-      // instructions between taking the issue turn and issuing (attention_notes.md, tenth session).
+      // instructions between taking the issue turn and issuing (benchmarks/results/attention_notes.md).
       warp::mask(s, origin, [&](int query, int key) { return key < vis.key_limit(query); }, hidden);
     }
     row_vector max, offset;
