@@ -1,6 +1,6 @@
 """tk_ops.attention forward and backward against SDPA (cuDNN and flash backends) in the same run.
 
-Shapes (../shared/anchors.md): N from 512 to 16384 with B = 16384 / N, D = 128 with H = 16 and
+Shapes (the attention family's targets): N from 512 to 16384 with B = 16384 / N, D = 128 with H = 16 and
 D = 64 with H = 32, causal and not; GQA (B = 4, Hq = 32, Hkv = 8, N = 4096, D = 128); odd N
 (1000, 4097) at D = 128. TFLOP/s count 4 B H Nq Nk D for the forward (halved when causal) and 2.5x
 that for the backward, which is timed alone (the forward that feeds it runs outside the timing).
@@ -14,7 +14,7 @@ attention.png (benchmarks/common.py's rows; the header names the commit and the 
 
 FlashAttention-4 (flash-attn-4, `flash_attn.cute.flash_attn_func`, its CuTe-DSL kernels; written
 against 4.0.0b36): a baseline only where it imports (on the device: benchmarks/gpu_session.sh
-installs the wheels of ../shared/tools/fa4-wheels.sh); otherwise one line says it is absent and the
+installs the wheels that benchmarks/wheels/fa4.sh downloads); otherwise one line says it is absent and the
 run goes on without its rows. It takes (B, N, H, D) tensors, GQA as fewer K/V heads: the copies into
 that layout are made outside the timing, like the forward that feeds a backward. It compiles each
 kernel configuration on its first call, which every provider makes before it is timed.

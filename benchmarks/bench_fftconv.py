@@ -1,6 +1,6 @@
 """tk_ops.fftconv against torch.fft (rfft of size 2N, multiply, irfft) eager and compiled, in the same run.
 
-Shapes: the anchors' B = 16, H = 768, N = 256 / 1024 / 4096 and B = 4, H = 768, N = 16384, plus
+Shapes: the fftconv family's targets B = 16, H = 768, N = 256 / 1024 / 4096 and B = 4, H = 768, N = 16384, plus
 N = 2048 (B = 16) and N = 8192 (B = 8); bf16 u (or fp32 u with --dtype fp32: the split-operand
 kernels, N <= 8192; N = 16384 runs the reference there and is left out), fp32 filters k (L = N) and
 D. The baseline is the convolution the op computes, written directly in torch.fft: y = irfft(rfft(u,

@@ -8,7 +8,8 @@ fused_chunk_linear_attn. bf16; forward, and forward + backward (the gradients of
 given output gradient). Ours reads (B, H, N, F) tensors, fla (B, N, H, F): each is timed on
 contiguous tensors in its own layout, holding the same values.
 
-Conventions, so that both compute the same numbers (peers.md section 2):
+Conventions, so that both compute the same numbers (derived in the docstrings of tk_ops/ops/based_attention.py
+and linear_attention.py):
   Based    fla: parallel_based(q, k, v, scale=F**-0.5, use_norm=True), which divides by z + 1e-6;
            ours: based_attention(q, k, v, eps=1e-6) (1/sqrt(F) is inside our feature map).
   generic  fla: chunk_linear_attn(q, k, v, scale=1.0, normalize=False)[0] (its default scale

@@ -1,6 +1,6 @@
 """tk_ops.mamba2_ssd against mamba_ssm's Triton SSD (mamba_chunk_scan_combined) in the same run.
 
-Shapes: the Mamba-2 SSD shapes of ../shared/anchors.md, (Bt, L, H, N) = (8, 2048, 80, 128),
+Shapes: the Mamba-2 SSD family's target shapes, (Bt, L, H, N) = (8, 2048, 80, 128),
 (8, 4096, 80, 128), (8, 4096, 32, 64) and (2, 16384, 80, 128), and one 64k-token sequence,
 (1, 65536, 80, 128); P = 64, one group (G = 1); x, B, C bf16, dt, A, D, dt_bias fp32. Forward,
 and forward + backward (the gradients of x, dt, A, B, C, D and dt_bias for a given output
@@ -25,8 +25,8 @@ fwd+bwd of our gradients: the largest) from mamba_ssm's, and the HBM floor: the 
 cross HBM once (forward: x, dt, B, C read and y written; forward + backward adds x, dt, B, C and
 the output gradient read and their gradients written) over the device-to-device copy bandwidth
 measured in the run, with each side's fraction of it. Writes benchmarks/results/mamba2.json after
-every shape and mamba2.png at the end (and both into --out). Until its kernel lands, our backward
-is the PyTorch reference (the header's ours_backends says which).
+every shape and mamba2.png at the end (and both into --out). The header's ours_backends says what
+served our forward and backward (the CUDA kernels, or the PyTorch reference in a build without them).
 
 mamba_ssm (the carried .baselines, see gpu_session.sh) runs in a worker process, one request per
 row: a call that fails or kills the worker costs only its row (the worker leaves after a failure;
@@ -35,7 +35,7 @@ measured. The worker keeps Triton's autotuning results on disk (TRITON_CACHE_AUT
 worker tunes again only the kernels whose configurations have hooks, which Triton does not cache.
 mamba_ssm's first call at each chunk size and (H, N) compiles and autotunes its Triton kernels
 (about 130 configurations for the forward and backward): on a cold Triton cache that is most of
-the run, an estimated 3 to 4 of about 5 minutes on the H100 (not yet measured; the log prints each
+the run, an estimated 3 to 4 of about 5 minutes on the H100 (an estimate; the log prints each
 first call's seconds). --chunks 256 or --pass fwd cut it.
 
   python3 -m benchmarks.bench_mamba2 [--out DIR] [--pass fwd|fwd+bwd] [--chunks C [C ...]]
@@ -116,8 +116,8 @@ class Shape:
 
 
 ANCHOR_SHAPES = (Shape(8, 2048, 80, 128), Shape(8, 4096, 80, 128), Shape(8, 4096, 32, 64), Shape(2, 16384, 80, 128))
-# 64k tokens at the anchors' largest H and N (Mamba-2 2.7B's mixer); batch 1, because our PyTorch
-# backward peaks at about 60 GB there at chunk 256 (45 GB at 64; extrapolated from the CPU).
+# The target shapes (ANCHOR_SHAPES), then 64k tokens in one sequence at their largest H and N (Mamba-2
+# 2.7B's mixer): the long-context case, 80 (batch, head) sequences for 132 SMs.
 SHAPES = ANCHOR_SHAPES + (Shape(1, 65536, 80, 128),)
 # --dry-run: sizes a CPU runs in a moment, one with L a multiple of no chunk size
 DRY_RUN_SHAPES = (Shape(1, 128, 2, 16), Shape(2, 80, 3, 8))
@@ -436,7 +436,7 @@ def benchmark(args: argparse.Namespace, shapes: tuple[Shape, ...], device, copy_
 # ---------------------------------------------------------------------------------- correctness
 
 CHECK_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3}  # y and final states; gradients 2x
-TARGET_REL_ERR = 1e-2  # issue 15's goal for the relative error against float64 (reported, not the gate)
+TARGET_REL_ERR = 1e-2  # the family's goal for the relative error against float64 (reported, not the gate)
 # forward + backward cases: (N, chunk_size, L, gated, D per channel (H, P) rather than per head)
 BACKWARD_CASES = ((64, 64, 333, True, False), (128, 128, 200, True, True), (128, 256, 333, False, True))
 GRADIENT_INPUTS = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")

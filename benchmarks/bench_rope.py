@@ -1,7 +1,7 @@
 """tk_ops.rope_qk / tk_ops.rope against Hugging Face's rotate_half formula (eager and torch.compile)
 and Liger's rope kernel, all in the same run.
 
-Cases: the anchor (Llama GQA: q (8, 32, 4096, 128), k (8, 8, 4096, 128), bf16, HF (1, N, D) tables)
+Cases: the target case (Llama GQA: q (8, 32, 4096, 128), k (8, 8, 4096, 128), bf16, HF (1, N, D) tables)
 with q and k stored (B, H, N, D) and as the (B, N, H, D) projection view, multi-head D = 64, partial
 rotary (D = 80, R = 32, fp16), GPT-J interleaved (D = 256, R = 64) and a single tensor. Forward and
 forward + backward (the gradients through the autograd of each implementation). Liger runs on its

@@ -73,7 +73,7 @@ FAMILIES = (
         Profile("mamba2_ssd_fwd_n128_l4096", "mamba2::.*forward_kernel", 1),
         # the block states, the reverse sweep, then grad_B and grad_C summed over the heads of a group
         Profile("mamba2_ssd_bwd_n128_l4096", "mamba2::.*(states_kernel|backward_kernel|reduce_kernel)", 3),
-        # the long-sequence anchor (B = 2, L = 16384, H = 80), where fwd+bwd is at parity with mamba_ssm
+        # the longest target shape (B = 2, L = 16384, H = 80), where fwd+bwd is at parity with mamba_ssm
         Profile("mamba2_ssd_fwd_n128_l16384", "mamba2::.*(forward_kernel|segment_ends_kernel|segment_scan_kernel)", 3),
         Profile("mamba2_ssd_bwd_n128_l16384", "mamba2::.*(states_kernel|backward_kernel|reduce_kernel)", 3),
     )),

@@ -31,12 +31,17 @@
 # The device copy has no .git: pass the tree's commit and dirty flag as TK_OPS_COMMIT / TK_OPS_DIRTY
 # for the results files (benchmarks/common.py environment()); the baseline's comes from .ab/baseline/COMMIT.
 #
-# FlashAttention-4 (bench_attention's fa4 rows): ../shared/tools/fa4-wheels.sh .fa4 writes its wheels
-# as two halves, .fa4/a and .fa4/b, each under the 64 MiB a device call carries. Carry .fa4/a in one
-# call and .fa4/b in the next while the machine is still warm (30 s after a call). Every call copies the halves it finds into /tmp/fa4stage (outside the tree); once both
-# are there it joins the split wheel and installs everything into /tmp/fa4site, once (a later call,
-# or a second half carried again, finds the install and skips it; a changed stage installs afresh),
-# puts it on PYTHONPATH and says whether `flash_attn.cute` imports (env.log, "FA4: ..." lines).
+# Peer packages, downloaded on this side (the device has no network) into ignored folders and named
+# in the device call's carry list:
+#   .baselines   benchmarks/wheels/baselines.sh: fla-core, liger-kernel, mamba_ssm's Triton SSD
+#                (bench_linear_attention, bench_norms, bench_rope, bench_mamba2, bench_training)
+#   .fa4         benchmarks/wheels/fa4.sh: FlashAttention-4 (bench_attention's fa4 rows)
+# .fa4 comes as two halves, .fa4/a and .fa4/b, each small enough for one device call with the tree.
+# Carry .fa4/a in one call and .fa4/b in the next while the machine is still warm. Every call copies
+# the halves it finds into /tmp/fa4stage (outside the tree); once both are there it joins the split
+# wheel and installs everything into /tmp/fa4site, once (a later call, or a second half carried
+# again, finds the install and skips it; a changed stage installs afresh), puts it on PYTHONPATH and
+# says whether `flash_attn.cute` imports (env.log, "FA4: ..." lines).
 #
 # A/B against a commit (run `benchmarks/ab_prepare.sh REV` first, carry .ab): baseline and new runs
 # alternate, so that each side's spread shows the noise, e.g.
@@ -55,8 +60,8 @@ parts=("$@")
 # The image's /opt/gcc wrappers make every C++ exception thrown from an extension segfault.
 export CC=/usr/bin/gcc CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++
 export PYTHONUNBUFFERED=1
-# Peer packages for the baselines (Liger, fla, mamba_ssm's Triton SSD), when the call carries them:
-# see ../shared/tools/baseline-wheels.sh; name .baselines in the device call's carry list.
+# Peer packages for the baselines (Liger, fla, mamba_ssm's Triton SSD), when the call carries
+# .baselines (benchmarks/wheels/baselines.sh).
 if [ -d .baselines ]; then
   python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .baselines/*.whl > /dev/null 2>&1
   export PYTHONPATH=/tmp/site:$PWD/.baselines/site${PYTHONPATH:+:$PYTHONPATH}
@@ -66,7 +71,7 @@ declare -A runs=()  # TREE-NAME -> how many runs of bench_NAME on that tree so f
 
 # fa4_setup: FlashAttention-4 from the halves of .fa4 (see the header), into FA4_SITE, on PYTHONPATH.
 FA4_STAGE=/tmp/fa4stage FA4_SITE=/tmp/fa4site
-FA4_JOINED=nvidia_cutlass_dsl_libs_cu13-4.7.0-cp312-cp312-manylinux_2_28_x86_64.whl  # what fa4-wheels.sh split
+FA4_JOINED=nvidia_cutlass_dsl_libs_cu13-4.7.0-cp312-cp312-manylinux_2_28_x86_64.whl  # what benchmarks/wheels/fa4.sh split
 fa4_setup() {
   local half signature
   for half in a b; do

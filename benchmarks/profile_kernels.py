@@ -145,12 +145,12 @@ CASES = {
     "linear_attention_bwd_f256_n4096": lambda: linear_attention(8, 16, 4096, 256, 64, backward=True),
     # one stage and two blocks an SM at N = 128 (one (batch, head) per block)
     "mamba2_ssd_fwd_n128_l4096": lambda: mamba2_ssd(4, 4096, 32, 1, 128, 256),
-    # the anchors' shape: 8 warps a block, one pair of sequences at a time
+    # bench_fftconv's N = 4096 target: 8 warps a block, one pair of sequences at a time
     "fftconv_fwd_n4096": lambda: fftconv(16, 768, 4096),
     "fftconv_bwd_n4096": lambda: fftconv(16, 768, 4096, backward=True),
     # one stage and one block an SM at N = 128; grad_B and grad_C summed over 32 heads per group
     "mamba2_ssd_bwd_n128_l4096": lambda: mamba2_ssd_backward(4, 4096, 32, 1, 128, 256),
-    # bench_mamba2's long anchor: 160 (batch, head) chains for 132 SMs
+    # bench_mamba2's longest target shape: 160 (batch, head) chains for 132 SMs
     "mamba2_ssd_fwd_n128_l16384": lambda: mamba2_ssd(2, 16384, 80, 1, 128, 256),
     "mamba2_ssd_bwd_n128_l16384": lambda: mamba2_ssd_backward(2, 16384, 80, 1, 128, 256),
     # one warp per row at 1024, four at 4096 (benchmarks/results/norms.md compares the two)

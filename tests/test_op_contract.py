@@ -1,4 +1,4 @@
-"""The contract every tk op keeps (../shared/API.md), checked op by op over the table of tests/op_db.py:
+"""The contract every tk op keeps (docs/API.md), checked op by op over the table of tests/op_db.py:
 opcheck on the CPU and, in every dtype the kernels serve, on the GPU; torch.compile(fullgraph=True) with the
 tk forward and backward ops in the generated code; torch.export; bad inputs and device mismatches raise
 errors that name the argument. The numerics are in tests/test_<op>.py."""

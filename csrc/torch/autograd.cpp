@@ -10,7 +10,7 @@
 // same outputs without a gradient, materialize_grads, needs_input_grad taken when the forward runs
 // (as a Python autograd.Function does), the same backward op calls and output masks. Forward and
 // backward call the tk ops through the dispatcher, so fake tensors, torch.compile, export, opcheck
-// and compiled autograd see the same tk ops as before. (The norms' Functions return only the
+// and compiled autograd see the same tk ops as with the Python autograd. (The norms' Functions return only the
 // differentiable outputs, the rest beside them: see "norms" below; so do linear/Based attention and
 // mamba2_ssd.)
 //

@@ -1,5 +1,5 @@
 // The eager fast path of tk_ops.layer_norm and tk_ops.rms_norm in C++: the checks of a plain call
-// done once here, and the fallback decision made without Python (issue 19).
+// done once here, and the fallback decision made without Python.
 //
 // The public functions (tk_ops/ops/layer_norm.py, rms_norm.py) call these entries first when not
 // under torch.compile. An entry takes the public function's arguments and decides whether the call
@@ -10,7 +10,7 @@
 // nn.Parameter objects, no TorchFunctionMode). A plain call does what the Python function does on
 // that path (unit_last_stride, the op call, h as a copy of x when the op does not materialise it)
 // and returns out or (out, h); any other call returns None, and the Python function runs its own
-// checks (their errors, warnings and fallbacks) exactly as before. The op is called through the
+// checks (their errors, warnings and fallbacks) as it would without this entry. The op is called through the
 // dispatcher, so its autograd (the C++ one at AutogradCUDA), dispatch modes, the profiler and CUDA
 // graph capture see the call the Python function would make.
 //

@@ -129,7 +129,7 @@ const int64_t* seed_pointer(const optional_tensor& seed, double dropout_p) {
 // taken from the CUDA caching allocator directly (at::detail::empty_cuda, what at::empty's CUDA kernel
 // calls), which saves the dispatcher's hops (BackendSelect, then CUDA) on every output of every call.
 // With torch.use_deterministic_algorithms and fill_uninitialized_memory on, at::empty fills fresh
-// memory with NaN: then the dispatched at::empty runs, so that the fill happens as before.
+// memory with NaN: then the dispatched at::empty runs, so that the fill happens as torch does it.
 at::Tensor new_tensor(at::IntArrayRef sizes, at::ScalarType dtype, const at::Tensor& like) {
   const at::Context& context = at::globalContext();
   if (context.deterministicAlgorithms() && context.deterministicFillUninitializedMemory()) {

@@ -27,8 +27,8 @@ applies softplus itself; any other limit computes ``clamp(softplus(dt + dt_bias)
 torch first (as HF's torch path does) and hands the op that step.
 
 Attention mask: a 2D (B, L) padding mask (1 keeps, 0 pads), as HF's torch path uses it: the input
-rows and the conv output (x, B, C) at padded positions are zeroed (mamba issue #66), so padding
-(left padding in particular) adds nothing to the state. ``None`` skips the masking.
+rows and the conv output (x, B, C) at padded positions are zeroed, so padding (left padding in
+particular) adds nothing to the state. ``None`` skips the masking.
 
 Differences from HF's torch path, all at rounding level: HF computes its SSD and its norm in fp32
 whatever the model dtype (fp64 included); here fp64 models compute in fp64, and in bf16/fp16 the
@@ -39,8 +39,8 @@ Cache: ``forward`` computes full sequences only; a ``cache_params`` raises NotIm
 (no prefill, no single-step decode). ``tk_ops.transformers.apply_tk_kernels_to_mamba2`` patches HF's
 own mixer, which does handle caches (prefill through the tk ops, decode steps through HF's code).
 
-Today no SSD or conv1d kernel exists: both ops (and tk.rms_norm off Hopper) run their PyTorch
-references on every device.
+On Hopper, tk.causal_conv1d, tk.mamba2_ssd and tk.rms_norm run their CUDA kernels for the inputs
+each op's docstring lists; other inputs, and other devices, run their PyTorch references.
 """
 
 from __future__ import annotations

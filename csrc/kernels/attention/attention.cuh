@@ -51,7 +51,7 @@ constexpr float NEG_INF = -INFINITY;
 // Each consumer warpgroup owns 64 rows of a wgmma.
 //   two consumers    2 x 240 + 24 (the producer: one thread issuing TMA)
 //   three consumers  3 x 160 + 24: 160 is the most three consumers can take (3 x 168 + 8 > 512);
-//                    the producer keeps what it uses today
+//                    the producer keeps the 24 it needs in either split
 // (tk::pipeline checks each split against the register file where a kernel is instantiated.)
 template <int CONSUMERS, int CONSUMER_REGISTERS>
 struct register_split {
@@ -64,12 +64,12 @@ using two_consumer_split = register_split<2, 240>;
 using three_consumer_split = register_split<3, 160>;
 
 // Every backward kernel, and the forward at D = 128: two consumer warpgroups. The stage counts (2 at
-// D = 128, 3 at D = 64 in the forward and dK/dV kernels; 2 in dQ) are the hand-picked values the
-// kernels were first measured with, not re-tuned since (the attention speed issue sweeps them).
+// D = 128, 3 at D = 64 in the forward and dK/dV kernels; 2 in dQ) are hand-picked and not swept
+// (an open tuning knob).
 using attention_plan = two_consumer_split;
 
 // The forward's tiles per head dim. D = 128: 128 query rows (two consumers) x 128 keys. D = 64:
-// 192 query rows (three consumers) x 128 keys, FlashAttention-3's hdim-64 tile (issue 17): at D = 64
+// 192 query rows (three consumers) x 128 keys, FlashAttention-3's hdim-64 tile: at D = 64
 // a key block's tensor work per query row is half that of D = 128 while its softmax work is the
 // same, so each block's fixed costs (its Q load and pipeline fill, the epilogue, the K/V traffic
 // per query row) weigh more; a third consumer takes 1.5x the rows per task and per K/V load, and

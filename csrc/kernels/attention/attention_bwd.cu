@@ -623,11 +623,11 @@ int64_t statistics_floats(const backward_problem& pr) {
 }
 
 // The one-pass method's fixed cost (zeroing, then converting, an fp32 copy of dq) pays off only
-// against enough score work per query row. At D = 128, measured on the H100 at c43da1e
-// (benchmarks/results/attention.md), one-pass / recompute time: 0.91-0.98x from Nk = 4096, 0.98-1.21x
-// below. At D = 64, whose dK/dV steps take 128 queries since e68d536 (the recompute kernel's dq steps
-// did not change), one-pass is the faster at every length measured there: 0.94-0.97x at Nk = 512-1024,
-// 0.90-0.91x at 2048, 0.84-0.86x from 4096, causal or not (measured at e68d536).
+// against enough score work per query row. One-pass / recompute time measured on the H100
+// (benchmarks/results/attention.md): at D = 128, 0.91-0.98x from Nk = 4096 and 0.98-1.21x
+// below. At D = 64, whose dK/dV steps take 128 queries (twice D = 128's: half the share of fixed costs),
+// one-pass is the faster at every length measured: 0.94-0.97x at Nk = 512-1024, 0.90-0.91x at
+// 2048, 0.84-0.86x from 4096, causal or not.
 constexpr int64_t ONE_PASS_MIN_KEYS = 4096;
 constexpr int ONE_PASS_ALWAYS_HEAD_DIM = 64;
 

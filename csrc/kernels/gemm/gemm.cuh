@@ -247,7 +247,7 @@ double estimated_steps(const problem& p, int sms) {
 // True where narrow tiles are expected to finish first: problems whose 128 x 256 tiles leave most
 // SMs idle. Ties stay on the default plan. Of the Llama-3.2-1B training products only the K and V
 // weight gradients (32 tiles) take narrow tiles; the others (128 to 4096 tiles, rounds 97% occupied
-// on 132 SMs) keep the default plan, whose kernels are unchanged.
+// on 132 SMs) keep the default plan.
 inline bool faster_with_narrow_tiles(const problem& p, int sms) {
   return estimated_steps<narrow_tile_plan>(p, sms) < estimated_steps<tile_plan>(p, sms);
 }

@@ -55,8 +55,8 @@
 // predicted one wins (1: one pass). The extra traffic of the split is one more read of x (and B) by
 // the states pass; the scan moves Bt H segments states, a few percent of chunk_states here.
 //
-// Predicted at chunk 256 (mamba_ssm measured 0.774 / 1.691 / 0.879 / 1.671 / 3.731 ms; ours before
-// this change 0.371 / 0.722 / 0.223 / 0.942 / 2.982 ms):
+// Predicted at chunk 256 (mamba_ssm measured 0.774 / 1.691 / 0.879 / 1.671 / 3.731 ms; ours measured
+// with one head a block 0.371 / 0.722 / 0.223 / 0.942 / 2.982 ms):
 //                       segments   one head a block    two heads a block (block 3.8 -> 2.8 us)
 //   (8, 2048, 80, 128)     1        0.376 ms (2.1x)     0.28 ms (2.8x)
 //   (8, 4096, 80, 128)     1        0.741 ms (2.3x)     0.55 ms (3.1x)
