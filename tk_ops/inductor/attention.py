@@ -20,27 +20,27 @@ group) expects: our per-group gradient in the first copy of the group, zeros in 
 sum is exact.
 
 An exact node is rewritten only where tk measured at least as fast as the backend SDPA lowered it
-to (``SPEEDUP_OVER_BACKEND``, from one H100 run; ``RewriteOptions.always_rewrite_attention``
+to (``SPEEDUP_OVER_BACKEND``, from one H200 run; ``RewriteOptions.always_rewrite_attention``
 skips this rule, for benchmarking):
-  * flash (FA2): tk is 1.13-1.71x in the forward, 1.49-2.26x forward + backward: rewritten;
-  * cuDNN: without a mask tk is 0.64-0.87x in the forward and 0.92-0.95x forward + backward at
+  * flash (FA2): tk is 1.12-1.95x in the forward, 1.45-2.33x forward + backward: rewritten;
+  * cuDNN: without a mask tk is 0.63-0.79x in the forward and 0.90-0.91x forward + backward at
     the worst lengths: kept. With a constant mask proven causal cuDNN reads the bias and computes
     every block while tk runs its causal kernel: cuDNN's non-causal time, a lower bound for the
-    masked run, is at least 1.17x tk's causal forward + backward (rewritten in training graphs),
+    masked run, is at least 1.16x tk's causal forward + backward (rewritten in training graphs),
     and in the forward alone 1.07x at head dim 128 (rewritten in inference graphs too) but 0.85x
     at 64 (N = 512; kept there);
   * efficient, and the CPU flash node: not measured; rewritten. SDPA picks efficient over flash
     only when flash refuses the inputs (a mask, as above), and the CPU node is only reached with
     ``any_device`` (no tk kernel there: the CPU suite exercises the rewrite through it);
   * the math decomposition (matmuls and softmax, no fused node) is not matched: Hugging Face BERT
-    on the H100 lowers there and keeps it (benchmarks/results/compile.md).
+    lowers there and keeps it (benchmarks/results/compile.md).
 A graph with the partner backward is judged by forward + backward, an inference graph by the
 forward; each figure is the minimum over the measured lengths (N 512..16384, B*N = 16384, causal
 and not), bf16 (fp16 runs the same kernels), tk's backward the default method for the shape
-(``deterministic=True``'s recompute method gives the same decisions: 0.87x and 1.17x where the
-default gives 0.95x and 1.17x at head dim 64). GQA (32 query / 8 key-value heads, N = 4096,
-D = 128) measured as MHA does: against cuDNN 1.01x forward + backward causal or not, against FA2
-1.7x; it is judged as MHA.
+(``deterministic=True``'s recompute method gives the same decisions: 0.88x and 1.06x where the
+default gives 0.90x and 1.16x at head dim 64). GQA (32 query / 8 key-value heads, N = 4096,
+D = 128) measured as MHA does: against cuDNN 1.01-1.04x forward + backward causal or not, against
+FA2 1.8x; it is judged as MHA.
 
 Which fused node a graph holds, and so what the rule decides, follows torch's SDPA backend settings
 at compile time (``sdpa_kernel``, ``torch.backends.cuda.enable_*_sdp``), which the FX graph and
@@ -101,20 +101,20 @@ class Speedup:
 
 SPEEDUP_MEASURED_IN = "benchmarks/results/attention.json"
 # (backend forward node, head dim, the node's mask is a constant that tk runs as causal) -> Speedup,
-# from the "grid" rows of SPEEDUP_MEASURED_IN (bench_attention at 206ce48; passes "fwd" and "bwd",
+# from the "grid" rows of SPEEDUP_MEASURED_IN (bench_attention on the H200 at b80f2f8; passes "fwd" and "bwd",
 # tk's default backward; baselines sdpa_cudnn and sdpa_flash, tk's time from the same row as the
 # backend's). With a causal constant mask the backend's non-causal time stands for its masked run
 # (a lower bound: it computes every block and reads the bias besides) against tk's causal time. Backends absent from the table were not
 # measured and are rewritten. tests/test_inductor.py recomputes the table from the file.
 SPEEDUP_OVER_BACKEND = {
-    (aten._scaled_dot_product_cudnn_attention.default, 128, False): Speedup(0.87, 0.92),
-    (aten._scaled_dot_product_cudnn_attention.default, 128, True): Speedup(1.07, 1.33),
-    (aten._scaled_dot_product_cudnn_attention.default, 64, False): Speedup(0.64, 0.95),
-    (aten._scaled_dot_product_cudnn_attention.default, 64, True): Speedup(0.85, 1.17),
-    (aten._scaled_dot_product_flash_attention.default, 128, False): Speedup(1.52, 1.67),
-    (aten._scaled_dot_product_flash_attention.default, 128, True): Speedup(1.71, 2.26),
-    (aten._scaled_dot_product_flash_attention.default, 64, False): Speedup(1.13, 1.49),
-    (aten._scaled_dot_product_flash_attention.default, 64, True): Speedup(1.35, 1.82),
+    (aten._scaled_dot_product_cudnn_attention.default, 128, False): Speedup(0.79, 0.91),
+    (aten._scaled_dot_product_cudnn_attention.default, 128, True): Speedup(1.07, 1.26),
+    (aten._scaled_dot_product_cudnn_attention.default, 64, False): Speedup(0.63, 0.90),
+    (aten._scaled_dot_product_cudnn_attention.default, 64, True): Speedup(0.85, 1.16),
+    (aten._scaled_dot_product_flash_attention.default, 128, False): Speedup(1.54, 1.70),
+    (aten._scaled_dot_product_flash_attention.default, 128, True): Speedup(1.95, 2.33),
+    (aten._scaled_dot_product_flash_attention.default, 64, False): Speedup(1.12, 1.45),
+    (aten._scaled_dot_product_flash_attention.default, 64, True): Speedup(1.23, 1.80),
 }
 _MEASURED_BACKENDS = {forward for forward, _, _ in SPEEDUP_OVER_BACKEND}
 
