@@ -25,7 +25,8 @@
 #   sass           HGMMA / UTMALDG / spill counts of the built kernels
 #   fa4            nothing more than the FA4 setup every call makes (below): a call that only brings
 #                  .fa4/a, or says whether FA4 is installed
-# Run from the repository root. At most 8 files come back from OUT_DIR: one log per part, and
+# Run from the repository root. At most 8 files come back from OUT_DIR: one log per kind of part (every
+# bench in bench.log, every tuning in tune.log, so that tests.log and sanitize.log are never crowded out), and
 # OUT_DIR/results.tar.gz, the folder results/ of every JSON and plot the benches wrote, packed again
 # after each bench (the folder itself lies outside OUT_DIR, so a call cut short still brings it back).
 # The device copy has no .git: pass the tree's commit and dirty flag as TK_OPS_COMMIT / TK_OPS_DIRTY
@@ -225,7 +226,7 @@ for part in "${parts[@]}"; do
         (cd "$root" &&
           PYTHONPATH=$root${PYTHONPATH:+:$PYTHONPATH} TK_OPS_COMMIT=$commit TK_OPS_DIRTY=$dirty \
             python3 -m benchmarks.bench_"$name" --out "$RESULTS_ROOT/$results" "${extra[@]}"); } 2>&1 |
-        tee -a "$OUT/bench_$name.log" || status=1
+        tee -a "$OUT/bench.log" || status=1
       pack_results || status=1
       ;;
     compare:*)
@@ -242,7 +243,7 @@ for part in "${parts[@]}"; do
       ;;
     tune:*)
       name=${part#tune:}
-      { section "tuning $name"; python3 -m benchmarks.tune_"$name"; } 2>&1 | tee -a "$OUT/tune_$name.log" || status=1
+      { section "tuning $name"; python3 -m benchmarks.tune_"$name"; } 2>&1 | tee -a "$OUT/tune.log" || status=1
       ;;
     sass)
       { section "SASS of tk_ops._C"
