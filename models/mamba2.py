@@ -9,6 +9,11 @@
 Hugging Face (``residual_in_fp32``), the residual stream stays fp32 under autocast. Full sequences
 only: no cache, no padding mask.
 
+The gated norm normalises per group of intermediate_size // n_groups channels, as mamba_ssm does and
+as Hugging Face does from transformers 5.23. Before 5.23 Hugging Face's normalises over all
+intermediate channels whatever n_groups: with n_groups > 1 those releases compute other logits from
+the same weights (n_groups = 1, the default here, is the same in every release).
+
 ``config.reference=True`` runs the same parameters on standard PyTorch ops: the projections,
 ``F.conv1d``, the SSD by chunks (within a chunk its quadratic form, between chunks the state
 recurrence, in fp32), the gated RMSNorm in fp32. ``config.peer=True`` (with reference=True) runs the

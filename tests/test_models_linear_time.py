@@ -2,21 +2,28 @@
 (on CPU the tk ops run their references, so this checks the wiring) and against the peer path (on
 CPU with fakes of fla and mamba_ssm, tests/fake_peers; torch.fft for Hyena), the FLOP counts, and
 Mamba-2 against Hugging Face's Mamba2ForCausalLM (a tiny random one built from a config; skips
-without transformers)."""
+without transformers).
+
+HF's gated norm normalises per group of intermediate_size // n_groups channels, as models.mamba2
+(and mamba_ssm) do, only from transformers 5.23; before, over all intermediate channels whatever
+n_groups. On those releases the comparisons with n_groups > 1 give HF's norms the per-group
+normalisation (``per_group_hf_norms``) and check that without it the logits differ."""
 
 from __future__ import annotations
 
 import sys
+import types
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import tk_ops
 from models import peers
 from models.based import BasedConfig, BasedForCausalLM
 from models.hyena import HyenaConfig, HyenaForCausalLM
 from models.mamba2 import Mamba2Config, Mamba2ForCausalLM
-from tk_testing import RecordTkCalls, assert_rel_close, requires_cuda
+from tk_testing import RecordTkCalls, assert_rel_close, hf_gated_norm_per_group, rel_err, requires_cuda
 
 try:
     import transformers
@@ -264,6 +271,29 @@ def randomize_ssm_parameters(model: torch.nn.Module) -> None:
             p.copy_(1 + 0.2 * torch.randn_like(p))
 
 
+def per_group_hf_norms(hf: torch.nn.Module, ours: torch.nn.Module, ids: torch.Tensor) -> None:
+    """transformers < 5.23 with n_groups > 1: HF's gated norms normalise over all intermediate channels, so
+    its logits differ from ours; they are given the per-group normalisation of 5.23 and later (and of
+    models.mamba2), in fp32 as HF's, so that the rest can be compared. A no-op where HF already does so."""
+    from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer as HFMamba2Mixer
+
+    mixers = [m for m in hf.modules() if isinstance(m, HFMamba2Mixer)]
+    if hf_gated_norm_per_group() or mixers[0].n_groups == 1:
+        return
+    with torch.no_grad():
+        assert rel_err(ours(ids), hf(ids).logits) > 1e-3, "HF's norm before 5.23 should differ from ours"
+
+    def per_group(norm, hidden_states, gate=None):
+        h = hidden_states.float() * F.silu(gate.float())
+        groups = h.unflatten(-1, (norm.n_groups, -1))
+        groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+        return norm.weight * groups.flatten(-2).to(hidden_states.dtype)
+
+    for mixer in mixers:
+        mixer.norm.n_groups = mixer.n_groups
+        mixer.norm.forward = types.MethodType(per_group, mixer.norm)
+
+
 @pytest.mark.skipif(transformers is None, reason="needs transformers (pip install transformers)")
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 @pytest.mark.parametrize("reference", [False, True], ids=["tk", "reference"])
@@ -277,6 +307,7 @@ def test_mamba2_loads_hf_state_dict_and_matches_logits(tied, reference):
     assert {k: v.shape for k, v in ours.state_dict().items()} == {k: v.shape for k, v in hf_state.items()}
     ours.load_state_dict(hf_state)
     ids = torch.randint(0, VOCAB, (BATCH, 21))
+    per_group_hf_norms(hf, ours, ids)
     with torch.no_grad():
         assert_rel_close(ours(ids), hf(ids).logits, 1e-5, "logits")
 
@@ -288,6 +319,7 @@ def test_mamba2_state_dict_loads_into_hf():
     hf = transformers.Mamba2ForCausalLM(transformers.Mamba2Config(**ours.config.to_hf_dict())).eval()
     hf.load_state_dict(ours.state_dict())
     ids = tokens()
+    per_group_hf_norms(hf, ours, ids)
     with torch.no_grad():
         assert_rel_close(ours(ids), hf(ids).logits, 1e-5, "logits")
     assert Mamba2Config.from_hf(hf.config) == ours.config

@@ -6,6 +6,13 @@ by float64 equivalents written here (a sequential, step-by-step scan: an algorit
 the chunked one in tk.mamba2_ssd, and the gated norm without the fp32 cast); everything else
 (projections, conv, masking, splits, the order of operations) is HF's own code. The unmodified HF
 path is compared in float32 (and float64) within fp32 tolerances.
+
+The tests run on whatever transformers is installed (CI: both ends of tk_ops.transformers'
+SUPPORTED_TRANSFORMERS). Where releases differ they follow each one's own semantics, known here from
+the release number rather than read the way tk_ops reads them: HF's gated norm normalises per group
+of I / n_groups channels from 5.23 and over all I channels before (``hf_gated_norm_per_group``).
+tk_ops.nn.Mamba2Mixer normalises per group (mamba_ssm's); compared with an older HF mixer it is
+given HF's single group (``tk_copy``), so that the comparison checks everything else.
 """
 
 from __future__ import annotations
@@ -21,9 +28,17 @@ from transformers import Mamba2Config, Mamba2ForCausalLM  # noqa: E402
 from transformers.models.mamba2 import modeling_mamba2 as hf  # noqa: E402
 
 import tk_ops  # noqa: E402
+import tk_ops.nn.mamba2 as tk_mamba2  # noqa: E402
 import tk_ops.transformers as tk_transformers  # noqa: E402
 from tk_ops.nn import Mamba2Mixer  # noqa: E402
-from tk_testing import RecordTkCalls, assert_rel_close, check_compile_fullgraph, parametrize_with_ids  # noqa: E402
+from tk_testing import (  # noqa: E402
+    RecordTkCalls,
+    assert_rel_close,
+    check_compile_fullgraph,
+    hf_gated_norm_per_group,
+    parametrize_with_ids,
+    rel_err,
+)
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -59,9 +74,17 @@ def hf_mixer(config: Mamba2Config, dtype=torch.float64) -> hf.Mamba2Mixer:
     return mixer
 
 
+def hf_norm_group_size(config: Mamba2Config) -> int:
+    """The channels HF's gated norm normalises together in the installed release."""
+    intermediate = config.expand * config.hidden_size
+    return intermediate // config.n_groups if hf_gated_norm_per_group() else intermediate
+
+
 def tk_copy(reference: hf.Mamba2Mixer, config: Mamba2Config) -> Mamba2Mixer:
+    """tk_ops.nn.Mamba2Mixer with the reference's parameters and its norm grouping (see the module docstring)."""
     mixer = Mamba2Mixer.from_config(config, layer_idx=0).to(next(reference.parameters()).dtype)
     mixer.load_state_dict(reference.state_dict(), strict=True)
+    mixer.norm.group_size = hf_norm_group_size(config)
     return mixer
 
 
@@ -103,7 +126,8 @@ def exact_hf(monkeypatch, mixers) -> None:
 
     def gated_norm(self, hidden_states, gate=None):
         h = hidden_states * F.silu(gate)
-        groups = h.unflatten(-1, (-1, self.group_size))
+        group_size = self.group_size if hf_gated_norm_per_group() else h.shape[-1]
+        groups = h.unflatten(-1, (-1, group_size))
         groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         return self.weight * groups.flatten(-2)
 
@@ -161,7 +185,14 @@ def test_constructor_mirrors_hf_attributes():
                  "layer_norm_epsilon", "layer_idx"):
         assert getattr(mixer, name) == getattr(reference, name), name
     assert tuple(mixer.time_step_limit) == tuple(reference.time_step_limit)
-    assert mixer.norm.group_size == reference.norm.group_size and mixer.norm.variance_epsilon == 1e-4
+    # mamba_ssm's grouping, which HF's gated norm has from transformers 5.23 (before: no group_size, one group)
+    assert mixer.norm.group_size == mixer.intermediate_size // 2
+    if hf_gated_norm_per_group():
+        assert reference.norm.group_size == mixer.norm.group_size
+    else:
+        assert not hasattr(reference.norm, "group_size")
+    assert tk_mamba2.gated_norm_group_size(reference.norm) == hf_norm_group_size(config)
+    assert mixer.norm.variance_epsilon == reference.norm.variance_epsilon == 1e-4
     # HF's initialisation of the SSM parameters.
     assert torch.equal(mixer.A_log, torch.log(torch.arange(1.0, HEADS + 1)))
     assert torch.equal(mixer.D, torch.ones(HEADS))
@@ -257,11 +288,13 @@ def test_calls_the_tk_ops():
     assert x_conv.stride(1) == 1 and x_conv.shape[1] == mixer.conv_dim
 
 
-def test_cache_is_refused():
+@pytest.mark.parametrize("name", ["cache_params", "cache"])
+def test_cache_is_refused(name):
+    """Under either of HF's names for the mixer's cache argument (``cache`` from transformers 5.24)."""
     config = tiny_config()
     mixer = Mamba2Mixer.from_config(config, layer_idx=0)
     with pytest.raises(NotImplementedError, match="full sequences"):
-        mixer(torch.randn(1, 4, HIDDEN), cache_params=transformers.DynamicCache(config=config))
+        mixer(torch.randn(1, 4, HIDDEN), **{name: transformers.DynamicCache(config=config)})
 
 
 def test_compile_fullgraph():
@@ -334,6 +367,56 @@ def test_switch_matches_unpatched_model_float64(unpatched, monkeypatch):
         assert_rel_close(grad, expected_grads[name], 1e-9, f"grad of {name}")
 
 
+def test_switch_matches_hf_torch_path_float64(unpatched, monkeypatch):
+    """Issue 30's case: forward and backward through the switched Hugging Face model in float64 against HF's
+    own, unmodified torch path (which runs its SSD and gated norm in fp32, hence fp32-level tolerances), with
+    2 norm groups and left padding, on the installed transformers. On 5.17 the switch read the gated norm's
+    ``group_size``, which only 5.23 and later have (AttributeError at the first forward). The grouping the
+    switch must use differs between releases; with the other one the logits are far outside the tolerance."""
+    model = tiny_model(torch.float64, residual_in_fp32=False)
+    input_ids = torch.randint(0, 64, (3, 21))
+    mask = left_padding_mask(3, 21)
+    expected_logits, expected_grads = logits_and_grads(model, input_ids, mask)
+    tk_transformers.apply_tk_kernels_to_mamba2()
+    with RecordTkCalls() as record:
+        logits, grads = logits_and_grads(model, input_ids, mask)
+    for op in ("causal_conv1d", "mamba2_ssd", "rms_norm", "causal_conv1d_bwd", "mamba2_ssd_bwd"):
+        assert len(record.calls.get(op, ())) == 2, op  # one per layer
+    assert_rel_close(logits, expected_logits, 1e-6, "logits")  # HF's lm_head returns fp32 logits
+    assert set(grads) == set(expected_grads)
+    for name, grad in grads.items():
+        assert_rel_close(grad, expected_grads[name], 1e-5, f"grad of {name}")
+
+    intermediate = model.backbone.layers[0].mixer.intermediate_size
+    other_grouping = intermediate if hf_gated_norm_per_group() else intermediate // 2
+    monkeypatch.setattr(tk_mamba2, "gated_norm_group_size", lambda norm: other_grouping)
+    other_logits, _ = logits_and_grads(model, input_ids, mask)
+    assert rel_err(other_logits, expected_logits) > 1e-3
+
+
+def test_switch_refuses_unsupported_transformers(unpatched, monkeypatch):
+    """Outside SUPPORTED_TRANSFORMERS (>=5.17.0,<6) the switch raises ImportError naming the range."""
+    assert tk_transformers.check_transformers_version() == transformers.__version__
+    model = tiny_model()
+    for version in ("5.16.1", "4.57.6", "6.0.0", "6.0.0rc1"):
+        monkeypatch.setattr(tk_transformers, "_installed_transformers_version", lambda: version)
+        for scope in (None, model):
+            with pytest.raises(ImportError, match=f"transformers {version} is installed; .*>=5.17.0,<6"):
+                tk_transformers.apply_tk_kernels_to_mamba2(scope)
+    assert not tk_transformers.is_tk_kernels_applied_to_mamba2()
+    assert not tk_transformers.is_tk_kernels_applied_to_mamba2(model)
+    for version in ("5.17.0", "5.24.0", "5.99.1", "5.25.0.dev0"):
+        monkeypatch.setattr(tk_transformers, "_installed_transformers_version", lambda: version)
+        assert tk_transformers.check_transformers_version() == version
+
+    def missing():
+        raise ImportError("No module named 'transformers'")
+
+    monkeypatch.setattr(tk_transformers, "_installed_transformers_version", missing)
+    with pytest.raises(ImportError, match="transformers is not installed; .*pip install 'transformers>=5.17.0,<6'"):
+        tk_transformers.apply_tk_kernels_to_mamba2()
+
+
 def test_switch_scopes_idempotence_and_undo(unpatched):
     original = unpatched
     model, other = tiny_model(), tiny_model()
@@ -377,6 +460,14 @@ def output_cache(output):
     return cache if cache is not None else output.cache_params
 
 
+def cached_states(cache, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's conv and SSM states: the cache layer's first state (``get_conv_state`` /
+    ``get_recurrent_state`` from transformers 5.21 read the same)."""
+    layer = cache.layers[layer_idx]
+    assert layer.has_previous_state[0]
+    return layer.conv_states[0], layer.recurrent_states[0]
+
+
 def test_switch_prefill_cache_and_generate(unpatched):
     """Eval with a cache: the prefill runs the tk ops and fills the cache as HF does; decode steps run
     HF's code; greedy generation gives the same tokens."""
@@ -391,10 +482,10 @@ def test_switch_prefill_cache_and_generate(unpatched):
         assert len(record.calls["mamba2_ssd"]) == 2
         assert_rel_close(out.logits, expected.logits, 1e-5, "logits")
         for layer in range(2):
-            assert_rel_close(output_cache(out).get_conv_state(layer), output_cache(expected).get_conv_state(layer),
-                             1e-6, f"conv state {layer}")
-            assert_rel_close(output_cache(out).get_recurrent_state(layer),
-                             output_cache(expected).get_recurrent_state(layer), 1e-5, f"ssm state {layer}")
+            conv, ssm = cached_states(output_cache(out), layer)
+            expected_conv, expected_ssm = cached_states(output_cache(expected), layer)
+            assert_rel_close(conv, expected_conv, 1e-6, f"conv state {layer}")
+            assert_rel_close(ssm, expected_ssm, 1e-5, f"ssm state {layer}")
         with RecordTkCalls() as record:
             tokens = model.generate(input_ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
         assert len(record.calls["mamba2_ssd"]) == 2  # the prefill only

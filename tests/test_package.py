@@ -103,10 +103,40 @@ def readme_command(heading: str) -> str:
     return lines[0]
 
 
+# .ci/run: the README's commands, then (from this line on) the transformers-dependent tests again on the
+# oldest transformers of the supported range
+CI_OLDEST_TRANSFORMERS_STEP = "# The oldest transformers of the supported range"
+
+# a test file that uses transformers
+USES_TRANSFORMERS = re.compile(r'^\s*(?:import|from) transformers\b|importorskip\(\s*"transformers"', re.M)
+
+
+def ci_commands() -> tuple[list[str], list[str]]:
+    """The commands (lines starting with pip or python -m) of .ci/run before and after its oldest-transformers step."""
+    ci = (REPO_ROOT / ".ci" / "run").read_text()
+    readme_part, marker, oldest_part = ci.partition(f"\n{CI_OLDEST_TRANSFORMERS_STEP}")
+    assert marker, f".ci/run has no line starting with {CI_OLDEST_TRANSFORMERS_STEP!r}"
+    return tuple([line for line in part.splitlines() if re.match(r"(pip|python -m) ", line)]
+                 for part in (readme_part, oldest_part))
+
+
 def test_ci_runs_exactly_the_readme_commands():
-    ci = (REPO_ROOT / ".ci" / "run").read_text().splitlines()
-    ci_commands = [line for line in ci if re.match(r"(pip|python -m) ", line)]
-    assert ci_commands == [readme_command("Set up and run the demo"), readme_command("Test")]
+    assert ci_commands()[0] == [readme_command("Set up and run the demo"), readme_command("Test")]
+
+
+def test_ci_tests_the_oldest_supported_transformers():
+    """After the README's commands CI installs the lower bound of the test extra's transformers range (the
+    range tk_ops.transformers supports) and runs every test file that uses transformers again."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    from tk_ops.transformers import SUPPORTED_TRANSFORMERS
+
+    extra = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
+    assert f"transformers{SUPPORTED_TRANSFORMERS}" in extra
+    oldest = re.fullmatch(r">=([0-9.]+),<[0-9.]+", SUPPORTED_TRANSFORMERS).group(1)
+    files = sorted(path.relative_to(REPO_ROOT).as_posix() for path in (REPO_ROOT / "tests").glob("test_*.py")
+                   if USES_TRANSFORMERS.search(path.read_text()))
+    assert {"tests/test_nn_mamba2.py", "tests/test_models.py", "tests/test_train.py"} <= set(files)
+    assert ci_commands()[1] == [f'pip install -q "transformers=={oldest}"', f"python -m pytest -q {' '.join(files)}"]
 
 
 def test_readme_set_up_installs_every_extra():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -58,6 +59,20 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     denominator = ref64.norm().item()
     difference = (out64 - ref64).norm().item()
     return difference / denominator if denominator > 0 else difference
+
+
+def transformers_release() -> tuple[int, ...]:
+    """The installed transformers' release numbers, e.g. (5, 17, 0) (for tests that know what a release does)."""
+    import transformers
+
+    return tuple(int(n) for n in re.match(r"\d+(?:\.\d+)*", transformers.__version__).group().split("."))
+
+
+def hf_gated_norm_per_group() -> bool:
+    """Whether the installed transformers' MambaRMSNormGated normalises per group of intermediate_size // n_groups
+    channels (from 5.23, as mamba_ssm); before 5.23 it normalises over all intermediate channels whatever n_groups
+    (each release's modeling_mamba2.py)."""
+    return transformers_release() >= (5, 23)
 
 
 def assert_rel_close(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str = "output") -> None:

@@ -26,6 +26,24 @@ ignored, as HF's torch path ignores them. HF's fused training shortcut
 
 ``tk.causal_conv1d`` runs its CUDA kernels on Hopper, reading the mixer's (B, L, D) activations in
 place; ``tk.mamba2_ssd``'s docstring says what serves it.
+
+Supported transformers: ``SUPPORTED_TRANSFORMERS`` (>=5.17.0,<6, the range of pyproject.toml's
+``test`` extra; CI tests 5.17.0 and the newest release). ``apply_tk_kernels_to_mamba2`` raises
+ImportError on another version. (Older releases are untested: 5.10 and before write the mixer's
+cache differently, and 4.x and 5.0 through their own Mamba2Cache.) What differs inside the range,
+and how it is read:
+- the gated norm: HF's ``MambaRMSNormGated`` has a ``group_size`` (intermediate_size // n_groups)
+  from 5.23 and normalises over all intermediate channels before (no ``group_size``);
+  ``tk_ops.nn.mamba2.gated_norm_group_size`` reads the norm's own grouping, so the switch computes
+  what the installed version's torch path computes (for n_groups > 1 releases before 5.23 compute
+  another function than later ones and mamba_ssm). Its eps is ``variance_epsilon`` in every version;
+- the mixer's cache argument: ``cache_params`` up to 5.23, ``cache`` from 5.24 (whose
+  ``deprecate_kwarg`` maps ``cache_params`` to it, announced until 5.40); both are accepted;
+- whether the cache holds the layer's state: from 5.21 HF's forward asks ``get_conv_state`` /
+  ``get_recurrent_state`` / ``is_recording_past``; before, ``has_previous_state(layer_idx)`` and the
+  cache layer's ``record_past``; the switch asks what the installed version's forward asks. The
+  prefill writes the states with ``update_conv_state`` / ``update_recurrent_state``, the same in
+  every version of the range.
 """
 
 from __future__ import annotations
@@ -37,8 +55,34 @@ import torch
 
 from tk_ops.nn.mamba2 import mamba2_mixer_forward
 
+# The transformers releases the switch supports (pyproject.toml's test extra declares the same range).
+SUPPORTED_TRANSFORMERS = ">=5.17.0,<6"
+
 # HF's Mamba2Mixer.forward, saved when the class is patched.
 _ORIGINAL_FORWARD = None
+
+
+def _installed_transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def check_transformers_version() -> str:
+    """The installed transformers' version, if ``SUPPORTED_TRANSFORMERS`` contains it; ImportError otherwise."""
+    hint = (
+        f"tk_ops.transformers supports transformers{SUPPORTED_TRANSFORMERS}: "
+        f"pip install 'transformers{SUPPORTED_TRANSFORMERS}'"
+    )
+    try:
+        version = _installed_transformers_version()
+    except ImportError as error:
+        raise ImportError(f"transformers is not installed; {hint}") from error
+    from packaging.specifiers import SpecifierSet  # a dependency of transformers
+
+    if not SpecifierSet(SUPPORTED_TRANSFORMERS).contains(version, prereleases=True):
+        raise ImportError(f"transformers {version} is installed; {hint}")
+    return version
 
 
 def _mixer_class():
@@ -53,11 +97,17 @@ def _hf_forward():
 
 
 def _cache_holds_state(cache, layer_idx) -> bool:
-    return (
-        cache.get_conv_state(layer_idx) is not None
-        or cache.get_recurrent_state(layer_idx) is not None
-        or cache.is_recording_past(layer_idx)
-    )
+    """Whether HF's forward would read the layer's state from ``cache`` (a decode step, a continued
+    cache) or the cache records the past: asked as the installed version's forward asks it."""
+    if hasattr(cache, "get_conv_state"):  # transformers >= 5.21
+        return (
+            cache.get_conv_state(layer_idx) is not None
+            or cache.get_recurrent_state(layer_idx) is not None
+            or cache.is_recording_past(layer_idx)
+        )
+    if cache.has_previous_state(layer_idx):  # 5.17 - 5.20 (False for a layer not created yet)
+        return True
+    return layer_idx < len(cache.layers) and bool(getattr(cache.layers[layer_idx], "record_past", False))
 
 
 def _tk_mamba2_mixer_forward(self, hidden_states, cache_params=None, attention_mask=None, cache=None, **kwargs):
@@ -94,6 +144,7 @@ def _mixers(model: torch.nn.Module) -> list:
 def apply_tk_kernels_to_mamba2(model: Optional[torch.nn.Module] = None) -> None:
     """Run transformers' Mamba2Mixer through tk ops: the class (``model=None``) or the mixers of ``model``."""
     global _ORIGINAL_FORWARD
+    check_transformers_version()
     if model is not None:
         for mixer in _mixers(model):
             mixer.forward = types.MethodType(_tk_mamba2_mixer_forward, mixer)
@@ -125,4 +176,10 @@ def is_tk_kernels_applied_to_mamba2(model: Optional[torch.nn.Module] = None) -> 
     return all(_is_tk_forward(mixer.forward) for mixer in _mixers(model))
 
 
-__all__ = ["apply_tk_kernels_to_mamba2", "is_tk_kernels_applied_to_mamba2", "undo_tk_kernels_for_mamba2"]
+__all__ = [
+    "SUPPORTED_TRANSFORMERS",
+    "apply_tk_kernels_to_mamba2",
+    "check_transformers_version",
+    "is_tk_kernels_applied_to_mamba2",
+    "undo_tk_kernels_for_mamba2",
+]

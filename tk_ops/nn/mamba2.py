@@ -22,6 +22,14 @@ channels (``tk.rms_norm`` without a weight, on the (B, L, G, I / G) view), then 
 weighted result is in fp32 (fp64 for fp64 models), as in HF's torch path, and is cast to the input
 dtype before ``out_proj``.
 
+Norm groups and transformers versions: this module normalises per group of I / G channels, as
+mamba_ssm does and HF's ``MambaRMSNormGated`` does from transformers 5.23 (which gave it a
+``group_size`` attribute, I // n_groups). Before 5.23 HF's gated norm has no ``group_size`` and
+normalises over all I channels whatever n_groups, so for n_groups > 1 HF's torch path computes
+another function than this module (the same for n_groups = 1). ``mamba2_mixer_forward`` reads the
+grouping from the norm it is handed (``gated_norm_group_size``): on HF's own mixer (the switch in
+``tk_ops.transformers``) it therefore computes what the installed transformers computes.
+
 Time-step limit: with the default ``time_step_limit = (0, inf)`` the SSD op takes dt_bias and
 applies softplus itself; any other limit computes ``clamp(softplus(dt + dt_bias), lo, hi)`` in
 torch first (as HF's torch path does) and hands the op that step.
@@ -35,9 +43,10 @@ whatever the model dtype (fp64 included); here fp64 models compute in fp64, and 
 SSD output is rounded to the model dtype before the gate (tk.mamba2_ssd returns x's dtype), where
 HF keeps it in fp32.
 
-Cache: ``forward`` computes full sequences only; a ``cache_params`` raises NotImplementedError
-(no prefill, no single-step decode). ``tk_ops.transformers.apply_tk_kernels_to_mamba2`` patches HF's
-own mixer, which does handle caches (prefill through the tk ops, decode steps through HF's code).
+Cache: ``forward`` computes full sequences only; a ``cache_params`` (or ``cache``, its name in HF's
+mixer from transformers 5.24) raises NotImplementedError (no prefill, no single-step decode).
+``tk_ops.transformers.apply_tk_kernels_to_mamba2`` patches HF's own mixer, which does handle caches
+(prefill through the tk ops, decode steps through HF's code).
 
 On Hopper, tk.causal_conv1d, tk.mamba2_ssd and tk.rms_norm run their CUDA kernels for the inputs
 each op's docstring lists; other inputs, and other devices, run their PyTorch references.
@@ -62,6 +71,15 @@ DEFAULT_TIME_STEP_LIMIT = (0.0, float("inf"))
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def gated_norm_group_size(norm: torch.nn.Module) -> int:
+    """How many channels a gated norm normalises together: its ``group_size`` (this module's
+    ``MambaRMSNormGated``; HF's from transformers 5.23, = intermediate_size // n_groups), else all of
+    its channels: HF's ``MambaRMSNormGated`` before 5.23 has no ``group_size`` and normalises over the
+    whole last dimension."""
+    group_size = getattr(norm, "group_size", None)
+    return norm.weight.shape[-1] if group_size is None else int(group_size)
 
 
 def gated_rms_norm(
@@ -160,7 +178,7 @@ def mamba2_mixer_forward(mixer: torch.nn.Module, hidden_states: torch.Tensor, at
         y = result
 
     norm = mixer.norm
-    out = gated_rms_norm(y.flatten(2), gate, norm.weight, norm.group_size, norm.variance_epsilon)
+    out = gated_rms_norm(y.flatten(2), gate, norm.weight, gated_norm_group_size(norm), norm.variance_epsilon)
     return mixer.out_proj(out.to(dtype))
 
 
@@ -288,11 +306,13 @@ class Mamba2Mixer(torch.nn.Module):
         hidden_states: torch.Tensor,
         cache_params=None,
         attention_mask: Optional[torch.Tensor] = None,
+        cache=None,
         **kwargs,
     ) -> torch.Tensor:
         """hidden_states (B, L, hidden_size) -> (B, L, hidden_size). attention_mask: (B, L), 1 keeps and 0
-        pads, or None. Other keyword arguments are ignored, as HF's torch path ignores them."""
-        if cache_params is not None:
+        pads, or None. A cache, under either of HF's names (``cache_params``; ``cache`` from transformers
+        5.24), is refused. Other keyword arguments are ignored, as HF's torch path ignores them."""
+        if cache_params is not None or cache is not None:
             raise NotImplementedError(
                 "tk_ops.nn.Mamba2Mixer computes full sequences only (no cache prefill, no single-step "
                 "decode); pass cache_params=None (use_cache=False), or keep HF's Mamba2Mixer and call "
