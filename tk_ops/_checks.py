@@ -14,6 +14,12 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the references accumulate in and the statistics and states have: fp64 for fp64
+    inputs, fp32 for every other floating dtype (the kernels' fp32 accumulation)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
     return ", ".join(str(d).replace("torch.", "") for d in dtypes)
 

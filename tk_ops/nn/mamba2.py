@@ -60,6 +60,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from tk_ops._checks import compute_dtype
 from tk_ops.nn.linear import Linear
 from tk_ops.ops.causal_conv1d import causal_conv1d
 from tk_ops.ops.mamba2_ssd import mamba2_ssd
@@ -68,9 +69,6 @@ from tk_ops.ops.rms_norm import rms_norm
 SILU_NAMES = ("silu", "swish")
 DEFAULT_TIME_STEP_LIMIT = (0.0, float("inf"))
 
-
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def gated_norm_group_size(norm: torch.nn.Module) -> int:
@@ -93,7 +91,7 @@ def gated_rms_norm(
     RMSNormGated with norm_before_gate=False. Gate in fp32 (fp64 for fp64 inputs), normalisation by
     ``tk.rms_norm`` over each group of ``group_size`` channels, the weight over all channels; the
     result is in the promotion of weight's dtype and fp32 (fp64), as HF's."""
-    h = hidden_states.to(_compute_dtype(hidden_states))
+    h = hidden_states.to(compute_dtype(hidden_states.dtype))
     if gate is not None:
         h = h * F.silu(gate.to(h.dtype))
     normed = rms_norm(h.unflatten(-1, (-1, group_size)), None, eps).flatten(-2)
@@ -153,7 +151,7 @@ def mamba2_mixer_forward(mixer: torch.nn.Module, hidden_states: torch.Tensor, at
     xBC = _zero_padding(xBC.transpose(1, 2), attention_mask)
     x, B, C = xBC.split([intermediate, groups * state_size, groups * state_size], dim=-1)
 
-    A = -torch.exp(mixer.A_log.to(_compute_dtype(mixer.A_log)))
+    A = -torch.exp(mixer.A_log.to(compute_dtype(mixer.A_log.dtype)))
     dt_bias, dt_softplus = mixer.dt_bias, True
     limit = tuple(float(v) for v in mixer.time_step_limit)
     if limit != DEFAULT_TIME_STEP_LIMIT:

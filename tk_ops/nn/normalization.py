@@ -14,7 +14,8 @@ from typing import Optional
 
 import torch
 
-from tk_ops.ops.layer_norm import compute_dtype, layer_norm
+from tk_ops._checks import compute_dtype
+from tk_ops.ops.layer_norm import layer_norm
 from tk_ops.ops.rms_norm import rms_norm
 
 

@@ -54,13 +54,10 @@ _REFERENCE_BLOCK_BYTES = 128 * 2**20
 # ----------------------------------------------------------------------------------- reference
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
 
 def _rows_per_block(q: torch.Tensor, k: torch.Tensor) -> int:
     batch, q_heads = q.shape[0], q.shape[1]
-    row_bytes = batch * q_heads * k.shape[2] * _compute_dtype(q.dtype).itemsize
+    row_bytes = batch * q_heads * k.shape[2] * _checks.compute_dtype(q.dtype).itemsize
     return max(1, _REFERENCE_BLOCK_BYTES // row_bytes)
 
 
@@ -101,7 +98,7 @@ def _attention_reference(q, k, v, causal, scale, deterministic):
     batch, q_heads, q_len, _ = q.shape
     kv_heads, key_len, value_dim = k.shape[1], k.shape[2], v.shape[3]
     group = q_heads // kv_heads
-    compute = _compute_dtype(q.dtype)
+    compute = _checks.compute_dtype(q.dtype)
     q_grouped = q.unflatten(1, (kv_heads, group))
     k_compute, v_compute = k.to(compute), v.to(compute)
     out = q.new_empty((batch, kv_heads, group, q_len, value_dim))
@@ -130,7 +127,7 @@ def _attention_bwd_reference(grad_out, grad_lse, q, k, v, out, lse, causal, scal
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, key_len = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
-    compute = _compute_dtype(q.dtype)
+    compute = _checks.compute_dtype(q.dtype)
     q_grouped = q.unflatten(1, (kv_heads, group))
     grad_out_grouped = grad_out.unflatten(1, (kv_heads, group))
     out_grouped = out.unflatten(1, (kv_heads, group))

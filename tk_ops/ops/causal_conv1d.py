@@ -68,9 +68,6 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 ACTIVATIONS = (None, "silu", "swish")  # causal_conv1d_fn's; "swish" is another name of "silu"
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
 
 def is_channel_last(x: torch.Tensor) -> bool:
     """(B, D, L) with a unit stride along D and not along L: a (B, L, D) layout seen as (B, D, L)."""
@@ -96,7 +93,7 @@ def _in_x_layout(values: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def _padded(x: torch.Tensor, width: int) -> torch.Tensor:
     """x in the compute dtype with W - 1 zeros before t = 0: padded[..., i] = x[..., i - (W - 1)]."""
-    return F.pad(x.to(_compute_dtype(x)), (width - 1, 0))
+    return F.pad(x.to(_checks.compute_dtype(x.dtype)), (width - 1, 0))
 
 
 def _pre_activation(padded: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], seq_len: int):

@@ -72,9 +72,6 @@ def _fft_size(min_size: int) -> int:
     return best
 
 
-def _compute_dtype(u: torch.Tensor) -> torch.dtype:
-    return torch.float64 if u.dtype == torch.float64 else torch.float32
-
 
 # ----------------------------------------------------------------------------------- reference
 
@@ -82,7 +79,7 @@ def _compute_dtype(u: torch.Tensor) -> torch.dtype:
 def _fftconv_reference(u: torch.Tensor, k: torch.Tensor, D: Optional[torch.Tensor]) -> torch.Tensor:
     seq_len, filter_len = u.shape[-1], k.shape[-1]
     n_fft = _fft_size(seq_len + filter_len - 1)
-    u_c = u.to(_compute_dtype(u))
+    u_c = u.to(_checks.compute_dtype(u.dtype))
     u_f = torch.fft.rfft(u_c, n=n_fft)
     k_f = torch.fft.rfft(k.to(u_c.dtype), n=n_fft)
     y = torch.fft.irfft(u_f * k_f, n=n_fft)[..., :seq_len]
@@ -98,7 +95,7 @@ def _fftconv_fake(u, k, D):
 def _fftconv_bwd_reference(grad, u, k, D):
     seq_len, filter_len = u.shape[-1], k.shape[-1]
     n_fft = _fft_size(seq_len + filter_len - 1)
-    compute_dtype = _compute_dtype(u)
+    compute_dtype = _checks.compute_dtype(u.dtype)
     grad_c, u_c = grad.to(compute_dtype), u.to(compute_dtype)
     grad_f = torch.fft.rfft(grad_c, n=n_fft)
     u_f = torch.fft.rfft(u_c, n=n_fft)

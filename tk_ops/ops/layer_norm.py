@@ -71,9 +71,6 @@ DROPOUT_SEED_BOUND = 2**62  # seeds are drawn in [0, 2**62); the compiler rewrit
 # ------------------------------------------------------------------------------ shared by the norms
 
 
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
 
 def stream_dtype(x: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.dtype:
     """The residual stream h has x's dtype, or the wider residual's (fp32 residual with bf16 x)."""
@@ -189,7 +186,7 @@ def _check_dropout_seed(dropout_seed: Optional[torch.Tensor], dropout_p: float) 
 
 def _layer_norm_reference(x, weight, bias, residual, dropout_seed, eps, dropout_p):
     _check_dropout_seed(dropout_seed, dropout_p)
-    compute = compute_dtype(x.dtype)
+    compute = _checks.compute_dtype(x.dtype)
     stream = x.to(compute)
     if dropout_p > 0:
         keep = dropout_keep_mask(dropout_seed, x.shape, dropout_p)
@@ -212,7 +209,7 @@ def _layer_norm_reference(x, weight, bias, residual, dropout_seed, eps, dropout_
 
 def _layer_norm_fake(x, weight, bias, residual, dropout_seed, eps, dropout_p):
     _check_dropout_seed(dropout_seed, dropout_p)
-    statistics_dtype = compute_dtype(x.dtype)
+    statistics_dtype = _checks.compute_dtype(x.dtype)
     if _materialises_h(residual, dropout_p):
         h = x.new_empty(x.shape, dtype=stream_dtype(x, residual))
     else:
@@ -228,7 +225,7 @@ def _reduce_rows(t: torch.Tensor) -> torch.Tensor:
 
 def _layer_norm_bwd_reference(grad_out, grad_h, h, weight, bias, mean, rstd, dropout_seed, dropout_p, output_mask):
     _check_dropout_seed(dropout_seed, dropout_p)
-    compute = compute_dtype(h.dtype)
+    compute = _checks.compute_dtype(h.dtype)
     grad = grad_out.to(compute)
     rstd = rstd.to(compute).unsqueeze(-1)
     xhat = (h.to(compute) - mean.to(compute).unsqueeze(-1)) * rstd

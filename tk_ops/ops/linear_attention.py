@@ -75,9 +75,6 @@ class FeatureMap(NamedTuple):
 IDENTITY = FeatureMap(dim=lambda f: f, features=lambda x: x, features_vjp=lambda x, grad: grad)
 
 
-def compute_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
 
 def check_inputs(q, k, v, eps) -> None:
     """The argument checks shared by linear_attention and based_attention."""
@@ -152,7 +149,7 @@ def _chunked_causal_product_backward(grad, q, k, v, feature_map: FeatureMap, chu
 
 def causal_attention_reference(q, k, v, eps: float, normalize: bool, feature_map: FeatureMap, chunk_size: int):
     """(out, denominator) of causal linear attention with feature map phi, in fp32 (fp64) math."""
-    dtype = compute_dtype(q)
+    dtype = _checks.compute_dtype(q.dtype)
     q_c, k_c, v_c = q.to(dtype), k.to(dtype), v.to(dtype)
     if not normalize:
         out = _chunked_causal_product(q_c, k_c, v_c, feature_map, chunk_size)
@@ -167,7 +164,7 @@ def causal_attention_backward_reference(
     grad_out, q, k, v, out, denominator, eps: float, normalize: bool, feature_map: FeatureMap, chunk_size: int
 ):
     """(grad_q, grad_k, grad_v) of causal_attention_reference's out."""
-    dtype = compute_dtype(q)
+    dtype = _checks.compute_dtype(q.dtype)
     grad, q_c, k_c, v_c = grad_out.to(dtype), q.to(dtype), k.to(dtype), v.to(dtype)
     if normalize:
         shifted = denominator.to(dtype).unsqueeze(-1) + eps
@@ -184,7 +181,7 @@ def causal_attention_backward_reference(
 def forward_fake(q, k, v, eps, normalize):
     """Fake impl shared with tk::based_attention (same outputs)."""
     denominator_shape = q.shape[:3] if normalize else (0,)
-    return v.new_empty(v.shape), q.new_empty(denominator_shape, dtype=compute_dtype(q))
+    return v.new_empty(v.shape), q.new_empty(denominator_shape, dtype=_checks.compute_dtype(q.dtype))
 
 
 def backward_fake(grad_out, q, k, v, out, denominator, eps, normalize):

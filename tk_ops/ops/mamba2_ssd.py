@@ -101,10 +101,6 @@ import torch.nn.functional as F
 from tk_ops import _checks, _library
 
 
-def _state_dtype(x: torch.Tensor) -> torch.dtype:
-    """Accumulation and state dtype: fp32, or fp64 for fp64 inputs."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
 
 def _num_chunks(seqlen, chunk_size: int):
     return (seqlen + chunk_size - 1) // chunk_size
@@ -195,7 +191,7 @@ def _ungated_output(terms: _ChunkTerms, chunk_states, x, D, dtype) -> torch.Tens
 
 
 def _mamba2_ssd_reference(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, initial_states):
-    dtype = _state_dtype(x)
+    dtype = _checks.compute_dtype(x.dtype)
     batch, _, heads, head_dim = x.shape
     terms = _chunk_terms(x, dt, A, B, C, chunk_size, dt_bias, dt_softplus, dtype)
     chunk_inputs = torch.einsum("bcjhp,bcjhn->bchpn", terms.u * terms.to_chunk_end[..., None], terms.B_heads)
@@ -218,7 +214,7 @@ def _mamba2_ssd_reference(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus
 def _mamba2_ssd_fake(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, initial_states):
     batch, seqlen, heads, head_dim = x.shape
     state_shape = (batch, heads, head_dim, B.shape[-1])
-    dtype = _state_dtype(x)
+    dtype = _checks.compute_dtype(x.dtype)
     chunks_shape = (batch, _num_chunks(seqlen, chunk_size), *state_shape[1:])
     return x.new_empty(x.shape), x.new_empty(state_shape, dtype=dtype), x.new_empty(chunks_shape, dtype=dtype)
 
@@ -226,7 +222,7 @@ def _mamba2_ssd_fake(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, ini
 def _mamba2_ssd_bwd_reference(
     grad_y, grad_final_states, x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, initial_states, chunk_states
 ):
-    dtype = _state_dtype(x)
+    dtype = _checks.compute_dtype(x.dtype)
     seqlen, groups = x.shape[1], B.shape[2]
     terms = _chunk_terms(x, dt, A, B, C, chunk_size, dt_bias, dt_softplus, dtype)
 
@@ -318,7 +314,7 @@ def _mamba2_ssd_bwd_reference(
 def _mamba2_ssd_bwd_fake(
     grad_y, grad_final_states, x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, initial_states, chunk_states
 ):
-    dtype = _state_dtype(x)
+    dtype = _checks.compute_dtype(x.dtype)
 
     def like(t: Optional[torch.Tensor], grad_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         if t is None:

@@ -41,13 +41,13 @@ import torch
 
 from tk_ops import _checks, _library
 from tk_ops.ops import layer_norm as layer_norm_module  # its _plain_norm_arguments, looked up per call
-from tk_ops.ops.layer_norm import check_norm_arguments, compute_dtype, stream_dtype
+from tk_ops.ops.layer_norm import check_norm_arguments, stream_dtype
 
 # ----------------------------------------------------------------------------------- reference
 
 
 def _rms_norm_reference(x, weight, residual, eps):
-    compute = compute_dtype(x.dtype)
+    compute = _checks.compute_dtype(x.dtype)
     stream = x.to(compute)
     if residual is not None:
         stream = stream + residual.to(compute)
@@ -63,11 +63,11 @@ def _rms_norm_reference(x, weight, residual, eps):
 
 def _rms_norm_fake(x, weight, residual, eps):
     h = x.new_empty(x.shape, dtype=stream_dtype(x, residual)) if residual is not None else x.new_empty(0)
-    return x.new_empty(x.shape), h, x.new_empty(x.shape[:-1], dtype=compute_dtype(x.dtype))
+    return x.new_empty(x.shape), h, x.new_empty(x.shape[:-1], dtype=_checks.compute_dtype(x.dtype))
 
 
 def _rms_norm_bwd_reference(grad_out, grad_h, h, weight, rstd, output_mask):
-    compute = compute_dtype(h.dtype)
+    compute = _checks.compute_dtype(h.dtype)
     grad = grad_out.to(compute)
     rstd = rstd.to(compute).unsqueeze(-1)
     xhat = h.to(compute) * rstd

@@ -46,7 +46,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: 
     interleaved) gives channel i of the first half cos[i], sin[i] and channel i + D/2 its own
     cos[i + D/2], sin[i + D/2]: exactly ``x * cos + rotate_half(x) * sin`` for any table.
     """
-    compute_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    compute_dtype = _checks.compute_dtype(x.dtype)
     full = _is_full_table(cos, x.shape[-1], interleaved)
     rotary_dim = cos.shape[-1] if full else 2 * cos.shape[-1]
     cos = cos.to(compute_dtype).unsqueeze(1)  # (Bc, 1, N, R/2 or D): shared by all heads
