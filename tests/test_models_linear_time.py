@@ -168,6 +168,7 @@ def test_hyena_peer_model_is_its_reference_model():
     peer_model = hyena(reference=True, peer=True)
     peer_model.load_state_dict(reference_model.state_dict())
     ids = tokens()
+    # The same class, weights and input in the same process: the same computation, the same bits.
     assert torch.equal(peer_model(ids), reference_model(ids))
 
 

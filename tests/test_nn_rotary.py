@@ -54,6 +54,7 @@ def test_constructor_signature_and_state():
     rotary = tk_ops.nn.RotaryEmbedding(64)
     assert (rotary.dim, rotary.max_position_embeddings, rotary.base) == (64, 2048, 10000.0)
     assert rotary.inv_freq.dtype == torch.float32 and rotary.inv_freq.shape == (32,)
+    # HF's formula, operation for operation (elementwise, no reduction): the same bits on any machine.
     torch.testing.assert_close(rotary.inv_freq, HFStyleRotaryEmbedding(64).inv_freq, rtol=0, atol=0)
     assert dict(rotary.named_buffers()).keys() == {"inv_freq"}
     assert rotary.state_dict() == {}  # non-persistent, as in HF
@@ -89,6 +90,7 @@ def test_forward_keeps_fp32_angles_under_autocast():
         cos, sin = rotary(x, position_ids)
     expected_cos, expected_sin = rotary(x, position_ids)
     assert cos.dtype == torch.float32
+    # The same fp32 elementwise computation with and without autocast (which it does not touch).
     torch.testing.assert_close(cos, expected_cos, rtol=0, atol=0)
     torch.testing.assert_close(sin, expected_sin, rtol=0, atol=0)
 

@@ -133,6 +133,7 @@ def test_plain_calls_take_the_entry_and_match_the_python_path(index, dtype, pyth
     monkeypatch.setattr(_library, "EXTENSION", None)
     python, python_grads = _run(function, args, kwargs)
     assert python_checks_counted, "the Python path was not taken"
+    # Bit for bit on any machine: both paths call the same tk ops with the same arguments.
     for i, (got, want) in enumerate(zip(ours, python, strict=True)):
         assert got.requires_grad == want.requires_grad and got.dtype == want.dtype, f"output {i}"
         assert got.stride() == want.stride() and torch.equal(got.detach(), want.detach()), f"output {i} differs"
@@ -249,6 +250,7 @@ def test_compiled_calls_stay_in_the_graph(python_checks_counted):
         return tk_ops.rms_norm(tk_ops.layer_norm(x, w, None), w)
 
     compiled = torch.compile(block, backend="eager", fullgraph=True)
+    # backend="eager" runs the graph's tk ops as they are: the same calls as eager, the same bits.
     torch.testing.assert_close(compiled(x, w), block(x, w), rtol=0, atol=0)
 
 

@@ -155,6 +155,8 @@ def test_strided_view_equals_contiguous_copy(interleaved):
     q = torch.randn(B, N, H, D).transpose(1, 2)
     k = torch.randn(B, N, Hk, D).transpose(1, 2)
     cos, sin = tables(random_angles(B, N, 48), torch.float32)
+    # Bit-equal on any machine: each output element is the same few correctly rounded products and
+    # sums of the same inputs whatever their strides (no reduction, no BLAS).
     assert torch.equal(tk_ops.rope(q, cos, sin, interleaved=interleaved),
                        tk_ops.rope(q.contiguous(), cos, sin, interleaved=interleaved))
     q_out, k_out = tk_ops.rope_qk(q, k, cos, sin, interleaved=interleaved)
@@ -180,6 +182,7 @@ def test_rope_qk_gqa(interleaved):
     q_out, k_out = tk_ops.rope_qk(q, k, cos, sin, interleaved=interleaved)
     assert_rel_close(q_out, reference_rope(q, theta, interleaved), TOLERANCE[torch.float64], "q_out")
     assert_rel_close(k_out, reference_rope(k, theta, interleaved), TOLERANCE[torch.float64], "k_out")
+    # rope_qk rotates q and k each as rope does (elementwise, the same operations): bit-equal anywhere.
     assert torch.equal(q_out, tk_ops.rope(q, cos, sin, interleaved=interleaved))
     assert torch.equal(k_out, tk_ops.rope(k, cos, sin, interleaved=interleaved))
 

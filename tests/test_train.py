@@ -215,6 +215,8 @@ def test_resume_continues_bit_for_bit(data_dir, tmp_path, model):
     whole = run(tmp_path / "whole", data_dir, *common, model=model)
     run(tmp_path / "split", data_dir, *common, "--stop-at", "3", model=model)
     resumed = run(tmp_path / "split", data_dir, *common, "--resume", model=model)
+    # Bit for bit is the contract: both runs are in this process, on one intra-op thread, with the
+    # same shapes, so every step repeats the same operations on the same values.
     assert resumed["train_loss"] == whole["train_loss"]
     # the stopped run also evaluated at its stop (step 3)
     assert [entry for entry in resumed["eval_loss"] if entry[0] != 3] == whole["eval_loss"]
