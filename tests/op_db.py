@@ -2,9 +2,10 @@
 with its public functions and their tk ops, opcheck samples on the CPU and, for every dtype its CUDA kernels
 serve, on the GPU, compile and export samples, and bad inputs with the error each raises.
 
-``tests/test_op_contract.py`` runs every check over this table; ``tests/test_<name>.py`` keeps the numerics
-(and the input builders this table borrows). Tensors are built when a case runs (CUDA ones only there), except
-for bad inputs on the CPU, whose values do not matter.
+``tests/test_op_contract.py`` runs every check over this table; ``tests/test_<name>.py`` keeps the numerics.
+The input builders and references both use are in ``tests/inputs/<name>.py`` (this table imports no test
+module). Tensors are built when a case runs (CUDA ones only there), except for bad inputs on the CPU, whose
+values do not matter.
 """
 
 from __future__ import annotations
@@ -16,16 +17,16 @@ from unittest import mock
 
 import torch
 
-import test_attention
-import test_based_attention
-import test_causal_conv1d
-import test_fftconv
-import test_layer_norm
-import test_linear_attention
-import test_mamba2_ssd
-import test_rms_norm
-import test_rope
 import tk_ops
+from inputs import attention as attention_inputs
+from inputs import based_attention as based_attention_inputs
+from inputs import causal_conv1d as causal_conv1d_inputs
+from inputs import fftconv as fftconv_inputs
+from inputs import layer_norm as layer_norm_inputs
+from inputs import linear_attention as linear_attention_inputs
+from inputs import mamba2_ssd as mamba2_ssd_inputs
+from inputs import rms_norm as rms_norm_inputs
+from inputs import rope as rope_inputs
 from tk_ops.ops import based_attention as based_attention_module
 from tk_ops.ops import linear_attention as linear_attention_module
 
@@ -243,14 +244,14 @@ MATMUL = OpInfo(
 
 def _attention_forward(shape, causal, **kwargs) -> Sample:
     def make():
-        return (*test_attention.make_qkv(*shape, **kwargs), causal, 0.25, False)
+        return (*attention_inputs.make_qkv(*shape, **kwargs), causal, 0.25, False)
 
     return Sample("-".join(("causal" if causal else "full", *map(str, shape))), "attention", make)
 
 
 def _attention_backward(shape, with_grad_lse, deterministic, **kwargs) -> Sample:
     def make():
-        q, k, v = test_attention.make_qkv(*shape, requires_grad=False, **kwargs)
+        q, k, v = attention_inputs.make_qkv(*shape, requires_grad=False, **kwargs)
         out, lse = torch.ops.tk.attention(q, k, v, True, 0.3, deterministic)
         grad_lse = torch.randn_like(lse) if with_grad_lse else None
         return (torch.randn_like(out), grad_lse, q, k, v, out, lse, True, 0.3, deterministic)
@@ -306,13 +307,13 @@ ATTENTION = OpInfo(
     kernel_samples=_attention_kernel_samples,
     compile=(
         CompileSample("causal-lse", _attend_with_lse,
-                      lambda: test_attention.make_qkv(2, 4, 2, 19, 21, 64, dtype=torch.float32),
+                      lambda: attention_inputs.make_qkv(2, 4, 2, 19, 21, 64, dtype=torch.float32),
                       ("attention", "attention_bwd")),
     ),
     export=(
         ExportSample("causal", _CausalAttention,
-                     lambda: tuple(test_attention.make_qkv(1, 4, 2, 11, 13, 40, dtype=torch.float32,
-                                                           requires_grad=False)),
+                     lambda: tuple(attention_inputs.make_qkv(1, 4, 2, 11, 13, 40, dtype=torch.float32,
+                                                             requires_grad=False)),
                      ("attention",)),
     ),
     bad_inputs=_bad(
@@ -341,7 +342,7 @@ ATTENTION = OpInfo(
 
 # -------------------------------------------------------------------------------------------- layer_norm
 
-LAYER_NORM_EPS = test_layer_norm.EPS
+LAYER_NORM_EPS = layer_norm_inputs.EPS
 
 
 def _layer_norm_args(case: str, dtype=torch.bfloat16, device="cpu"):
@@ -457,8 +458,8 @@ LAYER_NORM = OpInfo(
             "residual-dropout",
             lambda x, weight, bias, residual: tk_ops.layer_norm(x, weight, bias, residual=residual, dropout_p=0.2,
                                                                 return_residual=True),
-            lambda: list(test_layer_norm.make_inputs((2, 9, 40), torch.float32, residual_dtype=torch.float32,
-                                                     requires_grad=True)),
+            lambda: list(layer_norm_inputs.make_inputs((2, 9, 40), torch.float32, residual_dtype=torch.float32,
+                                                       requires_grad=True)),
             ("layer_norm", "layer_norm_bwd"),
             loss=_norm_loss,
             # The compiled seed draw uses torch's generator, as eager does.
@@ -490,7 +491,7 @@ LAYER_NORM = OpInfo(
 
 # ---------------------------------------------------------------------------------------------- rms_norm
 
-RMS_NORM_EPS = test_rms_norm.EPS
+RMS_NORM_EPS = rms_norm_inputs.EPS
 
 
 def _rms_norm_args(case: str, dtype=torch.bfloat16, device="cpu"):
@@ -532,8 +533,8 @@ RMS_NORM = OpInfo(
         CompileSample(
             "residual",
             lambda x, weight, residual: tk_ops.rms_norm(x, weight, residual=residual, return_residual=True),
-            lambda: list(test_rms_norm.make_inputs((2, 9, 40), torch.float32, residual_dtype=torch.float32,
-                                                   requires_grad=True)),
+            lambda: list(rms_norm_inputs.make_inputs((2, 9, 40), torch.float32, residual_dtype=torch.float32,
+                                                     requires_grad=True)),
             ("rms_norm", "rms_norm_bwd"),
             loss=_norm_loss,
         ),
@@ -556,7 +557,7 @@ def _rope_args(dtype=torch.float32, device="cpu", requires_grad=True, sizes=(2, 
     B, H, Hk, N, D, R = sizes
     q = torch.randn(B, N, H, D, dtype=dtype, device=device).transpose(1, 2).requires_grad_(requires_grad)
     k = torch.randn(B, Hk, N, D, dtype=dtype, device=device, requires_grad=requires_grad)
-    cos, sin = test_rope.tables(test_rope.random_angles(B, N, R, device=device), torch.float32)
+    cos, sin = rope_inputs.tables(rope_inputs.random_angles(B, N, R, device=device), torch.float32)
     return q, k, cos, sin
 
 
@@ -588,7 +589,7 @@ def _rope_compile_inputs():
     B, Hq, Hk, N, D = 2, 3, 1, 7, 32
     q = torch.randn(B, N, Hq, D).transpose(1, 2).requires_grad_()
     k, v = _randn((B, Hk, N, D), (B, Hk, N, D), requires_grad=True)
-    return [q, k, v, *test_rope.tables(test_rope.random_angles(1, N, D), torch.float32)]
+    return [q, k, v, *rope_inputs.tables(rope_inputs.random_angles(1, N, D), torch.float32)]
 
 
 def _rope_qk_then_rope(q, k, v, cos, sin):
@@ -746,11 +747,11 @@ def _causal_linear_samples(op: str, make_inputs, context=contextlib.nullcontext,
 
 
 def _linear_attention_inputs(n, normalize, **kwargs):
-    return test_linear_attention.make_inputs(n, normalize=normalize, **kwargs)
+    return linear_attention_inputs.make_inputs(n, normalize=normalize, **kwargs)
 
 
 def _based_attention_inputs(n, normalize, **kwargs):
-    return test_based_attention.make_inputs(n, **kwargs)
+    return based_attention_inputs.make_inputs(n, **kwargs)
 
 
 class _CausalLinearMixer(torch.nn.Module):
@@ -804,7 +805,7 @@ def _causal_linear_bad_inputs(function, make_inputs, B, H, F, DV) -> tuple[BadIn
     )
 
 
-def _causal_linear_info(function, make_inputs, test_module, reference_module) -> OpInfo:
+def _causal_linear_info(function, make_inputs, inputs_module, reference_module) -> OpInfo:
     """linear_attention and based_attention: one engine behind two ops, one contract. ``make_inputs(n, normalize,
     **kwargs)`` gives q, k, v; the kernels take F = 16, Dv = 64."""
     name = function.__name__
@@ -825,29 +826,29 @@ def _causal_linear_info(function, make_inputs, test_module, reference_module) ->
         ),
         export=(ExportSample("normalized", lambda: _CausalLinearMixer(function),
                              lambda: make_inputs(19, True, dtype=torch.float32), (name,)),),
-        bad_inputs=_causal_linear_bad_inputs(function, make_inputs, test_module.B, test_module.H, test_module.F,
-                                             test_module.DV),
+        bad_inputs=_causal_linear_bad_inputs(function, make_inputs, inputs_module.B, inputs_module.H,
+                                             inputs_module.F, inputs_module.DV),
         device_mismatches=_device_mismatches(
             function, lambda: dict(zip("qkv", make_inputs(9, True, dtype=torch.bfloat16, **on_the_gpu))), "q", "kv"
         ),
     )
 
 
-LINEAR_ATTENTION = _causal_linear_info(tk_ops.linear_attention, _linear_attention_inputs, test_linear_attention,
+LINEAR_ATTENTION = _causal_linear_info(tk_ops.linear_attention, _linear_attention_inputs, linear_attention_inputs,
                                        linear_attention_module)
-BASED_ATTENTION = _causal_linear_info(tk_ops.based_attention, _based_attention_inputs, test_based_attention,
+BASED_ATTENTION = _causal_linear_info(tk_ops.based_attention, _based_attention_inputs, based_attention_inputs,
                                       based_attention_module)
 
 
 # ------------------------------------------------------------------------------------------- mamba2_ssd
 
-SSD_NAMES = test_mamba2_ssd.NAMES
-SSD_CASES = test_mamba2_ssd.CASES
+SSD_NAMES = mamba2_ssd_inputs.NAMES
+SSD_CASES = mamba2_ssd_inputs.CASES
 
 
 def _ssd_args(config, dtype, param_dtype, device="cpu"):
     """tk.mamba2_ssd's arguments (x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, initial_states)."""
-    inputs, softplus = test_mamba2_ssd.make_inputs(**config, dtype=dtype, param_dtype=param_dtype, device=device)
+    inputs, softplus = mamba2_ssd_inputs.make_inputs(**config, dtype=dtype, param_dtype=param_dtype, device=device)
     x, dt, A, B, C, D, z, dt_bias, initial = (None if inputs[n] is None else inputs[n].requires_grad_()
                                               for n in SSD_NAMES)
     return (x, dt, A, B, C, config["chunk_size"], D, z, dt_bias, softplus, initial)
@@ -870,12 +871,12 @@ def _ssd_samples(id, config, dtype, param_dtype, with_final_grad, device="cpu"):
 
 
 def _ssd_returning_final_states(*tensors):
-    y, final = test_mamba2_ssd.ssd(dict(zip(SSD_NAMES, tensors)), True, 16)
+    y, final = mamba2_ssd_inputs.ssd(dict(zip(SSD_NAMES, tensors)), True, 16)
     return y * 2.0, final
 
 
 def _ssd_compile_inputs():
-    inputs, softplus = test_mamba2_ssd.make_inputs(**SSD_CASES["all options"], dtype=torch.float32)
+    inputs, softplus = mamba2_ssd_inputs.make_inputs(**SSD_CASES["all options"], dtype=torch.float32)
     assert softplus
     return [inputs[name].requires_grad_() for name in SSD_NAMES]
 
@@ -894,13 +895,13 @@ class _SSDMixer(torch.nn.Module):
 
 
 def _ssd_export_args():
-    inputs, _ = test_mamba2_ssd.make_inputs(2, 21, 4, 5, 2, 3, z=True, dt_softplus=True, dtype=torch.float32)
+    inputs, _ = mamba2_ssd_inputs.make_inputs(2, 21, 4, 5, 2, 3, z=True, dt_softplus=True, dtype=torch.float32)
     return tuple(inputs[name] for name in ("x", "dt", "B", "C", "z"))
 
 
 def _ssd_bad_inputs():
-    inputs, _ = test_mamba2_ssd.make_inputs(2, 10, 4, 3, 2, 5, dtype=torch.float32, D="H", z=True, dt_bias=True,
-                                            initial=True)
+    inputs, _ = mamba2_ssd_inputs.make_inputs(2, 10, 4, 3, 2, 5, dtype=torch.float32, D="H", z=True, dt_bias=True,
+                                              initial=True)
     x, dt, A, B, C = (inputs[name] for name in ("x", "dt", "A", "B", "C"))
 
     def call(**changes):
@@ -947,8 +948,8 @@ def _ssd_bad_inputs():
 
 
 def _ssd_on_the_gpu():
-    return test_mamba2_ssd.make_inputs(2, 10, 4, 64, 2, 64, dtype=torch.bfloat16, D="H", initial=True,
-                                       device="cuda")[0]
+    return mamba2_ssd_inputs.make_inputs(2, 10, 4, 64, 2, 64, dtype=torch.bfloat16, D="H", initial=True,
+                                         device="cuda")[0]
 
 
 MAMBA2_SSD = OpInfo(
@@ -970,8 +971,8 @@ MAMBA2_SSD = OpInfo(
                            ("mamba2_ssd", "mamba2_ssd_bwd"), loss=_random_projection, tol=1e-6),),
     export=(ExportSample("mixer", _SSDMixer, _ssd_export_args, ("mamba2_ssd",), tol=1e-6),),
     bad_inputs=_ssd_bad_inputs(),
-    device_mismatches=_device_mismatches(lambda **inputs: test_mamba2_ssd.ssd(inputs, False, 64), _ssd_on_the_gpu,
-                                         "x", ("dt", "A", "B", "D", "initial_states")),
+    device_mismatches=_device_mismatches(lambda **inputs: mamba2_ssd_inputs.ssd(inputs, False, 64),
+                                         _ssd_on_the_gpu, "x", ("dt", "A", "B", "D", "initial_states")),
 )
 
 
@@ -979,8 +980,8 @@ MAMBA2_SSD = OpInfo(
 
 
 def _conv1d_inputs(dtype, param_dtype=None, with_bias=True, channel_last=False, shape=(2, 3, 23, 4), device="cpu"):
-    x, weight, bias = test_causal_conv1d.make_inputs(*shape, dtype=dtype, param_dtype=param_dtype,
-                                                     with_bias=with_bias, device=device)
+    x, weight, bias = causal_conv1d_inputs.make_inputs(*shape, dtype=dtype, param_dtype=param_dtype,
+                                                       with_bias=with_bias, device=device)
     if channel_last:
         x = x.transpose(1, 2).contiguous().transpose(1, 2)
     return x, weight, bias
@@ -1017,7 +1018,7 @@ class _ShortConv(torch.nn.Module):
 
 
 def _conv1d_bad_inputs():
-    x, weight, bias = test_causal_conv1d.make_inputs(2, 3, 16, 4, dtype=torch.float32)
+    x, weight, bias = causal_conv1d_inputs.make_inputs(2, 3, 16, 4, dtype=torch.float32)
     conv = tk_ops.causal_conv1d
     return _bad(
         ("x-not-a-tensor", lambda: conv(x.tolist(), weight), TypeError, "x"),
@@ -1072,8 +1073,8 @@ CAUSAL_CONV1D = OpInfo(
     bad_inputs=_conv1d_bad_inputs(),
     device_mismatches=_device_mismatches(
         tk_ops.causal_conv1d,
-        lambda: dict(zip(("x", "weight", "bias"), test_causal_conv1d.make_inputs(2, 3, 16, 4, dtype=torch.bfloat16,
-                                                                                 device="cuda"))),
+        lambda: dict(zip(("x", "weight", "bias"),
+                         causal_conv1d_inputs.make_inputs(2, 3, 16, 4, dtype=torch.bfloat16, device="cuda"))),
         "x", ("weight", "bias"),
     ),
 )
@@ -1085,7 +1086,7 @@ CAUSAL_CONV1D = OpInfo(
 def _fftconv_samples(dtype, param_dtype=None, with_D=True, shape=(2, 3, 23, 9), device="cpu", forward=True,
                      backward=True):
     def inputs():
-        return test_fftconv.make_inputs(*shape, dtype=dtype, param_dtype=param_dtype, with_D=with_D, device=device)
+        return fftconv_inputs.make_inputs(*shape, dtype=dtype, param_dtype=param_dtype, with_D=with_D, device=device)
 
     def forward_args():
         return tuple(None if t is None else t.requires_grad_() for t in inputs())
@@ -1110,7 +1111,7 @@ class _LongConv(torch.nn.Module):
 
 
 def _fftconv_bad_inputs():
-    u, k, D = test_fftconv.make_inputs(2, 3, 16, 5, dtype=torch.float32)
+    u, k, D = fftconv_inputs.make_inputs(2, 3, 16, 5, dtype=torch.float32)
     fftconv = tk_ops.fftconv
     return _bad(
         ("u-not-a-tensor", lambda: fftconv(u.tolist(), k), TypeError, "u"),
@@ -1136,8 +1137,8 @@ def _fftconv_kernel_call(grad):
     """tk.fftconv_bwd straight to the kernel, with ``grad(u)`` as the output gradient of bf16 u (2, 3, 256)."""
 
     def call():
-        u, k, D = test_fftconv.make_inputs(2, 3, 256, 17, dtype=torch.bfloat16, param_dtype=torch.float32,
-                                           device="cuda")
+        u, k, D = fftconv_inputs.make_inputs(2, 3, 256, 17, dtype=torch.bfloat16, param_dtype=torch.float32,
+                                             device="cuda")
         return torch.ops.tk.fftconv_bwd.default(grad(u), u, k, D)
 
     return call
@@ -1156,8 +1157,8 @@ FFTCONV = OpInfo(
     kernel_dtypes=(torch.bfloat16, torch.float16, torch.float32),
     kernel_samples=lambda dtype: _fftconv_samples(dtype, torch.float32, shape=(2, 3, 1024, 333), device="cuda"),
     compile=(CompileSample("D", lambda u, k, D: tk_ops.fftconv(u, k, D=D) * 2.0,
-                           lambda: [t.requires_grad_() for t in test_fftconv.make_inputs(2, 3, 45, 17,
-                                                                                         dtype=torch.float32)],
+                           lambda: [t.requires_grad_() for t in fftconv_inputs.make_inputs(2, 3, 45, 17,
+                                                                                           dtype=torch.float32)],
                            ("fftconv", "fftconv_bwd"), loss=_random_projection, tol=1e-6),),
     export=(ExportSample("long-conv", _LongConv, lambda: (torch.randn(2, 3, 50),), ("fftconv",), tol=1e-6),),
     bad_inputs=_fftconv_bad_inputs() + _op_calls(
@@ -1168,7 +1169,8 @@ FFTCONV = OpInfo(
     ),
     device_mismatches=_device_mismatches(
         tk_ops.fftconv,
-        lambda: dict(zip("ukD", test_fftconv.make_inputs(2, 3, 16, 5, dtype=torch.bfloat16, device="cuda"))), "u", "kD"
+        lambda: dict(zip("ukD", fftconv_inputs.make_inputs(2, 3, 16, 5, dtype=torch.bfloat16, device="cuda"))),
+        "u", "kD",
     ),
 )
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import tk_ops
 import tk_testing
+from inputs.attention import make_qkv
 from tk_ops.ops import attention as attention_module
 
 NEG_INF = float("-inf")
@@ -41,14 +42,6 @@ def naive_attention(q, k, v, causal=False, scale=None):
     out = torch.einsum("bhij,bhjd->bhid", weights, v) / total
     lse = torch.where(sees_a_key, total.log() + row_max, NEG_INF).squeeze(-1)
     return out, lse
-
-
-def make_qkv(batch, q_heads, kv_heads, q_len, key_len, head_dim, dtype=torch.float64, value_dim=None,
-             device="cpu", requires_grad=True):
-    value_dim = head_dim if value_dim is None else value_dim
-    shapes = [(batch, q_heads, q_len, head_dim), (batch, kv_heads, key_len, head_dim),
-              (batch, kv_heads, key_len, value_dim)]
-    return [torch.randn(s, dtype=dtype, device=device).requires_grad_(requires_grad) for s in shapes]
 
 
 def finite_lse_loss(out, lse, out_weight, lse_weight):

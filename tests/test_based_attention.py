@@ -9,11 +9,9 @@ import torch
 
 import tk_ops
 import tk_testing
+from inputs.based_attention import B, DV, F, H, make_inputs
 from tk_ops.ops import based_attention as based_attention_module
 from tk_testing import TOLERANCE, assert_rel_close
-
-B, H, F, DV = 2, 3, 5, 7
-
 
 def taylor_features(x):
     """phi(x) = [1, x / F**0.25, vec(x x^T) / (sqrt(2) * sqrt(F))], as the contract writes it."""
@@ -32,12 +30,6 @@ def naive_based_attention(q, k, v, normalize, eps):
     if not normalize:
         return numerator
     return numerator / (scores.sum(-1, keepdim=True) + eps)
-
-
-def make_inputs(n, *, f=F, dv=DV, dtype=torch.float64, device="cpu", requires_grad=False):
-    q, k = (torch.randn(B, H, n, f, dtype=dtype, device=device) for _ in range(2))
-    v = torch.randn(B, H, n, dv, dtype=dtype, device=device)
-    return tuple(t.requires_grad_(requires_grad) for t in (q, k, v))
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import tk_ops
 import tk_testing
+from inputs.causal_conv1d import make_inputs
 from tk_ops import _library
 from tk_ops.ops import causal_conv1d as causal_conv1d_module
 from tk_ops.ops.causal_conv1d import is_channel_last
@@ -48,15 +49,6 @@ def conv1d_reference(x, weight, bias=None, silu=False):
 def float64_reference(x, weight, bias, silu):
     """conv1d_reference of the same (already rounded) values in float64."""
     return conv1d_reference(x.double(), weight.double(), None if bias is None else bias.double(), silu)
-
-
-def make_inputs(B, D, L, W, *, dtype=torch.float64, param_dtype=None, with_bias=True, device="cpu"):
-    """x ~ N(0, 1); taps scaled by W**-0.5 so the output stays O(1); bias ~ N(0, 1)."""
-    param_dtype = param_dtype or dtype
-    x = torch.randn(B, D, L, device=device).to(dtype)
-    weight = (torch.randn(D, W, device=device) / W**0.5).to(param_dtype)
-    bias = torch.randn(D, device=device).to(param_dtype) if with_bias else None
-    return x, weight, bias
 
 
 def activation(silu: bool):

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import tk_ops
 import tk_testing
+from inputs.fftconv import make_inputs
 from tk_ops import _library
 from tk_ops.ops.fftconv import _fft_size, _fftconv_bwd_reference
 from tk_testing import TOLERANCE, assert_rel_close, requires_kernel
@@ -24,15 +25,6 @@ def conv_reference(u, k, D=None):
     heads, filter_len = k.shape
     y = F.conv1d(F.pad(u, (filter_len - 1, 0)), k.flip(-1).unsqueeze(1), groups=heads)
     return y if D is None else y + D[:, None] * u
-
-
-def make_inputs(B, H, N, L, *, dtype=torch.float64, param_dtype=None, with_D=True, device="cpu"):
-    """u ~ N(0, 1); k scaled like a long filter so that y stays O(1); D ~ N(0, 1)."""
-    param_dtype = param_dtype or dtype
-    u = torch.randn(B, H, N, device=device).to(dtype)
-    k = (torch.randn(H, L, device=device) / L**0.5).to(param_dtype)
-    D = torch.randn(H, device=device).to(param_dtype) if with_D else None
-    return u, k, D
 
 
 def float64_reference(u, k, D):

@@ -10,12 +10,10 @@ import torch
 
 import tk_ops
 import tk_testing
+from inputs.linear_attention import B, DV, F, H, make_inputs
 from tk_ops import _library
 from tk_ops.ops import linear_attention as linear_attention_module
 from tk_testing import TOLERANCE, assert_rel_close
-
-B, H, F, DV = 2, 3, 9, 7
-
 
 def naive_linear_attention(q, k, v, normalize, eps):
     """out_i = sum_{j<=i} (q_i . k_j) v_j (/ (sum_{j<=i} q_i . k_j + eps)), the full N x N matrix in float64."""
@@ -26,16 +24,6 @@ def naive_linear_attention(q, k, v, normalize, eps):
     if not normalize:
         return numerator
     return numerator / (scores.sum(-1, keepdim=True) + eps)
-
-
-def make_inputs(n, *, normalize, f=F, dv=DV, dtype=torch.float64, device="cpu", requires_grad=False):
-    """Random q, k, v; normalised cases get positive features so the denominator stays away from 0."""
-    if normalize:
-        q, k = (torch.rand(B, H, n, f, dtype=dtype, device=device) + 0.1 for _ in range(2))
-    else:
-        q, k = (torch.randn(B, H, n, f, dtype=dtype, device=device) for _ in range(2))
-    v = torch.randn(B, H, n, dv, dtype=dtype, device=device)
-    return tuple(t.requires_grad_(requires_grad) for t in (q, k, v))
 
 
 @pytest.fixture

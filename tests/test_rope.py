@@ -7,16 +7,12 @@ import torch
 
 import tk_ops
 import tk_testing
+from inputs.rope import random_angles, tables
 from tk_testing import TOLERANCE, assert_rel_close, requires_kernel
 
 # (B, H, N, D, R): odd B, H, N; full rotary at D = 64 and 128, partial rotary at D = 80 with R = 32.
 SHAPES = [(2, 3, 7, 64, 64), (1, 5, 9, 128, 128), (3, 1, 11, 80, 32)]
 SHAPE_IDS = ["D64", "D128", "D80-R32"]
-
-
-def random_angles(batch: int, seq_len: int, rotary_dim: int, device="cpu") -> torch.Tensor:
-    """Angles theta (batch, N, R/2) in float64, spread over several turns."""
-    return 4 * torch.randn(batch, seq_len, rotary_dim // 2, dtype=torch.float64, device=device)
 
 
 def rotation_matrices(theta: torch.Tensor, head_dim: int, interleaved: bool) -> torch.Tensor:
@@ -35,10 +31,6 @@ def reference_rope(x: torch.Tensor, theta: torch.Tensor, interleaved: bool) -> t
     """out[b, h, n] = M[b, n] @ x[b, h, n] in float64 (differentiable in x)."""
     matrices = rotation_matrices(theta, x.shape[-1], interleaved).expand(x.shape[0], -1, -1, -1)
     return torch.einsum("bnij,bhnj->bhni", matrices, x.double())
-
-
-def tables(theta: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    return theta.cos().to(dtype), theta.sin().to(dtype)
 
 
 # ------------------------------------------------------------------------------------ forward

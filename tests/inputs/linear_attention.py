@@ -1,0 +1,17 @@
+"""tk.linear_attention's inputs (tests/op_db.py and tests/test_linear_attention.py)."""
+
+from __future__ import annotations
+
+import torch
+
+B, H, F, DV = 2, 3, 9, 7
+
+
+def make_inputs(n, *, normalize, f=F, dv=DV, dtype=torch.float64, device="cpu", requires_grad=False):
+    """Random q, k, v; normalised cases get positive features so the denominator stays away from 0."""
+    if normalize:
+        q, k = (torch.rand(B, H, n, f, dtype=dtype, device=device) + 0.1 for _ in range(2))
+    else:
+        q, k = (torch.randn(B, H, n, f, dtype=dtype, device=device) for _ in range(2))
+    v = torch.randn(B, H, n, dv, dtype=dtype, device=device)
+    return tuple(t.requires_grad_(requires_grad) for t in (q, k, v))
