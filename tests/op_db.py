@@ -11,13 +11,14 @@ values do not matter.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from unittest import mock
 
 import torch
 
 import tk_ops
+import tk_testing
 from inputs import attention as attention_inputs
 from inputs import based_attention as based_attention_inputs
 from inputs import causal_conv1d as causal_conv1d_inputs
@@ -71,6 +72,28 @@ class ExportSample:
 
 
 @dataclass(frozen=True)
+class GraphSample:
+    """A CUDA graph replays as its calls run eagerly: ``step(*inputs)`` on the CUDA tensors ``inputs =
+    make_inputs()`` is captured (after one warm-up call on a side stream, unless not ``warm_up``); the values
+    ``new_values(*inputs)`` (None: ``make_inputs()`` again) are copied into the inputs and the graph replayed;
+    its outputs then equal ``step(*inputs)``'s bit for bit (``tolerances``: a relative error per output, 0 for
+    bitwise). The first ``changed`` outputs (None: all) must differ from ``step``'s on the first values (the
+    replay computed anew); ``check(outputs, *inputs)`` then checks the replay's outputs against float64.
+    ``ops``: the tk ops ``step`` calls, whose CUDA kernels are captured; ``context()`` is around it all."""
+
+    id: str
+    ops: tuple[str, ...]
+    make_inputs: Callable[[], Sequence[torch.Tensor]]
+    step: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]
+    new_values: Callable[..., Sequence[torch.Tensor]] | None = None
+    warm_up: bool = True
+    changed: int | None = None
+    tolerances: tuple[float, ...] | None = None
+    check: Callable[..., None] | None = None
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+
+
+@dataclass(frozen=True)
 class BadInput:
     """``call()`` raises ``error`` with a message matching ``match``: in the public function, before any tk op
     runs, unless ``calls_op`` (the case calls a tk op directly). ``kernel``: the case needs that op's CUDA
@@ -88,7 +111,9 @@ class BadInput:
 class OpInfo:
     """One op family. ``functions``: public function -> (forward tk op, backward tk op); ``kernel_dtypes``: the
     input dtypes its CUDA kernels serve, each opchecked on the GPU with ``kernel_samples(dtype)``;
-    ``device_mismatches``: CUDA calls with one tensor left on the CPU."""
+    ``device_mismatches``: CUDA calls with one tensor left on the CPU; ``graphs``: CUDA graphs of its kernels,
+    ``no_graph``: for each tk op of the family that no graph captures, why (the table names every op in one
+    of the two)."""
 
     name: str
     functions: dict[str, tuple[str, str]]
@@ -99,6 +124,8 @@ class OpInfo:
     export: tuple[ExportSample, ...]
     bad_inputs: tuple[BadInput, ...]
     device_mismatches: tuple[BadInput, ...]
+    graphs: tuple[GraphSample, ...]
+    no_graph: dict[str, str]
 
 
 def _bad(*rows: tuple) -> tuple[BadInput, ...]:
@@ -139,6 +166,14 @@ def _grad_leaves(tensors) -> tuple:
     return tuple(
         t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t for t in tensors
     )
+
+
+NO_GRAPH_YET = "no CUDA-graph check yet"
+
+
+def _without_sample(reason: str, *ops: str) -> dict[str, str]:
+    """A column's gap, stated: each of ``ops`` mapped to why no sample of the column covers it."""
+    return dict.fromkeys(ops, reason)
 
 
 # --------------------------------------------------------------------------------------- matmul, linear
@@ -236,6 +271,11 @@ MATMUL = OpInfo(
     device_mismatches=_device_mismatches(
         tk_ops.matmul, lambda: dict(a=torch.randn(3, 4, device="cuda"), b=torch.randn(4, 2, device="cuda")), "a", "b"
     ),
+    # No side-stream warm-up: the eager call on the first values comes before the capture. Only a changes.
+    graphs=(GraphSample("matmul", ("matmul",),
+                        lambda: _randn((300, 136), (136, 264), dtype=torch.bfloat16, device="cuda"), tk_ops.matmul,
+                        new_values=lambda a, b: (torch.randn_like(a), b), warm_up=False),),
+    no_graph=_without_sample(NO_GRAPH_YET, "matmul_bwd", "linear", "linear_bwd"),
 )
 
 
@@ -278,6 +318,30 @@ def _attention_inputs(q_shape=(2, 4, 9, 40), k_shape=(2, 2, 11, 40), v_shape=Non
 def _attention_with_fp64_k():
     q, k, v = _attention_inputs()
     return tk_ops.attention(q, k.double(), v)
+
+
+def _attention_graph(head_dim: int, method: str) -> GraphSample:
+    """Forward and backward in one graph, with the backward method ``method``: replays equal eager calls
+    bitwise, except the one-pass dq, whose fp32 sums are added in varying order (equal to within a bf16
+    rounding of some elements)."""
+    deterministic = method == "deterministic"
+
+    def make_inputs():
+        q, k, v = attention_inputs.make_qkv(2, 4, 2, 511, 513, head_dim, dtype=torch.bfloat16, device="cuda",
+                                            requires_grad=False)
+        return q, k, v, torch.randn(2, 4, 511, head_dim, dtype=torch.bfloat16, device="cuda")
+
+    def step(q, k, v, grad_out):
+        out, lse = torch.ops.tk.attention(q, k, v, True, 0.1, deterministic)
+        grads = torch.ops.tk.attention_bwd(grad_out, None, q, k, v, out, lse, True, 0.1, deterministic)
+        return (out, lse, *grads)
+
+    return GraphSample(
+        f"forward-backward-D{head_dim}-{method}", ("attention", "attention_bwd"), make_inputs, step,
+        new_values=lambda *inputs: [torch.randn_like(t) for t in inputs], changed=0,
+        tolerances=None if deterministic else (0, 0, attention_inputs.BF16_ROUNDING, 0, 0),  # out, lse, dq, dk, dv
+        context=lambda: attention_inputs.backward_method(method),
+    )
 
 
 class _CausalAttention(torch.nn.Module):
@@ -337,6 +401,9 @@ ATTENTION = OpInfo(
     device_mismatches=_device_mismatches(
         tk_ops.attention, lambda: dict(zip("qkv", (t.cuda() for t in _attention_inputs()))), "q", "k"
     ),
+    graphs=tuple(_attention_graph(head_dim, method) for head_dim in (64, 128)
+                 for method in attention_inputs.BACKWARD_METHODS),
+    no_graph={},
 )
 
 
@@ -486,6 +553,13 @@ LAYER_NORM = OpInfo(
         lambda x, weight, residual: tk_ops.layer_norm(x, weight, None, residual=residual), _norm_on_the_gpu, "x",
         ("weight", "residual"),
     ),
+    graphs=(),
+    no_graph={
+        "layer_norm": "no capture-and-replay check yet: test_layer_norm.py's "
+                      "test_kernel_cuda_graph_draws_fresh_masks_per_replay captures it with dropout, whose "
+                      "replays draw fresh masks (so they replay no eager call)",
+        "layer_norm_bwd": NO_GRAPH_YET,
+    },
 )
 
 
@@ -546,6 +620,8 @@ RMS_NORM = OpInfo(
         lambda x, weight, residual: tk_ops.rms_norm(x, weight, residual=residual), _norm_on_the_gpu, "x",
         ("weight", "residual"),
     ),
+    graphs=(),
+    no_graph=_without_sample(NO_GRAPH_YET, "rms_norm", "rms_norm_bwd"),
 )
 
 
@@ -615,6 +691,15 @@ def _tables(*shape, dtype=torch.float32, requiring_grad=None):
     if requiring_grad is not None:
         tables[requiring_grad].requires_grad_()
     return tables["cos"], tables["sin"]
+
+
+def _rope_qk_graph_inputs():
+    """bf16 q (2, 4, 100, 128), GQA k, and fp32 (100, 64) tables, on the GPU."""
+    B, Hq, Hk, N, D = 2, 4, 2, 100, 128
+    q = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, Hk, N, D, device="cuda", dtype=torch.bfloat16)
+    cos, sin = rope_inputs.tables(rope_inputs.random_angles(1, N, D, device="cuda")[0], torch.float32)
+    return q, k, cos, sin
 
 
 def _rope_on_the_gpu(*names):
@@ -715,6 +800,11 @@ ROPE = OpInfo(
     ),
     device_mismatches=_device_mismatches(tk_ops.rope, lambda: _rope_on_the_gpu("x"), "x", ("cos", "sin"))
     + _device_mismatches(tk_ops.rope_qk, lambda: _rope_on_the_gpu("q", "k"), "q", "k"),
+    # New q and k, the same tables.
+    graphs=(GraphSample("rope_qk", ("rope_qk",), _rope_qk_graph_inputs, tk_ops.rope_qk,
+                        new_values=lambda q, k, cos, sin: (torch.randn_like(q), torch.randn_like(k), cos, sin),
+                        changed=0),),
+    no_graph=_without_sample(NO_GRAPH_YET, "rope", "rope_bwd", "rope_qk_bwd"),
 )
 
 
@@ -805,9 +895,26 @@ def _causal_linear_bad_inputs(function, make_inputs, B, H, F, DV) -> tuple[BadIn
     )
 
 
-def _causal_linear_info(function, make_inputs, inputs_module, reference_module) -> OpInfo:
+def _causal_linear_graphs(name, function, reference_module, graph_inputs, B, H) -> tuple[GraphSample, ...]:
+    """The forward (through the public function) in one graph, forward and backward (the ops, normalised) in
+    another; ``graph_inputs()`` gives bf16 q, k, v of N = 500, Dv = 64 on the GPU."""
+    forward_op, backward_op = getattr(reference_module, f"{name}_op"), getattr(reference_module, f"{name}_bwd_op")
+
+    def forward_backward(q, k, v, grad_out):
+        out, denominator = forward_op(q, k, v, 1e-12, True)
+        return backward_op(grad_out, q, k, v, out, denominator, 1e-12, True)
+
+    return (
+        GraphSample("forward", (name,), graph_inputs, lambda q, k, v: function(q, k, v, normalize=True)),
+        GraphSample("forward-backward", (name, f"{name}_bwd"),
+                    lambda: (*graph_inputs(), torch.randn(B, H, 500, 64, dtype=torch.bfloat16, device="cuda")),
+                    forward_backward),
+    )
+
+
+def _causal_linear_info(function, make_inputs, inputs_module, reference_module, graph_inputs) -> OpInfo:
     """linear_attention and based_attention: one engine behind two ops, one contract. ``make_inputs(n, normalize,
-    **kwargs)`` gives q, k, v; the kernels take F = 16, Dv = 64."""
+    **kwargs)`` gives q, k, v; the kernels take F = 16, Dv = 64; ``graph_inputs()``: _causal_linear_graphs'."""
     name = function.__name__
     on_the_gpu = dict(f=16, dv=64, device="cuda")
     return OpInfo(
@@ -831,13 +938,19 @@ def _causal_linear_info(function, make_inputs, inputs_module, reference_module) 
         device_mismatches=_device_mismatches(
             function, lambda: dict(zip("qkv", make_inputs(9, True, dtype=torch.bfloat16, **on_the_gpu))), "q", "kv"
         ),
+        graphs=_causal_linear_graphs(name, function, reference_module, graph_inputs, inputs_module.B, inputs_module.H),
+        no_graph={},
     )
 
 
-LINEAR_ATTENTION = _causal_linear_info(tk_ops.linear_attention, _linear_attention_inputs, linear_attention_inputs,
-                                       linear_attention_module)
-BASED_ATTENTION = _causal_linear_info(tk_ops.based_attention, _based_attention_inputs, based_attention_inputs,
-                                      based_attention_module)
+LINEAR_ATTENTION = _causal_linear_info(
+    tk_ops.linear_attention, _linear_attention_inputs, linear_attention_inputs, linear_attention_module,
+    lambda: linear_attention_inputs.scaled_inputs(500, normalize=True, f=64, dv=64, dtype=torch.bfloat16),
+)
+BASED_ATTENTION = _causal_linear_info(
+    tk_ops.based_attention, _based_attention_inputs, based_attention_inputs, based_attention_module,
+    lambda: based_attention_inputs.make_inputs(500, f=16, dv=64, dtype=torch.bfloat16, device="cuda"),
+)
 
 
 # ------------------------------------------------------------------------------------------- mamba2_ssd
@@ -952,6 +1065,41 @@ def _ssd_on_the_gpu():
                                          device="cuda")[0]
 
 
+def _ssd_graph_inputs() -> list[torch.Tensor]:
+    """Every option, D per channel, N = 128, L = 500: bf16 x, B, C, z and fp32 parameters on the GPU, by SSD_NAMES."""
+    inputs, _ = mamba2_ssd_inputs.make_inputs(2, 500, 4, 64, 2, 128, D="HP", z=True, dt_bias=True, dt_softplus=True,
+                                              initial=True, dtype=torch.bfloat16, param_dtype=torch.float32,
+                                              device="cuda")
+    return [inputs[name] for name in SSD_NAMES]
+
+
+def _ssd_graph_forward(*tensors):
+    return mamba2_ssd_inputs.forward_op(dict(zip(SSD_NAMES, tensors)), True, 128)
+
+
+def _ssd_graph_forward_inputs_and_gradients() -> list[torch.Tensor]:
+    """_ssd_graph_inputs, then the gradients of y and of the final states."""
+    tensors = _ssd_graph_inputs()
+    return [*tensors, torch.randn_like(tensors[0]), torch.randn(2, 4, 64, 128, device="cuda")]
+
+
+def _ssd_graph_forward_backward(*tensors):
+    inputs, (grad_y, grad_final) = dict(zip(SSD_NAMES, tensors)), tensors[len(SSD_NAMES):]
+    y, final, chunk_states = mamba2_ssd_inputs.forward_op(inputs, True, 128)
+    return (y, final, *mamba2_ssd_inputs.backward_op(inputs, True, 128, grad_y, grad_final, chunk_states).values())
+
+
+def _ssd_graph_forward_check(outputs, *tensors):
+    mamba2_ssd_inputs.check_kernel_outputs(dict(zip(SSD_NAMES, tensors)), True, 128, torch.bfloat16,
+                                           outputs=outputs)
+
+
+def _ssd_graph_backward_check(outputs, *tensors):
+    """The kernels' gradients on the replay's inputs (their own output gradients) against float64."""
+    errors = mamba2_ssd_inputs.backward_errors(dict(zip(SSD_NAMES, tensors)), True, 128, True)
+    assert max(errors.values()) <= mamba2_ssd_inputs.BACKWARD_TOLERANCE[torch.bfloat16], errors
+
+
 MAMBA2_SSD = OpInfo(
     name="mamba2_ssd",
     functions={"mamba2_ssd": ("mamba2_ssd", "mamba2_ssd_bwd")},
@@ -973,6 +1121,13 @@ MAMBA2_SSD = OpInfo(
     bad_inputs=_ssd_bad_inputs(),
     device_mismatches=_device_mismatches(lambda **inputs: mamba2_ssd_inputs.ssd(inputs, False, 64),
                                          _ssd_on_the_gpu, "x", ("dt", "A", "B", "D", "initial_states")),
+    graphs=(
+        GraphSample("forward", ("mamba2_ssd",), _ssd_graph_inputs, _ssd_graph_forward, changed=1,
+                    check=_ssd_graph_forward_check),
+        GraphSample("forward-backward", ("mamba2_ssd", "mamba2_ssd_bwd"), _ssd_graph_forward_inputs_and_gradients,
+                    _ssd_graph_forward_backward, changed=0, check=_ssd_graph_backward_check),
+    ),
+    no_graph={},
 )
 
 
@@ -1045,6 +1200,21 @@ def _conv1d_bad_inputs():
     )
 
 
+def _conv1d_graph(layout: str) -> GraphSample:
+    """Forward and backward in one graph: bf16 x (2, 96, 777) and its gradient in ``layout``, fp32 weight (W = 4)
+    and bias, NaN past their ends (test_causal_conv1d's kernel_case)."""
+
+    def make_inputs():
+        gpu, _ = causal_conv1d_inputs.kernel_case(2, 96, 777, 4, torch.bfloat16, torch.float32, layout)
+        return gpu
+
+    def step(x, weight, bias, grad):
+        return (torch.ops.tk.causal_conv1d(x, weight, bias, True),
+                *torch.ops.tk.causal_conv1d_bwd(grad, x, weight, bias, True))
+
+    return GraphSample(f"forward-backward-{layout}", ("causal_conv1d", "causal_conv1d_bwd"), make_inputs, step)
+
+
 CAUSAL_CONV1D = OpInfo(
     name="causal_conv1d",
     functions={"causal_conv1d": ("causal_conv1d", "causal_conv1d_bwd")},
@@ -1077,6 +1247,8 @@ CAUSAL_CONV1D = OpInfo(
                          causal_conv1d_inputs.make_inputs(2, 3, 16, 4, dtype=torch.bfloat16, device="cuda"))),
         "x", ("weight", "bias"),
     ),
+    graphs=tuple(_conv1d_graph(layout) for layout in ("bdl", "bld")),
+    no_graph={},
 )
 
 
@@ -1144,6 +1316,18 @@ def _fftconv_kernel_call(grad):
     return call
 
 
+def _fftconv_graph_inputs():
+    """bf16 u (3, 4, 4096), fp32 filters of length 1500 and D, on the GPU."""
+    return fftconv_inputs.make_inputs(3, 4, 4096, 1500, dtype=torch.bfloat16, param_dtype=torch.float32,
+                                      device="cuda")
+
+
+def _fftconv_graph_backward_inputs():
+    """The output gradient, then _fftconv_graph_inputs."""
+    u, k, D = _fftconv_graph_inputs()
+    return torch.randn_like(u), u, k, D
+
+
 FFTCONV = OpInfo(
     name="fftconv",
     functions={"fftconv": ("fftconv", "fftconv_bwd")},
@@ -1172,6 +1356,16 @@ FFTCONV = OpInfo(
         lambda: dict(zip("ukD", fftconv_inputs.make_inputs(2, 3, 16, 5, dtype=torch.bfloat16, device="cuda"))),
         "u", "kD",
     ),
+    graphs=(
+        GraphSample("forward", ("fftconv",), _fftconv_graph_inputs, lambda u, k, D: tk_ops.fftconv(u, k, D=D),
+                    check=lambda outputs, u, k, D: tk_testing.assert_rel_close(
+                        outputs[0], fftconv_inputs.float64_reference(u, k, D),
+                        fftconv_inputs.KERNEL_TOLERANCE[torch.bfloat16])),
+        GraphSample("backward", ("fftconv_bwd",), _fftconv_graph_backward_inputs, torch.ops.tk.fftconv_bwd.default,
+                    check=lambda outputs, grad, u, k, D: fftconv_inputs.check_backward(outputs, grad, u, k, D,
+                                                                                       torch.bfloat16)),
+    ),
+    no_graph={},
 )
 
 

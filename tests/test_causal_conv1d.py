@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import tk_ops
 import tk_testing
-from inputs.causal_conv1d import make_inputs
+from inputs.causal_conv1d import gpu_activation, kernel_case, make_inputs
 from tk_ops import _library
 from tk_ops.ops import causal_conv1d as causal_conv1d_module
 from tk_ops.ops.causal_conv1d import is_channel_last
@@ -314,7 +314,6 @@ KERNEL_DTYPES = [  # (x dtype, weight and bias dtype)
 ]
 # 4099: odd, past several 1024-position segments and not a multiple of any vector
 KERNEL_SEQ_LENS = [1, 17, 1000, 4099]
-ROW_ALIGNMENT = 8  # elements: 16 bytes of bf16/fp16, 32 of fp32; the NaN margins of the padded layouts
 
 
 @contextlib.contextmanager
@@ -333,42 +332,6 @@ def on_reference(op: str = "causal_conv1d"):
     _library._REFERENCE_WARNED.discard(op)
     with pytest.warns(UserWarning, match=REFERENCE_WARNING):
         yield
-
-
-def gpu_activation(values: torch.Tensor, layout: str) -> torch.Tensor:
-    """(B, D, L) values on the GPU, stored as
-    "bdl"         contiguous (B, D, L): channel-first, rows 16-byte aligned when L is a multiple of a vector
-    "bld"         a contiguous (B, L, D) transposed: channel-last
-    "bdl-padded"  rows of a NaN buffer, ROW_ALIGNMENT NaN before t = 0 and at least as many after t = L - 1,
-                  rows 16-byte aligned whatever L (so a vector cut by the row's end at odd L)
-    "bld-slice"   a column slice of a NaN (B, L + ROW_ALIGNMENT, D + 2 ROW_ALIGNMENT) buffer, transposed
-                  (NaN rows before t = 0, NaN columns around the slice)
-    so a kernel that reads past an end (or before t = 0) produces NaN."""
-    b, d, n = values.shape
-    if layout == "bdl":
-        return values.cuda()
-    if layout == "bld":
-        return values.transpose(1, 2).contiguous().cuda().transpose(1, 2)
-    pad = ROW_ALIGNMENT
-    if layout == "bdl-padded":
-        row = -(-(n + 2 * pad) // pad) * pad
-        buffer = torch.full((b, d, row), float("nan"), dtype=values.dtype, device="cuda")
-        buffer[..., pad : pad + n] = values
-        return buffer[..., pad : pad + n]
-    assert layout == "bld-slice", layout
-    buffer = torch.full((b, n + pad, d + 2 * pad), float("nan"), dtype=values.dtype, device="cuda")
-    buffer[:, pad:, pad : pad + d] = values.transpose(1, 2)
-    return buffer[:, pad:, pad : pad + d].transpose(1, 2)
-
-
-def kernel_case(B, D, L, W, dtype, param_dtype, layout, with_bias=True):
-    """x and the output gradient in `layout` (NaN around them where padded), weight and bias on the GPU
-    with NaN past their ends; the CPU float64 copies of the same rounded values."""
-    x, weight, bias = make_inputs(B, D, L, W, dtype=dtype, param_dtype=param_dtype, with_bias=with_bias)
-    grad = torch.randn(B, D, L).to(dtype)
-    parameters = [None if t is None else tk_testing.on_gpu_with_canary(t.flatten()).view(t.shape) for t in (weight, bias)]
-    gpu = (gpu_activation(x, layout), *parameters, gpu_activation(grad, layout))
-    return gpu, (x.double(), weight.double(), None if bias is None else bias.double(), grad.double())
 
 
 def expected(x, weight, bias, silu, grad):
@@ -500,39 +463,6 @@ def test_kernel_parameter_gradients_are_deterministic(layout):
             again = torch.ops.tk.causal_conv1d_bwd(grad, x, weight, bias, True)
             for got, want in zip(again, first):
                 assert torch.equal(got, want)
-
-
-@requires_kernel("causal_conv1d_bwd")
-@pytest.mark.parametrize("layout", ["bdl", "bld"])
-def test_kernel_cuda_graph_capture_and_replay(layout):
-    """Forward and backward captured in one graph replay the eager numbers on new inputs."""
-    B, D, L = 2, 96, 777
-
-    def new_inputs():
-        gpu, _ = kernel_case(B, D, L, 4, torch.bfloat16, torch.float32, layout)
-        return gpu
-
-    static = new_inputs()
-
-    def forward_backward():
-        x, weight, bias, grad = static
-        return (torch.ops.tk.causal_conv1d(x, weight, bias, True), *torch.ops.tk.causal_conv1d_bwd(grad, x, weight, bias, True))
-
-    before = [t.clone() for t in forward_backward()]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        forward_backward()  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = forward_backward()
-    for dst, src in zip(static, new_inputs()):
-        dst.copy_(src)
-    graph.replay()
-    for got, want, old in zip(captured, forward_backward(), before):
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
-        assert not torch.equal(got, old)
 
 
 def _unsupported_cases():

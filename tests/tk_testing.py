@@ -39,11 +39,12 @@ CUDA_MARKS = _gpu_marks(not HAS_CUDA, "needs a CUDA device")
 requires_cuda = _marked(CUDA_MARKS)
 
 
-def kernel_marks(op_name: str) -> tuple:
-    """Skip unless a Hopper GPU is present and tk_ops._C registered a CUDA kernel for the op."""
+def kernel_marks(*op_names: str) -> tuple:
+    """Skip unless a Hopper GPU is present and tk_ops._C registered a CUDA kernel for each op."""
+    ops = " and ".join(f"tk.{name}" for name in op_names)
     return _gpu_marks(
-        not (IS_HOPPER and _library.has_cuda_kernel(op_name)),
-        f"needs an sm_90 GPU and the tk_ops CUDA kernel for tk.{op_name} (extension: {tk_ops.extension_status()})",
+        not (IS_HOPPER and all(_library.has_cuda_kernel(name) for name in op_names)),
+        f"needs an sm_90 GPU and the tk_ops CUDA kernel for {ops} (extension: {tk_ops.extension_status()})",
     )
 
 

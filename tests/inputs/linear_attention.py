@@ -15,3 +15,11 @@ def make_inputs(n, *, normalize, f=F, dv=DV, dtype=torch.float64, device="cpu", 
         q, k = (torch.randn(B, H, n, f, dtype=dtype, device=device) for _ in range(2))
     v = torch.randn(B, H, n, dv, dtype=dtype, device=device)
     return tuple(t.requires_grad_(requires_grad) for t in (q, k, v))
+
+
+def scaled_inputs(n, *, normalize, f, dv, dtype, b=B, h=H, requires_grad=False):
+    """make_inputs on the GPU with q scaled by F**-0.5: unit-scale scores keep fp16 (the state's copy,
+    the unnormalised output) in range at every F."""
+    q, k, v = make_inputs(n, normalize=normalize, f=f, dv=dv, dtype=dtype, device="cuda")
+    q = (q.float() * f**-0.5).to(dtype)
+    return tuple(t.requires_grad_(requires_grad) for t in (q, k, v))
