@@ -1,6 +1,7 @@
 """The op-contract table, in the spirit of PyTorch's OpInfo: one entry per op family (``tk_ops/ops/<name>.py``)
 with its public functions and their tk ops, opcheck samples on the CPU and, for every dtype its CUDA kernels
-serve, on the GPU, compile and export samples, and bad inputs with the error each raises.
+serve, on the GPU, compile and export samples, bad inputs with the error each raises, CUDA graphs of its kernels
+and CUDA inputs its kernels leave to the references (for an op without a graph or a fallback sample, why).
 
 ``tests/test_op_contract.py`` runs every check over this table; ``tests/test_<name>.py`` keeps the numerics.
 The input builders and references both use are in ``tests/inputs/<name>.py`` (this table imports no test
@@ -26,6 +27,7 @@ from inputs import fftconv as fftconv_inputs
 from inputs import layer_norm as layer_norm_inputs
 from inputs import linear_attention as linear_attention_inputs
 from inputs import mamba2_ssd as mamba2_ssd_inputs
+from inputs import matmul as matmul_inputs
 from inputs import rms_norm as rms_norm_inputs
 from inputs import rope as rope_inputs
 from tk_ops.ops import based_attention as based_attention_module
@@ -94,6 +96,22 @@ class GraphSample:
 
 
 @dataclass(frozen=True)
+class FallbackSample:
+    """CUDA inputs the kernels do not take: ``call(*inputs)`` on ``inputs = make_inputs()`` reaches the reference
+    twin of each op of ``ops``, which warns that it runs the PyTorch reference path (asserted, unless not
+    ``checks_warning``), and gives ``expected(*inputs)`` (float64) within the relative error ``tol`` (one per
+    output, or one for all)."""
+
+    id: str
+    ops: tuple[str, ...]
+    make_inputs: Callable[[], Sequence]
+    call: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]
+    expected: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]
+    tol: float | tuple[float, ...]
+    checks_warning: bool = True
+
+
+@dataclass(frozen=True)
 class BadInput:
     """``call()`` raises ``error`` with a message matching ``match``: in the public function, before any tk op
     runs, unless ``calls_op`` (the case calls a tk op directly). ``kernel``: the case needs that op's CUDA
@@ -112,8 +130,9 @@ class OpInfo:
     """One op family. ``functions``: public function -> (forward tk op, backward tk op); ``kernel_dtypes``: the
     input dtypes its CUDA kernels serve, each opchecked on the GPU with ``kernel_samples(dtype)``;
     ``device_mismatches``: CUDA calls with one tensor left on the CPU; ``graphs``: CUDA graphs of its kernels,
-    ``no_graph``: for each tk op of the family that no graph captures, why (the table names every op in one
-    of the two)."""
+    ``no_graph``: for each tk op of the family that no graph captures, why; ``fallbacks``: CUDA inputs its
+    kernels leave to the references, ``no_fallback``: for each tk op no fallback sample reaches, why (every op
+    is in a column or in its gaps)."""
 
     name: str
     functions: dict[str, tuple[str, str]]
@@ -126,6 +145,8 @@ class OpInfo:
     device_mismatches: tuple[BadInput, ...]
     graphs: tuple[GraphSample, ...]
     no_graph: dict[str, str]
+    fallbacks: tuple[FallbackSample, ...]
+    no_fallback: dict[str, str]
 
 
 def _bad(*rows: tuple) -> tuple[BadInput, ...]:
@@ -151,6 +172,10 @@ def _device_mismatches(function, make_inputs, first: str, names) -> tuple[BadInp
     return tuple(case(name) for name in names)
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def _randn(*shapes, requires_grad=False, **kwargs) -> list[torch.Tensor]:
     return [torch.randn(*s, **kwargs).requires_grad_(requires_grad) for s in shapes]
 
@@ -169,6 +194,8 @@ def _grad_leaves(tensors) -> tuple:
 
 
 NO_GRAPH_YET = "no CUDA-graph check yet"
+NO_FALLBACK_YET = "no fallback check yet"
+TOLERANCE = tk_testing.TOLERANCE
 
 
 def _without_sample(reason: str, *ops: str) -> dict[str, str]:
@@ -216,6 +243,22 @@ class _LinearThenMatmul(torch.nn.Module):
 
     def forward(self, x, b):
         return tk_ops.matmul(tk_ops.linear(x, self.weight, self.bias), b)
+
+
+def _matmul_fallback(id: str, dtype: torch.dtype, make_inputs) -> FallbackSample:
+    return FallbackSample(id, ("matmul",), make_inputs, tk_ops.matmul, matmul_inputs.float64_product, TOLERANCE[dtype])
+
+
+MATMUL_FALLBACKS = (  # strides and a base address TMA cannot describe, and fp32
+    _matmul_fallback("K-stride-14-bytes", torch.bfloat16, lambda: (torch.randn(33, 7, device="cuda").bfloat16(),
+                                                                   torch.randn(7, 24, device="cuda").bfloat16())),
+    _matmul_fallback("misaligned-base", torch.float16, lambda: (torch.randn(16, 48, device="cuda").half()[:, 1:41],
+                                                                torch.randn(40, 16, device="cuda").half())),
+    _matmul_fallback("N-stride-26-bytes", torch.bfloat16, lambda: (torch.randn(9, 16, device="cuda").bfloat16(),
+                                                                   torch.randn(16, 13, device="cuda").bfloat16())),
+    _matmul_fallback("fp32", torch.float32, lambda: (torch.randn(9, 16, device="cuda"),
+                                                     torch.randn(16, 24, device="cuda"))),
+)
 
 
 MATMUL = OpInfo(
@@ -276,6 +319,8 @@ MATMUL = OpInfo(
                         lambda: _randn((300, 136), (136, 264), dtype=torch.bfloat16, device="cuda"), tk_ops.matmul,
                         new_values=lambda a, b: (torch.randn_like(a), b), warm_up=False),),
     no_graph=_without_sample(NO_GRAPH_YET, "matmul_bwd", "linear", "linear_bwd"),
+    fallbacks=MATMUL_FALLBACKS,
+    no_fallback=_without_sample(NO_FALLBACK_YET, "matmul_bwd", "linear", "linear_bwd"),
 )
 
 
@@ -404,6 +449,8 @@ ATTENTION = OpInfo(
     graphs=tuple(_attention_graph(head_dim, method) for head_dim in (64, 128)
                  for method in attention_inputs.BACKWARD_METHODS),
     no_graph={},
+    fallbacks=(),
+    no_fallback=_without_sample(NO_FALLBACK_YET, "attention", "attention_bwd"),
 )
 
 
@@ -560,6 +607,8 @@ LAYER_NORM = OpInfo(
                       "replays draw fresh masks (so they replay no eager call)",
         "layer_norm_bwd": NO_GRAPH_YET,
     },
+    fallbacks=(),
+    no_fallback=_without_sample(NO_FALLBACK_YET, "layer_norm", "layer_norm_bwd"),
 )
 
 
@@ -622,6 +671,8 @@ RMS_NORM = OpInfo(
     ),
     graphs=(),
     no_graph=_without_sample(NO_GRAPH_YET, "rms_norm", "rms_norm_bwd"),
+    fallbacks=(),
+    no_fallback=_without_sample(NO_FALLBACK_YET, "rms_norm", "rms_norm_bwd"),
 )
 
 
@@ -700,6 +751,13 @@ def _rope_qk_graph_inputs():
     k = torch.randn(B, Hk, N, D, device="cuda", dtype=torch.bfloat16)
     cos, sin = rope_inputs.tables(rope_inputs.random_angles(1, N, D, device="cuda")[0], torch.float32)
     return q, k, cos, sin
+
+
+def _rope_fp64_inputs():
+    """fp64 x (2, 3, 7, 16) and angles (1, 7, 8) on the GPU."""
+    B, H, N, D = 2, 3, 7, 16
+    x = torch.randn(B, H, N, D, device="cuda", dtype=torch.float64)
+    return x, rope_inputs.random_angles(1, N, D, device="cuda")
 
 
 def _rope_on_the_gpu(*names):
@@ -805,6 +863,11 @@ ROPE = OpInfo(
                         new_values=lambda q, k, cos, sin: (torch.randn_like(q), torch.randn_like(k), cos, sin),
                         changed=0),),
     no_graph=_without_sample(NO_GRAPH_YET, "rope", "rope_bwd", "rope_qk_bwd"),
+    fallbacks=(FallbackSample("fp64", ("rope",), _rope_fp64_inputs,
+                              lambda x, theta: tk_ops.rope(x, *rope_inputs.tables(theta[0], torch.float64)),
+                              lambda x, theta: rope_inputs.reference_rope(x, theta, False), TOLERANCE[torch.float64],
+                              checks_warning=False),),
+    no_fallback=_without_sample(NO_FALLBACK_YET, "rope_bwd", "rope_qk", "rope_qk_bwd"),
 )
 
 
@@ -912,7 +975,48 @@ def _causal_linear_graphs(name, function, reference_module, graph_inputs, B, H) 
     )
 
 
-def _causal_linear_info(function, make_inputs, inputs_module, reference_module, graph_inputs) -> OpInfo:
+def _causal_linear_fallbacks(function, make_inputs, naive, B, H, cases, checks_forward_warning):
+    """Normalised q, k, v of N = 77 in each (dtype, F, Dv) of ``cases``, which the kernels do not take: the
+    forward against ``naive(q, k, v, normalize, eps)`` (its reference warning checked where
+    ``checks_forward_warning``), and its gradients through autograd (the backward falls back too)."""
+    name = function.__name__
+
+    def forward_sample(dtype, f, dv):
+        return FallbackSample(
+            f"forward-{_dtype_name(dtype)}-F{f}-Dv{dv}", (name,),
+            lambda: make_inputs(77, True, f=f, dv=dv, dtype=dtype, device="cuda"),
+            lambda q, k, v: function(q, k, v, normalize=True), lambda q, k, v: naive(q, k, v, True, 1e-12),
+            TOLERANCE[dtype], checks_warning=checks_forward_warning,
+        )
+
+    def backward_sample(dtype, f, dv):
+        def inputs_and_output_gradient():
+            q, k, v = make_inputs(77, True, f=f, dv=dv, dtype=dtype, device="cuda", requires_grad=True)
+            return q, k, v, torch.randn(B, H, 77, dv, dtype=dtype, device="cuda")
+
+        def gradients(q, k, v, grad_out):
+            return torch.autograd.grad(function(q, k, v, normalize=True), (q, k, v), grad_out)
+
+        def float64_gradients(q, k, v, grad_out):
+            leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+            return torch.autograd.grad(naive(*leaves, True, 1e-12), leaves, grad_out.double())
+
+        return FallbackSample(f"backward-{_dtype_name(dtype)}-F{f}-Dv{dv}", (name, f"{name}_bwd"),
+                              inputs_and_output_gradient, gradients, float64_gradients, 3 * TOLERANCE[dtype],
+                              checks_warning=False)
+
+    return tuple(forward_sample(*case) for case in cases) + tuple(backward_sample(*case) for case in cases)
+
+
+def _linear_attention_rows_tma_cannot_describe():
+    """bf16 q and k of rows F + 1 = 17 elements apart (not a multiple of 16 bytes), normalised."""
+    B, H = linear_attention_inputs.B, linear_attention_inputs.H
+    q_rows, k_rows = (torch.rand(B, H, 77, 17, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    v = torch.randn(B, H, 77, 64, dtype=torch.bfloat16, device="cuda")
+    return q_rows[..., :16], k_rows[..., :16], v
+
+
+def _causal_linear_info(function, make_inputs, inputs_module, reference_module, graph_inputs, fallbacks) -> OpInfo:
     """linear_attention and based_attention: one engine behind two ops, one contract. ``make_inputs(n, normalize,
     **kwargs)`` gives q, k, v; the kernels take F = 16, Dv = 64; ``graph_inputs()``: _causal_linear_graphs'."""
     name = function.__name__
@@ -940,16 +1044,36 @@ def _causal_linear_info(function, make_inputs, inputs_module, reference_module, 
         ),
         graphs=_causal_linear_graphs(name, function, reference_module, graph_inputs, inputs_module.B, inputs_module.H),
         no_graph={},
+        fallbacks=fallbacks,
+        no_fallback={},
     )
 
 
 LINEAR_ATTENTION = _causal_linear_info(
     tk_ops.linear_attention, _linear_attention_inputs, linear_attention_inputs, linear_attention_module,
     lambda: linear_attention_inputs.scaled_inputs(500, normalize=True, f=64, dv=64, dtype=torch.bfloat16),
+    _causal_linear_fallbacks(
+        tk_ops.linear_attention, _linear_attention_inputs, linear_attention_inputs.naive_linear_attention,
+        linear_attention_inputs.B, linear_attention_inputs.H,
+        [(torch.float32, 16, 64), (torch.bfloat16, 8, 64), (torch.bfloat16, 48, 64), (torch.bfloat16, 16, 40)],
+        checks_forward_warning=True,
+    ) + (
+        FallbackSample("forward-rows-tma-cannot-describe", ("linear_attention",),
+                       _linear_attention_rows_tma_cannot_describe,
+                       lambda q, k, v: tk_ops.linear_attention(q, k, v, normalize=True),
+                       lambda q, k, v: linear_attention_inputs.naive_linear_attention(q, k, v, True, 1e-12),
+                       TOLERANCE[torch.bfloat16]),
+    ),
 )
 BASED_ATTENTION = _causal_linear_info(
     tk_ops.based_attention, _based_attention_inputs, based_attention_inputs, based_attention_module,
     lambda: based_attention_inputs.make_inputs(500, f=16, dv=64, dtype=torch.bfloat16, device="cuda"),
+    _causal_linear_fallbacks(
+        tk_ops.based_attention, _based_attention_inputs, based_attention_inputs.naive_based_attention,
+        based_attention_inputs.B, based_attention_inputs.H,
+        [(torch.float32, 16, 64), (torch.bfloat16, 8, 64), (torch.bfloat16, 16, 48)],
+        checks_forward_warning=False,
+    ),
 )
 
 
@@ -1100,6 +1224,53 @@ def _ssd_graph_backward_check(outputs, *tensors):
     assert max(errors.values()) <= mamba2_ssd_inputs.BACKWARD_TOLERANCE[torch.bfloat16], errors
 
 
+def _ssd_unsupported_sizes():
+    """P = 24, N = 40 (the kernels take P = 64, N in {64, 128}), bf16 parameters, D per channel."""
+    return mamba2_ssd_inputs.make_inputs(2, 77, 4, 24, 2, 40, D="HP", dtype=torch.bfloat16, device="cuda")
+
+
+def _ssd_unsupported_head_dim():
+    """P = 32 (the kernels take P = 64), fp32 parameters, no options."""
+    return mamba2_ssd_inputs.make_inputs(1, 40, 2, 32, 1, 64, dtype=torch.bfloat16, param_dtype=torch.float32,
+                                         device="cuda")
+
+
+def _ssd_unsupported_backward_inputs():
+    """P = 32 with D (H,): the inputs, dt_softplus, an output gradient and the forward's chunk states."""
+    inputs, softplus = mamba2_ssd_inputs.make_inputs(1, 40, 2, 32, 1, 64, D="H", dtype=torch.bfloat16,
+                                                     param_dtype=torch.float32, device="cuda")
+    _, final, chunk_states = mamba2_ssd_inputs.forward_op(inputs, softplus, 64)
+    return inputs, softplus, torch.randn_like(inputs["x"]), chunk_states
+
+
+SSD_FALLBACK_GRADIENTS = ("x", "dt", "A", "B", "C", "D")  # of the inputs _ssd_unsupported_backward_inputs gives
+
+
+def _ssd_backward_op(inputs, softplus, grad_y, chunk_states):
+    grads = mamba2_ssd_inputs.backward_op(inputs, softplus, 64, grad_y, None, chunk_states)
+    return tuple(grads[name] for name in SSD_FALLBACK_GRADIENTS)
+
+
+def _ssd_reference_gradients(inputs, softplus, grad_y, chunk_states):
+    grads = mamba2_ssd_inputs.reference_gradients(inputs, softplus, 64, grad_y, None, "cuda")
+    return tuple(grads[name] for name in SSD_FALLBACK_GRADIENTS)
+
+
+MAMBA2_SSD_FALLBACKS = (
+    FallbackSample("forward-unsupported-sizes", ("mamba2_ssd",), _ssd_unsupported_sizes,
+                   lambda inputs, softplus: mamba2_ssd_inputs.ssd(inputs, softplus, 32),
+                   mamba2_ssd_inputs.recurrence,
+                   (TOLERANCE[torch.bfloat16], mamba2_ssd_inputs.KERNEL_TOLERANCE[torch.bfloat16]),  # y, final
+                   checks_warning=False),
+    FallbackSample("forward-P32", ("mamba2_ssd",), _ssd_unsupported_head_dim,
+                   lambda inputs, softplus: mamba2_ssd_inputs.ssd(inputs, softplus, 64)[0],
+                   lambda inputs, softplus: mamba2_ssd_inputs.recurrence(inputs, softplus)[0],
+                   TOLERANCE[torch.bfloat16]),
+    FallbackSample("backward-P32", ("mamba2_ssd_bwd",), _ssd_unsupported_backward_inputs, _ssd_backward_op,
+                   _ssd_reference_gradients, mamba2_ssd_inputs.BACKWARD_TOLERANCE[torch.bfloat16]),
+)
+
+
 MAMBA2_SSD = OpInfo(
     name="mamba2_ssd",
     functions={"mamba2_ssd": ("mamba2_ssd", "mamba2_ssd_bwd")},
@@ -1128,6 +1299,8 @@ MAMBA2_SSD = OpInfo(
                     _ssd_graph_forward_backward, changed=0, check=_ssd_graph_backward_check),
     ),
     no_graph={},
+    fallbacks=MAMBA2_SSD_FALLBACKS,
+    no_fallback={},
 )
 
 
@@ -1215,6 +1388,44 @@ def _conv1d_graph(layout: str) -> GraphSample:
     return GraphSample(f"forward-backward-{layout}", ("causal_conv1d", "causal_conv1d_bwd"), make_inputs, step)
 
 
+def _conv1d_fallback(id: str, dtype: torch.dtype, make) -> FallbackSample:
+    """x, weight, bias = ``make()`` on the GPU, outside the kernels' scope: the ops called directly (below the
+    public function's copy of an x with no unit stride) reach their references, forward and backward."""
+
+    def make_inputs():
+        x, weight, bias = make()
+        return x, weight, bias, torch.randn_like(x)
+
+    def forward_backward(x, weight, bias, grad):
+        return (torch.ops.tk.causal_conv1d(x, weight, bias, True),
+                *torch.ops.tk.causal_conv1d_bwd(grad, x, weight, bias, True))
+
+    def expected(x, weight, bias, grad):
+        return causal_conv1d_inputs.reference_out_and_grads(x.cpu().double(), weight.cpu().double(),
+                                                            bias.cpu().double(), True, grad.cpu().double())
+
+    tol = TOLERANCE[dtype]
+    return FallbackSample(id, ("causal_conv1d", "causal_conv1d_bwd"), make_inputs, forward_backward, expected,
+                          (tol, 2 * tol, 2 * tol, 2 * tol))  # out, then the gradients of x, weight, bias
+
+
+def _conv1d_with_no_unit_stride():
+    x, weight, bias = causal_conv1d_inputs.make_inputs(2, 24, 2 * 77, 4, dtype=torch.bfloat16, device="cuda")
+    return x[..., ::2], weight, bias  # stride 2 along L, D's stride is not 1 either
+
+
+CAUSAL_CONV1D_FALLBACKS = (
+    _conv1d_fallback("fp64", torch.float64, lambda: causal_conv1d_inputs.make_inputs(2, 24, 77, 4, device="cuda")),
+    _conv1d_fallback("W-1", torch.bfloat16, lambda: causal_conv1d_inputs.make_inputs(2, 24, 77, 1,
+                                                                                     dtype=torch.bfloat16,
+                                                                                     device="cuda")),
+    _conv1d_fallback("W-5", torch.bfloat16, lambda: causal_conv1d_inputs.make_inputs(2, 24, 77, 5,
+                                                                                     dtype=torch.bfloat16,
+                                                                                     device="cuda")),
+    _conv1d_fallback("no-unit-stride", torch.bfloat16, _conv1d_with_no_unit_stride),
+)
+
+
 CAUSAL_CONV1D = OpInfo(
     name="causal_conv1d",
     functions={"causal_conv1d": ("causal_conv1d", "causal_conv1d_bwd")},
@@ -1249,6 +1460,8 @@ CAUSAL_CONV1D = OpInfo(
     ),
     graphs=tuple(_conv1d_graph(layout) for layout in ("bdl", "bld")),
     no_graph={},
+    fallbacks=CAUSAL_CONV1D_FALLBACKS,
+    no_fallback={},
 )
 
 
@@ -1328,6 +1541,37 @@ def _fftconv_graph_backward_inputs():
     return torch.randn_like(u), u, k, D
 
 
+def _fftconv_fallback_inputs(dtype, N):
+    """u (2, 3, N) of ``dtype``, filters of length 17 and D, on the GPU."""
+    return fftconv_inputs.make_inputs(2, 3, N, 17, dtype=dtype, device="cuda")
+
+
+def _fftconv_fallback_backward_inputs(dtype, N):
+    """The output gradient, then _fftconv_fallback_inputs."""
+    u, k, D = _fftconv_fallback_inputs(dtype, N)
+    return torch.randn_like(u), u, k, D
+
+
+def _fftconv_fallback_tolerance(dtype):
+    return fftconv_inputs.KERNEL_TOLERANCE.get(dtype, TOLERANCE[torch.float64])
+
+
+# N past the kernels' 16384 (fp32: 8192), not one they pad to, and fp64.
+FFTCONV_FALLBACKS = tuple(
+    FallbackSample(f"forward-{_dtype_name(dtype)}-N{N}", ("fftconv",),
+                   lambda dtype=dtype, N=N: _fftconv_fallback_inputs(dtype, N),
+                   lambda u, k, D: tk_ops.fftconv(u, k, D=D), fftconv_inputs.float64_reference,
+                   _fftconv_fallback_tolerance(dtype))
+    for dtype, N in ((torch.float32, 16384), (torch.float32, 9000), (torch.float64, 1024), (torch.bfloat16, 16385))
+) + tuple(
+    FallbackSample(f"backward-{_dtype_name(dtype)}-N{N}", ("fftconv_bwd",),
+                   lambda dtype=dtype, N=N: _fftconv_fallback_backward_inputs(dtype, N),
+                   torch.ops.tk.fftconv_bwd.default, fftconv_inputs.float64_backward,
+                   _fftconv_fallback_tolerance(dtype))
+    for dtype, N in ((torch.float32, 16384), (torch.float64, 1024), (torch.bfloat16, 16385))
+)
+
+
 FFTCONV = OpInfo(
     name="fftconv",
     functions={"fftconv": ("fftconv", "fftconv_bwd")},
@@ -1366,6 +1610,8 @@ FFTCONV = OpInfo(
                                                                                        torch.bfloat16)),
     ),
     no_graph={},
+    fallbacks=FFTCONV_FALLBACKS,
+    no_fallback={},
 )
 
 

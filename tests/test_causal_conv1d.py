@@ -1,12 +1,9 @@
 """tk.causal_conv1d: causal depthwise conv1d (+ SiLU), against a naive loop and against
 F.conv1d(padding=W - 1)[..., :L] in float64; on an sm_90 GPU, its kernels (both layouts, every
 dtype and width they take, tails, strided views, NaN past every input and in every fresh
-allocation, CUDA graphs, determinism) and their fallbacks."""
+allocation, determinism). Its CUDA graphs and fallbacks: tests/op_db.py, run by tests/test_op_contract.py."""
 
 from __future__ import annotations
-
-import contextlib
-import warnings
 
 import pytest
 import torch
@@ -14,8 +11,8 @@ import torch.nn.functional as F
 
 import tk_ops
 import tk_testing
-from inputs.causal_conv1d import gpu_activation, kernel_case, make_inputs
-from tk_ops import _library
+from inputs.causal_conv1d import (conv1d_reference, gpu_activation, kernel_case, make_inputs,
+                                  reference_out_and_grads)
 from tk_ops.ops import causal_conv1d as causal_conv1d_module
 from tk_ops.ops.causal_conv1d import is_channel_last
 from tk_testing import TOLERANCE, assert_rel_close, requires_cuda, requires_kernel
@@ -36,13 +33,6 @@ def naive_reference(x, weight, bias=None, silu=False):
                 out[:, :, t] = out[:, :, t] + weight[:, s].double() * x[:, :, source].double()
     if bias is not None:
         out = out + bias.double()[:, None]
-    return F.silu(out) if silu else out
-
-
-def conv1d_reference(x, weight, bias=None, silu=False):
-    """causal_conv1d's reference: a depthwise conv1d padded by W - 1 on both sides, cut to L."""
-    dim, width = weight.shape
-    out = F.conv1d(x, weight.unsqueeze(1), bias, padding=width - 1, groups=dim)[..., : x.shape[-1]]
     return F.silu(out) if silu else out
 
 
@@ -303,7 +293,6 @@ def test_gpu_forward_and_gradients(dtype, param_dtype):
 
 # ------------------------------------------------------------------------------------ GPU kernels
 
-REFERENCE_WARNING = "running the PyTorch reference path"
 KERNEL_WIDTHS = [2, 3, 4]
 KERNEL_DTYPES = [  # (x dtype, weight and bias dtype)
     (torch.bfloat16, torch.bfloat16),
@@ -316,29 +305,9 @@ KERNEL_DTYPES = [  # (x dtype, weight and bias dtype)
 KERNEL_SEQ_LENS = [1, 17, 1000, 4099]
 
 
-@contextlib.contextmanager
 def on_kernel():
-    """Both ops must run their kernels: a reference (which warns once per op, so forget earlier warnings) raises."""
-    for op in ("causal_conv1d", "causal_conv1d_bwd"):
-        _library._REFERENCE_WARNED.discard(op)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=f".*{REFERENCE_WARNING}")
-        yield
-
-
-@contextlib.contextmanager
-def on_reference(op: str = "causal_conv1d"):
-    """The op must fall back to its reference, with the one-time warning."""
-    _library._REFERENCE_WARNED.discard(op)
-    with pytest.warns(UserWarning, match=REFERENCE_WARNING):
-        yield
-
-
-def expected(x, weight, bias, silu, grad):
-    """out and the gradients of x, weight, bias (float64, on the CPU)."""
-    leaves = [t.detach().requires_grad_() for t in (x, weight) + (() if bias is None else (bias,))]
-    out = conv1d_reference(leaves[0], leaves[1], leaves[2] if bias is not None else None, silu)
-    return (out.detach(), *torch.autograd.grad(out, leaves, grad))
+    """Both ops must run their kernels (a reference would warn)."""
+    return tk_testing.runs_the_kernels("causal_conv1d", "causal_conv1d_bwd")
 
 
 def check_kernel_case(gpu, cpu, silu, dtype, param_dtype):
@@ -346,7 +315,7 @@ def check_kernel_case(gpu, cpu, silu, dtype, param_dtype):
     with on_kernel():
         out = torch.ops.tk.causal_conv1d(x, weight, bias, silu)
         grads = torch.ops.tk.causal_conv1d_bwd(grad, x, weight, bias, silu)
-    want = expected(*cpu[:3], silu, cpu[3])
+    want = reference_out_and_grads(*cpu[:3], silu, cpu[3])
     layout = causal_conv1d_module._new_like_x(x).stride()  # the reference's (and the fake's) strides
     assert out.dtype == dtype and out.stride() == layout
     assert grads[0].dtype == dtype and grads[0].stride() == layout
@@ -464,33 +433,3 @@ def test_kernel_parameter_gradients_are_deterministic(layout):
             for got, want in zip(again, first):
                 assert torch.equal(got, want)
 
-
-def _unsupported_cases():
-    def strided(b, d, n, w, dtype):
-        x, weight, bias = make_inputs(b, d, 2 * n, w, dtype=dtype, device="cuda")
-        return x[..., ::2], weight, bias  # stride 2 along L, D's stride is not 1 either
-
-    return [
-        ("fp64", lambda: make_inputs(2, 24, 77, 4, device="cuda")),
-        ("W = 1", lambda: make_inputs(2, 24, 77, 1, dtype=torch.bfloat16, device="cuda")),
-        ("W = 5", lambda: make_inputs(2, 24, 77, 5, dtype=torch.bfloat16, device="cuda")),
-        ("no unit stride", lambda: strided(2, 24, 77, 4, torch.bfloat16)),
-    ]
-
-
-@requires_kernel("causal_conv1d")
-@tk_testing.parametrize_with_ids("make", _unsupported_cases())
-def test_unsupported_inputs_fall_back_to_reference(make):
-    """Inputs outside the kernels' scope reach the reference twins (warning once) and give its numbers;
-    the op is called directly, below the public function's copy of an x with no unit stride."""
-    x, weight, bias = make()
-    grad = torch.randn_like(x)
-    with on_reference("causal_conv1d"):
-        out = torch.ops.tk.causal_conv1d(x, weight, bias, True)
-    with on_reference("causal_conv1d_bwd"):
-        grads = torch.ops.tk.causal_conv1d_bwd(grad, x, weight, bias, True)
-    tolerance = TOLERANCE[x.dtype]
-    want = expected(x.cpu().double(), weight.cpu().double(), bias.cpu().double(), True, grad.cpu().double())
-    assert_rel_close(out, want[0], tolerance)
-    for name, got, w in zip(("x", "weight", "bias"), grads, want[1:]):
-        assert_rel_close(got, w, 2 * tolerance, f"grad_{name}")

@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
-import warnings
-
 import pytest
 import torch
 
 import tk_ops
 import tk_testing
-from inputs.fftconv import (KERNEL_TOLERANCE, check_backward, conv_reference, float64_backward, float64_reference,
-                            make_inputs)
-from tk_ops import _library
+from inputs.fftconv import KERNEL_TOLERANCE, check_backward, conv_reference, float64_reference, make_inputs
 from tk_ops.ops.fftconv import _fft_size
 from tk_testing import TOLERANCE, assert_rel_close, requires_kernel
 
@@ -135,16 +130,9 @@ def test_strided_views():
 
 KERNEL_SEQ_LENS = [256, 512, 1024, 2048, 4096, 8192, 16384]
 FP32_KERNEL_SEQ_LENS = [256, 512, 1024, 2048, 4096, 8192]
-REFERENCE_WARNING = "running the PyTorch reference path"
-
-
-@contextlib.contextmanager
 def no_reference_warning():
     """Fails on the reference's warning: the kernels themselves must serve the calls."""
-    _library._REFERENCE_WARNED.difference_update({"fftconv", "fftconv_bwd"})
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=f".*{REFERENCE_WARNING}")
-        yield
+    return tk_testing.runs_the_kernels("fftconv", "fftconv_bwd")
 
 
 def poisoned_allocations(nbytes: int) -> None:
@@ -215,19 +203,6 @@ def test_kernel_many_heads_and_pairs():
     with no_reference_warning():
         out = tk_ops.fftconv(u, k, D=D)
     assert_rel_close(out, float64_reference(u, k, D), KERNEL_TOLERANCE[torch.bfloat16])
-
-
-@requires_kernel("fftconv")
-@pytest.mark.parametrize(
-    "dtype, N", [(torch.float32, 16384), (torch.float32, 9000), (torch.float64, 1024), (torch.bfloat16, 16385)]
-)
-def test_kernel_unsupported_inputs_fall_back_with_a_warning(dtype, N):
-    u, k, D = make_inputs(2, 3, N, 17, dtype=dtype, device="cuda")
-    _library._REFERENCE_WARNED.discard("fftconv")
-    with pytest.warns(UserWarning, match=REFERENCE_WARNING):
-        out = tk_ops.fftconv(u, k, D=D)
-    tol = KERNEL_TOLERANCE.get(dtype, TOLERANCE[torch.float64])
-    assert_rel_close(out, float64_reference(u, k, D), tol)
 
 
 @requires_kernel("fftconv_bwd")
@@ -331,20 +306,6 @@ def test_kernel_backward_is_the_forwards_adjoint(dtype):
     scale = (y.double().norm() * grad.double().norm()).item()
     for other in (through_u, through_k_and_D):
         assert abs((pairing - other).item()) <= KERNEL_TOLERANCE[dtype] * scale
-
-
-@requires_kernel("fftconv_bwd")
-@pytest.mark.parametrize("dtype, N", [(torch.float32, 16384), (torch.float64, 1024), (torch.bfloat16, 16385)])
-def test_kernel_backward_unsupported_inputs_fall_back_with_a_warning(dtype, N):
-    u, k, D = make_inputs(2, 3, N, 17, dtype=dtype, device="cuda")
-    grad = torch.randn_like(u)
-    _library._REFERENCE_WARNED.discard("fftconv_bwd")
-    with pytest.warns(UserWarning, match=REFERENCE_WARNING):
-        got = torch.ops.tk.fftconv_bwd.default(grad, u, k, D)
-    want = float64_backward(grad, u, k, D)
-    tol = KERNEL_TOLERANCE.get(dtype, TOLERANCE[torch.float64])
-    for name, g, w in zip(("grad_u", "grad_k", "grad_D"), got, want):
-        assert_rel_close(g, w, tol, name)
 
 
 # ------------------------------------------------------------------- fp32 u: split operands

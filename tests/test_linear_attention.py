@@ -2,29 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
-import warnings
-
 import pytest
 import torch
 
 import tk_ops
 import tk_testing
-from inputs.linear_attention import B, DV, F, H, make_inputs, scaled_inputs
-from tk_ops import _library
+from inputs.linear_attention import B, DV, F, H, make_inputs, naive_linear_attention, scaled_inputs
 from tk_ops.ops import linear_attention as linear_attention_module
 from tk_testing import TOLERANCE, assert_rel_close
-
-
-def naive_linear_attention(q, k, v, normalize, eps):
-    """out_i = sum_{j<=i} (q_i . k_j) v_j (/ (sum_{j<=i} q_i . k_j + eps)), the full N x N matrix in float64."""
-    n = q.shape[-2]
-    causal = torch.arange(n)[:, None] >= torch.arange(n)[None, :]
-    scores = torch.where(causal.to(q.device), torch.einsum("bhif,bhjf->bhij", q.double(), k.double()), 0.0)
-    numerator = torch.einsum("bhij,bhjd->bhid", scores, v.double())
-    if not normalize:
-        return numerator
-    return numerator / (scores.sum(-1, keepdim=True) + eps)
 
 
 @pytest.fixture
@@ -120,24 +105,9 @@ def poisoned_allocations(nbytes: int) -> None:
     torch.full((nbytes // 4 + 1,), float("nan"), device="cuda")
 
 
-REFERENCE_WARNING = "running the PyTorch reference path"
-
-
-@contextlib.contextmanager
 def on_kernel():
-    """The forward must run on the kernel: its reference would warn (once per op, so forget earlier warnings)."""
-    _library._REFERENCE_WARNED.discard("linear_attention")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=f".*{REFERENCE_WARNING}")
-        yield
-
-
-@contextlib.contextmanager
-def on_reference():
-    """The forward must fall back to the reference."""
-    _library._REFERENCE_WARNED.discard("linear_attention")
-    with pytest.warns(UserWarning, match=REFERENCE_WARNING):
-        yield
+    """The forward must run on the kernel (its reference would warn)."""
+    return tk_testing.runs_the_kernels("linear_attention")
 
 
 @tk_testing.requires_kernel("linear_attention")
@@ -223,29 +193,6 @@ def test_kernel_strided_views(normalize, f):
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
-@tk_testing.requires_kernel("linear_attention")
-@pytest.mark.parametrize(
-    "dtype, f, dv",
-    [(torch.float32, 16, 64), (torch.bfloat16, 8, 64), (torch.bfloat16, 48, 64), (torch.bfloat16, 16, 40)],
-)
-def test_unsupported_inputs_fall_back_to_reference(dtype, f, dv):
-    q, k, v = make_inputs(77, normalize=True, f=f, dv=dv, dtype=dtype, device="cuda")
-    with on_reference():
-        out = tk_ops.linear_attention(q, k, v, normalize=True)
-    assert_rel_close(out, naive_linear_attention(q, k, v, True, 1e-12), TOLERANCE[dtype])
-
-
-@tk_testing.requires_kernel("linear_attention")
-def test_rows_tma_cannot_describe_fall_back_to_reference():
-    """Rows F + 1 elements apart (not a multiple of 16 bytes): the reference answers."""
-    q_rows, k_rows = (torch.rand(B, H, 77, 17, dtype=torch.bfloat16, device="cuda") for _ in range(2))
-    q, k = q_rows[..., :16], k_rows[..., :16]
-    v = torch.randn(B, H, 77, 64, dtype=torch.bfloat16, device="cuda")
-    with on_reference():
-        out = tk_ops.linear_attention(q, k, v, normalize=True)
-    assert_rel_close(out, naive_linear_attention(q, k, v, True, 1e-12), TOLERANCE[torch.bfloat16])
-
-
 # ------------------------------------------------------------------------------- GPU backward kernel
 
 
@@ -321,14 +268,3 @@ def test_backward_kernel_strided_views(normalize, f):
     for name, got, want in zip("qkv", grads, reference):
         assert_rel_close(got, want, 3 * TOLERANCE[torch.bfloat16], f"grad_{name}")
 
-
-@tk_testing.requires_kernel("linear_attention_bwd")
-@pytest.mark.parametrize(
-    "dtype, f, dv", [(torch.float32, 16, 64), (torch.bfloat16, 8, 64), (torch.bfloat16, 48, 64), (torch.bfloat16, 16, 40)]
-)
-def test_backward_unsupported_inputs_fall_back_to_reference(dtype, f, dv):
-    q, k, v = make_inputs(77, normalize=True, f=f, dv=dv, dtype=dtype, device="cuda", requires_grad=True)
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    out = tk_ops.linear_attention(q, k, v, normalize=True)
-    ref = naive_linear_attention(q64, k64, v64, True, 1e-12)
-    tk_testing.assert_gradients_close(out, (q, k, v), ref, (q64, k64, v64), 3 * TOLERANCE[dtype], "qkv")

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
-import warnings
-
 import pytest
 import torch
 
+import tk_testing
 from inputs.mamba2_ssd import (BACKWARD_TOLERANCE, CASES, GRADIENT_NAMES, KERNEL_TOLERANCE, NAMES, backward_errors,
                                backward_op, check_kernel_outputs, forward_op, make_inputs, recurrence,
                                reference_gradients, ssd)
-from tk_ops import _library
-import tk_testing
 from tk_testing import TOLERANCE, assert_rel_close, requires_kernel
 
 
@@ -217,28 +213,11 @@ def test_kernel_plain_odd_lengths(L):
     assert_rel_close(final, want_final, KERNEL_TOLERANCE[torch.bfloat16], "final_states")
 
 
-@requires_kernel("mamba2_ssd")
-def test_kernel_unsupported_sizes_fall_back():
-    inputs, softplus = make_inputs(2, 77, 4, 24, 2, 40, D="HP", dtype=torch.bfloat16, device="cuda")
-    y, final = ssd(inputs, softplus, 32)
-    want_y, want_final = recurrence(inputs, softplus)
-    assert_rel_close(y, want_y, TOLERANCE[torch.bfloat16], "y")
-    assert_rel_close(final, want_final, KERNEL_TOLERANCE[torch.bfloat16], "final_states")
-
-
 # ------------------------------------------------------------------ the kernel: every option, tails
 
-REFERENCE_WARNING = "running the PyTorch reference path"
-
-
-@contextlib.contextmanager
 def on_kernel():
-    """Forward and backward must run on the kernels: their references would warn (once per op, so forget
-    earlier warnings)."""
-    _library._REFERENCE_WARNED.difference_update({"mamba2_ssd", "mamba2_ssd_bwd"})
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=f".*{REFERENCE_WARNING}")
-        yield
+    """Forward and backward must run on the kernels (their references would warn)."""
+    return tk_testing.runs_the_kernels("mamba2_ssd", "mamba2_ssd_bwd")
 
 
 def poisoned_allocations(nbytes: int) -> None:
@@ -335,16 +314,6 @@ def test_kernel_strided_views():
     )
     with on_kernel():
         check_kernel_outputs(inputs, False, 128, torch.bfloat16)
-
-
-@requires_kernel("mamba2_ssd")
-def test_kernel_unsupported_inputs_fall_back_with_a_warning():
-    inputs, softplus = make_inputs(1, 40, 2, 32, 1, 64, dtype=torch.bfloat16, param_dtype=torch.float32, device="cuda")
-    _library._REFERENCE_WARNED.discard("mamba2_ssd")
-    with pytest.warns(UserWarning, match=REFERENCE_WARNING):
-        y, final = ssd(inputs, softplus, 64)
-    want_y, want_final = recurrence(inputs, softplus)
-    assert_rel_close(y, want_y, TOLERANCE[torch.bfloat16], "y")
 
 
 # --------------------------------------------------------------------------------- backward kernels
@@ -501,20 +470,6 @@ def test_kernel_backward_is_deterministic():
     second = backward_op(inputs, softplus, 256, grad_y, grad_final, chunk_states)
     for name in GRADIENT_NAMES:
         assert torch.equal(first[name], second[name]), f"grad_{name} differs between two runs"
-
-
-@requires_kernel("mamba2_ssd_bwd")
-def test_kernel_backward_unsupported_inputs_fall_back_with_a_warning():
-    inputs, softplus = make_inputs(1, 40, 2, 32, 1, 64, D="H", dtype=torch.bfloat16, param_dtype=torch.float32,
-                                   device="cuda")
-    _, final, chunk_states = forward_op(inputs, softplus, 64)
-    grad_y = torch.randn_like(inputs["x"])
-    _library._REFERENCE_WARNED.discard("mamba2_ssd_bwd")
-    with pytest.warns(UserWarning, match=REFERENCE_WARNING):
-        got = backward_op(inputs, softplus, 64, grad_y, None, chunk_states)
-    want = reference_gradients(inputs, softplus, 64, grad_y, None, "cuda")
-    for name in ("x", "dt", "A", "B", "C", "D"):
-        assert_rel_close(got[name], want[name], BACKWARD_TOLERANCE[torch.bfloat16], f"grad_{name}")
 
 
 @requires_kernel("mamba2_ssd_bwd")

@@ -1,10 +1,12 @@
 """The contract every tk op keeps (docs/API.md), checked op by op over the table of tests/op_db.py:
 opcheck on the CPU and, in every dtype the kernels serve, on the GPU; torch.compile(fullgraph=True) with the
 tk forward and backward ops in the generated code; torch.export; bad inputs and device mismatches raise
-errors that name the argument; CUDA graphs of the kernels replay as they run eagerly. The numerics are in
-tests/test_<op>.py."""
+errors that name the argument; CUDA graphs of the kernels replay as they run eagerly; CUDA inputs the kernels
+do not take reach the references, which warn. The numerics are in tests/test_<op>.py."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -48,6 +50,10 @@ DEVICE_MISMATCHES = _params(
 GRAPHS = _params(
     [(f"{info.name}-{sample.id}", sample, tk_testing.kernel_marks(*sample.ops)) for info in OP_DB
      for sample in info.graphs]
+)
+FALLBACKS = _params(
+    [(f"{info.name}-{sample.id}", sample, tk_testing.kernel_marks(*sample.ops)) for info in OP_DB
+     for sample in info.fallbacks]
 )
 FUNCTIONS = {name: ops for info in OP_DB for name, ops in info.functions.items()}
 
@@ -128,6 +134,19 @@ def test_cuda_graph_replays_as_eager(sample):
             sample.check(replayed, *inputs)
 
 
+@pytest.mark.parametrize("sample", FALLBACKS)
+def test_unsupported_cuda_inputs_run_the_reference(sample):
+    """CUDA inputs the kernels do not take reach the references, which warn, and give their numbers
+    (op_db.FallbackSample)."""
+    inputs = sample.make_inputs()
+    with tk_testing.runs_the_references(*sample.ops) if sample.checks_warning else contextlib.nullcontext():
+        outputs = _outputs(sample.call(*inputs))
+    expected = _outputs(sample.expected(*inputs))
+    tolerances = sample.tol if isinstance(sample.tol, tuple) else (sample.tol,) * len(expected)
+    for i, (got, want, tol) in enumerate(zip(outputs, expected, tolerances, strict=True)):
+        tk_testing.assert_rel_close(got, want, tol, f"output {i}")
+
+
 @pytest.mark.parametrize("public_name", sorted(FUNCTIONS))
 def test_every_public_op_is_a_tk_op_with_backward_and_fallback_twin(public_name):
     assert callable(getattr(tk_ops, public_name))
@@ -140,7 +159,8 @@ def test_every_public_op_is_a_tk_op_with_backward_and_fallback_twin(public_name)
 
 def test_the_table_covers_every_tk_op():
     """Every op tk_ops defines has opcheck samples on the CPU and, where the kernels serve it, on the GPU; and
-    in its family's entry, a CUDA graph that captures its kernel or the stated reason there is none."""
+    in its family's entry, a CUDA graph that captures its kernel and a fallback sample that reaches its
+    reference, or the stated reason there is none."""
     defined = set(_library._DEFINED)
     assert defined == {op for ops in FUNCTIONS.values() for op in ops}
     assert {sample.op for info in OP_DB for sample in info.samples} == defined
@@ -148,9 +168,12 @@ def test_the_table_covers_every_tk_op():
         own = {op for ops in info.functions.values() for op in ops}
         for dtype in info.kernel_dtypes:
             assert {sample.op for sample in info.kernel_samples(dtype)} == own, (info.name, dtype)
-        captured = {op for sample in info.graphs for op in sample.ops}
-        assert captured <= own, (info.name, captured - own)
-        assert captured.isdisjoint(info.no_graph), (info.name, "captured, yet listed without a graph")
-        assert captured | info.no_graph.keys() == own, (info.name, "neither captured nor listed without a graph",
-                                                       own - captured - info.no_graph.keys())
-        assert all(reason.strip() for reason in info.no_graph.values()), info.name
+        for column, samples, gaps in (("graphs", info.graphs, info.no_graph),
+                                      ("fallbacks", info.fallbacks, info.no_fallback)):
+            covered = {op for sample in samples for op in sample.ops}
+            where = (info.name, column)
+            assert covered <= own, (*where, "not ops of the family", covered - own)
+            assert covered.isdisjoint(gaps), (*where, "covered, yet stated as a gap", covered & gaps.keys())
+            assert covered | gaps.keys() == own, (*where, "neither covered nor stated as a gap",
+                                                  own - covered - gaps.keys())
+            assert all(reason.strip() for reason in gaps.values()), (*where, "a gap without a reason")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 import tk_testing
 
@@ -52,3 +53,17 @@ def kernel_case(B, D, L, W, dtype, param_dtype, layout, with_bias=True):
     parameters = [None if t is None else tk_testing.on_gpu_with_canary(t.flatten()).view(t.shape) for t in (weight, bias)]
     gpu = (gpu_activation(x, layout), *parameters, gpu_activation(grad, layout))
     return gpu, (x.double(), weight.double(), None if bias is None else bias.double(), grad.double())
+
+
+def conv1d_reference(x, weight, bias=None, silu=False):
+    """causal_conv1d's reference: a depthwise conv1d padded by W - 1 on both sides, cut to L."""
+    dim, width = weight.shape
+    out = F.conv1d(x, weight.unsqueeze(1), bias, padding=width - 1, groups=dim)[..., : x.shape[-1]]
+    return F.silu(out) if silu else out
+
+
+def reference_out_and_grads(x, weight, bias, silu, grad):
+    """out and the gradients of x, weight, bias (float64, on the CPU)."""
+    leaves = [t.detach().requires_grad_() for t in (x, weight) + (() if bias is None else (bias,))]
+    out = conv1d_reference(leaves[0], leaves[1], leaves[2] if bias is not None else None, silu)
+    return (out.detach(), *torch.autograd.grad(out, leaves, grad))

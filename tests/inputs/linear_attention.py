@@ -23,3 +23,14 @@ def scaled_inputs(n, *, normalize, f, dv, dtype, b=B, h=H, requires_grad=False):
     q, k, v = make_inputs(n, normalize=normalize, f=f, dv=dv, dtype=dtype, device="cuda")
     q = (q.float() * f**-0.5).to(dtype)
     return tuple(t.requires_grad_(requires_grad) for t in (q, k, v))
+
+
+def naive_linear_attention(q, k, v, normalize, eps):
+    """out_i = sum_{j<=i} (q_i . k_j) v_j (/ (sum_{j<=i} q_i . k_j + eps)), the full N x N matrix in float64."""
+    n = q.shape[-2]
+    causal = torch.arange(n)[:, None] >= torch.arange(n)[None, :]
+    scores = torch.where(causal.to(q.device), torch.einsum("bhif,bhjf->bhij", q.double(), k.double()), 0.0)
+    numerator = torch.einsum("bhij,bhjd->bhid", scores, v.double())
+    if not normalize:
+        return numerator
+    return numerator / (scores.sum(-1, keepdim=True) + eps)
