@@ -1,4 +1,5 @@
-"""Tile-core primitives on the GPU: swizzled TMA round trips, wgmma, the producer/consumer pipeline.
+"""Tile-core primitives on the GPU: swizzled TMA round trips, wgmma, the producer/consumer pipeline,
+the TMA store ring.
 
 The kernels (tests/core/core_kernels.cu) are built on first use with torch.utils.cpp_extension; every
 test here needs a Hopper GPU and skips elsewhere.
@@ -139,3 +140,16 @@ def test_pipeline_template_hooks(stages, consumers, rows, cols, iterations, grid
     for index, (row, col) in enumerate(grouped_order(tiles_m, tiles_n, 3)):
         expected_before[row, col] = index // grid
     assert torch.equal(tasks_before.cpu(), expected_before), "scratch did not persist across a block's tasks"
+
+
+# ------------------------------------------------------------------------------- TMA store ring
+
+
+@requires_hopper
+@pytest.mark.parametrize("slots", [1, 2, 3])
+@pytest.mark.parametrize("tiles", [1, 2, 7, 16])
+def test_store_ring_reuses_slots_only_once_read(tiles, slots):
+    """Each tile reaches global memory as written, though its slot is rewritten right after."""
+    out = core().store_ring_tiles(tiles, slots)
+    expected = torch.arange(tiles * 64 * 64, dtype=torch.float32, device="cuda").view(tiles * 64, 64)
+    assert torch.equal(out, expected)

@@ -68,10 +68,18 @@ std::tuple<at::Tensor, at::Tensor> pipeline_sums(const at::Tensor& x, const at::
   return {out, tasks_before};
 }
 
+// Returns the tiles (tiles * 64 x 64, fp32) written through a store ring of `slots` (see core_kernels.h).
+at::Tensor store_ring_tiles(int64_t tiles, int64_t slots) {
+  at::Tensor out = at::full({tiles * 64, 64}, NAN, at::TensorOptions().device(at::kCUDA).dtype(at::kFloat));
+  C10_CUDA_CHECK(tk::core_tests::store_ring_tiles(out.data_ptr<float>(), int(tiles), int(slots), stream()));
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tma_round_trip", &tma_round_trip);
   m.def("wgmma_product", &wgmma_product);
   m.def("pipeline_sums", &pipeline_sums);
+  m.def("store_ring_tiles", &store_ring_tiles);
 }

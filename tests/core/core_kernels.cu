@@ -4,6 +4,7 @@
 //   wgmma_registers  the same with A from registers
 //   pipeline_sums    every hook of the producer/consumer template (two-part stages, a resident tile,
 //                    scratch kept across tasks) with 1..4 stages, persistent and one-task grids
+//   store_ring_tiles tiles written one after another through a TMA store ring of 1..3 slots
 #include "core_kernels.h"
 #include "tk/tk.cuh"
 
@@ -283,6 +284,49 @@ cudaError_t run_pipeline_sums_stages(const pipeline_sum_args& a, cudaStream_t st
   return a.consumers == 1 ? run_pipeline_sums<STAGES, 1>(a, stream) : run_pipeline_sums<STAGES, 2>(a, stream);
 }
 
+// ---------------------------------------------------------------------------- TMA store ring
+
+using fp32_tile = shared_tile<float, 64, 64>;
+
+template <int SLOTS>
+struct store_ring_shared {
+  fp32_tile staging[SLOTS];
+};
+
+enum class ring_barrier : int { slot_free = FIRST_NAMED_BARRIER, slot_written, count };
+static_assert(fits_named_barriers<ring_barrier>());
+
+// Every thread writes its share of each tile straight after the ring hands out the slot, so a slot
+// handed out before its previous store has read it would show in `out`.
+template <int SLOTS>
+__global__ void store_ring_kernel(const __grid_constant__ CUtensorMap out, int tiles) {
+  auto& s = pipeline::block_storage<store_ring_shared<SLOTS>>();
+  pipeline::tma_store_ring<SLOTS> ring;
+  const bool leader = is_warpgroup_leader();
+  for (int t = 0; t < tiles; ++t) {
+    fp32_tile& tile = s.staging[ring.slot()];
+    ring.acquire(leader, ring_barrier::slot_free);
+    for (int i = threadIdx.x; i < fp32_tile::rows * fp32_tile::cols; i += WARPGROUP_THREADS) {
+      tile.at(i / fp32_tile::cols, i % fp32_tile::cols) = float(t * fp32_tile::rows * fp32_tile::cols + i);
+    }
+    fence_async_shared();
+    barrier_sync(ring_barrier::slot_written, WARPGROUP_THREADS);
+    if (leader) {
+      const int index[2] = {t * fp32_tile::rows, 0};
+      tma::store(out, tile, index);
+    }
+    ring.commit(leader);
+  }
+  pipeline::tma_store_ring<SLOTS>::drain();
+}
+
+template <int SLOTS>
+cudaError_t run_store_ring(float* out, int tiles, cudaStream_t stream) {
+  const CUtensorMap map = make_tma_map<fp32_tile>(matrix_layout(out, tiles * fp32_tile::rows, fp32_tile::cols, fp32_tile::cols));
+  return pipeline::launch(store_ring_kernel<SLOTS>, 1, WARPGROUP_THREADS, pipeline::shared_bytes<store_ring_shared<SLOTS>>,
+                          stream, map, tiles);
+}
+
 template <int BOX_ROWS>
 cudaError_t tma_round_trip_boxes(const round_trip_args& a, cudaStream_t stream) {
   return with_element(a.dtype, [&]<typename T>() {
@@ -316,6 +360,12 @@ cudaError_t pipeline_sums(const pipeline_sum_args& a, cudaStream_t stream) {
     case 3: return run_pipeline_sums_stages<3>(a, stream);
     default: return run_pipeline_sums_stages<4>(a, stream);
   }
+}
+
+cudaError_t store_ring_tiles(float* out, int tiles, int slots, cudaStream_t stream) {
+  if (slots == 1) return run_store_ring<1>(out, tiles, stream);
+  if (slots == 2) return run_store_ring<2>(out, tiles, stream);
+  return run_store_ring<3>(out, tiles, stream);
 }
 
 }  // namespace tk::core_tests

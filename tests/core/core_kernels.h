@@ -52,4 +52,9 @@ struct pipeline_sum_args {
 };
 cudaError_t pipeline_sums(const pipeline_sum_args& args, cudaStream_t stream);
 
+// One warpgroup writes `tiles` 64 x 64 fp32 tiles through a store ring of `slots` (1 to 3) staging
+// tiles and TMA-stores tile t to rows 64 t of `out` (64 tiles x 64, contiguous); element (r, c) of
+// tile t is 4096 t + 64 r + c.
+cudaError_t store_ring_tiles(float* out, int tiles, int slots, cudaStream_t stream);
+
 }  // namespace tk::core_tests

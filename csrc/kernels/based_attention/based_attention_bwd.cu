@@ -367,7 +367,7 @@ struct dkdv_kernel : gradient_common<T> {
     value_accumulator r[SLABS];  // sum_i phi(q_i) g~_i^T over the later chunks
     small_tile query_gram;       // sum_i c_i q_i q_i^T (value block 0, normalised)
     small_tile query_sum;        // every row: sum_i c_i q_i
-    int stores = 0;              // grad_v chunks stored so far (picks the staging tile)
+    chunked_causal::staging_ring grad_v_stores;  // picks the staging tile of each grad_v chunk
   };
 
   __host__ __device__ static pipeline::head_block_order tasks(const params& p) {
@@ -501,12 +501,11 @@ struct dkdv_kernel : gradient_common<T> {
     }
   }
 
-  // Hands R to the next chunk (scaled copies) and grad_v's tile to TMA.
+  // Hands R to the next chunk (scaled copies) and grad_v's tile to TMA through the staging ring.
   __device__ static void store_chunk(const context& ctx, consumer_state& st, const value_accumulator& grad_v,
                                      int chunk, bool more, bool leader) {
-    value_tile& staging = ctx.scratch.staging[st.stores % chunked_causal::STAGING_TILES];
-    if (leader) tma::wait_stores_read<1>();  // the store that last used this staging tile has read it
-    barrier_sync(barrier_id::chunk_done, WARPGROUP_THREADS);
+    value_tile& staging = ctx.scratch.staging[st.grad_v_stores.slot()];
+    st.grad_v_stores.acquire(leader, barrier_id::chunk_done);
     base::write_copies(ctx.scratch.states, st.r, more);
     warpgroup::store<0>(staging, grad_v);
     fence_async_shared();  // the stmatrix writes must be visible to wgmma and to the copy engine
@@ -514,15 +513,14 @@ struct dkdv_kernel : gradient_common<T> {
     if (leader) {
       const int index[4] = {ctx.task.batch, ctx.task.head, chunk * CHUNK, ctx.task.block * VALUE_BLOCK};
       tma::store(ctx.params.grad_v, staging, index);
-      tma::commit_stores();
     }
-    ++st.stores;
+    st.grad_v_stores.commit(leader);
   }
 
   __device__ static void store(const context&, consumer_state&) {}
 
   __device__ static void finish(const typename dkdv_kernel::params&, typename dkdv_kernel::scratch&, int) {
-    if (is_warpgroup_leader()) tma::wait_stores_read<0>();
+    chunked_causal::staging_ring::drain();
   }
 };
 

@@ -292,7 +292,7 @@ struct forward_kernel : based_plan, chunked_causal::kernel_base<T, FEATURES, CHU
     moments m[SLABS];
     small_tile key_gram;  // sum_j k_j k_j^T
     small_tile key_sum;   // every row: sum_j k_j
-    int stores = 0;       // output chunks stored so far (picks the staging tile)
+    chunked_causal::staging_ring output_stores;  // picks the staging tile of each output chunk
   };
 
   // ------------------------------------------------------------------------------ producer
@@ -437,7 +437,7 @@ struct forward_kernel : based_plan, chunked_causal::kernel_base<T, FEATURES, CHU
 
   // Hands the moments to the next chunk (scaled copies) and the output tile to TMA.
   __device__ static void store_chunk(const context& ctx, consumer_state& st, const output& o, int chunk, bool leader) {
-    base::store_chunk(ctx, ctx.scratch.staging, st.stores, o, chunk, leader, [&] { write_copies(ctx, st); });
+    base::store_chunk(ctx, ctx.scratch.staging, st.output_stores, o, chunk, leader, [&] { write_copies(ctx, st); });
   }
 
   // The moments' scaled 16-bit copies, which the next chunk's O += phi_t(Q) moments_t reads.

@@ -357,7 +357,7 @@ struct dkdv_kernel : gradient_common<T, FEATURES> {
 
   struct scratch {
     state_copy_tile state_copy;  // R's 16-bit copy: B of K R and of V R^T
-    value_tile staging[2];       // grad_v of alternate chunks, while TMA stores the other
+    value_tile staging[chunked_causal::STAGING_TILES];  // grad_v of alternate chunks, while TMA stores the other
     float query_sum[FEATURES];   // the c-weighted query sum's fp32 copy, for every warp's keys
   };
 
@@ -372,7 +372,7 @@ struct dkdv_kernel : gradient_common<T, FEATURES> {
   struct consumer_state {
     state r[SLABS];                 // sum_i q_i g~_i^T over the later chunks
     feature_sums query_sum[SLABS];  // sum_i c_i q_i over the later chunks (value block 0, normalised)
-    int stores = 0;                 // grad_v chunks stored so far (picks the staging tile)
+    chunked_causal::staging_ring grad_v_stores;  // picks the staging tile of each grad_v chunk
   };
 
   __host__ __device__ static pipeline::head_block_order tasks(const params& p) {
@@ -506,13 +506,12 @@ struct dkdv_kernel : gradient_common<T, FEATURES> {
     }
   }
 
-  // Hands R to the next chunk (its copies) and grad_v's tile to TMA, alternating staging tiles so
+  // Hands R to the next chunk (its copies) and grad_v's tile to TMA through the staging ring, so
   // that one store is in flight while the next is written.
   __device__ static void store_chunk(const context& ctx, consumer_state& st, const state& grad_v, int chunk, bool more,
                                      bool carries_delta, bool leader) {
-    value_tile& staging = ctx.scratch.staging[st.stores % 2];
-    if (leader) tma::wait_stores_read<1>();  // the store that last used this staging tile has read it
-    barrier_sync(barrier_id::chunk_done, WARPGROUP_THREADS);
+    value_tile& staging = ctx.scratch.staging[st.grad_v_stores.slot()];
+    st.grad_v_stores.acquire(leader, barrier_id::chunk_done);
     if (more) base::write_copies(ctx.scratch.state_copy, ctx.scratch.query_sum, st.r, st.query_sum, carries_delta);
     warpgroup::store<0>(staging, grad_v);
     fence_async_shared();  // the stmatrix writes must be visible to wgmma and to the copy engine
@@ -520,16 +519,13 @@ struct dkdv_kernel : gradient_common<T, FEATURES> {
     if (leader) {
       const int index[4] = {ctx.task.batch, ctx.task.head, chunk * CHUNK, ctx.task.block * VALUE_BLOCK};
       tma::store(ctx.params.grad_v, staging, index);
-      tma::commit_stores();
     }
-    ++st.stores;
+    st.grad_v_stores.commit(leader);
   }
 
   __device__ static void store(const context&, consumer_state&) {}
 
-  __device__ static void finish(const params&, scratch&, int) {
-    if (is_warpgroup_leader()) tma::wait_stores_read<0>();
-  }
+  __device__ static void finish(const params&, scratch&, int) { chunked_causal::staging_ring::drain(); }
 };
 
 // ----------------------------------------------------------------------------------- host

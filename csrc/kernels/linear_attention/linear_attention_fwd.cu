@@ -97,7 +97,7 @@ struct forward_kernel : linear_plan<FEATURES>, chunked_causal::kernel_base<T, FE
   struct consumer_state {
     state s[SLABS];
     feature_sums key_sum[SLABS];
-    int stores = 0;  // output chunks stored so far (picks the staging tile)
+    chunked_causal::staging_ring output_stores;  // picks the staging tile of each output chunk
   };
 
   // The warp's first feature row of slab t; the warp owns none when it is F or more.
@@ -192,7 +192,7 @@ struct forward_kernel : linear_plan<FEATURES>, chunked_causal::kernel_base<T, FE
       in.release(at);
 
       base::normalize(ctx, o, den, chunk);
-      base::store_chunk(ctx, ctx.scratch.staging, st.stores, o, chunk, leader, [&] { write_copies(ctx, st); });
+      base::store_chunk(ctx, ctx.scratch.staging, st.output_stores, o, chunk, leader, [&] { write_copies(ctx, st); });
     }
   }
 
