@@ -1,5 +1,5 @@
 """Tile-core primitives on the GPU: swizzled TMA round trips, wgmma, the producer/consumer pipeline,
-the TMA store ring.
+the TMA store ring, publishing shared memory to the async proxy.
 
 The kernels (tests/core/core_kernels.cu) are built on first use with torch.utils.cpp_extension; every
 test here needs a Hopper GPU and skips elsewhere.
@@ -153,3 +153,13 @@ def test_store_ring_reuses_slots_only_once_read(tiles, slots):
     out = core().store_ring_tiles(tiles, slots)
     expected = torch.arange(tiles * 64 * 64, dtype=torch.float32, device="cuda").view(tiles * 64, 64)
     assert torch.equal(out, expected)
+
+
+# -------------------------------------------------------------------------------------- publish
+
+
+@requires_hopper
+def test_publish_makes_every_writer_visible_to_one_store():
+    """Two warpgroups write halves of a tile with ordinary stores; one thread's TMA store sees both."""
+    out = core().publish_tile()
+    assert torch.equal(out, torch.arange(64 * 64, dtype=torch.float32, device="cuda").view(64, 64))

@@ -75,6 +75,13 @@ at::Tensor store_ring_tiles(int64_t tiles, int64_t slots) {
   return out;
 }
 
+// Returns the 64 x 64 fp32 tile two warpgroups published to one TMA store (see core_kernels.h).
+at::Tensor publish_tile() {
+  at::Tensor out = at::full({64, 64}, NAN, at::TensorOptions().device(at::kCUDA).dtype(at::kFloat));
+  C10_CUDA_CHECK(tk::core_tests::publish_tile(out.data_ptr<float>(), stream()));
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -82,4 +89,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("wgmma_product", &wgmma_product);
   m.def("pipeline_sums", &pipeline_sums);
   m.def("store_ring_tiles", &store_ring_tiles);
+  m.def("publish_tile", &publish_tile);
 }

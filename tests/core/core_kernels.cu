@@ -5,6 +5,7 @@
 //   pipeline_sums    every hook of the producer/consumer template (two-part stages, a resident tile,
 //                    scratch kept across tasks) with 1..4 stages, persistent and one-task grids
 //   store_ring_tiles tiles written one after another through a TMA store ring of 1..3 slots
+//   publish_tile     two warpgroups' ordinary stores, published to one thread's TMA store
 #include "core_kernels.h"
 #include "tk/tk.cuh"
 
@@ -309,8 +310,7 @@ __global__ void store_ring_kernel(const __grid_constant__ CUtensorMap out, int t
     for (int i = threadIdx.x; i < fp32_tile::rows * fp32_tile::cols; i += WARPGROUP_THREADS) {
       tile.at(i / fp32_tile::cols, i % fp32_tile::cols) = float(t * fp32_tile::rows * fp32_tile::cols + i);
     }
-    fence_async_shared();
-    barrier_sync(ring_barrier::slot_written, WARPGROUP_THREADS);
+    publish(ring_barrier::slot_written, WARPGROUP_THREADS);
     if (leader) {
       const int index[2] = {t * fp32_tile::rows, 0};
       tma::store(out, tile, index);
@@ -325,6 +325,34 @@ cudaError_t run_store_ring(float* out, int tiles, cudaStream_t stream) {
   const CUtensorMap map = make_tma_map<fp32_tile>(matrix_layout(out, tiles * fp32_tile::rows, fp32_tile::cols, fp32_tile::cols));
   return pipeline::launch(store_ring_kernel<SLOTS>, 1, WARPGROUP_THREADS, pipeline::shared_bytes<store_ring_shared<SLOTS>>,
                           stream, map, tiles);
+}
+
+// --------------------------------------------------------------------------------- publish
+
+constexpr int PUBLISHERS = 2;  // warpgroups writing the tile
+
+struct publish_shared {
+  fp32_tile tile;
+};
+
+enum class publish_barrier : int { written = FIRST_NAMED_BARRIER, count };
+static_assert(fits_named_barriers<publish_barrier>());
+
+// Warpgroup w writes rows [32 w, 32 w + 32); thread 0, of warpgroup 0, stores all of them.
+__global__ void publish_kernel(const __grid_constant__ CUtensorMap out) {
+  auto& s = pipeline::block_storage<publish_shared>();
+  constexpr int rows_each = fp32_tile::rows / PUBLISHERS;
+  const int first = warpgroup_id() * rows_each * fp32_tile::cols;
+  for (int i = threadIdx.x % WARPGROUP_THREADS; i < rows_each * fp32_tile::cols; i += WARPGROUP_THREADS) {
+    s.tile.at((first + i) / fp32_tile::cols, (first + i) % fp32_tile::cols) = float(first + i);
+  }
+  publish(publish_barrier::written, PUBLISHERS * WARPGROUP_THREADS);
+  if (threadIdx.x == 0) {
+    const int origin[2] = {0, 0};
+    tma::store(out, s.tile, origin);
+    tma::commit_stores();
+    tma::wait_stores_read<0>();
+  }
 }
 
 template <int BOX_ROWS>
@@ -366,6 +394,11 @@ cudaError_t store_ring_tiles(float* out, int tiles, int slots, cudaStream_t stre
   if (slots == 1) return run_store_ring<1>(out, tiles, stream);
   if (slots == 2) return run_store_ring<2>(out, tiles, stream);
   return run_store_ring<3>(out, tiles, stream);
+}
+
+cudaError_t publish_tile(float* out, cudaStream_t stream) {
+  const CUtensorMap map = make_tma_map<fp32_tile>(matrix_layout(out, fp32_tile::rows, fp32_tile::cols, fp32_tile::cols));
+  return pipeline::launch(publish_kernel, 1, PUBLISHERS * WARPGROUP_THREADS, pipeline::shared_bytes<publish_shared>, stream, map);
 }
 
 }  // namespace tk::core_tests

@@ -57,4 +57,8 @@ cudaError_t pipeline_sums(const pipeline_sum_args& args, cudaStream_t stream);
 // tile t is 4096 t + 64 r + c.
 cudaError_t store_ring_tiles(float* out, int tiles, int slots, cudaStream_t stream);
 
+// Two warpgroups each write half of a 64 x 64 fp32 tile with ordinary stores and publish it; one
+// thread TMA-stores the whole tile to `out` (64 x 64, contiguous): element (r, c) is 64 r + c.
+cudaError_t publish_tile(float* out, cudaStream_t stream);
+
 }  // namespace tk::core_tests

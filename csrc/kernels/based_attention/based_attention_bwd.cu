@@ -318,8 +318,7 @@ struct dq_kernel : gradient_common<T> {
 
       barrier_sync(barrier_id::chunk_done, WARPGROUP_THREADS);
       base::write_copies(ctx.scratch.moments, st.m, chunk + 1 < ctx.iterations);
-      fence_async_shared();  // the stmatrix writes must be visible to wgmma
-      barrier_sync(barrier_id::copies_written, WARPGROUP_THREADS);
+      publish(barrier_id::copies_written, WARPGROUP_THREADS);  // the stmatrix writes must be visible to wgmma
     }
   }
 
@@ -508,8 +507,8 @@ struct dkdv_kernel : gradient_common<T> {
     st.grad_v_stores.acquire(leader, barrier_id::chunk_done);
     base::write_copies(ctx.scratch.states, st.r, more);
     warpgroup::store<0>(staging, grad_v);
-    fence_async_shared();  // the stmatrix writes must be visible to wgmma and to the copy engine
-    barrier_sync(barrier_id::copies_written, WARPGROUP_THREADS);
+    // The stmatrix writes must be visible to wgmma and to the copy engine.
+    publish(barrier_id::copies_written, WARPGROUP_THREADS);
     if (leader) {
       const int index[4] = {ctx.task.batch, ctx.task.head, chunk * CHUNK, ctx.task.block * VALUE_BLOCK};
       tma::store(ctx.params.grad_v, staging, index);

@@ -354,8 +354,7 @@ struct forward_kernel : based_plan, chunked_causal::kernel_base<T, FEATURES, CHU
   __device__ static void enter_segment(const context& ctx, consumer_state& st) {
     helper::load(st.m, st.key_gram, st.key_sum, moment_record(ctx.params, ctx.task, ctx.task.segment - 1));
     write_copies(ctx, st);
-    fence_async_shared();  // the copies must be visible to wgmma
-    barrier_sync(barrier_id::copies_written, WARPGROUP_THREADS);
+    publish(barrier_id::copies_written, WARPGROUP_THREADS);  // the copies must be visible to wgmma
   }
 
   __device__ __forceinline__ static void walk(const context& ctx, consumer_state& st, inputs& in, int first_chunk) {

@@ -125,8 +125,8 @@ struct kernel_base {
     stores.acquire(leader, barrier_id::chunk_done);
     if (chunk + 1 < ctx.iterations) write_copies();
     warpgroup::store<0>(tile, o);
-    fence_async_shared();  // the stmatrix writes must be visible to wgmma and to the copy engine
-    barrier_sync(barrier_id::copies_written, WARPGROUP_THREADS);
+    // The stmatrix writes must be visible to wgmma and to the copy engine.
+    publish(barrier_id::copies_written, WARPGROUP_THREADS);
     if (leader) {
       const int index[4] = {ctx.task.batch, ctx.task.head, chunk * CHUNK, ctx.task.block * VALUE_BLOCK};
       tma::store(ctx.params.out, tile, index);

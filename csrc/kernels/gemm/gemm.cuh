@@ -184,8 +184,7 @@ struct gemm_kernel {
         c_tile& slot = ctx.scratch.c[ctx.consumer][stores.slot()];
         stores.acquire(issuer, staging_barrier);
         warpgroup::store<CHUNK * Plan::store_cols>(slot, state.acc);
-        fence_async_shared();  // the stmatrix writes must be visible to the copy engine
-        barrier_sync(staging_barrier, WARPGROUP_THREADS);
+        publish(staging_barrier, WARPGROUP_THREADS);  // the stmatrix writes must be visible to the copy engine
         if (issuer) {
           const int c_index[2] = {row0, n0 + CHUNK * Plan::store_cols};
           tma::store(p.c, slot, c_index);

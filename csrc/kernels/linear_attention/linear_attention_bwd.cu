@@ -242,8 +242,7 @@ struct dq_kernel : gradient_common<T, FEATURES> {
     // Zero copies, so that the first chunk's earlier terms need no branch (a wgmma on one side of
     // a branch makes ptxas serialise the accumulators).
     base::write_copies(ctx.scratch.state_copy, ctx.scratch.key_sum, st.m, st.key_sum, carries_delta);
-    fence_async_shared();
-    barrier_sync(barrier_id::copies_written, WARPGROUP_THREADS);
+    publish(barrier_id::copies_written, WARPGROUP_THREADS);
 
     auto at = in.first();
     for (int chunk = 0; chunk < ctx.iterations; ++chunk, at.advance()) {
@@ -314,8 +313,7 @@ struct dq_kernel : gradient_common<T, FEATURES> {
       if (chunk + 1 < ctx.iterations) {
         base::write_copies(ctx.scratch.state_copy, ctx.scratch.key_sum, st.m, st.key_sum, carries_delta);
       }
-      fence_async_shared();  // the stmatrix writes must be visible to wgmma
-      barrier_sync(barrier_id::copies_written, WARPGROUP_THREADS);
+      publish(barrier_id::copies_written, WARPGROUP_THREADS);  // the stmatrix writes must be visible to wgmma
     }
   }
 
@@ -413,8 +411,7 @@ struct dkdv_kernel : gradient_common<T, FEATURES> {
     }
     // Zero copies: the last chunk's later terms need no branch.
     base::write_copies(ctx.scratch.state_copy, ctx.scratch.query_sum, st.r, st.query_sum, carries_delta);
-    fence_async_shared();
-    barrier_sync(barrier_id::copies_written, WARPGROUP_THREADS);
+    publish(barrier_id::copies_written, WARPGROUP_THREADS);
 
     auto at = in.first();
     for (int iteration = 0; iteration < ctx.iterations; ++iteration, at.advance()) {
@@ -514,8 +511,8 @@ struct dkdv_kernel : gradient_common<T, FEATURES> {
     st.grad_v_stores.acquire(leader, barrier_id::chunk_done);
     if (more) base::write_copies(ctx.scratch.state_copy, ctx.scratch.query_sum, st.r, st.query_sum, carries_delta);
     warpgroup::store<0>(staging, grad_v);
-    fence_async_shared();  // the stmatrix writes must be visible to wgmma and to the copy engine
-    barrier_sync(barrier_id::copies_written, WARPGROUP_THREADS);
+    // The stmatrix writes must be visible to wgmma and to the copy engine.
+    publish(barrier_id::copies_written, WARPGROUP_THREADS);
     if (leader) {
       const int index[4] = {ctx.task.batch, ctx.task.head, chunk * CHUNK, ctx.task.block * VALUE_BLOCK};
       tma::store(ctx.params.grad_v, staging, index);

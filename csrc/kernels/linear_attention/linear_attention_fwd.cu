@@ -142,8 +142,7 @@ struct forward_kernel : linear_plan<FEATURES>, chunked_causal::kernel_base<T, FE
     // Zero copies, so that the first chunk's earlier terms need no branch: a wgmma issued on one
     // side of a branch makes ptxas serialise the accumulator (C7514).
     write_copies(ctx, st);
-    fence_async_shared();
-    barrier_sync(base::barrier_id::copies_written, WARPGROUP_THREADS);
+    publish(base::barrier_id::copies_written, WARPGROUP_THREADS);
 
     auto at = in.first();
     for (int chunk = 0; chunk < ctx.iterations; ++chunk, at.advance()) {

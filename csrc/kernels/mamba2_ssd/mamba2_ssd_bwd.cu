@@ -402,8 +402,7 @@ struct backward_kernel : backward_plan<N, GATED> {
     st.da_dt = 0.0f;
     st.grad_dt = 0.0f;
     warp::store(ctx.scratch.ds, st.ds, row0, 0);
-    fence_async_shared();
-    barrier_sync(barrier_id::copies_written, WARPGROUP_THREADS);
+    publish(barrier_id::copies_written, WARPGROUP_THREADS);
     // After the barrier: warp 0 may still be reading the previous task's sums before it.
     position_vector zero;
     warp::zero(zero);
@@ -691,12 +690,10 @@ struct backward_kernel : backward_plan<N, GATED> {
       state_dot(ctx, st, s);
       gate(ctx, s);
       st.gradient_stores.wait_until_read(leader);
-      fence_async_shared();  // gy's stmatrix writes must be visible to wgmma
-      barrier_sync(barrier_id::operands_written, WARPGROUP_THREADS);
+      publish(barrier_id::operands_written, WARPGROUP_THREADS);  // gy's stmatrix writes must be visible to wgmma
 
       scores(ctx, st, s, b);
-      fence_async_shared();
-      barrier_sync(barrier_id::scores_written, WARPGROUP_THREADS);
+      publish(barrier_id::scores_written, WARPGROUP_THREADS);
 
       input_gradients(ctx, st, s, b);
       state_gradients(ctx, s, b, block);
@@ -711,8 +708,8 @@ struct backward_kernel : backward_plan<N, GATED> {
   __device__ static void finish_block(const context& ctx, consumer_state& st, const step_column& column,
                                       float cum_last, int block, bool leader) {
     const params& p = ctx.params;
-    fence_async_shared();  // the staging tiles' stmatrix writes must be visible to the copy engine
-    barrier_sync(barrier_id::block_done, WARPGROUP_THREADS);
+    // The staging tiles' stmatrix writes must be visible to the copy engine.
+    publish(barrier_id::block_done, WARPGROUP_THREADS);
     if (leader) {
       const int index[4] = {ctx.task.batch, ctx.task.head, block * BLOCK, 0};
       tma::store(p.grad_x, ctx.scratch.x_staging[st.gradient_stores.slot()], index);
@@ -721,8 +718,7 @@ struct backward_kernel : backward_plan<N, GATED> {
     st.gradient_stores.commit(leader);
     if (warp_in_warpgroup() == 0) steps_gradient(ctx, st, column, cum_last, block);
     warp::store(ctx.scratch.ds, st.ds, warpgroup::warp_row(), 0);
-    fence_async_shared();  // the stmatrix writes must be visible to wgmma
-    barrier_sync(barrier_id::copies_written, WARPGROUP_THREADS);
+    publish(barrier_id::copies_written, WARPGROUP_THREADS);  // the stmatrix writes must be visible to wgmma
   }
 
   // grad_initial_states and the task's sums: grad_D's over the warps, grad_A's and grad_dt_bias's

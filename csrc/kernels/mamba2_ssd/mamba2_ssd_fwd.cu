@@ -470,8 +470,7 @@ struct forward_kernel : ssd_plan<N, HEADS> {
     load_entering_state(ctx, head, st.s);
     // S16 of the entering state, so that the first block's Y = C S^T needs no branch.
     warp::store(mine.state_copy, st.s, row0, 0);
-    fence_async_shared();
-    barrier_sync(barrier_after(barrier_id::copies_written, ctx.consumer), WARPGROUP_THREADS);
+    publish(barrier_after(barrier_id::copies_written, ctx.consumer), WARPGROUP_THREADS);
 
     // Each block's dt is loaded a block ahead: its global latency was on every block's critical path.
     const step_column column = steps_column(ctx, head, A, bias);
@@ -561,8 +560,8 @@ struct forward_kernel : ssd_plan<N, HEADS> {
     st.output_stores.acquire(leader, barrier_after(barrier_id::block_done, ctx.consumer));
     if (another_block) warp::store(mine.state_copy, st.s, warpgroup::warp_row(), 0);
     warpgroup::store<0>(tile, o);
-    fence_async_shared();  // the stmatrix writes must be visible to wgmma and to the copy engine
-    barrier_sync(barrier_after(barrier_id::copies_written, ctx.consumer), WARPGROUP_THREADS);
+    // The stmatrix writes must be visible to wgmma and to the copy engine.
+    publish(barrier_after(barrier_id::copies_written, ctx.consumer), WARPGROUP_THREADS);
     if (leader) {
       const int index[4] = {ctx.task.batch, head, block * BLOCK, 0};
       tma::store(ctx.params.y, tile, index);

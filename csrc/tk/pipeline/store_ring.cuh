@@ -4,7 +4,7 @@
 //
 //   Tile& tile = staging[ring.slot()];                 the slot the store uses
 //   ring.acquire(leader, slot_free);                    once the store that last used it has read it
-//   ... write tile (stmatrix) ...; fence_async_shared(); barrier_sync(written, WARPGROUP_THREADS);
+//   ... write tile (stmatrix) ...; publish(written, WARPGROUP_THREADS);
 //   if (leader) tma::store(map, tile, index);           the leader issues the slot's stores
 //   ring.commit(leader);                                closes them as one bulk group; next slot
 //

@@ -3,3 +3,4 @@
 #include "fence.cuh"
 #include "mbarrier.cuh"
 #include "named_barrier.cuh"
+#include "publish.cuh"
