@@ -1,5 +1,5 @@
 """Tile-core primitives on the GPU: swizzled TMA round trips, wgmma, the producer/consumer pipeline,
-the TMA store ring, publishing shared memory to the async proxy.
+the TMA store ring, publishing shared memory to the async proxy, turn rotations.
 
 The kernels (tests/core/core_kernels.cu) are built on first use with torch.utils.cpp_extension; every
 test here needs a Hopper GPU and skips elsewhere.
@@ -163,3 +163,15 @@ def test_publish_makes_every_writer_visible_to_one_store():
     """Two warpgroups write halves of a tile with ordinary stores; one thread's TMA store sees both."""
     out = core().publish_tile()
     assert torch.equal(out, torch.arange(64 * 64, dtype=torch.float32, device="cuda").view(64, 64))
+
+
+# -------------------------------------------------------------------------------- turn rotation
+
+
+@requires_hopper
+@pytest.mark.parametrize("members", [1, 2, 3])
+@pytest.mark.parametrize("rounds", [1, 5, 100])
+def test_turn_rotation_cycles_through_the_members(members, rounds):
+    """Turns go 0, 1, ..., members - 1, 0, ... and the block ends (every opened turn completes)."""
+    order = core().turn_order(members, rounds)
+    assert order.tolist() == list(range(members)) * rounds

@@ -82,6 +82,13 @@ at::Tensor publish_tile() {
   return out;
 }
 
+// Returns the warpgroup that took each turn of a rotation, in order (see core_kernels.h).
+at::Tensor turn_order(int64_t members, int64_t rounds) {
+  at::Tensor order = at::full({members * rounds}, -1, at::TensorOptions().device(at::kCUDA).dtype(at::kInt));
+  C10_CUDA_CHECK(tk::core_tests::turn_order(order.data_ptr<int>(), int(members), int(rounds), stream()));
+  return order;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -90,4 +97,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pipeline_sums", &pipeline_sums);
   m.def("store_ring_tiles", &store_ring_tiles);
   m.def("publish_tile", &publish_tile);
+  m.def("turn_order", &turn_order);
 }

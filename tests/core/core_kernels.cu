@@ -6,6 +6,7 @@
 //                    scratch kept across tasks) with 1..4 stages, persistent and one-task grids
 //   store_ring_tiles tiles written one after another through a TMA store ring of 1..3 slots
 //   publish_tile     two warpgroups' ordinary stores, published to one thread's TMA store
+//   turn_order       the order in which 1..3 warpgroups take the turns of a turn rotation
 #include "core_kernels.h"
 #include "tk/tk.cuh"
 
@@ -355,6 +356,47 @@ __global__ void publish_kernel(const __grid_constant__ CUtensorMap out) {
   }
 }
 
+// --------------------------------------------------------------------------- turn rotation
+
+constexpr int MAX_TURNS = 1024;
+
+template <int MEMBERS>
+struct turn_barriers {
+  enum class id : int { first = FIRST_NAMED_BARRIER, count = first + MEMBERS };
+  static_assert(fits_named_barriers<id>());
+};
+
+// Each turn, the member's leader appends its index to `takers` in shared memory. Member 0 lingers
+// before each of its entries, so a rotation that let the others run ahead would show in `takers`.
+template <int MEMBERS>
+__global__ void turn_order_kernel(int* order, int rounds) {
+  using id = typename turn_barriers<MEMBERS>::id;
+  __shared__ int takers[MAX_TURNS];
+  __shared__ int taken;
+  if (threadIdx.x == 0) taken = 0;
+  __syncthreads();
+  const turn_rotation<id, MEMBERS> turns{id::first, warpgroup_id()};
+  turns.grant_first();
+  for (int round = 0; round < rounds; ++round) {
+    turns.wait();
+    if (is_warpgroup_leader()) {
+      if (turns.member == 0) __nanosleep(1000);
+      takers[taken] = turns.member;
+      ++taken;
+      __threadfence_block();
+    }
+    turns.pass(round + 1 == rounds);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < taken; i += blockDim.x) order[i] = takers[i];
+}
+
+template <int MEMBERS>
+cudaError_t run_turn_order(int* order, int rounds, cudaStream_t stream) {
+  if (MEMBERS * rounds > MAX_TURNS) return cudaErrorInvalidValue;
+  return pipeline::launch(turn_order_kernel<MEMBERS>, 1, MEMBERS * WARPGROUP_THREADS, 0, stream, order, rounds);
+}
+
 template <int BOX_ROWS>
 cudaError_t tma_round_trip_boxes(const round_trip_args& a, cudaStream_t stream) {
   return with_element(a.dtype, [&]<typename T>() {
@@ -399,6 +441,12 @@ cudaError_t store_ring_tiles(float* out, int tiles, int slots, cudaStream_t stre
 cudaError_t publish_tile(float* out, cudaStream_t stream) {
   const CUtensorMap map = make_tma_map<fp32_tile>(matrix_layout(out, fp32_tile::rows, fp32_tile::cols, fp32_tile::cols));
   return pipeline::launch(publish_kernel, 1, PUBLISHERS * WARPGROUP_THREADS, pipeline::shared_bytes<publish_shared>, stream, map);
+}
+
+cudaError_t turn_order(int* order, int members, int rounds, cudaStream_t stream) {
+  if (members == 1) return run_turn_order<1>(order, rounds, stream);
+  if (members == 2) return run_turn_order<2>(order, rounds, stream);
+  return run_turn_order<3>(order, rounds, stream);
 }
 
 }  // namespace tk::core_tests

@@ -61,4 +61,8 @@ cudaError_t store_ring_tiles(float* out, int tiles, int slots, cudaStream_t stre
 // thread TMA-stores the whole tile to `out` (64 x 64, contiguous): element (r, c) is 64 r + c.
 cudaError_t publish_tile(float* out, cudaStream_t stream);
 
+// `members` warpgroups (1 to 3) take `rounds` turns each in a turn rotation; order (members x
+// rounds int32) receives the warpgroup that took each turn, in the order they were taken.
+cudaError_t turn_order(int* order, int members, int rounds, cudaStream_t stream);
+
 }  // namespace tk::core_tests

@@ -4,3 +4,4 @@
 #include "mbarrier.cuh"
 #include "named_barrier.cuh"
 #include "publish.cuh"
+#include "turn_rotation.cuh"
