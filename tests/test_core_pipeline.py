@@ -142,6 +142,25 @@ def test_pipeline_template_hooks(stages, consumers, rows, cols, iterations, grid
     assert torch.equal(tasks_before.cpu(), expected_before), "scratch did not persist across a block's tasks"
 
 
+
+@requires_hopper
+@pytest.mark.parametrize(
+    "rows, cols, iterations, grid",
+    [(64, 64, 1, 1), (1000, 304, 3, 3), (777, 1000, 2, 132)],
+    ids=["one-tile", "tails", "more-blocks-than-tiles"],
+)
+def test_pipeline_template_without_optional_hooks(rows, cols, iterations, grid):
+    """Only the required hooks (no store, prefetch, init, finish, resident tiles, scratch): compute
+    writes the task's results itself."""
+    x = torch.randn(rows, cols, device="cuda").bfloat16()
+    out = core().pipeline_bare_sums(x, iterations, grid)
+    rows_per_tile = 64 * iterations
+    tiles_m = math.ceil(rows / rows_per_tile)
+    padded = torch.zeros(tiles_m * rows_per_tile, cols, dtype=torch.float64, device="cuda")
+    padded[:rows] = x.double()
+    assert_rel_close(out, padded.view(tiles_m, rows_per_tile, cols).sum(1), 1e-5)
+
+
 # ------------------------------------------------------------------------------- TMA store ring
 
 

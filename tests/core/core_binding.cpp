@@ -68,6 +68,16 @@ std::tuple<at::Tensor, at::Tensor> pipeline_sums(const at::Tensor& x, const at::
   return {out, tasks_before};
 }
 
+// Returns the column sums of x's work tiles by the template with its required hooks only.
+at::Tensor pipeline_bare_sums(const at::Tensor& x, int64_t iterations, int64_t grid) {
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kBFloat16);
+  const int64_t tiles_m = (x.size(0) + 64 * iterations - 1) / (64 * iterations);
+  at::Tensor out = at::full({tiles_m, x.size(1)}, NAN, x.options().dtype(at::kFloat));
+  C10_CUDA_CHECK(tk::core_tests::pipeline_bare_sums(x.data_ptr(), out.data_ptr<float>(), int(x.size(0)), int(x.size(1)),
+                                                    int(iterations), int(grid), stream()));
+  return out;
+}
+
 // Returns the tiles (tiles * 64 x 64, fp32) written through a store ring of `slots` (see core_kernels.h).
 at::Tensor store_ring_tiles(int64_t tiles, int64_t slots) {
   at::Tensor out = at::full({tiles * 64, 64}, NAN, at::TensorOptions().device(at::kCUDA).dtype(at::kFloat));
@@ -95,6 +105,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tma_round_trip", &tma_round_trip);
   m.def("wgmma_product", &wgmma_product);
   m.def("pipeline_sums", &pipeline_sums);
+  m.def("pipeline_bare_sums", &pipeline_bare_sums);
   m.def("store_ring_tiles", &store_ring_tiles);
   m.def("publish_tile", &publish_tile);
   m.def("turn_order", &turn_order);

@@ -4,6 +4,8 @@
 //   wgmma_registers  the same with A from registers
 //   pipeline_sums    every hook of the producer/consumer template (two-part stages, a resident tile,
 //                    scratch kept across tasks) with 1..4 stages, persistent and one-task grids
+//   pipeline_bare_sums the template with only its required hooks (no store, prefetch, init, finish,
+//                    resident tiles or scratch)
 //   store_ring_tiles tiles written one after another through a TMA store ring of 1..3 slots
 //   publish_tile     two warpgroups' ordinary stores, published to one thread's TMA store
 //   turn_order       the order in which 1..3 warpgroups take the turns of a turn rotation
@@ -164,12 +166,17 @@ cudaError_t run_product_variants(const product_args& p, cudaStream_t stream) {
 // z is the task's resident tile; the task count lives in scratch shared memory, which must persist
 // across a persistent block's tasks. The weights 1, 2, 3 tell the three sources apart.
 template <int STAGES, int CONSUMERS>
-struct pipeline_sum_kernel {
+struct pipeline_sum_plan {
   static constexpr int stages = STAGES;
   static constexpr int consumer_warpgroups = CONSUMERS;
   static constexpr int producer_registers = 40;
   static constexpr int consumer_registers = 232;
-  static constexpr int block = 64;
+  static constexpr int block = 64;  // rows and columns of a tile
+};
+
+template <int STAGES, int CONSUMERS>
+struct pipeline_sum_kernel : pipeline_sum_plan<STAGES, CONSUMERS> {
+  using pipeline_sum_plan<STAGES, CONSUMERS>::block;
   static constexpr int consumer_threads = CONSUMERS * WARPGROUP_THREADS;
   static constexpr int rows_per_pass = consumer_threads / block;
 
@@ -285,6 +292,52 @@ template <int STAGES>
 cudaError_t run_pipeline_sums_stages(const pipeline_sum_args& a, cudaStream_t stream) {
   return a.consumers == 1 ? run_pipeline_sums<STAGES, 1>(a, stream) : run_pipeline_sums<STAGES, 2>(a, stream);
 }
+
+// The template with its required hooks only: compute sums its columns and writes them itself.
+struct bare_sum_kernel : pipeline_sum_plan<2, 1> {
+
+  using tile = shared_tile<bf16, block, block>;
+  struct stage {
+    tile x;
+  };
+  static constexpr uint32_t stage_bytes[] = {tile::bytes};
+  struct consumer_state {};
+  struct params {
+    CUtensorMap x;
+    float* out;
+    int rows, cols, iterations;
+    pipeline::grouped_tile_order order;
+  };
+  using context = pipeline::task_context<bare_sum_kernel>;
+
+  __host__ __device__ static pipeline::grouped_tile_order tasks(const params& p) { return p.order; }
+  __device__ static int iterations(const params& p, pipeline::output_tile tile) {
+    return min(p.iterations, ceil_div(p.rows - tile.row * p.iterations * block, block));
+  }
+  __device__ static void load(const params& p, pipeline::output_tile tile, int i, int, stage& s, mbarrier& full) {
+    const int index[2] = {(tile.row * p.iterations + i) * block, tile.col * block};
+    tma::load(s.x, p.x, full, index);
+  }
+  // Thread t < 64 sums column t of the task's rows (rows past the end arrive as zeros).
+  __device__ static void compute(const context& ctx, consumer_state&, pipeline::stage_inputs<bare_sum_kernel>& in) {
+    const int t = threadIdx.x % WARPGROUP_THREADS;
+    float sum = 0.0f;
+    auto at = in.first();
+    for (int i = 0; i < ctx.iterations; ++i, at.advance()) {
+      const tile& x = in.wait(at).x;
+      if (t < block) {
+        for (int row = 0; row < block; ++row) sum += __bfloat162float(x.at(row, t));
+      }
+      in.release(at);
+    }
+    const int col = ctx.task.col * block + t;
+    if (t < block && col < ctx.params.cols) ctx.params.out[ctx.task.row * ctx.params.cols + col] = sum;
+  }
+};
+static_assert(!pipeline::has_store<bare_sum_kernel> && !pipeline::has_prefetch<bare_sum_kernel> &&
+              !pipeline::has_init<bare_sum_kernel> && !pipeline::has_finish<bare_sum_kernel>);
+static_assert(pipeline::has_store<pipeline_sum_kernel<1, 1>> && pipeline::has_prefetch<pipeline_sum_kernel<1, 1>> &&
+              pipeline::has_init<pipeline_sum_kernel<1, 1>>);
 
 // ---------------------------------------------------------------------------- TMA store ring
 
@@ -447,6 +500,19 @@ cudaError_t turn_order(int* order, int members, int rounds, cudaStream_t stream)
   if (members == 1) return run_turn_order<1>(order, rounds, stream);
   if (members == 2) return run_turn_order<2>(order, rounds, stream);
   return run_turn_order<3>(order, rounds, stream);
+}
+
+cudaError_t pipeline_bare_sums(const void* x, float* out, int rows, int cols, int iterations, int grid,
+                               cudaStream_t stream) {
+  using K = bare_sum_kernel;
+  K::params p;
+  p.order = {ceil_div(rows, iterations * K::block), ceil_div(cols, K::block), 1};
+  p.x = make_tma_map<K::tile>(matrix_layout(static_cast<bf16*>(const_cast<void*>(x)), rows, cols, cols));
+  p.out = out;
+  p.rows = rows;
+  p.cols = cols;
+  p.iterations = iterations;
+  return pipeline::launch<K>(p, grid, stream);
 }
 
 }  // namespace tk::core_tests

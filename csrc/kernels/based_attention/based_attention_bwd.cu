@@ -321,8 +321,6 @@ struct dq_kernel : gradient_common<T> {
       publish(barrier_id::copies_written, WARPGROUP_THREADS);  // the stmatrix writes must be visible to wgmma
     }
   }
-
-  __device__ static void store(const context&, consumer_state&) {}
 };
 
 // ------------------------------------------------------------------------------- grad_k, grad_v
@@ -515,8 +513,6 @@ struct dkdv_kernel : gradient_common<T> {
     }
     st.grad_v_stores.commit(leader);
   }
-
-  __device__ static void store(const context&, consumer_state&) {}
 
   __device__ static void finish(const typename dkdv_kernel::params&, typename dkdv_kernel::scratch&, int) {
     chunked_causal::staging_ring::drain();

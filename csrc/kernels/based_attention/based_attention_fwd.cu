@@ -237,8 +237,6 @@ struct segment_ends_kernel : based_plan {
     helper::store(moment_record(ctx.params, ctx.task, ctx.task.segment), st.m, st.key_gram, st.key_sum);
   }
 
-  __device__ static void store(const context&, consumer_state&) {}
-
   static params make_params(const causal_forward_problem& pr, const segment_geometry& at) {
     params p{};
     p.k = make_tma_map<qk_tile>(heads_layout<T>(pr.k));
@@ -448,8 +446,6 @@ struct forward_kernel : based_plan, chunked_causal::kernel_base<T, FEATURES, CHU
       warpgroup::store<0>(ctx.scratch.moments[t], scaled);
     }
   }
-
-  __device__ static void store(const context&, consumer_state&) {}
 };
 
 // ----------------------------------------------------------------------------------- host

@@ -316,8 +316,6 @@ struct dq_kernel : gradient_common<T, FEATURES> {
       publish(barrier_id::copies_written, WARPGROUP_THREADS);  // the stmatrix writes must be visible to wgmma
     }
   }
-
-  __device__ static void store(const context&, consumer_state&) {}
 };
 
 // ------------------------------------------------------------------------------- grad_k, grad_v
@@ -519,8 +517,6 @@ struct dkdv_kernel : gradient_common<T, FEATURES> {
     }
     st.grad_v_stores.commit(leader);
   }
-
-  __device__ static void store(const context&, consumer_state&) {}
 
   __device__ static void finish(const params&, scratch&, int) { chunked_causal::staging_ring::drain(); }
 };

@@ -205,8 +205,6 @@ struct forward_kernel : linear_plan<FEATURES>, chunked_causal::kernel_base<T, FE
       if (ctx.params.normalize) warp::store(ctx.scratch.key_sum + feature0, st.key_sum[t]);
     }
   }
-
-  __device__ static void store(const context&, consumer_state&) {}
 };
 
 template <typename F>

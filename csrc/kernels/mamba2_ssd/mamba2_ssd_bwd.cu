@@ -194,8 +194,6 @@ struct states_kernel : states_plan {
     store_state(ctx, st.s, first + ctx.iterations);
   }
 
-  __device__ static void store(const context&, consumer_state&) {}
-
   static params make_params(const ssd_backward_problem& pr) {
     const ssd_forward_problem& f = pr.forward;
     params p{};

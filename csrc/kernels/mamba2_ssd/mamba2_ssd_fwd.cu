@@ -264,8 +264,6 @@ struct segment_ends_kernel : segment_ends_plan {
       p.decays[p.at.sequence(ctx.task.batch, ctx.task.head) * state_elements<N> + ctx.task.block] = decay;
     }
   }
-
-  __device__ static void store(const context&, consumer_state&) {}
 };
 
 // ------------------------------------------------------------------------------ scan
@@ -568,8 +566,6 @@ struct forward_kernel : ssd_plan<N, HEADS> {
     }
     st.output_stores.commit(leader);
   }
-
-  __device__ static void store(const context&, consumer_state&) {}
 
   template <typename Scratch>
   __device__ static void finish(const params&, Scratch&, int) {
