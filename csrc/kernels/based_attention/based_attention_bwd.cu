@@ -144,22 +144,6 @@ struct gradient_common : based_plan {
     }
   }
 
-  // The chunk's statistics: 1 / d and c (1 and 0 unnormalised or, for c, outside value block 0).
-  template <typename V>
-  __device__ static void load_statistics(V& inverse_denominator, V& denominator_grad, const gradient_shape& sh,
-                                         const pipeline::head_block& task, int first_row, bool carries_delta) {
-    if (sh.normalize) {
-      warp::load(inverse_denominator, sh.inverse_denominator + sh.row_offset(task) + first_row);
-    } else {
-      warp::fill(inverse_denominator, 1.0f);
-    }
-    if (carries_delta) {
-      warp::load(denominator_grad, sh.denominator_grad + sh.row_offset(task) + first_row);
-    } else {
-      warp::zero(denominator_grad);
-    }
-  }
-
   // Writes the states' scaled copies for the next chunk (not after the last) once every warp's
   // products of this chunk are done reading the old ones.
   template <typename States>
@@ -247,8 +231,7 @@ struct dq_kernel : gradient_common<T> {
       warpgroup::mma<operand_major::k, operand_major::k>(dp, s.g, 0, s.v, 0, false);
       warpgroup::commit();
       row_vector inverse_denominator, denominator_grad;
-      base::load_statistics(inverse_denominator, denominator_grad, sh, ctx.task, chunk * CHUNK + warp_row0,
-                            carries_delta);
+      sh.load_statistics(inverse_denominator, denominator_grad, ctx.task, chunk * CHUNK + warp_row0, carries_delta);
       position_rows q;
       warp::load(q, s.q, warp_row0, 0);
       position_cols k;
@@ -417,7 +400,7 @@ struct dkdv_kernel : gradient_common<T> {
       {
         // The statistics are read again (from L1) where R needs them: registers are short.
         chunk_vector inverse_denominator, denominator_grad;
-        base::load_statistics(inverse_denominator, denominator_grad, sh, ctx.task, chunk * CHUNK, carries_delta);
+        sh.load_statistics(inverse_denominator, denominator_grad, ctx.task, chunk * CHUNK, carries_delta);
         warpgroup::wait<0>(sc, dp);
 
         // Inside the chunk (queries i >= keys j): dS^T = (dP^T / d + c)(1 + S^T/4) / 4, A^T / d.
@@ -469,7 +452,7 @@ struct dkdv_kernel : gradient_common<T> {
 
       // This chunk into R: phi_t(Q)^T with each query's column scaled by 1 / d, times G.
       chunk_vector inverse_denominator, denominator_grad;
-      base::load_statistics(inverse_denominator, denominator_grad, sh, ctx.task, chunk * CHUNK, carries_delta);
+      sh.load_statistics(inverse_denominator, denominator_grad, ctx.task, chunk * CHUNK, carries_delta);
       position_cols q;
       warp::load(q, s.q);
       slab_rows operand[OPERAND_BUFFERS];

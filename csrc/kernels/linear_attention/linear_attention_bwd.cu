@@ -133,22 +133,6 @@ struct gradient_common {
     }
   }
 
-  // The chunk's statistics: 1 / d and c (1 and 0 unnormalised or, for c, outside value block 0).
-  template <typename V>
-  __device__ static void load_statistics(V& inverse_denominator, V& denominator_grad, const gradient_shape& sh,
-                                         const pipeline::head_block& task, int first_row, bool carries_delta) {
-    if (sh.normalize) {
-      warp::load(inverse_denominator, sh.inverse_denominator + sh.row_offset(task) + first_row);
-    } else {
-      warp::fill(inverse_denominator, 1.0f);
-    }
-    if (carries_delta) {
-      warp::load(denominator_grad, sh.denominator_grad + sh.row_offset(task) + first_row);
-    } else {
-      warp::zero(denominator_grad);
-    }
-  }
-
   // The state's 16-bit copy and (carrying c) its fp32 feature sums, each warp its own feature rows.
   template <typename States, typename Sums>
   __device__ static void write_copies(state_copy_tile& copy, float* sums_copy, const States& states, const Sums& sums,
@@ -253,8 +237,7 @@ struct dq_kernel : gradient_common<T, FEATURES> {
       warpgroup::mma<operand_major::k, operand_major::k>(dp, s.g, 0, s.v, 0, false);
       warpgroup::commit();
       row_vector inverse_denominator, denominator_grad;
-      base::load_statistics(inverse_denominator, denominator_grad, sh, ctx.task, chunk * CHUNK + warp_row0,
-                            carries_delta);
+      sh.load_statistics(inverse_denominator, denominator_grad, ctx.task, chunk * CHUNK + warp_row0, carries_delta);
       warpgroup::wait<0>(dp);
 
       // Inside the chunk: dA = tril(dP / d + c).
@@ -426,7 +409,7 @@ struct dkdv_kernel : gradient_common<T, FEATURES> {
       {
         // The statistics are read again (from L1) where R needs them: registers are short.
         chunk_vector inverse_denominator, denominator_grad;
-        base::load_statistics(inverse_denominator, denominator_grad, sh, ctx.task, chunk * CHUNK, carries_delta);
+        sh.load_statistics(inverse_denominator, denominator_grad, ctx.task, chunk * CHUNK, carries_delta);
         warpgroup::wait<0>(sc, dp);
 
         // Inside the chunk (queries i >= keys j): dS^T = dP^T / d + c, A^T / d.
@@ -468,7 +451,7 @@ struct dkdv_kernel : gradient_common<T, FEATURES> {
       // This chunk into R: Q_t^T with each query's column scaled by 1 / d, times G; and c q into
       // the query sum (fp32).
       chunk_vector inverse_denominator, denominator_grad;
-      base::load_statistics(inverse_denominator, denominator_grad, sh, ctx.task, chunk * CHUNK, carries_delta);
+      sh.load_statistics(inverse_denominator, denominator_grad, ctx.task, chunk * CHUNK, carries_delta);
       feature_rows operand[OPERAND_BUFFERS];
 #pragma unroll
       for (int t = 0; t < SLABS; ++t) {
