@@ -82,7 +82,16 @@ def test_build_ext_inplace_records_why_and_extension_status_says_it(tmp_path, no
     shutil.copytree(REPO_ROOT / "tk_ops", tmp_path / "tk_ops", ignore=shutil.ignore_patterns("__pycache__", "_C*", "_build_info.py"))
     env = {**os.environ, "TK_OPS_NO_CUDA": no_cuda, "PYTHONPATH": ""}
     env.pop("TK_OPS_DISABLE_EXTENSION", None)
-    status = [sys.executable, "-c", "import tk_ops; print(tk_ops.extension_status())"]
+    # An editable install (`pip install -e .`, the README's set-up) puts a finder (a class) on sys.meta_path
+    # that maps tk_ops's modules to the checkout, so tk_ops._build_info missing from the copy would be read
+    # from the checkout: drop that finder.
+    status = [
+        sys.executable,
+        "-c",
+        "import sys; sys.meta_path[:] = [f for f in sys.meta_path if not f.__module__.startswith('__editable__')]; "
+        f"import tk_ops; assert tk_ops.__file__.startswith({str(tmp_path)!r}), tk_ops.__file__; "
+        "print(tk_ops.extension_status())",
+    ]
 
     before = subprocess.run(status, cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout
     assert before.startswith("not built: no build record (tk_ops/_build_info.py")
