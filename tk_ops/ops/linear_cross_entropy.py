@@ -208,22 +208,20 @@ def _linear_cross_entropy_bwd_reference(
         for classes in _tiles(weight.shape[0], VOCAB_PER_TILE):
             _backward_tile(grads, x_rows, target[rows], row_grad[rows], lse[rows], weight, bias, classes,
                            (label_smoothing, softcap))
-    empty = x.new_empty(0)
     return (
-        empty if grad_x is None else grad_x.to(x.dtype),
-        empty if grad_weight is None else grad_weight.to(weight.dtype),
-        empty if grad_bias is None else grad_bias.to(bias.dtype),
+        x.new_empty(0) if grad_x is None else grad_x.to(x.dtype),
+        x.new_empty(0) if grad_weight is None else grad_weight.to(weight.dtype),
+        x.new_empty(0) if grad_bias is None else grad_bias.to(bias.dtype),
     )
 
 
 def _linear_cross_entropy_bwd_fake(
     grad, x, weight, target, bias, lse, ignore_index, label_smoothing, softcap, reduction, output_mask
 ):
-    empty = x.new_empty(0)
     return (
-        x.new_empty(x.shape) if output_mask[0] else empty,
-        weight.new_empty(weight.shape) if output_mask[1] else empty,
-        bias.new_empty(bias.shape) if output_mask[2] and bias is not None else empty,
+        x.new_empty(x.shape) if output_mask[0] else x.new_empty(0),
+        weight.new_empty(weight.shape) if output_mask[1] else x.new_empty(0),
+        bias.new_empty(bias.shape) if output_mask[2] and bias is not None else x.new_empty(0),
     )
 
 
