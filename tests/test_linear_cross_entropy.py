@@ -11,7 +11,7 @@ from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
 import tk_ops
-from inputs.linear_cross_entropy import IGNORE_INDEX, float64_loss, make_inputs
+from inputs.linear_cross_entropy import float64_loss, make_inputs
 from tk_ops.ops import linear_cross_entropy as linear_cross_entropy_module
 from tk_testing import TOLERANCE, assert_rel_close, check_matches_contiguous_copies, parametrize_with_ids
 
