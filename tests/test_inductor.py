@@ -956,3 +956,15 @@ def test_lm_head_loss_not_rewritten_where_no_kernel_serves():
     finally:
         tk_ops.inductor.disable()
         inductor_config.joint_custom_post_pass, inductor_config.pre_grad_custom_pass = saved
+
+
+def test_hf_llama_with_labels_keeps_its_head(rewrites):
+    """Hugging Face's causal LMs return their logits beside the loss: the logits are read twice, so the head
+    and the loss stay as they are (the rest of the model still goes to tk)."""
+    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency")
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_HF_CONFIG, num_key_value_heads=1)).to(BF16)
+    ids = torch.randint(0, 97, (2, 13))
+    compiled = torch.compile(model, fullgraph=True)
+    _, codes = run_and_get_code(lambda: compiled(input_ids=ids, labels=ids).loss.backward())
+    called = tk_calls("\n".join(codes))
+    assert "rms_norm" in called and not (LCE_OPS & called)
