@@ -71,6 +71,8 @@ from tk_ops import _checks, _library
 from tk_ops._autocast import autocast_inputs
 
 REDUCTIONS = ("mean", "sum", "none")  # F.cross_entropy's
+# A tile of fp32 logits is 16 MiB: small beside any LM head's logits (16k rows by 128k classes are
+# 8 GiB), large enough for efficient GEMMs and a short Python loop (512 tiles there).
 ROWS_PER_TILE = 1024
 VOCAB_PER_TILE = 4096
 
