@@ -22,7 +22,7 @@ Why it is exact, node by node:
     indices (a 1-D int64 target of M rows), no class weights (nor the legacy size_average and
     reduce), and constant ignore_index, label_smoothing in [0, 1] and reduction, which the tk
     function takes as they are;
-  * the logits are 16-bit (bf16/fp16: the dtypes tk's kernels take) and the loss's input fp32, so
+  * the logits are 16-bit (bf16/fp16, as the other rewrites require) and the loss's input fp32, so
     eager computes the loss in fp32 as tk does; tk's logits are the fp32 accumulator itself, where
     eager's are rounded to 16 bits before the cast (a rounding, not a change of function);
   * x, weight and bias are cast to the logits' dtype first: a no-op without autocast, and
@@ -73,7 +73,10 @@ def _is_fp32_cast(node: torch.fx.Node) -> bool:
 
 
 def _is_reshape(node: torch.fx.Node) -> bool:
-    """An op that keeps the elements in their logical (row-major) order."""
+    """An op that keeps the elements in their logical (row-major) order, and their values
+    (``view(dtype)``, a reinterpretation of the bits, is not one)."""
+    if any(isinstance(arg, torch.dtype) for arg in (*node.args, *node.kwargs.values())):
+        return False
     if node.op == "call_method":
         return node.target in _RESHAPE_METHODS
     return node.op == "call_function" and node.target in _RESHAPE_FUNCTIONS
