@@ -5,17 +5,37 @@ kernel is its own translation unit so ninja compiles them in parallel (MAX_JOBS,
 cores); only sm_90a code is generated, which keeps a cold build short. It is compiled against the
 installed torch, so the build runs without pip's build isolation (``pip install
 --no-build-isolation``). The package's metadata and dependencies are in pyproject.toml.
+
+What it decided is recorded in ``tk_ops/_build_info.py`` (generated, git-ignored), written by the
+egg_info, build_py and build_ext commands, so every way of building writes it where tk_ops is
+imported from (``pip install -e .``, ``pip install .``, ``python setup.py build_ext --inplace``):
+``tk_ops.extension_status()`` reads it to say why the extension is not there.
 """
 
 import glob
 import os
 
 from setuptools import find_packages, setup
+from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
+from setuptools.command.egg_info import egg_info
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+BUILD_INFO = os.path.join(ROOT, "tk_ops", "_build_info.py")
+
+
+def torch_version():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch.__version__
 
 
 def cuda_extension_modules():
+    """(ext_modules, build_ext command, why not): the extension to build, or none and the reason."""
     if os.environ.get("TK_OPS_NO_CUDA") == "1":
-        return [], {}
+        return [], build_ext, "TK_OPS_NO_CUDA=1 was set"
     try:
         import torch
         from torch.utils import cpp_extension
@@ -26,16 +46,19 @@ def cuda_extension_modules():
             "torch; TK_OPS_NO_CUDA=1 builds the pure-Python package without it)"
         ) from None
 
-    if not torch.version.cuda or cpp_extension.CUDA_HOME is None:
-        return [], {}
-    root = os.path.dirname(os.path.abspath(__file__))
+    if not torch.version.cuda:
+        return [], build_ext, f"torch {torch.__version__} has no CUDA"
+    if cpp_extension.CUDA_HOME is None:
+        # where torch's cpp_extension looks for the toolkit
+        return [], build_ext, "nvcc not found (CUDA_HOME and CUDA_PATH unset, no nvcc on PATH, no /usr/local/cuda)"
+    root = ROOT
     sources = sorted(
         os.path.relpath(p, root)
         for p in glob.glob(os.path.join(root, "csrc", "torch", "*.cpp"))
         + glob.glob(os.path.join(root, "csrc", "kernels", "**", "*.cu"), recursive=True)
     )
     if not sources:
-        return [], {}
+        return [], build_ext, "no kernel sources under csrc/"
     include_dirs = [os.path.join(root, "csrc")]
     common = ["-O3", "-std=c++20", "-DNDEBUG"]
     nvcc = common + [
@@ -57,13 +80,51 @@ def cuda_extension_modules():
         include_dirs=include_dirs,
         extra_compile_args={"cxx": common, "nvcc": nvcc},
     )
-    return [extension], {"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)}
+    return [extension], cpp_extension.BuildExtension.with_options(use_ninja=True), ""
 
 
-ext_modules, cmdclass = cuda_extension_modules()
+def build_info(reason):
+    """The text of tk_ops/_build_info.py for the decision ``reason`` ("" when the extension is built)."""
+    return (
+        "# Written by setup.py (git-ignored): what the build decided about the CUDA extension tk_ops._C,\n"
+        "# read by tk_ops.extension_status().\n"
+        f"TORCH = {torch_version()!r}  # the torch it was built against\n"
+        f"BUILDS_EXTENSION = {not reason!r}  # setup.py compiles tk_ops._C\n"
+        f"REASON = {reason!r}  # why not, when not built\n"
+    )
+
+
+def write_build_info(reason):
+    text = build_info(reason)
+    try:
+        with open(BUILD_INFO) as f:
+            if f.read() == text:
+                return
+    except OSError:
+        pass
+    with open(BUILD_INFO, "w") as f:
+        f.write(text)
+
+
+def recording(command):
+    """``command``, which first writes tk_ops/_build_info.py."""
+
+    class Recording(command):
+        def run(self):
+            write_build_info(why_not)
+            super().run()
+
+    return Recording
+
+
+ext_modules, build_ext_command, why_not = cuda_extension_modules()
 
 setup(
     packages=find_packages(include=["tk_ops", "tk_ops.*"]),
     ext_modules=ext_modules,
-    cmdclass=cmdclass,
+    cmdclass={
+        "egg_info": recording(egg_info),
+        "build_py": recording(build_py),
+        "build_ext": recording(build_ext_command),
+    },
 )

@@ -1,16 +1,20 @@
 """Training data: the corpus, its tokenizer, and the batches of the training script.
 
-Corpus: the King James Bible (4.2 MB of English) from Debian's ``bible-kjv`` package, which ships
-it with the ``bible`` program that prints it; no network is needed once the package is installed,
-and any other UTF-8 text file can be used instead (``--text``).
+Corpus: the King James Bible (4.2 MB of English, public domain), shipped with the repository as
+``models/corpus/kjv.txt.xz`` (0.9 MB, xz, read with Python's ``lzma``): no system package and no
+network is needed. It is the text of Debian's ``bible-kjv`` package (4.38) as its ``bible`` program
+prints it, cleaned by ``clean_kjv``; the file's text is checked against its recorded sha256 on every
+load. ``--corpus bible-kjv`` reads it from that program instead, where the package is installed, and
+any other UTF-8 text file can be used instead (``--text``).
 
 Tokenizer: a byte-level BPE (Hugging Face ``tokenizers``) trained on the corpus itself, 8192 ids
 by default. Byte-level, so any text round-trips; BPE rather than raw bytes so a 2048-token context
 holds a few paragraphs (about 4.2 bytes per token here) and the embedding and output layers have
 the size of a real LM's; 8192 ids fit uint16 and are a multiple of 64 for the GEMMs.
 
-    python -m models.data prepare                   # needs: apt-get install -y bible-kjv
-    python -m models.data prepare --text FILE.txt   # any UTF-8 text instead
+    python -m models.data prepare                      # the shipped KJV
+    python -m models.data prepare --corpus bible-kjv   # the same text from `bible` (apt-get install -y bible-kjv)
+    python -m models.data prepare --text FILE.txt      # any UTF-8 text instead
 
 writes, under ``.data/kjv`` (ignored by git; 2.5 MB for the KJV, small enough to carry to a GPU machine
 without network): ``tokenizer.json``, ``train.bin`` and ``val.bin`` (uint16 token ids) and
@@ -50,13 +54,49 @@ IGNORE_INDEX = -100
 # ------------------------------------------------------------------------------------- corpus
 
 
+# The shipped corpus: the text bible_kjv_text() gives with Debian's bible-kjv 4.38 (and
+# bible-kjv-text 4.38), xz-compressed (preset 9). models/ is not part of the tk_ops distribution: the
+# demo runs from the checkout, so the file is found next to this module whatever the install.
+KJV_XZ = Path(__file__).resolve().parent / "corpus" / "kjv.txt.xz"
+KJV_SHA256 = "a26264076eedfef0d541471bda9e2768d84993069c10694c0298fa402d1810e7"  # of the text (UTF-8)
+KJV_BYTES = 4_153_206
+KJV_SOURCE = "King James Bible, models/corpus/kjv.txt.xz (Debian bible-kjv 4.38, `bible gen1:1-rev22:21`)"
+BIBLE_KJV_SOURCE = "King James Bible, Debian package bible-kjv (`bible gen1:1-rev22:21`)"
+CORPORA = ("kjv", "bible-kjv")  # --corpus: the shipped text, or Debian's `bible` program
+
+
 def kjv_text() -> str:
-    """The King James Bible as plain text: chapter headings, then one verse per line."""
+    """The King James Bible shipped in ``models/corpus/kjv.txt.xz``: chapter headings, then one verse
+    per line; byte for byte what ``bible_kjv_text()`` gives with Debian's bible-kjv 4.38."""
+    try:
+        import lzma
+    except ImportError:  # a Python built without liblzma
+        raise SystemExit(
+            "no corpus: this Python has no lzma module (built without liblzma), which reads the shipped "
+            f"{KJV_XZ.name}. Use `python -m models.data prepare --corpus bible-kjv` (Debian's bible-kjv package) "
+            "or any UTF-8 text file: `python -m models.data prepare --text FILE`"
+        ) from None
+    if not KJV_XZ.is_file():
+        raise SystemExit(
+            f"no corpus: {KJV_XZ} is missing from this checkout. Use `python -m models.data prepare --corpus "
+            "bible-kjv` (Debian's bible-kjv package) or any UTF-8 text file: `python -m models.data prepare --text FILE`"
+        )
+    raw = lzma.decompress(KJV_XZ.read_bytes())
+    digest = hashlib.sha256(raw).hexdigest()
+    if digest != KJV_SHA256:
+        raise SystemExit(f"{KJV_XZ} is not the shipped corpus: its text has sha256 {digest}, expected {KJV_SHA256}")
+    return raw.decode("utf-8")
+
+
+def bible_kjv_text() -> str:
+    """The King James Bible from the ``bible`` program of Debian's bible-kjv package: chapter headings,
+    then one verse per line (``--corpus bible-kjv``; the source of ``models/corpus/kjv.txt.xz``)."""
     if shutil.which("bible") is None:
         raise SystemExit(
-            "no corpus: the King James Bible comes from Debian's bible-kjv package, whose `bible` program "
-            "is not on PATH. Install it with `apt-get install -y bible-kjv` (Debian or Ubuntu, as root), "
-            "or train on any UTF-8 text file: `python -m models.data prepare --text FILE`"
+            "no corpus: --corpus bible-kjv reads the King James Bible from Debian's bible-kjv package, whose "
+            "`bible` program is not on PATH. Install it with `apt-get install -y bible-kjv` (Debian or Ubuntu, "
+            "as root), leave out --corpus for the copy shipped in models/corpus, or train on any UTF-8 text "
+            "file: `python -m models.data prepare --text FILE`"
         )
     # a very wide line so that no verse is wrapped
     raw = subprocess.run(["bible", "-l100000", "gen1:1-rev22:21"], check=True, capture_output=True, text=True).stdout
@@ -123,13 +163,13 @@ def split_train_val(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def prepare(out_dir: Path, text: Optional[str] = None, source: str = "", vocab_size: int = DEFAULT_VOCAB_SIZE) -> dict:
-    """Train the tokenizer on ``text`` (default: the KJV Bible), write the token files; return meta."""
+    """Train the tokenizer on ``text`` (default: the shipped KJV Bible), write the token files; return meta."""
     if not 257 <= vocab_size <= 2**16:
         raise ValueError(
             f"vocab_size must be in [257, 65536] (256 bytes + the mask token; uint16 ids), got {vocab_size}"
         )
     if text is None:
-        text, source = kjv_text(), "King James Bible, Debian package bible-kjv (`bible gen1:1-rev22:21`)"
+        text, source = kjv_text(), KJV_SOURCE
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = Tokenizer.train(text, vocab_size, out_dir / "tokenizer.json")
     train_ids, val_ids = split_train_val(tokenizer.encode_lines(text))
@@ -251,7 +291,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m models.data", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     prep = commands.add_parser("prepare", help="train the tokenizer and write the token files")
-    prep.add_argument("--text", type=Path, help="a UTF-8 text file to use instead of the KJV Bible")
+    corpus = prep.add_mutually_exclusive_group()
+    corpus.add_argument(
+        "--corpus",
+        choices=CORPORA,
+        default="kjv",
+        help="kjv (default): the King James Bible shipped in models/corpus; bible-kjv: the same text from "
+        "the `bible` program of Debian's bible-kjv package",
+    )
+    corpus.add_argument("--text", type=Path, help="a UTF-8 text file to use instead of the KJV Bible")
     prep.add_argument(
         "--out", type=Path, default=DEFAULT_DATA_DIR, help=f"output directory (default {DEFAULT_DATA_DIR})"
     )
@@ -259,8 +307,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parser.parse_args(argv)
     if args.text and not args.text.is_file():
         parser.error(f"--text: no file {args.text}")
-    text = args.text.read_text(encoding="utf-8") if args.text else None
-    meta = prepare(args.out, text, source=str(args.text or ""), vocab_size=args.vocab_size)
+    if args.text:
+        text, source = args.text.read_text(encoding="utf-8"), str(args.text)
+    elif args.corpus == "bible-kjv":
+        text, source = bible_kjv_text(), BIBLE_KJV_SOURCE
+    else:
+        text, source = kjv_text(), KJV_SOURCE
+    meta = prepare(args.out, text, source=source, vocab_size=args.vocab_size)
     size = sum(f.stat().st_size for f in args.out.iterdir())
     print(
         f"{meta['text_bytes'] / 1e6:.2f} MB of text -> {meta['train_tokens']:,} train + {meta['val_tokens']:,} "

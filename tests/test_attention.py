@@ -11,12 +11,10 @@ import torch.nn.functional as F
 
 import tk_ops
 import tk_testing
+from inputs.attention import BACKWARD_ENV, BACKWARD_METHODS, make_qkv
 from tk_ops.ops import attention as attention_module
 
 NEG_INF = float("-inf")
-# A relative difference as small as one bf16 rounding step (2^-8): what varying fp32 summation
-# order can leave after the result is rounded to bf16.
-BF16_ROUNDING = 2.0**-8
 
 
 def naive_attention(q, k, v, causal=False, scale=None):
@@ -41,14 +39,6 @@ def naive_attention(q, k, v, causal=False, scale=None):
     out = torch.einsum("bhij,bhjd->bhid", weights, v) / total
     lse = torch.where(sees_a_key, total.log() + row_max, NEG_INF).squeeze(-1)
     return out, lse
-
-
-def make_qkv(batch, q_heads, kv_heads, q_len, key_len, head_dim, dtype=torch.float64, value_dim=None,
-             device="cpu", requires_grad=True):
-    value_dim = head_dim if value_dim is None else value_dim
-    shapes = [(batch, q_heads, q_len, head_dim), (batch, kv_heads, key_len, head_dim),
-              (batch, kv_heads, key_len, value_dim)]
-    return [torch.randn(s, dtype=dtype, device=device).requires_grad_(requires_grad) for s in shapes]
 
 
 def finite_lse_loss(out, lse, out_weight, lse_weight):
@@ -234,12 +224,6 @@ def test_deterministic_follows_torch_switch(monkeypatch):
 
 
 # ------------------------------------------------------------------------------ CUDA kernel
-
-# The backward's two dq methods on the kernels: the one-pass method forced through the environment
-# (by default it runs only where it is faster: long sequences at D = 128, causal ones at D = 64),
-# and the deterministic one.
-BACKWARD_ENV = "TK_OPS_ATTENTION_BACKWARD"
-BACKWARD_METHODS = ["one_pass", "deterministic"]
 
 
 def use_backward_method(monkeypatch, method: str) -> bool:
@@ -449,41 +433,6 @@ def test_kernel_transposed_views():
     q, k, v = (t.transpose(1, 2) for t in packed.unbind(2))
     out = tk_ops.attention(q, k, v, causal=True)
     torch.testing.assert_close(out, tk_ops.attention(q.contiguous(), k.contiguous(), v.contiguous(), causal=True))
-
-
-@tk_testing.requires_kernel("attention")
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("method", BACKWARD_METHODS)
-def test_kernel_cuda_graph_capture_and_replay(monkeypatch, head_dim, method):
-    """Replays equal eager calls: bitwise, except the one-pass dq, whose fp32 sums are added in
-    varying order (equal to within a bf16 rounding of some elements)."""
-    deterministic = use_backward_method(monkeypatch, method)
-    q, k, v = make_qkv(2, 4, 2, 511, 513, head_dim, dtype=torch.bfloat16, device="cuda", requires_grad=False)
-    grad_out = torch.randn(2, 4, 511, head_dim, dtype=torch.bfloat16, device="cuda")
-
-    def step():
-        out, lse = torch.ops.tk.attention(q, k, v, True, 0.1, deterministic)
-        grads = torch.ops.tk.attention_bwd(grad_out, None, q, k, v, out, lse, True, 0.1, deterministic)
-        return (out, lse, *grads)
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
-
-    for tensor in (q, k, v, grad_out):
-        tensor.copy_(torch.randn_like(tensor))
-    graph.replay()
-    torch.cuda.synchronize()
-    for name, result, expected in zip(("out", "lse", "dq", "dk", "dv"), captured, step()):
-        if name == "dq" and not deterministic:
-            tk_testing.assert_rel_close(result, expected, BF16_ROUNDING, name)
-        else:
-            torch.testing.assert_close(result, expected, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
 
 
 def test_attention_follows_autocast_like_sdpa():

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import tk_ops
 import tk_testing
-from test_attention import make_qkv
+from inputs.attention import make_qkv, make_varlen
 from tk_ops.ops import attention as attention_module
 
 NEG_INF = float("-inf")
@@ -312,17 +312,6 @@ def test_backward_op_without_sinks_returns_an_empty_sink_gradient():
 
 
 # ------------------------------------------------------------------------------------------ varlen
-
-
-def make_varlen(q_lengths, k_lengths, q_heads=4, kv_heads=2, head_dim=16, value_dim=None, dtype=torch.float64,
-                device="cpu", requires_grad=True):
-    """Packed q (total_q, Hq, D), k, v (total_k, Hkv, D/Dv) and int32 cu_seqlens for the given lengths."""
-    value_dim = head_dim if value_dim is None else value_dim
-    cu_q = torch.tensor([0, *itertools.accumulate(q_lengths)], dtype=torch.int32, device=device)
-    cu_k = torch.tensor([0, *itertools.accumulate(k_lengths)], dtype=torch.int32, device=device)
-    q, k, v = (torch.randn(shape, dtype=dtype, device=device).requires_grad_(requires_grad) for shape in (
-        (sum(q_lengths), q_heads, head_dim), (sum(k_lengths), kv_heads, head_dim), (sum(k_lengths), kv_heads, value_dim)))
-    return q, k, v, cu_q, cu_k, max(max(q_lengths), 1), max(max(k_lengths), 1)
 
 
 def varlen_call(cu_q, cu_k, max_q, max_k, **options):

@@ -9,35 +9,9 @@ import torch
 
 import tk_ops
 import tk_testing
+from inputs.based_attention import B, DV, F, H, make_inputs, naive_based_attention, taylor_features
 from tk_ops.ops import based_attention as based_attention_module
 from tk_testing import TOLERANCE, assert_rel_close
-
-B, H, F, DV = 2, 3, 5, 7
-
-
-def taylor_features(x):
-    """phi(x) = [1, x / F**0.25, vec(x x^T) / (sqrt(2) * sqrt(F))], as the contract writes it."""
-    f = x.shape[-1]
-    outer = torch.einsum("...a,...b->...ab", x, x).reshape(*x.shape[:-1], f * f)
-    return torch.cat([torch.ones_like(x[..., :1]), x / f**0.25, outer / (math.sqrt(2) * math.sqrt(f))], dim=-1)
-
-
-def naive_based_attention(q, k, v, normalize, eps):
-    """The N x N matrix phi(q_i) . phi(k_j), masked causally, in float64."""
-    n = q.shape[-2]
-    causal = torch.arange(n)[:, None] >= torch.arange(n)[None, :]
-    scores = torch.einsum("bhip,bhjp->bhij", taylor_features(q.double()), taylor_features(k.double()))
-    scores = torch.where(causal.to(q.device), scores, 0.0)
-    numerator = torch.einsum("bhij,bhjd->bhid", scores, v.double())
-    if not normalize:
-        return numerator
-    return numerator / (scores.sum(-1, keepdim=True) + eps)
-
-
-def make_inputs(n, *, f=F, dv=DV, dtype=torch.float64, device="cpu", requires_grad=False):
-    q, k = (torch.randn(B, H, n, f, dtype=dtype, device=device) for _ in range(2))
-    v = torch.randn(B, H, n, dv, dtype=dtype, device=device)
-    return tuple(t.requires_grad_(requires_grad) for t in (q, k, v))
 
 
 @pytest.fixture
@@ -238,35 +212,6 @@ def test_kernel_split_sequences_gradients():
     tk_testing.assert_gradients_close(out, (q, k, v), ref, (q64, k64, v64), 3 * TOLERANCE[torch.bfloat16], "qkv")
 
 
-@tk_testing.requires_kernel("based_attention")
-def test_kernel_cuda_graph_capture_and_replay():
-    q, k, v = make_inputs(500, f=16, dv=64, dtype=torch.bfloat16, device="cuda")
-    expected = tk_ops.based_attention(q, k, v)
-    static = [t.clone() for t in (q, k, v)]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        tk_ops.based_attention(*static)  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = tk_ops.based_attention(*static)
-    q2, k2, v2 = make_inputs(500, f=16, dv=64, dtype=torch.bfloat16, device="cuda")
-    for dst, src in zip(static, (q2, k2, v2)):
-        dst.copy_(src)
-    graph.replay()
-    torch.testing.assert_close(out, tk_ops.based_attention(q2, k2, v2), rtol=0, atol=0)
-    assert not torch.equal(out, expected)
-
-
-@tk_testing.requires_kernel("based_attention")
-@pytest.mark.parametrize("dtype, f, dv", [(torch.float32, 16, 64), (torch.bfloat16, 8, 64), (torch.bfloat16, 16, 48)])
-def test_unsupported_inputs_fall_back_to_reference(dtype, f, dv):
-    q, k, v = make_inputs(77, f=f, dv=dv, dtype=dtype, device="cuda")
-    out = tk_ops.based_attention(q, k, v)
-    assert_rel_close(out, naive_based_attention(q, k, v, True, 1e-12), TOLERANCE[dtype])
-
-
 # ------------------------------------------------------------------------------- GPU backward kernel
 
 
@@ -327,42 +272,3 @@ def test_backward_kernel_strided_views(normalize):
     for got, want in zip(grads, expected):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
-
-@tk_testing.requires_kernel("based_attention_bwd")
-def test_backward_kernel_cuda_graph_capture_and_replay():
-    """Forward and backward captured in one graph replay the eager numbers on new inputs."""
-    shape_inputs = lambda: make_inputs(500, f=16, dv=64, dtype=torch.bfloat16, device="cuda")  # noqa: E731
-    static = [t.clone() for t in shape_inputs()]
-    static_grad = torch.randn(B, H, 500, 64, dtype=torch.bfloat16, device="cuda")
-
-    def forward_backward():
-        out, denominator = based_attention_module.based_attention_op(*static, 1e-12, True)
-        return based_attention_module.based_attention_bwd_op(static_grad, *static, out, denominator, 1e-12, True)
-
-    expected = [t.clone() for t in forward_backward()]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        forward_backward()  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        grads = forward_backward()
-    for dst, src in zip(static, shape_inputs()):
-        dst.copy_(src)
-    static_grad.copy_(torch.randn_like(static_grad))
-    graph.replay()
-    eager = forward_backward()
-    for got, want, before in zip(grads, eager, expected):
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
-        assert not torch.equal(got, before)
-
-
-@tk_testing.requires_kernel("based_attention_bwd")
-@pytest.mark.parametrize("dtype, f, dv", [(torch.float32, 16, 64), (torch.bfloat16, 8, 64), (torch.bfloat16, 16, 48)])
-def test_backward_unsupported_inputs_fall_back_to_reference(dtype, f, dv):
-    q, k, v = make_inputs(77, f=f, dv=dv, dtype=dtype, device="cuda", requires_grad=True)
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    out = tk_ops.based_attention(q, k, v)
-    ref = naive_based_attention(q64, k64, v64, True, 1e-12)
-    tk_testing.assert_gradients_close(out, (q, k, v), ref, (q64, k64, v64), 3 * TOLERANCE[dtype], "qkv")

@@ -1,12 +1,9 @@
 """tk.causal_conv1d: causal depthwise conv1d (+ SiLU), against a naive loop and against
 F.conv1d(padding=W - 1)[..., :L] in float64; on an sm_90 GPU, its kernels (both layouts, every
 dtype and width they take, tails, strided views, NaN past every input and in every fresh
-allocation, CUDA graphs, determinism) and their fallbacks."""
+allocation, determinism). Its CUDA graphs and fallbacks: tests/op_db.py, run by tests/test_op_contract.py."""
 
 from __future__ import annotations
-
-import contextlib
-import warnings
 
 import pytest
 import torch
@@ -14,7 +11,8 @@ import torch.nn.functional as F
 
 import tk_ops
 import tk_testing
-from tk_ops import _library
+from inputs.causal_conv1d import (conv1d_reference, gpu_activation, kernel_case, make_inputs,
+                                  reference_out_and_grads)
 from tk_ops.ops import causal_conv1d as causal_conv1d_module
 from tk_ops.ops.causal_conv1d import is_channel_last
 from tk_testing import TOLERANCE, assert_rel_close, requires_cuda, requires_kernel
@@ -38,25 +36,9 @@ def naive_reference(x, weight, bias=None, silu=False):
     return F.silu(out) if silu else out
 
 
-def conv1d_reference(x, weight, bias=None, silu=False):
-    """causal_conv1d's reference: a depthwise conv1d padded by W - 1 on both sides, cut to L."""
-    dim, width = weight.shape
-    out = F.conv1d(x, weight.unsqueeze(1), bias, padding=width - 1, groups=dim)[..., : x.shape[-1]]
-    return F.silu(out) if silu else out
-
-
 def float64_reference(x, weight, bias, silu):
     """conv1d_reference of the same (already rounded) values in float64."""
     return conv1d_reference(x.double(), weight.double(), None if bias is None else bias.double(), silu)
-
-
-def make_inputs(B, D, L, W, *, dtype=torch.float64, param_dtype=None, with_bias=True, device="cpu"):
-    """x ~ N(0, 1); taps scaled by W**-0.5 so the output stays O(1); bias ~ N(0, 1)."""
-    param_dtype = param_dtype or dtype
-    x = torch.randn(B, D, L, device=device).to(dtype)
-    weight = (torch.randn(D, W, device=device) / W**0.5).to(param_dtype)
-    bias = torch.randn(D, device=device).to(param_dtype) if with_bias else None
-    return x, weight, bias
 
 
 def activation(silu: bool):
@@ -311,7 +293,6 @@ def test_gpu_forward_and_gradients(dtype, param_dtype):
 
 # ------------------------------------------------------------------------------------ GPU kernels
 
-REFERENCE_WARNING = "running the PyTorch reference path"
 KERNEL_WIDTHS = [2, 3, 4]
 KERNEL_DTYPES = [  # (x dtype, weight and bias dtype)
     (torch.bfloat16, torch.bfloat16),
@@ -322,68 +303,11 @@ KERNEL_DTYPES = [  # (x dtype, weight and bias dtype)
 ]
 # 4099: odd, past several 1024-position segments and not a multiple of any vector
 KERNEL_SEQ_LENS = [1, 17, 1000, 4099]
-ROW_ALIGNMENT = 8  # elements: 16 bytes of bf16/fp16, 32 of fp32; the NaN margins of the padded layouts
 
 
-@contextlib.contextmanager
 def on_kernel():
-    """Both ops must run their kernels: a reference (which warns once per op, so forget earlier warnings) raises."""
-    for op in ("causal_conv1d", "causal_conv1d_bwd"):
-        _library._REFERENCE_WARNED.discard(op)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=f".*{REFERENCE_WARNING}")
-        yield
-
-
-@contextlib.contextmanager
-def on_reference(op: str = "causal_conv1d"):
-    """The op must fall back to its reference, with the one-time warning."""
-    _library._REFERENCE_WARNED.discard(op)
-    with pytest.warns(UserWarning, match=REFERENCE_WARNING):
-        yield
-
-
-def gpu_activation(values: torch.Tensor, layout: str) -> torch.Tensor:
-    """(B, D, L) values on the GPU, stored as
-    "bdl"         contiguous (B, D, L): channel-first, rows 16-byte aligned when L is a multiple of a vector
-    "bld"         a contiguous (B, L, D) transposed: channel-last
-    "bdl-padded"  rows of a NaN buffer, ROW_ALIGNMENT NaN before t = 0 and at least as many after t = L - 1,
-                  rows 16-byte aligned whatever L (so a vector cut by the row's end at odd L)
-    "bld-slice"   a column slice of a NaN (B, L + ROW_ALIGNMENT, D + 2 ROW_ALIGNMENT) buffer, transposed
-                  (NaN rows before t = 0, NaN columns around the slice)
-    so a kernel that reads past an end (or before t = 0) produces NaN."""
-    b, d, n = values.shape
-    if layout == "bdl":
-        return values.cuda()
-    if layout == "bld":
-        return values.transpose(1, 2).contiguous().cuda().transpose(1, 2)
-    pad = ROW_ALIGNMENT
-    if layout == "bdl-padded":
-        row = -(-(n + 2 * pad) // pad) * pad
-        buffer = torch.full((b, d, row), float("nan"), dtype=values.dtype, device="cuda")
-        buffer[..., pad : pad + n] = values
-        return buffer[..., pad : pad + n]
-    assert layout == "bld-slice", layout
-    buffer = torch.full((b, n + pad, d + 2 * pad), float("nan"), dtype=values.dtype, device="cuda")
-    buffer[:, pad:, pad : pad + d] = values.transpose(1, 2)
-    return buffer[:, pad:, pad : pad + d].transpose(1, 2)
-
-
-def kernel_case(B, D, L, W, dtype, param_dtype, layout, with_bias=True):
-    """x and the output gradient in `layout` (NaN around them where padded), weight and bias on the GPU
-    with NaN past their ends; the CPU float64 copies of the same rounded values."""
-    x, weight, bias = make_inputs(B, D, L, W, dtype=dtype, param_dtype=param_dtype, with_bias=with_bias)
-    grad = torch.randn(B, D, L).to(dtype)
-    parameters = [None if t is None else tk_testing.on_gpu_with_canary(t.flatten()).view(t.shape) for t in (weight, bias)]
-    gpu = (gpu_activation(x, layout), *parameters, gpu_activation(grad, layout))
-    return gpu, (x.double(), weight.double(), None if bias is None else bias.double(), grad.double())
-
-
-def expected(x, weight, bias, silu, grad):
-    """out and the gradients of x, weight, bias (float64, on the CPU)."""
-    leaves = [t.detach().requires_grad_() for t in (x, weight) + (() if bias is None else (bias,))]
-    out = conv1d_reference(leaves[0], leaves[1], leaves[2] if bias is not None else None, silu)
-    return (out.detach(), *torch.autograd.grad(out, leaves, grad))
+    """Both ops must run their kernels (a reference would warn)."""
+    return tk_testing.runs_the_kernels("causal_conv1d", "causal_conv1d_bwd")
 
 
 def check_kernel_case(gpu, cpu, silu, dtype, param_dtype):
@@ -391,7 +315,7 @@ def check_kernel_case(gpu, cpu, silu, dtype, param_dtype):
     with on_kernel():
         out = torch.ops.tk.causal_conv1d(x, weight, bias, silu)
         grads = torch.ops.tk.causal_conv1d_bwd(grad, x, weight, bias, silu)
-    want = expected(*cpu[:3], silu, cpu[3])
+    want = reference_out_and_grads(*cpu[:3], silu, cpu[3])
     layout = causal_conv1d_module._new_like_x(x).stride()  # the reference's (and the fake's) strides
     assert out.dtype == dtype and out.stride() == layout
     assert grads[0].dtype == dtype and grads[0].stride() == layout
@@ -509,66 +433,3 @@ def test_kernel_parameter_gradients_are_deterministic(layout):
             for got, want in zip(again, first):
                 assert torch.equal(got, want)
 
-
-@requires_kernel("causal_conv1d_bwd")
-@pytest.mark.parametrize("layout", ["bdl", "bld"])
-def test_kernel_cuda_graph_capture_and_replay(layout):
-    """Forward and backward captured in one graph replay the eager numbers on new inputs."""
-    B, D, L = 2, 96, 777
-
-    def new_inputs():
-        gpu, _ = kernel_case(B, D, L, 4, torch.bfloat16, torch.float32, layout)
-        return gpu
-
-    static = new_inputs()
-
-    def forward_backward():
-        x, weight, bias, grad = static
-        return (torch.ops.tk.causal_conv1d(x, weight, bias, True), *torch.ops.tk.causal_conv1d_bwd(grad, x, weight, bias, True))
-
-    before = [t.clone() for t in forward_backward()]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        forward_backward()  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = forward_backward()
-    for dst, src in zip(static, new_inputs()):
-        dst.copy_(src)
-    graph.replay()
-    for got, want, old in zip(captured, forward_backward(), before):
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
-        assert not torch.equal(got, old)
-
-
-def _unsupported_cases():
-    def strided(b, d, n, w, dtype):
-        x, weight, bias = make_inputs(b, d, 2 * n, w, dtype=dtype, device="cuda")
-        return x[..., ::2], weight, bias  # stride 2 along L, D's stride is not 1 either
-
-    return [
-        ("fp64", lambda: make_inputs(2, 24, 77, 4, device="cuda")),
-        ("W = 1", lambda: make_inputs(2, 24, 77, 1, dtype=torch.bfloat16, device="cuda")),
-        ("W = 5", lambda: make_inputs(2, 24, 77, 5, dtype=torch.bfloat16, device="cuda")),
-        ("no unit stride", lambda: strided(2, 24, 77, 4, torch.bfloat16)),
-    ]
-
-
-@requires_kernel("causal_conv1d")
-@tk_testing.parametrize_with_ids("make", _unsupported_cases())
-def test_unsupported_inputs_fall_back_to_reference(make):
-    """Inputs outside the kernels' scope reach the reference twins (warning once) and give its numbers;
-    the op is called directly, below the public function's copy of an x with no unit stride."""
-    x, weight, bias = make()
-    grad = torch.randn_like(x)
-    with on_reference("causal_conv1d"):
-        out = torch.ops.tk.causal_conv1d(x, weight, bias, True)
-    with on_reference("causal_conv1d_bwd"):
-        grads = torch.ops.tk.causal_conv1d_bwd(grad, x, weight, bias, True)
-    tolerance = TOLERANCE[x.dtype]
-    want = expected(x.cpu().double(), weight.cpu().double(), bias.cpu().double(), True, grad.cpu().double())
-    assert_rel_close(out, want[0], tolerance)
-    for name, got, w in zip(("x", "weight", "bias"), grads, want[1:]):
-        assert_rel_close(got, w, 2 * tolerance, f"grad_{name}")

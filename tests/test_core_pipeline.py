@@ -1,4 +1,5 @@
-"""Tile-core primitives on the GPU: swizzled TMA round trips, wgmma, the producer/consumer pipeline.
+"""Tile-core primitives on the GPU: swizzled TMA round trips, wgmma, the producer/consumer pipeline,
+the TMA store ring, publishing shared memory to the async proxy, turn rotations.
 
 The kernels (tests/core/core_kernels.cu) are built on first use with torch.utils.cpp_extension; every
 test here needs a Hopper GPU and skips elsewhere.
@@ -139,3 +140,57 @@ def test_pipeline_template_hooks(stages, consumers, rows, cols, iterations, grid
     for index, (row, col) in enumerate(grouped_order(tiles_m, tiles_n, 3)):
         expected_before[row, col] = index // grid
     assert torch.equal(tasks_before.cpu(), expected_before), "scratch did not persist across a block's tasks"
+
+
+
+@requires_hopper
+@pytest.mark.parametrize(
+    "rows, cols, iterations, grid",
+    [(64, 64, 1, 1), (1000, 304, 3, 3), (777, 1000, 2, 132)],
+    ids=["one-tile", "tails", "more-blocks-than-tiles"],
+)
+def test_pipeline_template_without_optional_hooks(rows, cols, iterations, grid):
+    """Only the required hooks (no store, prefetch, init, finish, resident tiles, scratch): compute
+    writes the task's results itself."""
+    x = torch.randn(rows, cols, device="cuda").bfloat16()
+    out = core().pipeline_bare_sums(x, iterations, grid)
+    rows_per_tile = 64 * iterations
+    tiles_m = math.ceil(rows / rows_per_tile)
+    padded = torch.zeros(tiles_m * rows_per_tile, cols, dtype=torch.float64, device="cuda")
+    padded[:rows] = x.double()
+    assert_rel_close(out, padded.view(tiles_m, rows_per_tile, cols).sum(1), 1e-5)
+
+
+# ------------------------------------------------------------------------------- TMA store ring
+
+
+@requires_hopper
+@pytest.mark.parametrize("slots", [1, 2, 3])
+@pytest.mark.parametrize("tiles", [1, 2, 7, 16])
+def test_store_ring_reuses_slots_only_once_read(tiles, slots):
+    """Each tile reaches global memory as written, though its slot is rewritten right after."""
+    out = core().store_ring_tiles(tiles, slots)
+    expected = torch.arange(tiles * 64 * 64, dtype=torch.float32, device="cuda").view(tiles * 64, 64)
+    assert torch.equal(out, expected)
+
+
+# -------------------------------------------------------------------------------------- publish
+
+
+@requires_hopper
+def test_publish_makes_every_writer_visible_to_one_store():
+    """Two warpgroups write halves of a tile with ordinary stores; one thread's TMA store sees both."""
+    out = core().publish_tile()
+    assert torch.equal(out, torch.arange(64 * 64, dtype=torch.float32, device="cuda").view(64, 64))
+
+
+# -------------------------------------------------------------------------------- turn rotation
+
+
+@requires_hopper
+@pytest.mark.parametrize("members", [1, 2, 3])
+@pytest.mark.parametrize("rounds", [1, 5, 100])
+def test_turn_rotation_cycles_through_the_members(members, rounds):
+    """Turns go 0, 1, ..., members - 1, 0, ... and the block ends (every opened turn completes)."""
+    order = core().turn_order(members, rounds)
+    assert order.tolist() == list(range(members)) * rounds

@@ -2,42 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
-import warnings
-
 import pytest
 import torch
-import torch.nn.functional as F
 
 import tk_ops
 import tk_testing
-from tk_ops import _library
-from tk_ops.ops.fftconv import _fft_size, _fftconv_bwd_reference
+from inputs.fftconv import KERNEL_TOLERANCE, check_backward, conv_reference, float64_reference, make_inputs
+from tk_ops.ops.fftconv import _fft_size
 from tk_testing import TOLERANCE, assert_rel_close, requires_kernel
 
 # (B, H, N, L): L == N, L < N, L == 1, N not a power of two, N a power of two with L == N.
 SHAPES = [(2, 3, 37, 37), (3, 5, 100, 29), (2, 3, 53, 1), (1, 7, 100, 100), (2, 3, 256, 256)]
-
-
-def conv_reference(u, k, D=None):
-    """Direct causal convolution: conv1d (a cross-correlation) with flipped filters and L - 1 zeros on the left."""
-    heads, filter_len = k.shape
-    y = F.conv1d(F.pad(u, (filter_len - 1, 0)), k.flip(-1).unsqueeze(1), groups=heads)
-    return y if D is None else y + D[:, None] * u
-
-
-def make_inputs(B, H, N, L, *, dtype=torch.float64, param_dtype=None, with_D=True, device="cpu"):
-    """u ~ N(0, 1); k scaled like a long filter so that y stays O(1); D ~ N(0, 1)."""
-    param_dtype = param_dtype or dtype
-    u = torch.randn(B, H, N, device=device).to(dtype)
-    k = (torch.randn(H, L, device=device) / L**0.5).to(param_dtype)
-    D = torch.randn(H, device=device).to(param_dtype) if with_D else None
-    return u, k, D
-
-
-def float64_reference(u, k, D):
-    """The direct convolution of the same (already rounded) values in float64."""
-    return conv_reference(u.double(), k.double(), None if D is None else D.double())
 
 
 def test_conv_reference_matches_the_definition():
@@ -153,51 +128,16 @@ def test_strided_views():
 
 # --------------------------------------------------------------------------------- CUDA kernel
 
-# The kernel runs its FFTs as fp16/bf16 tensor-core matmuls (Monarch form) with fp32 accumulation:
-# each of its stages rounds, so its budget is wider than one output rounding (TOLERANCE). The CPU
-# emulation of its exact stages (tests/test_fftconv_monarch.py) gives 1.5-2.5e-3 (bf16) and
-# 1.5-3.2e-4 (fp16) at every N for the forward; the backward's grad_u and grad_k 1.6-5.2e-3 (bf16)
-# and 2-11e-4 (fp16). fp32 u splits every operand into bf16 hi + lo (three products each): the
-# emulation gives 3-9e-6 for the forward and the three gradients; its contract is 1e-4. fp32 u runs
-# the kernels up to N = 8192 (the split tiles do not fit shared memory at 16384: the reference).
-KERNEL_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}
 KERNEL_SEQ_LENS = [256, 512, 1024, 2048, 4096, 8192, 16384]
 FP32_KERNEL_SEQ_LENS = [256, 512, 1024, 2048, 4096, 8192]
-REFERENCE_WARNING = "running the PyTorch reference path"
-
-
-@contextlib.contextmanager
 def no_reference_warning():
     """Fails on the reference's warning: the kernels themselves must serve the calls."""
-    _library._REFERENCE_WARNED.difference_update({"fftconv", "fftconv_bwd"})
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=f".*{REFERENCE_WARNING}")
-        yield
+    return tk_testing.runs_the_kernels("fftconv", "fftconv_bwd")
 
 
 def poisoned_allocations(nbytes: int) -> None:
     """Leave NaN in the caching allocator's free blocks, so outputs a kernel forgets to write stay NaN."""
     torch.full((nbytes // 4 + 1,), float("nan"), device="cuda")
-
-
-def float64_backward(grad, u, k, D):
-    """The reference backward of the same (already rounded) values in float64."""
-    return _fftconv_bwd_reference(grad.double(), u.double(), k.double(), None if D is None else D.double())
-
-
-def check_backward(got, grad, u, k, D, dtype):
-    grad_u, grad_k, grad_D = got
-    want = float64_backward(grad, u, k, D)
-    assert grad_u.dtype == u.dtype and grad_u.shape == u.shape and grad_u.is_contiguous()
-    assert grad_k.dtype == k.dtype and grad_k.shape == k.shape
-    assert_rel_close(grad_u, want[0], KERNEL_TOLERANCE[dtype], "grad_u")
-    assert_rel_close(grad_k, want[1], KERNEL_TOLERANCE[dtype], "grad_k")
-    if D is None:
-        assert grad_D.numel() == 0
-    else:
-        assert grad_D.dtype == D.dtype and grad_D.shape == D.shape
-        # an fp32 sum of the rounded products: fp32's error, not the FFT's
-        assert_rel_close(grad_D, want[2], 1e-4 if D.dtype == torch.float32 else TOLERANCE[D.dtype], "grad_D")
 
 
 @requires_kernel("fftconv")
@@ -263,43 +203,6 @@ def test_kernel_many_heads_and_pairs():
     with no_reference_warning():
         out = tk_ops.fftconv(u, k, D=D)
     assert_rel_close(out, float64_reference(u, k, D), KERNEL_TOLERANCE[torch.bfloat16])
-
-
-@requires_kernel("fftconv")
-@pytest.mark.parametrize(
-    "dtype, N", [(torch.float32, 16384), (torch.float32, 9000), (torch.float64, 1024), (torch.bfloat16, 16385)]
-)
-def test_kernel_unsupported_inputs_fall_back_with_a_warning(dtype, N):
-    u, k, D = make_inputs(2, 3, N, 17, dtype=dtype, device="cuda")
-    _library._REFERENCE_WARNED.discard("fftconv")
-    with pytest.warns(UserWarning, match=REFERENCE_WARNING):
-        out = tk_ops.fftconv(u, k, D=D)
-    tol = KERNEL_TOLERANCE.get(dtype, TOLERANCE[torch.float64])
-    assert_rel_close(out, float64_reference(u, k, D), tol)
-
-
-@requires_kernel("fftconv")
-def test_kernel_cuda_graph_capture_and_replay():
-    def fresh():
-        return make_inputs(3, 4, 4096, 1500, dtype=torch.bfloat16, param_dtype=torch.float32, device="cuda")
-
-    static = [t.clone() for t in fresh()]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        tk_ops.fftconv(static[0], static[1], D=static[2])  # warm-up (cuFFT plan) outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = tk_ops.fftconv(static[0], static[1], D=static[2])
-    first = out.clone()
-    inputs2 = fresh()
-    for t, new in zip(static, inputs2):
-        t.copy_(new)
-    graph.replay()
-    torch.testing.assert_close(out, tk_ops.fftconv(*inputs2[:2], D=inputs2[2]), rtol=0, atol=0)
-    assert not torch.equal(out, first)
-    assert_rel_close(out, float64_reference(*inputs2), KERNEL_TOLERANCE[torch.bfloat16])
 
 
 @requires_kernel("fftconv_bwd")
@@ -403,46 +306,6 @@ def test_kernel_backward_is_the_forwards_adjoint(dtype):
     scale = (y.double().norm() * grad.double().norm()).item()
     for other in (through_u, through_k_and_D):
         assert abs((pairing - other).item()) <= KERNEL_TOLERANCE[dtype] * scale
-
-
-@requires_kernel("fftconv_bwd")
-def test_kernel_backward_cuda_graph_capture_and_replay():
-    def fresh():
-        u, k, D = make_inputs(3, 4, 4096, 1500, dtype=torch.bfloat16, param_dtype=torch.float32, device="cuda")
-        return torch.randn_like(u), u, k, D
-
-    static = [t.clone() for t in fresh()]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        torch.ops.tk.fftconv_bwd.default(*static)  # warm-up (cuFFT plan) outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = torch.ops.tk.fftconv_bwd.default(*static)
-    first = [o.clone() for o in outs]
-    inputs2 = fresh()
-    for t, new in zip(static, inputs2):
-        t.copy_(new)
-    graph.replay()
-    for out, eager, old in zip(outs, torch.ops.tk.fftconv_bwd.default(*inputs2), first):
-        torch.testing.assert_close(out, eager, rtol=0, atol=0)
-        assert not torch.equal(out, old)
-    check_backward(outs, *inputs2, torch.bfloat16)
-
-
-@requires_kernel("fftconv_bwd")
-@pytest.mark.parametrize("dtype, N", [(torch.float32, 16384), (torch.float64, 1024), (torch.bfloat16, 16385)])
-def test_kernel_backward_unsupported_inputs_fall_back_with_a_warning(dtype, N):
-    u, k, D = make_inputs(2, 3, N, 17, dtype=dtype, device="cuda")
-    grad = torch.randn_like(u)
-    _library._REFERENCE_WARNED.discard("fftconv_bwd")
-    with pytest.warns(UserWarning, match=REFERENCE_WARNING):
-        got = torch.ops.tk.fftconv_bwd.default(grad, u, k, D)
-    want = float64_backward(grad, u, k, D)
-    tol = KERNEL_TOLERANCE.get(dtype, TOLERANCE[torch.float64])
-    for name, g, w in zip(("grad_u", "grad_k", "grad_D"), got, want):
-        assert_rel_close(g, w, tol, name)
 
 
 # ------------------------------------------------------------------- fp32 u: split operands

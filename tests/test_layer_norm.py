@@ -6,13 +6,13 @@ import pytest
 import torch
 
 import tk_ops
+from inputs.layer_norm import EPS, make_inputs
 from tk_ops.ops.layer_norm import dropout_hash, dropout_keep_mask
 from tk_testing import TOLERANCE, assert_rel_close, on_gpu_rows, on_gpu_with_canary, requires_kernel
 
 # Odd row counts and hidden sizes that are no multiple of 8; one 1-D input, one 4-D input.
 SHAPES = [(37,), (5, 100), (3, 7, 37), (2, 3, 5, 19)]
 SHAPE_IDS = ["1d-C37", "2d-C100", "3d-C37", "4d-C19"]
-EPS = 1e-5
 
 
 def reference_layer_norm(x, weight, bias, eps=EPS, residual=None, keep=None, dropout_p=0.0):
@@ -52,19 +52,6 @@ def seed_drawn_after(generator_seed: int) -> torch.Tensor:
     """The dropout seed tk.layer_norm draws right after ``torch.manual_seed(generator_seed)``."""
     torch.manual_seed(generator_seed)
     return torch.randint(0, 2**62, (), dtype=torch.int64)
-
-
-def make_inputs(shape, dtype=torch.float64, *, affine="both", residual_dtype=None, requires_grad=False):
-    hidden = shape[-1]
-    x = torch.randn(shape, dtype=dtype)
-    weight = 1 + 0.5 * torch.randn(hidden, dtype=dtype) if affine in ("both", "weight") else None
-    bias = torch.randn(hidden, dtype=dtype) if affine in ("both", "bias") else None
-    residual = torch.randn(shape, dtype=residual_dtype) if residual_dtype is not None else None
-    tensors = (x, weight, bias, residual)
-    for t in tensors:
-        if t is not None:
-            t.requires_grad_(requires_grad)
-    return tensors
 
 
 # ------------------------------------------------------------------------------------ forward

@@ -2,40 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
-import warnings
-
 import pytest
 import torch
 
 import tk_ops
 import tk_testing
-from tk_ops import _library
+from inputs.linear_attention import B, DV, F, H, make_inputs, naive_linear_attention, scaled_inputs
 from tk_ops.ops import linear_attention as linear_attention_module
 from tk_testing import TOLERANCE, assert_rel_close
-
-B, H, F, DV = 2, 3, 9, 7
-
-
-def naive_linear_attention(q, k, v, normalize, eps):
-    """out_i = sum_{j<=i} (q_i . k_j) v_j (/ (sum_{j<=i} q_i . k_j + eps)), the full N x N matrix in float64."""
-    n = q.shape[-2]
-    causal = torch.arange(n)[:, None] >= torch.arange(n)[None, :]
-    scores = torch.where(causal.to(q.device), torch.einsum("bhif,bhjf->bhij", q.double(), k.double()), 0.0)
-    numerator = torch.einsum("bhij,bhjd->bhid", scores, v.double())
-    if not normalize:
-        return numerator
-    return numerator / (scores.sum(-1, keepdim=True) + eps)
-
-
-def make_inputs(n, *, normalize, f=F, dv=DV, dtype=torch.float64, device="cpu", requires_grad=False):
-    """Random q, k, v; normalised cases get positive features so the denominator stays away from 0."""
-    if normalize:
-        q, k = (torch.rand(B, H, n, f, dtype=dtype, device=device) + 0.1 for _ in range(2))
-    else:
-        q, k = (torch.randn(B, H, n, f, dtype=dtype, device=device) for _ in range(2))
-    v = torch.randn(B, H, n, dv, dtype=dtype, device=device)
-    return tuple(t.requires_grad_(requires_grad) for t in (q, k, v))
 
 
 @pytest.fixture
@@ -121,14 +95,6 @@ def test_strided_views(small_chunks, normalize):
 KERNEL_SIZES = [(16, 64), (32, 128), (64, 64), (128, 128), (256, 64)]
 
 
-def scaled_inputs(n, *, normalize, f, dv, dtype, b=B, h=H, requires_grad=False):
-    """make_inputs on the GPU with q scaled by F**-0.5: unit-scale scores keep fp16 (the state's copy,
-    the unnormalised output) in range at every F."""
-    q, k, v = make_inputs(n, normalize=normalize, f=f, dv=dv, dtype=dtype, device="cuda")
-    q = (q.float() * f**-0.5).to(dtype)
-    return tuple(t.requires_grad_(requires_grad) for t in (q, k, v))
-
-
 def reference_linear_attention(q, k, v, normalize, eps):
     """The op's chunked reference in float64 (checked against the naive form above), for long N."""
     return linear_attention_module.linear_attention_op(q.double(), k.double(), v.double(), eps, normalize)
@@ -139,24 +105,9 @@ def poisoned_allocations(nbytes: int) -> None:
     torch.full((nbytes // 4 + 1,), float("nan"), device="cuda")
 
 
-REFERENCE_WARNING = "running the PyTorch reference path"
-
-
-@contextlib.contextmanager
 def on_kernel():
-    """The forward must run on the kernel: its reference would warn (once per op, so forget earlier warnings)."""
-    _library._REFERENCE_WARNED.discard("linear_attention")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=f".*{REFERENCE_WARNING}")
-        yield
-
-
-@contextlib.contextmanager
-def on_reference():
-    """The forward must fall back to the reference."""
-    _library._REFERENCE_WARNED.discard("linear_attention")
-    with pytest.warns(UserWarning, match=REFERENCE_WARNING):
-        yield
+    """The forward must run on the kernel (its reference would warn)."""
+    return tk_testing.runs_the_kernels("linear_attention")
 
 
 @tk_testing.requires_kernel("linear_attention")
@@ -242,50 +193,6 @@ def test_kernel_strided_views(normalize, f):
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
-@tk_testing.requires_kernel("linear_attention")
-def test_kernel_cuda_graph_capture_and_replay():
-    q, k, v = scaled_inputs(500, normalize=True, f=64, dv=64, dtype=torch.bfloat16)
-    expected = tk_ops.linear_attention(q, k, v, normalize=True)
-    static = [t.clone() for t in (q, k, v)]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        tk_ops.linear_attention(*static, normalize=True)  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = tk_ops.linear_attention(*static, normalize=True)
-    q2, k2, v2 = scaled_inputs(500, normalize=True, f=64, dv=64, dtype=torch.bfloat16)
-    for dst, src in zip(static, (q2, k2, v2)):
-        dst.copy_(src)
-    graph.replay()
-    torch.testing.assert_close(out, tk_ops.linear_attention(q2, k2, v2, normalize=True), rtol=0, atol=0)
-    assert not torch.equal(out, expected)
-
-
-@tk_testing.requires_kernel("linear_attention")
-@pytest.mark.parametrize(
-    "dtype, f, dv",
-    [(torch.float32, 16, 64), (torch.bfloat16, 8, 64), (torch.bfloat16, 48, 64), (torch.bfloat16, 16, 40)],
-)
-def test_unsupported_inputs_fall_back_to_reference(dtype, f, dv):
-    q, k, v = make_inputs(77, normalize=True, f=f, dv=dv, dtype=dtype, device="cuda")
-    with on_reference():
-        out = tk_ops.linear_attention(q, k, v, normalize=True)
-    assert_rel_close(out, naive_linear_attention(q, k, v, True, 1e-12), TOLERANCE[dtype])
-
-
-@tk_testing.requires_kernel("linear_attention")
-def test_rows_tma_cannot_describe_fall_back_to_reference():
-    """Rows F + 1 elements apart (not a multiple of 16 bytes): the reference answers."""
-    q_rows, k_rows = (torch.rand(B, H, 77, 17, dtype=torch.bfloat16, device="cuda") for _ in range(2))
-    q, k = q_rows[..., :16], k_rows[..., :16]
-    v = torch.randn(B, H, 77, 64, dtype=torch.bfloat16, device="cuda")
-    with on_reference():
-        out = tk_ops.linear_attention(q, k, v, normalize=True)
-    assert_rel_close(out, naive_linear_attention(q, k, v, True, 1e-12), TOLERANCE[torch.bfloat16])
-
-
 # ------------------------------------------------------------------------------- GPU backward kernel
 
 
@@ -361,44 +268,3 @@ def test_backward_kernel_strided_views(normalize, f):
     for name, got, want in zip("qkv", grads, reference):
         assert_rel_close(got, want, 3 * TOLERANCE[torch.bfloat16], f"grad_{name}")
 
-
-@tk_testing.requires_kernel("linear_attention_bwd")
-def test_backward_kernel_cuda_graph_capture_and_replay():
-    """Forward and backward captured in one graph replay the eager numbers on new inputs."""
-    shape_inputs = lambda: scaled_inputs(500, normalize=True, f=64, dv=64, dtype=torch.bfloat16)  # noqa: E731
-    static = [t.clone() for t in shape_inputs()]
-    static_grad = torch.randn(B, H, 500, 64, dtype=torch.bfloat16, device="cuda")
-
-    def forward_backward():
-        out, denominator = linear_attention_module.linear_attention_op(*static, 1e-12, True)
-        return linear_attention_module.linear_attention_bwd_op(static_grad, *static, out, denominator, 1e-12, True)
-
-    expected = [t.clone() for t in forward_backward()]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        forward_backward()  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        grads = forward_backward()
-    for dst, src in zip(static, shape_inputs()):
-        dst.copy_(src)
-    static_grad.copy_(torch.randn_like(static_grad))
-    graph.replay()
-    eager = forward_backward()
-    for got, want, before in zip(grads, eager, expected):
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
-        assert not torch.equal(got, before)
-
-
-@tk_testing.requires_kernel("linear_attention_bwd")
-@pytest.mark.parametrize(
-    "dtype, f, dv", [(torch.float32, 16, 64), (torch.bfloat16, 8, 64), (torch.bfloat16, 48, 64), (torch.bfloat16, 16, 40)]
-)
-def test_backward_unsupported_inputs_fall_back_to_reference(dtype, f, dv):
-    q, k, v = make_inputs(77, normalize=True, f=f, dv=dv, dtype=dtype, device="cuda", requires_grad=True)
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    out = tk_ops.linear_attention(q, k, v, normalize=True)
-    ref = naive_linear_attention(q64, k64, v64, True, 1e-12)
-    tk_testing.assert_gradients_close(out, (q, k, v), ref, (q64, k64, v64), 3 * TOLERANCE[dtype], "qkv")

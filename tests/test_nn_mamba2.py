@@ -369,7 +369,7 @@ def test_switch_matches_unpatched_model_float64(unpatched, monkeypatch):
 
 
 def test_switch_matches_hf_torch_path_float64(unpatched, monkeypatch):
-    """Issue 30's case: forward and backward through the switched Hugging Face model in float64 against HF's
+    """Forward and backward through the switched Hugging Face model in float64 against HF's
     own, unmodified torch path (which runs its SSD and gated norm in fp32, hence fp32-level tolerances), with
     2 norm groups and left padding, on the installed transformers. On 5.17 the switch read the gated norm's
     ``group_size``, which only 5.23 and later have (AttributeError at the first forward). The grouping the

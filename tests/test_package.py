@@ -150,7 +150,9 @@ def _distribution(requirement: str) -> str:
 
 
 def _third_party_imports(folders: tuple[str, ...]) -> set[str]:
-    local = {path.stem for path in REPO_ROOT.iterdir()} | {path.stem for path in (REPO_ROOT / "tests").rglob("*.py")}
+    tests = REPO_ROOT / "tests"
+    local = ({path.stem for path in REPO_ROOT.iterdir()} | {path.stem for path in tests.rglob("*.py")}
+             | {path.name for path in tests.iterdir() if (path / "__init__.py").exists()})  # tests/inputs
     names = set()
     for path in (path for folder in folders for path in (REPO_ROOT / folder).rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 import tk_ops
+from inputs.rms_norm import EPS, make_inputs
 from tk_testing import TOLERANCE, assert_rel_close, on_gpu_rows, on_gpu_with_canary, requires_kernel
 
 # Odd row counts and hidden sizes that are no multiple of 8; one 1-D input, one 4-D input.
 SHAPES = [(37,), (5, 100), (3, 7, 37), (2, 3, 5, 19)]
 SHAPE_IDS = ["1d-C37", "2d-C100", "3d-C37", "4d-C19"]
-EPS = 1e-6
 
 
 def reference_rms_norm(x, weight, eps=EPS, residual=None):
@@ -23,17 +23,6 @@ def reference_rms_norm(x, weight, eps=EPS, residual=None):
     if weight is not None:
         out = out * weight.double()
     return out, h
-
-
-def make_inputs(shape, dtype=torch.float64, *, weight=True, residual_dtype=None, requires_grad=False):
-    x = torch.randn(shape, dtype=dtype)
-    w = 1 + 0.5 * torch.randn(shape[-1], dtype=dtype) if weight else None
-    residual = torch.randn(shape, dtype=residual_dtype) if residual_dtype is not None else None
-    tensors = (x, w, residual)
-    for t in tensors:
-        if t is not None:
-            t.requires_grad_(requires_grad)
-    return tensors
 
 
 # ------------------------------------------------------------------------------------ forward

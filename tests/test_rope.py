@@ -7,38 +7,12 @@ import torch
 
 import tk_ops
 import tk_testing
+from inputs.rope import random_angles, reference_rope, tables
 from tk_testing import TOLERANCE, assert_rel_close, requires_kernel
 
 # (B, H, N, D, R): odd B, H, N; full rotary at D = 64 and 128, partial rotary at D = 80 with R = 32.
 SHAPES = [(2, 3, 7, 64, 64), (1, 5, 9, 128, 128), (3, 1, 11, 80, 32)]
 SHAPE_IDS = ["D64", "D128", "D80-R32"]
-
-
-def random_angles(batch: int, seq_len: int, rotary_dim: int, device="cpu") -> torch.Tensor:
-    """Angles theta (batch, N, R/2) in float64, spread over several turns."""
-    return 4 * torch.randn(batch, seq_len, rotary_dim // 2, dtype=torch.float64, device=device)
-
-
-def rotation_matrices(theta: torch.Tensor, head_dim: int, interleaved: bool) -> torch.Tensor:
-    """One (D, D) matrix per (batch, position): a plane rotation for each channel pair, identity elsewhere."""
-    batch, seq_len, half = theta.shape
-    matrices = torch.eye(head_dim, dtype=torch.float64, device=theta.device).repeat(batch, seq_len, 1, 1)
-    for i in range(half):
-        a, b = (2 * i, 2 * i + 1) if interleaved else (i, i + half)
-        c, s = theta[..., i].cos(), theta[..., i].sin()
-        matrices[..., a, a], matrices[..., a, b] = c, -s
-        matrices[..., b, a], matrices[..., b, b] = s, c
-    return matrices
-
-
-def reference_rope(x: torch.Tensor, theta: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """out[b, h, n] = M[b, n] @ x[b, h, n] in float64 (differentiable in x)."""
-    matrices = rotation_matrices(theta, x.shape[-1], interleaved).expand(x.shape[0], -1, -1, -1)
-    return torch.einsum("bnij,bhnj->bhni", matrices, x.double())
-
-
-def tables(theta: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    return theta.cos().to(dtype), theta.sin().to(dtype)
 
 
 # ------------------------------------------------------------------------------------ forward
@@ -395,36 +369,6 @@ def test_rope_qk_kernel_many_positions_and_heads():
     q_out, k_out = tk_ops.rope_qk(q, k, cos, sin)
     assert_rel_close(q_out, reference_rope(q, theta, False), TOLERANCE[torch.bfloat16], "q_out")
     assert_rel_close(k_out, reference_rope(k, theta, False), TOLERANCE[torch.bfloat16], "k_out")
-
-
-@requires_kernel("rope")
-def test_fp64_on_cuda_runs_the_reference():
-    B, H, N, D = 2, 3, 7, 16
-    x = torch.randn(B, H, N, D, device="cuda", dtype=torch.float64)
-    theta = random_angles(1, N, D, device="cuda")
-    out = tk_ops.rope(x, *tables(theta[0], torch.float64))
-    assert_rel_close(out, reference_rope(x, theta, False), TOLERANCE[torch.float64])
-
-
-@requires_kernel("rope_qk")
-def test_rope_qk_kernel_in_cuda_graph():
-    B, Hq, Hk, N, D = 2, 4, 2, 100, 128
-    q = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(B, Hk, N, D, device="cuda", dtype=torch.bfloat16)
-    cos, sin = tables(random_angles(1, N, D, device="cuda")[0], torch.float32)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        tk_ops.rope_qk(q, k, cos, sin)  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        q_out, k_out = tk_ops.rope_qk(q, k, cos, sin)
-    q.copy_(torch.randn_like(q))
-    k.copy_(torch.randn_like(k))
-    graph.replay()
-    q_eager, k_eager = tk_ops.rope_qk(q, k, cos, sin)
-    assert torch.equal(q_out, q_eager) and torch.equal(k_out, k_eager)
 
 
 @requires_kernel("rope")

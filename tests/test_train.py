@@ -2,8 +2,8 @@
 bit-for-bit resume, the peer path (on the fakes of tests/fake_peers), and 2-process DDP / FSDP2 runs
 (gloo on CPU, compiled blocks under FSDP2 for the linear-time models) against one process.
 
-The corpus here is a synthetic English-like text (the real one needs Debian's bible-kjv
-package); the models are the ``nano`` presets, a few steps each.
+The corpus here is a synthetic English-like text (the shipped KJV: tests/test_corpus.py); the
+models are the ``nano`` presets, a few steps each.
 """
 
 from __future__ import annotations
@@ -100,9 +100,10 @@ def test_prepare_rejects_short_text_and_bad_vocab(tmp_path):
 
 
 def test_prepare_without_bible_kjv_says_what_is_missing(tmp_path):
-    """No traceback: what is missing, how to install it, and the --text alternative; exit status 1."""
+    """``--corpus bible-kjv`` without the package (the default corpus ships in models/corpus:
+    tests/test_corpus.py). No traceback: what is missing, how to install it, and the --text alternative; exit status 1."""
     result = subprocess.run(
-        [sys.executable, "-m", "models.data", "prepare", "--out", str(tmp_path)],
+        [sys.executable, "-m", "models.data", "prepare", "--corpus", "bible-kjv", "--out", str(tmp_path)],
         cwd=REPO_ROOT,
         env={**os.environ, "PATH": str(tmp_path)},  # no `bible` program
         capture_output=True,

@@ -1,12 +1,15 @@
-"""Shared helpers for the op tests: float64 comparisons, devices, GPU skips, compile / export / dispatch checks."""
+"""Shared helpers for the op tests: float64 comparisons, devices, GPU skips, compile / export / dispatch checks,
+kernel or reference path."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import re
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 
 import pytest
@@ -39,16 +42,43 @@ CUDA_MARKS = _gpu_marks(not HAS_CUDA, "needs a CUDA device")
 requires_cuda = _marked(CUDA_MARKS)
 
 
-def kernel_marks(op_name: str) -> tuple:
-    """Skip unless a Hopper GPU is present and tk_ops._C registered a CUDA kernel for the op."""
+def kernel_marks(*op_names: str) -> tuple:
+    """Skip unless a Hopper GPU is present and tk_ops._C registered a CUDA kernel for each op."""
+    ops = " and ".join(f"tk.{name}" for name in op_names)
     return _gpu_marks(
-        not (IS_HOPPER and _library.has_cuda_kernel(op_name)),
-        f"needs an sm_90 GPU and the tk_ops CUDA kernel for tk.{op_name} (extension: {tk_ops.extension_status()})",
+        not (IS_HOPPER and all(_library.has_cuda_kernel(name) for name in op_names)),
+        f"needs an sm_90 GPU and the tk_ops CUDA kernel for {ops} (extension: {tk_ops.extension_status()})",
     )
 
 
 def requires_kernel(op_name: str):
     return _marked(kernel_marks(op_name))
+
+
+# What a tk op's reference twin warns (once per op, tk_ops._library) when it serves a CUDA call.
+REFERENCE_WARNING = "running the PyTorch reference path"
+
+
+@contextlib.contextmanager
+def runs_the_kernels(*op_names: str):
+    """Inside the block none of the ops may fall back to its reference: the reference's warning (forgotten
+    first, as it is given once per op) raises."""
+    _library._REFERENCE_WARNED.difference_update(op_names)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=f".*{REFERENCE_WARNING}")
+        yield
+
+
+@contextlib.contextmanager
+def runs_the_references(*op_names: str):
+    """Inside the block each op must fall back to its reference twin, which warns, naming it (its once-per-op
+    warning is forgotten first, so that an earlier one cannot stand in for it)."""
+    _library._REFERENCE_WARNED.difference_update(op_names)
+    with pytest.warns(UserWarning, match=REFERENCE_WARNING) as record:
+        yield
+    messages = [str(warning.message) for warning in record]
+    for name in op_names:
+        assert any(f"tk.{name} has no" in message for message in messages), f"tk.{name} gave no reference warning"
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -24,7 +24,10 @@ backends = _library.backends
 
 
 def extension_status() -> str:
-    """``"loaded"``, ``"not built"`` (pure-Python install) or why loading failed."""
+    """``"loaded"``; ``"not built: <why>"`` (a pure-Python install: why setup.py built no extension, e.g.
+    ``"not built: torch 2.13.0+cpu has no CUDA"``, from the record it writes in tk_ops/_build_info.py);
+    ``"failed to load: <error>"`` (built, but for another torch or CUDA); or ``"disabled by
+    TK_OPS_DISABLE_EXTENSION=1"``."""
     return _library.EXTENSION_STATUS
 
 

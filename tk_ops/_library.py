@@ -147,7 +147,8 @@ def backends() -> dict[str, str]:
     """Which implementation serves each op on CUDA tensors: ``"cuda kernel"`` or ``"reference"``.
 
     A CUDA kernel still falls back to the reference for inputs it does not support (see each
-    op's documentation); on CPU every op runs the reference.
+    op's documentation); on CPU every op runs the reference. Where every op says ``"reference"``,
+    ``tk_ops.extension_status()`` says why (the extension not built, and why not; or failed to load).
     """
     return {name: "cuda kernel" if has_cuda_kernel(name) else "reference" for name in _DEFINED}
 
@@ -158,6 +159,35 @@ EXTENSION_STATUS = "not loaded"
 EXTENSION = None
 
 
+def not_built_status(build_info, torch_version: str) -> str:
+    """``"not built: <why>"`` from setup.py's record ``build_info`` (the module tk_ops._build_info, None
+    when there is none), running under torch ``torch_version``."""
+    if build_info is None:
+        return (
+            "not built: no build record (tk_ops/_build_info.py, which setup.py writes): this tk_ops was not "
+            "installed by its setup.py; `pip install --no-build-isolation -e .` builds the extension where "
+            "torch has CUDA and nvcc is found"
+        )
+    built_with = getattr(build_info, "TORCH", None)
+    if getattr(build_info, "BUILDS_EXTENSION", False):
+        why = (
+            f"setup.py compiled it (against torch {built_with}), but there is no tk_ops/_C module: "
+            "rebuild with `pip install --no-build-isolation -e .`"
+        )
+    else:
+        why = getattr(build_info, "REASON", "") or "setup.py gave no reason"
+    if built_with and built_with != torch_version:
+        why += f" (set up under torch {built_with}, running torch {torch_version}: reinstall tk_ops to rebuild)"
+    return f"not built: {why}"
+
+
+def _build_record():
+    try:
+        return importlib.import_module("tk_ops._build_info")
+    except ImportError:
+        return None
+
+
 def load_extension() -> None:
     """Load ``tk_ops._C`` (the CUDA kernels) when it was built; otherwise keep the references."""
     global EXTENSION, EXTENSION_STATUS
@@ -166,8 +196,12 @@ def load_extension() -> None:
         return
     try:
         extension = importlib.import_module("tk_ops._C")  # registers the CUDA kernels on import
-    except ModuleNotFoundError:
-        EXTENSION_STATUS = "not built"
+    except ModuleNotFoundError as error:
+        if error.name != "tk_ops._C":  # the extension is there, something it imports is not
+            EXTENSION_STATUS = f"failed to load: {error}"
+            warnings.warn(f"tk_ops: the CUDA extension failed to load ({error}); using reference paths")
+            return
+        EXTENSION_STATUS = not_built_status(_build_record(), torch.__version__)
         return
     except (ImportError, OSError) as error:  # built for another torch or CUDA
         EXTENSION_STATUS = f"failed to load: {error}"

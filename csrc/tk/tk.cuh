@@ -9,6 +9,7 @@
 #include "pipeline/block.cuh"
 #include "pipeline/producer_consumer.cuh"
 #include "pipeline/stage_ring.cuh"
+#include "pipeline/store_ring.cuh"
 #include "pipeline/tile_scheduler.cuh"
 #include "sync/sync.cuh"
 #include "types/complex_tile.cuh"

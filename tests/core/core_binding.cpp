@@ -68,10 +68,45 @@ std::tuple<at::Tensor, at::Tensor> pipeline_sums(const at::Tensor& x, const at::
   return {out, tasks_before};
 }
 
+// Returns the column sums of x's work tiles by the template with its required hooks only.
+at::Tensor pipeline_bare_sums(const at::Tensor& x, int64_t iterations, int64_t grid) {
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kBFloat16);
+  const int64_t tiles_m = (x.size(0) + 64 * iterations - 1) / (64 * iterations);
+  at::Tensor out = at::full({tiles_m, x.size(1)}, NAN, x.options().dtype(at::kFloat));
+  C10_CUDA_CHECK(tk::core_tests::pipeline_bare_sums(x.data_ptr(), out.data_ptr<float>(), int(x.size(0)), int(x.size(1)),
+                                                    int(iterations), int(grid), stream()));
+  return out;
+}
+
+// Returns the tiles (tiles * 64 x 64, fp32) written through a store ring of `slots` (see core_kernels.h).
+at::Tensor store_ring_tiles(int64_t tiles, int64_t slots) {
+  at::Tensor out = at::full({tiles * 64, 64}, NAN, at::TensorOptions().device(at::kCUDA).dtype(at::kFloat));
+  C10_CUDA_CHECK(tk::core_tests::store_ring_tiles(out.data_ptr<float>(), int(tiles), int(slots), stream()));
+  return out;
+}
+
+// Returns the 64 x 64 fp32 tile two warpgroups published to one TMA store (see core_kernels.h).
+at::Tensor publish_tile() {
+  at::Tensor out = at::full({64, 64}, NAN, at::TensorOptions().device(at::kCUDA).dtype(at::kFloat));
+  C10_CUDA_CHECK(tk::core_tests::publish_tile(out.data_ptr<float>(), stream()));
+  return out;
+}
+
+// Returns the warpgroup that took each turn of a rotation, in order (see core_kernels.h).
+at::Tensor turn_order(int64_t members, int64_t rounds) {
+  at::Tensor order = at::full({members * rounds}, -1, at::TensorOptions().device(at::kCUDA).dtype(at::kInt));
+  C10_CUDA_CHECK(tk::core_tests::turn_order(order.data_ptr<int>(), int(members), int(rounds), stream()));
+  return order;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tma_round_trip", &tma_round_trip);
   m.def("wgmma_product", &wgmma_product);
   m.def("pipeline_sums", &pipeline_sums);
+  m.def("pipeline_bare_sums", &pipeline_bare_sums);
+  m.def("store_ring_tiles", &store_ring_tiles);
+  m.def("publish_tile", &publish_tile);
+  m.def("turn_order", &turn_order);
 }

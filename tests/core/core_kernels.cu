@@ -4,6 +4,11 @@
 //   wgmma_registers  the same with A from registers
 //   pipeline_sums    every hook of the producer/consumer template (two-part stages, a resident tile,
 //                    scratch kept across tasks) with 1..4 stages, persistent and one-task grids
+//   pipeline_bare_sums the template with only its required hooks (no store, prefetch, init, finish,
+//                    resident tiles or scratch)
+//   store_ring_tiles tiles written one after another through a TMA store ring of 1..3 slots
+//   publish_tile     two warpgroups' ordinary stores, published to one thread's TMA store
+//   turn_order       the order in which 1..3 warpgroups take the turns of a turn rotation
 #include "core_kernels.h"
 #include "tk/tk.cuh"
 
@@ -161,12 +166,17 @@ cudaError_t run_product_variants(const product_args& p, cudaStream_t stream) {
 // z is the task's resident tile; the task count lives in scratch shared memory, which must persist
 // across a persistent block's tasks. The weights 1, 2, 3 tell the three sources apart.
 template <int STAGES, int CONSUMERS>
-struct pipeline_sum_kernel {
+struct pipeline_sum_plan {
   static constexpr int stages = STAGES;
   static constexpr int consumer_warpgroups = CONSUMERS;
   static constexpr int producer_registers = 40;
   static constexpr int consumer_registers = 232;
-  static constexpr int block = 64;
+  static constexpr int block = 64;  // rows and columns of a tile
+};
+
+template <int STAGES, int CONSUMERS>
+struct pipeline_sum_kernel : pipeline_sum_plan<STAGES, CONSUMERS> {
+  using pipeline_sum_plan<STAGES, CONSUMERS>::block;
   static constexpr int consumer_threads = CONSUMERS * WARPGROUP_THREADS;
   static constexpr int rows_per_pass = consumer_threads / block;
 
@@ -283,6 +293,163 @@ cudaError_t run_pipeline_sums_stages(const pipeline_sum_args& a, cudaStream_t st
   return a.consumers == 1 ? run_pipeline_sums<STAGES, 1>(a, stream) : run_pipeline_sums<STAGES, 2>(a, stream);
 }
 
+// The template with its required hooks only: compute sums its columns and writes them itself.
+struct bare_sum_kernel : pipeline_sum_plan<2, 1> {
+
+  using tile = shared_tile<bf16, block, block>;
+  struct stage {
+    tile x;
+  };
+  static constexpr uint32_t stage_bytes[] = {tile::bytes};
+  struct consumer_state {};
+  struct params {
+    CUtensorMap x;
+    float* out;
+    int rows, cols, iterations;
+    pipeline::grouped_tile_order order;
+  };
+  using context = pipeline::task_context<bare_sum_kernel>;
+
+  __host__ __device__ static pipeline::grouped_tile_order tasks(const params& p) { return p.order; }
+  __device__ static int iterations(const params& p, pipeline::output_tile tile) {
+    return min(p.iterations, ceil_div(p.rows - tile.row * p.iterations * block, block));
+  }
+  __device__ static void load(const params& p, pipeline::output_tile tile, int i, int, stage& s, mbarrier& full) {
+    const int index[2] = {(tile.row * p.iterations + i) * block, tile.col * block};
+    tma::load(s.x, p.x, full, index);
+  }
+  // Thread t < 64 sums column t of the task's rows (rows past the end arrive as zeros).
+  __device__ static void compute(const context& ctx, consumer_state&, pipeline::stage_inputs<bare_sum_kernel>& in) {
+    const int t = threadIdx.x % WARPGROUP_THREADS;
+    float sum = 0.0f;
+    auto at = in.first();
+    for (int i = 0; i < ctx.iterations; ++i, at.advance()) {
+      const tile& x = in.wait(at).x;
+      if (t < block) {
+        for (int row = 0; row < block; ++row) sum += __bfloat162float(x.at(row, t));
+      }
+      in.release(at);
+    }
+    const int col = ctx.task.col * block + t;
+    if (t < block && col < ctx.params.cols) ctx.params.out[ctx.task.row * ctx.params.cols + col] = sum;
+  }
+};
+static_assert(!pipeline::has_store<bare_sum_kernel> && !pipeline::has_prefetch<bare_sum_kernel> &&
+              !pipeline::has_init<bare_sum_kernel> && !pipeline::has_finish<bare_sum_kernel>);
+static_assert(pipeline::has_store<pipeline_sum_kernel<1, 1>> && pipeline::has_prefetch<pipeline_sum_kernel<1, 1>> &&
+              pipeline::has_init<pipeline_sum_kernel<1, 1>>);
+
+// ---------------------------------------------------------------------------- TMA store ring
+
+using fp32_tile = shared_tile<float, 64, 64>;
+
+template <int SLOTS>
+struct store_ring_shared {
+  fp32_tile staging[SLOTS];
+};
+
+enum class ring_barrier : int { slot_free = FIRST_NAMED_BARRIER, slot_written, count };
+static_assert(fits_named_barriers<ring_barrier>());
+
+// Every thread writes its share of each tile straight after the ring hands out the slot, so a slot
+// handed out before its previous store has read it would show in `out`.
+template <int SLOTS>
+__global__ void store_ring_kernel(const __grid_constant__ CUtensorMap out, int tiles) {
+  auto& s = pipeline::block_storage<store_ring_shared<SLOTS>>();
+  pipeline::tma_store_ring<SLOTS> ring;
+  const bool leader = is_warpgroup_leader();
+  for (int t = 0; t < tiles; ++t) {
+    fp32_tile& tile = s.staging[ring.slot()];
+    ring.acquire(leader, ring_barrier::slot_free);
+    for (int i = threadIdx.x; i < fp32_tile::rows * fp32_tile::cols; i += WARPGROUP_THREADS) {
+      tile.at(i / fp32_tile::cols, i % fp32_tile::cols) = float(t * fp32_tile::rows * fp32_tile::cols + i);
+    }
+    publish(ring_barrier::slot_written, WARPGROUP_THREADS);
+    if (leader) {
+      const int index[2] = {t * fp32_tile::rows, 0};
+      tma::store(out, tile, index);
+    }
+    ring.commit(leader);
+  }
+  pipeline::tma_store_ring<SLOTS>::drain();
+}
+
+template <int SLOTS>
+cudaError_t run_store_ring(float* out, int tiles, cudaStream_t stream) {
+  const CUtensorMap map = make_tma_map<fp32_tile>(matrix_layout(out, tiles * fp32_tile::rows, fp32_tile::cols, fp32_tile::cols));
+  return pipeline::launch(store_ring_kernel<SLOTS>, 1, WARPGROUP_THREADS, pipeline::shared_bytes<store_ring_shared<SLOTS>>,
+                          stream, map, tiles);
+}
+
+// --------------------------------------------------------------------------------- publish
+
+constexpr int PUBLISHERS = 2;  // warpgroups writing the tile
+
+struct publish_shared {
+  fp32_tile tile;
+};
+
+enum class publish_barrier : int { written = FIRST_NAMED_BARRIER, count };
+static_assert(fits_named_barriers<publish_barrier>());
+
+// Warpgroup w writes rows [32 w, 32 w + 32); thread 0, of warpgroup 0, stores all of them.
+__global__ void publish_kernel(const __grid_constant__ CUtensorMap out) {
+  auto& s = pipeline::block_storage<publish_shared>();
+  constexpr int rows_each = fp32_tile::rows / PUBLISHERS;
+  const int first = warpgroup_id() * rows_each * fp32_tile::cols;
+  for (int i = threadIdx.x % WARPGROUP_THREADS; i < rows_each * fp32_tile::cols; i += WARPGROUP_THREADS) {
+    s.tile.at((first + i) / fp32_tile::cols, (first + i) % fp32_tile::cols) = float(first + i);
+  }
+  publish(publish_barrier::written, PUBLISHERS * WARPGROUP_THREADS);
+  if (threadIdx.x == 0) {
+    const int origin[2] = {0, 0};
+    tma::store(out, s.tile, origin);
+    tma::commit_stores();
+    tma::wait_stores_read<0>();
+  }
+}
+
+// --------------------------------------------------------------------------- turn rotation
+
+constexpr int MAX_TURNS = 1024;
+
+template <int MEMBERS>
+struct turn_barriers {
+  enum class id : int { first = FIRST_NAMED_BARRIER, count = first + MEMBERS };
+  static_assert(fits_named_barriers<id>());
+};
+
+// Each turn, the member's leader appends its index to `takers` in shared memory. Member 0 lingers
+// before each of its entries, so a rotation that let the others run ahead would show in `takers`.
+template <int MEMBERS>
+__global__ void turn_order_kernel(int* order, int rounds) {
+  using id = typename turn_barriers<MEMBERS>::id;
+  __shared__ int takers[MAX_TURNS];
+  __shared__ int taken;
+  if (threadIdx.x == 0) taken = 0;
+  __syncthreads();
+  const turn_rotation<id, MEMBERS> turns{id::first, warpgroup_id()};
+  turns.grant_first();
+  for (int round = 0; round < rounds; ++round) {
+    turns.wait();
+    if (is_warpgroup_leader()) {
+      if (turns.member == 0) __nanosleep(1000);
+      takers[taken] = turns.member;
+      ++taken;
+      __threadfence_block();
+    }
+    turns.pass(round + 1 == rounds);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < taken; i += blockDim.x) order[i] = takers[i];
+}
+
+template <int MEMBERS>
+cudaError_t run_turn_order(int* order, int rounds, cudaStream_t stream) {
+  if (MEMBERS * rounds > MAX_TURNS) return cudaErrorInvalidValue;
+  return pipeline::launch(turn_order_kernel<MEMBERS>, 1, MEMBERS * WARPGROUP_THREADS, 0, stream, order, rounds);
+}
+
 template <int BOX_ROWS>
 cudaError_t tma_round_trip_boxes(const round_trip_args& a, cudaStream_t stream) {
   return with_element(a.dtype, [&]<typename T>() {
@@ -316,6 +483,36 @@ cudaError_t pipeline_sums(const pipeline_sum_args& a, cudaStream_t stream) {
     case 3: return run_pipeline_sums_stages<3>(a, stream);
     default: return run_pipeline_sums_stages<4>(a, stream);
   }
+}
+
+cudaError_t store_ring_tiles(float* out, int tiles, int slots, cudaStream_t stream) {
+  if (slots == 1) return run_store_ring<1>(out, tiles, stream);
+  if (slots == 2) return run_store_ring<2>(out, tiles, stream);
+  return run_store_ring<3>(out, tiles, stream);
+}
+
+cudaError_t publish_tile(float* out, cudaStream_t stream) {
+  const CUtensorMap map = make_tma_map<fp32_tile>(matrix_layout(out, fp32_tile::rows, fp32_tile::cols, fp32_tile::cols));
+  return pipeline::launch(publish_kernel, 1, PUBLISHERS * WARPGROUP_THREADS, pipeline::shared_bytes<publish_shared>, stream, map);
+}
+
+cudaError_t turn_order(int* order, int members, int rounds, cudaStream_t stream) {
+  if (members == 1) return run_turn_order<1>(order, rounds, stream);
+  if (members == 2) return run_turn_order<2>(order, rounds, stream);
+  return run_turn_order<3>(order, rounds, stream);
+}
+
+cudaError_t pipeline_bare_sums(const void* x, float* out, int rows, int cols, int iterations, int grid,
+                               cudaStream_t stream) {
+  using K = bare_sum_kernel;
+  K::params p;
+  p.order = {ceil_div(rows, iterations * K::block), ceil_div(cols, K::block), 1};
+  p.x = make_tma_map<K::tile>(matrix_layout(static_cast<bf16*>(const_cast<void*>(x)), rows, cols, cols));
+  p.out = out;
+  p.rows = rows;
+  p.cols = cols;
+  p.iterations = iterations;
+  return pipeline::launch<K>(p, grid, stream);
 }
 
 }  // namespace tk::core_tests

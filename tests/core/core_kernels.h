@@ -52,4 +52,23 @@ struct pipeline_sum_args {
 };
 cudaError_t pipeline_sums(const pipeline_sum_args& args, cudaStream_t stream);
 
+// The producer/consumer template with its required hooks only (core_kernels.cu, bare_sum_kernel):
+// out (tiles_m x cols, fp32) = column sums of x (rows x cols, bf16) over work tiles of iterations x
+// 64 rows, written by compute itself; on `grid` blocks.
+cudaError_t pipeline_bare_sums(const void* x, float* out, int rows, int cols, int iterations, int grid,
+                               cudaStream_t stream);
+
+// One warpgroup writes `tiles` 64 x 64 fp32 tiles through a store ring of `slots` (1 to 3) staging
+// tiles and TMA-stores tile t to rows 64 t of `out` (64 tiles x 64, contiguous); element (r, c) of
+// tile t is 4096 t + 64 r + c.
+cudaError_t store_ring_tiles(float* out, int tiles, int slots, cudaStream_t stream);
+
+// Two warpgroups each write half of a 64 x 64 fp32 tile with ordinary stores and publish it; one
+// thread TMA-stores the whole tile to `out` (64 x 64, contiguous): element (r, c) is 64 r + c.
+cudaError_t publish_tile(float* out, cudaStream_t stream);
+
+// `members` warpgroups (1 to 3) take `rounds` turns each in a turn rotation; order (members x
+// rounds int32) receives the warpgroup that took each turn, in the order they were taken.
+cudaError_t turn_order(int* order, int members, int rounds, cudaStream_t stream);
+
 }  // namespace tk::core_tests

@@ -228,8 +228,7 @@ __device__ __forceinline__ tile_output<Tile, Accumulator> staged(const CUtensorM
 template <typename Id, typename... Outputs>
 __device__ __forceinline__ void store_outputs(Id written, const int (&index)[4], const Outputs&... outputs) {
   (warpgroup::store<0>(outputs.staging, outputs.acc), ...);
-  fence_async_shared();  // the stmatrix writes must be visible to the copy engine
-  barrier_sync(written, WARPGROUP_THREADS);
+  publish(written, WARPGROUP_THREADS);  // the stmatrix writes must be visible to the copy engine
   if (is_warpgroup_leader()) {
     (tma::store(outputs.map, outputs.staging, index), ...);
     tma::commit_stores();

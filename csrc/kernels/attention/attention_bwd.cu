@@ -286,8 +286,8 @@ struct dkdv_kernel : dkdv_plan<D> {
     } else {
       warp::store(dst, grad_scores, warpgroup::warp_row(), 0);
     }
-    fence_async_shared();  // the stmatrix writes must be visible to wgmma
-    barrier_sync(barrier_id::scores_shared, plan::consumer_warpgroups * WARPGROUP_THREADS);
+    // The stmatrix writes must be visible to wgmma.
+    publish(barrier_id::scores_shared, plan::consumer_warpgroups * WARPGROUP_THREADS);
   }
 
   // Accumulated dQ, 2: this consumer's part of the step's dQ = dS K over all the block's keys: its
@@ -307,8 +307,8 @@ struct dkdv_kernel : dkdv_plan<D> {
   __device__ static void add_dq_partial(const context& ctx, int q_head, int q0, const dq_partial& dq) {
     float* staging = ctx.scratch.partial[ctx.consumer];
     warp::store_fragments(staging, partials::part_cols / BASE_TILE, dq, warp_in_warpgroup());
-    fence_async_shared();  // the stores must be visible to the copy engine
-    barrier_sync(barrier_after(barrier_id::partial_staged, ctx.consumer), WARPGROUP_THREADS);
+    // The stores must be visible to the copy engine.
+    publish(barrier_after(barrier_id::partial_staged, ctx.consumer), WARPGROUP_THREADS);
     if (is_warpgroup_leader()) {
       const gradient_shape& g = ctx.params.shape;
       // Part c of the step: rows q0 + 64 c (D = 64) or the second column half of rows q0 (D = 128),

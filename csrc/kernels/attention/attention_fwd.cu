@@ -141,23 +141,11 @@ struct forward_kernel : forward_plan<D> {
 
   // ------------------------------------------------------------------------------ consumers
 
-  // The consumers issue their wgmmas in turn: consumer c waits for its turn, issues, and passes
-  // the turn to the next, (c + 1) mod consumers. Consumer 0 holds the first turn; the last consumer
-  // does not pass its final turn, so every barrier phase that is opened also completes. Every
-  // consumer takes the same number of turns per task (iterations + 1: the task's key blocks are
-  // the same for all its consumers), so the rotation stays aligned for any number of consumers.
-  // A turn barrier joins two warpgroups, whatever their number: the one passing and the one taking.
-  static constexpr int turn_threads = 2 * WARPGROUP_THREADS;
-  __device__ static void take_first_turn(int consumer) {
-    if (consumer == 0) barrier_arrive(barrier_id::issue_turn, turn_threads);
-  }
-  __device__ static void wait_turn(int consumer) {
-    barrier_sync(barrier_after(barrier_id::issue_turn, consumer), turn_threads);
-  }
-  __device__ static void pass_turn(int consumer, bool last_turn = false) {
-    if (last_turn && consumer == plan::consumer_warpgroups - 1) return;
-    barrier_arrive(barrier_after(barrier_id::issue_turn, (consumer + 1) % plan::consumer_warpgroups), turn_threads);
-  }
+  // The consumers issue their wgmmas in turn (sync/turn_rotation.cuh). Every consumer takes the
+  // same number of turns per task (iterations + 1: the task's key blocks are the same for all its
+  // consumers), so the rotation stays aligned for any number of consumers.
+  using issue_rotation = turn_rotation<barrier_id, plan::consumer_warpgroups>;
+  __device__ static issue_rotation issue_turns(const context& ctx) { return {barrier_id::issue_turn, ctx.consumer}; }
 
   __device__ static int first_row(const context& ctx) {
     return ctx.task.block * plan::block_q + ctx.consumer * plan::rows_per_consumer;
@@ -216,13 +204,14 @@ struct forward_kernel : forward_plan<D> {
     const pipeline::ring_position<plan::stages> previous = at.previous();
     const kv_tile& k = in.wait(at, key_part).k;
     const kv_tile& v = in.wait(previous, value_part).v;
-    wait_turn(ctx.consumer);
+    const issue_rotation turns = issue_turns(ctx);
+    turns.wait();
     warpgroup::fence();
     warpgroup::mma<operand_major::k, operand_major::k>(s, q, 0, k, 0, false);
     warpgroup::commit();
     warpgroup::mma<operand_major::mn>(state.o, prob, v, 0, true);
     warpgroup::commit();
-    pass_turn(ctx.consumer);
+    turns.pass();
     warpgroup::wait<1>(s);
     in.release(at, key_part);
     row_vector rescale;
@@ -247,13 +236,14 @@ struct forward_kernel : forward_plan<D> {
 
     // S_0 = Q K_0^T
     auto at = in.first();
-    take_first_turn(ctx.consumer);
+    const issue_rotation turns = issue_turns(ctx);
+    turns.grant_first();
     const kv_tile& k = in.wait(at, key_part).k;
-    wait_turn(ctx.consumer);
+    turns.wait();
     warpgroup::fence();
     warpgroup::mma<operand_major::k, operand_major::k>(s, q, 0, k, 0, false);
     warpgroup::commit();
-    pass_turn(ctx.consumer);
+    turns.pass();
     warpgroup::wait<0>(s);
     in.release(at, key_part);
     if (unmasked > 0) {
@@ -270,11 +260,11 @@ struct forward_kernel : forward_plan<D> {
     // O += P_{n-1} V_{n-1}
     const pipeline::ring_position<plan::stages> last = at.previous();
     const kv_tile& v = in.wait(last, value_part).v;
-    wait_turn(ctx.consumer);
+    turns.wait();
     warpgroup::fence();
     warpgroup::mma<operand_major::mn>(state.o, prob, v, 0, true);
     warpgroup::commit();
-    pass_turn(ctx.consumer, /*last_turn=*/true);
+    turns.pass(/*last_turn=*/true);
     warpgroup::wait<0>(state.o, prob);
     in.release(last, value_part);
   }

@@ -144,22 +144,6 @@ struct gradient_common : based_plan {
     }
   }
 
-  // The chunk's statistics: 1 / d and c (1 and 0 unnormalised or, for c, outside value block 0).
-  template <typename V>
-  __device__ static void load_statistics(V& inverse_denominator, V& denominator_grad, const gradient_shape& sh,
-                                         const pipeline::head_block& task, int first_row, bool carries_delta) {
-    if (sh.normalize) {
-      warp::load(inverse_denominator, sh.inverse_denominator + sh.row_offset(task) + first_row);
-    } else {
-      warp::fill(inverse_denominator, 1.0f);
-    }
-    if (carries_delta) {
-      warp::load(denominator_grad, sh.denominator_grad + sh.row_offset(task) + first_row);
-    } else {
-      warp::zero(denominator_grad);
-    }
-  }
-
   // Writes the states' scaled copies for the next chunk (not after the last) once every warp's
   // products of this chunk are done reading the old ones.
   template <typename States>
@@ -247,8 +231,7 @@ struct dq_kernel : gradient_common<T> {
       warpgroup::mma<operand_major::k, operand_major::k>(dp, s.g, 0, s.v, 0, false);
       warpgroup::commit();
       row_vector inverse_denominator, denominator_grad;
-      base::load_statistics(inverse_denominator, denominator_grad, sh, ctx.task, chunk * CHUNK + warp_row0,
-                            carries_delta);
+      sh.load_statistics(inverse_denominator, denominator_grad, ctx.task, chunk * CHUNK + warp_row0, carries_delta);
       position_rows q;
       warp::load(q, s.q, warp_row0, 0);
       position_cols k;
@@ -318,12 +301,9 @@ struct dq_kernel : gradient_common<T> {
 
       barrier_sync(barrier_id::chunk_done, WARPGROUP_THREADS);
       base::write_copies(ctx.scratch.moments, st.m, chunk + 1 < ctx.iterations);
-      fence_async_shared();  // the stmatrix writes must be visible to wgmma
-      barrier_sync(barrier_id::copies_written, WARPGROUP_THREADS);
+      publish(barrier_id::copies_written, WARPGROUP_THREADS);  // the stmatrix writes must be visible to wgmma
     }
   }
-
-  __device__ static void store(const context&, consumer_state&) {}
 };
 
 // ------------------------------------------------------------------------------- grad_k, grad_v
@@ -367,7 +347,7 @@ struct dkdv_kernel : gradient_common<T> {
     value_accumulator r[SLABS];  // sum_i phi(q_i) g~_i^T over the later chunks
     small_tile query_gram;       // sum_i c_i q_i q_i^T (value block 0, normalised)
     small_tile query_sum;        // every row: sum_i c_i q_i
-    int stores = 0;              // grad_v chunks stored so far (picks the staging tile)
+    chunked_causal::staging_ring grad_v_stores;  // picks the staging tile of each grad_v chunk
   };
 
   __host__ __device__ static pipeline::head_block_order tasks(const params& p) {
@@ -420,7 +400,7 @@ struct dkdv_kernel : gradient_common<T> {
       {
         // The statistics are read again (from L1) where R needs them: registers are short.
         chunk_vector inverse_denominator, denominator_grad;
-        base::load_statistics(inverse_denominator, denominator_grad, sh, ctx.task, chunk * CHUNK, carries_delta);
+        sh.load_statistics(inverse_denominator, denominator_grad, ctx.task, chunk * CHUNK, carries_delta);
         warpgroup::wait<0>(sc, dp);
 
         // Inside the chunk (queries i >= keys j): dS^T = (dP^T / d + c)(1 + S^T/4) / 4, A^T / d.
@@ -472,7 +452,7 @@ struct dkdv_kernel : gradient_common<T> {
 
       // This chunk into R: phi_t(Q)^T with each query's column scaled by 1 / d, times G.
       chunk_vector inverse_denominator, denominator_grad;
-      base::load_statistics(inverse_denominator, denominator_grad, sh, ctx.task, chunk * CHUNK, carries_delta);
+      sh.load_statistics(inverse_denominator, denominator_grad, ctx.task, chunk * CHUNK, carries_delta);
       position_cols q;
       warp::load(q, s.q);
       slab_rows operand[OPERAND_BUFFERS];
@@ -501,28 +481,24 @@ struct dkdv_kernel : gradient_common<T> {
     }
   }
 
-  // Hands R to the next chunk (scaled copies) and grad_v's tile to TMA.
+  // Hands R to the next chunk (scaled copies) and grad_v's tile to TMA through the staging ring.
   __device__ static void store_chunk(const context& ctx, consumer_state& st, const value_accumulator& grad_v,
                                      int chunk, bool more, bool leader) {
-    value_tile& staging = ctx.scratch.staging[st.stores % chunked_causal::STAGING_TILES];
-    if (leader) tma::wait_stores_read<1>();  // the store that last used this staging tile has read it
-    barrier_sync(barrier_id::chunk_done, WARPGROUP_THREADS);
+    value_tile& staging = ctx.scratch.staging[st.grad_v_stores.slot()];
+    st.grad_v_stores.acquire(leader, barrier_id::chunk_done);
     base::write_copies(ctx.scratch.states, st.r, more);
     warpgroup::store<0>(staging, grad_v);
-    fence_async_shared();  // the stmatrix writes must be visible to wgmma and to the copy engine
-    barrier_sync(barrier_id::copies_written, WARPGROUP_THREADS);
+    // The stmatrix writes must be visible to wgmma and to the copy engine.
+    publish(barrier_id::copies_written, WARPGROUP_THREADS);
     if (leader) {
       const int index[4] = {ctx.task.batch, ctx.task.head, chunk * CHUNK, ctx.task.block * VALUE_BLOCK};
       tma::store(ctx.params.grad_v, staging, index);
-      tma::commit_stores();
     }
-    ++st.stores;
+    st.grad_v_stores.commit(leader);
   }
 
-  __device__ static void store(const context&, consumer_state&) {}
-
   __device__ static void finish(const typename dkdv_kernel::params&, typename dkdv_kernel::scratch&, int) {
-    if (is_warpgroup_leader()) tma::wait_stores_read<0>();
+    chunked_causal::staging_ring::drain();
   }
 };
 

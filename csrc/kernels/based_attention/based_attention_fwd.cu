@@ -237,8 +237,6 @@ struct segment_ends_kernel : based_plan {
     helper::store(moment_record(ctx.params, ctx.task, ctx.task.segment), st.m, st.key_gram, st.key_sum);
   }
 
-  __device__ static void store(const context&, consumer_state&) {}
-
   static params make_params(const causal_forward_problem& pr, const segment_geometry& at) {
     params p{};
     p.k = make_tma_map<qk_tile>(heads_layout<T>(pr.k));
@@ -292,7 +290,7 @@ struct forward_kernel : based_plan, chunked_causal::kernel_base<T, FEATURES, CHU
     moments m[SLABS];
     small_tile key_gram;  // sum_j k_j k_j^T
     small_tile key_sum;   // every row: sum_j k_j
-    int stores = 0;       // output chunks stored so far (picks the staging tile)
+    chunked_causal::staging_ring output_stores;  // picks the staging tile of each output chunk
   };
 
   // ------------------------------------------------------------------------------ producer
@@ -354,8 +352,7 @@ struct forward_kernel : based_plan, chunked_causal::kernel_base<T, FEATURES, CHU
   __device__ static void enter_segment(const context& ctx, consumer_state& st) {
     helper::load(st.m, st.key_gram, st.key_sum, moment_record(ctx.params, ctx.task, ctx.task.segment - 1));
     write_copies(ctx, st);
-    fence_async_shared();  // the copies must be visible to wgmma
-    barrier_sync(barrier_id::copies_written, WARPGROUP_THREADS);
+    publish(barrier_id::copies_written, WARPGROUP_THREADS);  // the copies must be visible to wgmma
   }
 
   __device__ __forceinline__ static void walk(const context& ctx, consumer_state& st, inputs& in, int first_chunk) {
@@ -437,7 +434,7 @@ struct forward_kernel : based_plan, chunked_causal::kernel_base<T, FEATURES, CHU
 
   // Hands the moments to the next chunk (scaled copies) and the output tile to TMA.
   __device__ static void store_chunk(const context& ctx, consumer_state& st, const output& o, int chunk, bool leader) {
-    base::store_chunk(ctx, ctx.scratch.staging, st.stores, o, chunk, leader, [&] { write_copies(ctx, st); });
+    base::store_chunk(ctx, ctx.scratch.staging, st.output_stores, o, chunk, leader, [&] { write_copies(ctx, st); });
   }
 
   // The moments' scaled 16-bit copies, which the next chunk's O += phi_t(Q) moments_t reads.
@@ -449,8 +446,6 @@ struct forward_kernel : based_plan, chunked_causal::kernel_base<T, FEATURES, CHU
       warpgroup::store<0>(ctx.scratch.moments[t], scaled);
     }
   }
-
-  __device__ static void store(const context&, consumer_state&) {}
 };
 
 // ----------------------------------------------------------------------------------- host

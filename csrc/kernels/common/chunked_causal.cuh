@@ -22,6 +22,7 @@ constexpr int64_t MAX_SEQUENCE = int64_t(1) << 30;  // TMA's 32-bit coordinates,
 constexpr int MAX_VALUE_DIM = 256;
 // Output staging tiles a consumer alternates between, so TMA stores one while the next is written.
 constexpr int STAGING_TILES = 2;
+using staging_ring = pipeline::tma_store_ring<STAGING_TILES>;
 
 // Why a kernel that splits v into blocks of `value_block` columns cannot take these q, k, v sizes
 // (the feature dim is each kernel's own check). Forward and backward kernels share it.
@@ -116,28 +117,26 @@ struct kernel_base {
   }
 
   // Hands the state to the next chunk (write_copies(), only when there is one) and the output tile
-  // to TMA, alternating `staging` tiles so that one store is in flight while the next is written.
+  // to TMA through the staging ring, so that one store is in flight while the next is written.
   template <typename Context, typename WriteCopies>
-  __device__ static void store_chunk(const Context& ctx, value_tile (&staging)[STAGING_TILES], int& stores, const output& o,
-                                     int chunk, bool leader, WriteCopies&& write_copies) {
-    value_tile& tile = staging[stores % STAGING_TILES];
-    if (leader) tma::wait_stores_read<1>();  // the store that last used this staging tile has read it
-    barrier_sync(barrier_id::chunk_done, WARPGROUP_THREADS);
+  __device__ static void store_chunk(const Context& ctx, value_tile (&staging)[STAGING_TILES], staging_ring& stores,
+                                     const output& o, int chunk, bool leader, WriteCopies&& write_copies) {
+    value_tile& tile = staging[stores.slot()];
+    stores.acquire(leader, barrier_id::chunk_done);
     if (chunk + 1 < ctx.iterations) write_copies();
     warpgroup::store<0>(tile, o);
-    fence_async_shared();  // the stmatrix writes must be visible to wgmma and to the copy engine
-    barrier_sync(barrier_id::copies_written, WARPGROUP_THREADS);
+    // The stmatrix writes must be visible to wgmma and to the copy engine.
+    publish(barrier_id::copies_written, WARPGROUP_THREADS);
     if (leader) {
       const int index[4] = {ctx.task.batch, ctx.task.head, chunk * CHUNK, ctx.task.block * VALUE_BLOCK};
       tma::store(ctx.params.out, tile, index);
-      tma::commit_stores();
     }
-    ++stores;
+    stores.commit(leader);
   }
 
   template <typename Scratch>
   __device__ static void finish(const params&, Scratch&, int) {
-    if (is_warpgroup_leader()) tma::wait_stores_read<0>();
+    staging_ring::drain();
   }
 
   // ------------------------------------------------------------------------------ host

@@ -48,6 +48,23 @@ struct gradient_shape {
     return base + ((int64_t(task.block) * batch * heads) * padded + row_offset(task) + row) * FEATURES;
   }
 
+  // The chunk's statistics from `first_row` on: 1 / d and c (1 and 0 unnormalised or, for c, outside
+  // value block 0).
+  template <typename V>
+  __device__ void load_statistics(V& inverse_denominator_rows, V& denominator_grad_rows,
+                                  const pipeline::head_block& task, int first_row, bool carries_delta) const {
+    if (normalize) {
+      warp::load(inverse_denominator_rows, inverse_denominator + row_offset(task) + first_row);
+    } else {
+      warp::fill(inverse_denominator_rows, 1.0f);
+    }
+    if (carries_delta) {
+      warp::load(denominator_grad_rows, denominator_grad + row_offset(task) + first_row);
+    } else {
+      warp::zero(denominator_grad_rows);
+    }
+  }
+
   // A warp's rows [row, row + 16) of a grad_q / grad_k piece starting at feature `col`: the
   // gradient itself (rows past N dropped) when one value block covers Dv, else this block's partial.
   template <typename T, typename Piece>

@@ -177,19 +177,19 @@ struct gemm_kernel {
     }
     const bool issuer = is_warpgroup_leader();
     const barrier_id staging_barrier = barrier_after(barrier_id::consumer_store, ctx.consumer);
+    // Each task's chunks fill the slots a whole number of times, so every task starts at slot 0.
+    pipeline::tma_store_ring<Plan::store_slots> stores;
     [&]<int... CHUNK>(std::integer_sequence<int, CHUNK...>) {
       ([&] {
-        c_tile& slot = ctx.scratch.c[ctx.consumer][CHUNK % Plan::store_slots];
-        if (issuer) tma::wait_stores_read<Plan::store_slots - 1>();
-        barrier_sync(staging_barrier, WARPGROUP_THREADS);
+        c_tile& slot = ctx.scratch.c[ctx.consumer][stores.slot()];
+        stores.acquire(issuer, staging_barrier);
         warpgroup::store<CHUNK * Plan::store_cols>(slot, state.acc);
-        fence_async_shared();  // the stmatrix writes must be visible to the copy engine
-        barrier_sync(staging_barrier, WARPGROUP_THREADS);
+        publish(staging_barrier, WARPGROUP_THREADS);  // the stmatrix writes must be visible to the copy engine
         if (issuer) {
           const int c_index[2] = {row0, n0 + CHUNK * Plan::store_cols};
           tma::store(p.c, slot, c_index);
-          tma::commit_stores();
         }
+        stores.commit(issuer);
       }(), ...);
     }(std::make_integer_sequence<int, Plan::block_n / Plan::store_cols>{});
   }

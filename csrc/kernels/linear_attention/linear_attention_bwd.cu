@@ -133,22 +133,6 @@ struct gradient_common {
     }
   }
 
-  // The chunk's statistics: 1 / d and c (1 and 0 unnormalised or, for c, outside value block 0).
-  template <typename V>
-  __device__ static void load_statistics(V& inverse_denominator, V& denominator_grad, const gradient_shape& sh,
-                                         const pipeline::head_block& task, int first_row, bool carries_delta) {
-    if (sh.normalize) {
-      warp::load(inverse_denominator, sh.inverse_denominator + sh.row_offset(task) + first_row);
-    } else {
-      warp::fill(inverse_denominator, 1.0f);
-    }
-    if (carries_delta) {
-      warp::load(denominator_grad, sh.denominator_grad + sh.row_offset(task) + first_row);
-    } else {
-      warp::zero(denominator_grad);
-    }
-  }
-
   // The state's 16-bit copy and (carrying c) its fp32 feature sums, each warp its own feature rows.
   template <typename States, typename Sums>
   __device__ static void write_copies(state_copy_tile& copy, float* sums_copy, const States& states, const Sums& sums,
@@ -242,8 +226,7 @@ struct dq_kernel : gradient_common<T, FEATURES> {
     // Zero copies, so that the first chunk's earlier terms need no branch (a wgmma on one side of
     // a branch makes ptxas serialise the accumulators).
     base::write_copies(ctx.scratch.state_copy, ctx.scratch.key_sum, st.m, st.key_sum, carries_delta);
-    fence_async_shared();
-    barrier_sync(barrier_id::copies_written, WARPGROUP_THREADS);
+    publish(barrier_id::copies_written, WARPGROUP_THREADS);
 
     auto at = in.first();
     for (int chunk = 0; chunk < ctx.iterations; ++chunk, at.advance()) {
@@ -254,8 +237,7 @@ struct dq_kernel : gradient_common<T, FEATURES> {
       warpgroup::mma<operand_major::k, operand_major::k>(dp, s.g, 0, s.v, 0, false);
       warpgroup::commit();
       row_vector inverse_denominator, denominator_grad;
-      base::load_statistics(inverse_denominator, denominator_grad, sh, ctx.task, chunk * CHUNK + warp_row0,
-                            carries_delta);
+      sh.load_statistics(inverse_denominator, denominator_grad, ctx.task, chunk * CHUNK + warp_row0, carries_delta);
       warpgroup::wait<0>(dp);
 
       // Inside the chunk: dA = tril(dP / d + c).
@@ -314,12 +296,9 @@ struct dq_kernel : gradient_common<T, FEATURES> {
       if (chunk + 1 < ctx.iterations) {
         base::write_copies(ctx.scratch.state_copy, ctx.scratch.key_sum, st.m, st.key_sum, carries_delta);
       }
-      fence_async_shared();  // the stmatrix writes must be visible to wgmma
-      barrier_sync(barrier_id::copies_written, WARPGROUP_THREADS);
+      publish(barrier_id::copies_written, WARPGROUP_THREADS);  // the stmatrix writes must be visible to wgmma
     }
   }
-
-  __device__ static void store(const context&, consumer_state&) {}
 };
 
 // ------------------------------------------------------------------------------- grad_k, grad_v
@@ -357,7 +336,7 @@ struct dkdv_kernel : gradient_common<T, FEATURES> {
 
   struct scratch {
     state_copy_tile state_copy;  // R's 16-bit copy: B of K R and of V R^T
-    value_tile staging[2];       // grad_v of alternate chunks, while TMA stores the other
+    value_tile staging[chunked_causal::STAGING_TILES];  // grad_v of alternate chunks, while TMA stores the other
     float query_sum[FEATURES];   // the c-weighted query sum's fp32 copy, for every warp's keys
   };
 
@@ -372,7 +351,7 @@ struct dkdv_kernel : gradient_common<T, FEATURES> {
   struct consumer_state {
     state r[SLABS];                 // sum_i q_i g~_i^T over the later chunks
     feature_sums query_sum[SLABS];  // sum_i c_i q_i over the later chunks (value block 0, normalised)
-    int stores = 0;                 // grad_v chunks stored so far (picks the staging tile)
+    chunked_causal::staging_ring grad_v_stores;  // picks the staging tile of each grad_v chunk
   };
 
   __host__ __device__ static pipeline::head_block_order tasks(const params& p) {
@@ -413,8 +392,7 @@ struct dkdv_kernel : gradient_common<T, FEATURES> {
     }
     // Zero copies: the last chunk's later terms need no branch.
     base::write_copies(ctx.scratch.state_copy, ctx.scratch.query_sum, st.r, st.query_sum, carries_delta);
-    fence_async_shared();
-    barrier_sync(barrier_id::copies_written, WARPGROUP_THREADS);
+    publish(barrier_id::copies_written, WARPGROUP_THREADS);
 
     auto at = in.first();
     for (int iteration = 0; iteration < ctx.iterations; ++iteration, at.advance()) {
@@ -431,7 +409,7 @@ struct dkdv_kernel : gradient_common<T, FEATURES> {
       {
         // The statistics are read again (from L1) where R needs them: registers are short.
         chunk_vector inverse_denominator, denominator_grad;
-        base::load_statistics(inverse_denominator, denominator_grad, sh, ctx.task, chunk * CHUNK, carries_delta);
+        sh.load_statistics(inverse_denominator, denominator_grad, ctx.task, chunk * CHUNK, carries_delta);
         warpgroup::wait<0>(sc, dp);
 
         // Inside the chunk (queries i >= keys j): dS^T = dP^T / d + c, A^T / d.
@@ -473,7 +451,7 @@ struct dkdv_kernel : gradient_common<T, FEATURES> {
       // This chunk into R: Q_t^T with each query's column scaled by 1 / d, times G; and c q into
       // the query sum (fp32).
       chunk_vector inverse_denominator, denominator_grad;
-      base::load_statistics(inverse_denominator, denominator_grad, sh, ctx.task, chunk * CHUNK, carries_delta);
+      sh.load_statistics(inverse_denominator, denominator_grad, ctx.task, chunk * CHUNK, carries_delta);
       feature_rows operand[OPERAND_BUFFERS];
 #pragma unroll
       for (int t = 0; t < SLABS; ++t) {
@@ -506,30 +484,24 @@ struct dkdv_kernel : gradient_common<T, FEATURES> {
     }
   }
 
-  // Hands R to the next chunk (its copies) and grad_v's tile to TMA, alternating staging tiles so
+  // Hands R to the next chunk (its copies) and grad_v's tile to TMA through the staging ring, so
   // that one store is in flight while the next is written.
   __device__ static void store_chunk(const context& ctx, consumer_state& st, const state& grad_v, int chunk, bool more,
                                      bool carries_delta, bool leader) {
-    value_tile& staging = ctx.scratch.staging[st.stores % 2];
-    if (leader) tma::wait_stores_read<1>();  // the store that last used this staging tile has read it
-    barrier_sync(barrier_id::chunk_done, WARPGROUP_THREADS);
+    value_tile& staging = ctx.scratch.staging[st.grad_v_stores.slot()];
+    st.grad_v_stores.acquire(leader, barrier_id::chunk_done);
     if (more) base::write_copies(ctx.scratch.state_copy, ctx.scratch.query_sum, st.r, st.query_sum, carries_delta);
     warpgroup::store<0>(staging, grad_v);
-    fence_async_shared();  // the stmatrix writes must be visible to wgmma and to the copy engine
-    barrier_sync(barrier_id::copies_written, WARPGROUP_THREADS);
+    // The stmatrix writes must be visible to wgmma and to the copy engine.
+    publish(barrier_id::copies_written, WARPGROUP_THREADS);
     if (leader) {
       const int index[4] = {ctx.task.batch, ctx.task.head, chunk * CHUNK, ctx.task.block * VALUE_BLOCK};
       tma::store(ctx.params.grad_v, staging, index);
-      tma::commit_stores();
     }
-    ++st.stores;
+    st.grad_v_stores.commit(leader);
   }
 
-  __device__ static void store(const context&, consumer_state&) {}
-
-  __device__ static void finish(const params&, scratch&, int) {
-    if (is_warpgroup_leader()) tma::wait_stores_read<0>();
-  }
+  __device__ static void finish(const params&, scratch&, int) { chunked_causal::staging_ring::drain(); }
 };
 
 // ----------------------------------------------------------------------------------- host

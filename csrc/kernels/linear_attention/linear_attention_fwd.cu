@@ -97,7 +97,7 @@ struct forward_kernel : linear_plan<FEATURES>, chunked_causal::kernel_base<T, FE
   struct consumer_state {
     state s[SLABS];
     feature_sums key_sum[SLABS];
-    int stores = 0;  // output chunks stored so far (picks the staging tile)
+    chunked_causal::staging_ring output_stores;  // picks the staging tile of each output chunk
   };
 
   // The warp's first feature row of slab t; the warp owns none when it is F or more.
@@ -142,8 +142,7 @@ struct forward_kernel : linear_plan<FEATURES>, chunked_causal::kernel_base<T, FE
     // Zero copies, so that the first chunk's earlier terms need no branch: a wgmma issued on one
     // side of a branch makes ptxas serialise the accumulator (C7514).
     write_copies(ctx, st);
-    fence_async_shared();
-    barrier_sync(base::barrier_id::copies_written, WARPGROUP_THREADS);
+    publish(base::barrier_id::copies_written, WARPGROUP_THREADS);
 
     auto at = in.first();
     for (int chunk = 0; chunk < ctx.iterations; ++chunk, at.advance()) {
@@ -192,7 +191,7 @@ struct forward_kernel : linear_plan<FEATURES>, chunked_causal::kernel_base<T, FE
       in.release(at);
 
       base::normalize(ctx, o, den, chunk);
-      base::store_chunk(ctx, ctx.scratch.staging, st.stores, o, chunk, leader, [&] { write_copies(ctx, st); });
+      base::store_chunk(ctx, ctx.scratch.staging, st.output_stores, o, chunk, leader, [&] { write_copies(ctx, st); });
     }
   }
 
@@ -206,8 +205,6 @@ struct forward_kernel : linear_plan<FEATURES>, chunked_causal::kernel_base<T, FE
       if (ctx.params.normalize) warp::store(ctx.scratch.key_sum + feature0, st.key_sum[t]);
     }
   }
-
-  __device__ static void store(const context&, consumer_state&) {}
 };
 
 template <typename F>

@@ -194,8 +194,6 @@ struct states_kernel : states_plan {
     store_state(ctx, st.s, first + ctx.iterations);
   }
 
-  __device__ static void store(const context&, consumer_state&) {}
-
   static params make_params(const ssd_backward_problem& pr) {
     const ssd_forward_problem& f = pr.forward;
     params p{};
@@ -264,6 +262,7 @@ struct backward_kernel : backward_plan<N, GATED> {
   static constexpr uint32_t stage_bytes[] = {(GATED ? 3 : 2) * xz_tile::bytes + 2 * bc_tile::bytes + state_tile::bytes};
 
   static constexpr int STAGING_TILES = backward_plan<N, GATED>::staging_tiles;
+  using staging_ring = pipeline::tma_store_ring<STAGING_TILES>;
 
   // Per position of the block, each written by the warp that holds its row.
   struct block_terms {
@@ -332,7 +331,7 @@ struct backward_kernel : backward_plan<N, GATED> {
     wide ds;                  // gradient of the state leaving the current block
     float da_dt = 0.0f;       // warp 0's lanes: sum of da dt (grad_A)
     float grad_dt = 0.0f;     // warp 0's lanes: sum of grad_dt (grad_dt_bias)
-    int stores = 0;           // blocks stored so far (picks the staging tiles)
+    staging_ring gradient_stores;  // picks the staging tiles of each block
   };
 
   // ------------------------------------------------------------------------------ producer
@@ -401,8 +400,7 @@ struct backward_kernel : backward_plan<N, GATED> {
     st.da_dt = 0.0f;
     st.grad_dt = 0.0f;
     warp::store(ctx.scratch.ds, st.ds, row0, 0);
-    fence_async_shared();
-    barrier_sync(barrier_id::copies_written, WARPGROUP_THREADS);
+    publish(barrier_id::copies_written, WARPGROUP_THREADS);
     // After the barrier: warp 0 may still be reading the previous task's sums before it.
     position_vector zero;
     warp::zero(zero);
@@ -525,7 +523,7 @@ struct backward_kernel : backward_plan<N, GATED> {
       warp::load(grad_y, s.grad_y, row0, 0);
       warp::load(z, s.z, row0, 0);
       warp::map<gate_gradient>(ys, grad_y, ys, z);
-      warpgroup::store<0>(ctx.scratch.z_staging[st.stores % STAGING_TILES], ys);
+      warpgroup::store<0>(ctx.scratch.z_staging[st.gradient_stores.slot()], ys);
     }
   }
 
@@ -566,7 +564,7 @@ struct backward_kernel : backward_plan<N, GATED> {
     warp::load(gy_rows, gy, row0, 0);
     warp::map<input_gradient>(du, du, broadcast<tile_axis::rows, row_vector>{dt_row}, gy_rows,
                               broadcast<tile_axis::cols, position_vector>{d});
-    warpgroup::store<0>(ctx.scratch.x_staging[st.stores % STAGING_TILES], du);
+    warpgroup::store<0>(ctx.scratch.x_staging[st.gradient_stores.slot()], du);
   }
 
   // grad_C = diag(exp cum) GY S + dMd B and grad_B = diag(w dt) X dS + dMd^T C, this head's
@@ -689,13 +687,11 @@ struct backward_kernel : backward_plan<N, GATED> {
       const stage& s = in.wait(at);
       state_dot(ctx, st, s);
       gate(ctx, s);
-      if (leader) tma::wait_stores_read<STAGING_TILES - 1>();  // the stores that last used these staging tiles have read them
-      fence_async_shared();  // gy's stmatrix writes must be visible to wgmma
-      barrier_sync(barrier_id::operands_written, WARPGROUP_THREADS);
+      st.gradient_stores.wait_until_read(leader);
+      publish(barrier_id::operands_written, WARPGROUP_THREADS);  // gy's stmatrix writes must be visible to wgmma
 
       scores(ctx, st, s, b);
-      fence_async_shared();
-      barrier_sync(barrier_id::scores_written, WARPGROUP_THREADS);
+      publish(barrier_id::scores_written, WARPGROUP_THREADS);
 
       input_gradients(ctx, st, s, b);
       state_gradients(ctx, s, b, block);
@@ -710,19 +706,17 @@ struct backward_kernel : backward_plan<N, GATED> {
   __device__ static void finish_block(const context& ctx, consumer_state& st, const step_column& column,
                                       float cum_last, int block, bool leader) {
     const params& p = ctx.params;
-    fence_async_shared();  // the staging tiles' stmatrix writes must be visible to the copy engine
-    barrier_sync(barrier_id::block_done, WARPGROUP_THREADS);
+    // The staging tiles' stmatrix writes must be visible to the copy engine.
+    publish(barrier_id::block_done, WARPGROUP_THREADS);
     if (leader) {
       const int index[4] = {ctx.task.batch, ctx.task.head, block * BLOCK, 0};
-      tma::store(p.grad_x, ctx.scratch.x_staging[st.stores % STAGING_TILES], index);
-      if constexpr (GATED) tma::store(p.grad_z, ctx.scratch.z_staging[st.stores % STAGING_TILES], index);
-      tma::commit_stores();
+      tma::store(p.grad_x, ctx.scratch.x_staging[st.gradient_stores.slot()], index);
+      if constexpr (GATED) tma::store(p.grad_z, ctx.scratch.z_staging[st.gradient_stores.slot()], index);
     }
-    ++st.stores;
+    st.gradient_stores.commit(leader);
     if (warp_in_warpgroup() == 0) steps_gradient(ctx, st, column, cum_last, block);
     warp::store(ctx.scratch.ds, st.ds, warpgroup::warp_row(), 0);
-    fence_async_shared();  // the stmatrix writes must be visible to wgmma
-    barrier_sync(barrier_id::copies_written, WARPGROUP_THREADS);
+    publish(barrier_id::copies_written, WARPGROUP_THREADS);  // the stmatrix writes must be visible to wgmma
   }
 
   // grad_initial_states and the task's sums: grad_D's over the warps, grad_A's and grad_dt_bias's
@@ -758,7 +752,7 @@ struct backward_kernel : backward_plan<N, GATED> {
 
   template <typename Scratch>
   __device__ static void finish(const params&, Scratch&, int) {
-    if (is_warpgroup_leader()) tma::wait_stores_read<0>();
+    staging_ring::drain();
   }
 
   // ------------------------------------------------------------------------------ host

@@ -264,8 +264,6 @@ struct segment_ends_kernel : segment_ends_plan {
       p.decays[p.at.sequence(ctx.task.batch, ctx.task.head) * state_elements<N> + ctx.task.block] = decay;
     }
   }
-
-  __device__ static void store(const context&, consumer_state&) {}
 };
 
 // ------------------------------------------------------------------------------ scan
@@ -342,6 +340,9 @@ struct forward_kernel : ssd_plan<N, HEADS> {
   using xz_rows = register_tile<T, BASE_TILE, HEAD_DIM>;  // the warp's 16 positions of x or z
   using row_vector = per_row_vector<scores, float>;       // the warp's 16 positions
   using channel_vector = per_col_vector<output, float>;   // one entry per channel p
+  // Output staging tiles per consumer: one block's store runs while the next block writes.
+  static constexpr int STAGING_TILES = 2;
+  using staging_ring = pipeline::tma_store_ring<STAGING_TILES>;
 
   struct gated_stage {
     xz_tile x[HEADS];
@@ -357,7 +358,7 @@ struct forward_kernel : ssd_plan<N, HEADS> {
 
   struct head_scratch {  // one consumer warpgroup's
     state_copy_tile state_copy;
-    xz_tile staging[2];  // the output of alternate blocks, while TMA stores the other
+    xz_tile staging[STAGING_TILES];  // the output of alternate blocks, while TMA stores the other
     float steps[WARPGROUP_WARPS][BLOCK];  // each warp's copy of the block's dt
     float cum[WARPGROUP_WARPS][BLOCK];    // and of its cumulative log decays
   };
@@ -391,7 +392,7 @@ struct forward_kernel : ssd_plan<N, HEADS> {
 
   struct consumer_state {
     state s;
-    int stores = 0;  // output blocks stored so far (picks the staging tile)
+    staging_ring output_stores;  // picks the staging tile of each output block
   };
 
   // ------------------------------------------------------------------------------ producer
@@ -467,8 +468,7 @@ struct forward_kernel : ssd_plan<N, HEADS> {
     load_entering_state(ctx, head, st.s);
     // S16 of the entering state, so that the first block's Y = C S^T needs no branch.
     warp::store(mine.state_copy, st.s, row0, 0);
-    fence_async_shared();
-    barrier_sync(barrier_after(barrier_id::copies_written, ctx.consumer), WARPGROUP_THREADS);
+    publish(barrier_after(barrier_id::copies_written, ctx.consumer), WARPGROUP_THREADS);
 
     // Each block's dt is loaded a block ahead: its global latency was on every block's critical path.
     const step_column column = steps_column(ctx, head, A, bias);
@@ -549,31 +549,27 @@ struct forward_kernel : ssd_plan<N, HEADS> {
     }
   }
 
-  // Hands S16 to the next block (only when the task has one) and Y to TMA, alternating staging tiles
+  // Hands S16 to the next block (only when the task has one) and Y to TMA through the staging ring,
   // so that one store is in flight while the next is written.
   __device__ static void store_block(const context& ctx, consumer_state& st, const output& o, int head, int block,
                                      bool another_block, bool leader) {
     head_scratch& mine = ctx.scratch.heads[ctx.consumer];
-    xz_tile& tile = mine.staging[st.stores % 2];
-    if (leader) tma::wait_stores_read<1>();  // the store that last used this staging tile has read it
-    barrier_sync(barrier_after(barrier_id::block_done, ctx.consumer), WARPGROUP_THREADS);
+    xz_tile& tile = mine.staging[st.output_stores.slot()];
+    st.output_stores.acquire(leader, barrier_after(barrier_id::block_done, ctx.consumer));
     if (another_block) warp::store(mine.state_copy, st.s, warpgroup::warp_row(), 0);
     warpgroup::store<0>(tile, o);
-    fence_async_shared();  // the stmatrix writes must be visible to wgmma and to the copy engine
-    barrier_sync(barrier_after(barrier_id::copies_written, ctx.consumer), WARPGROUP_THREADS);
+    // The stmatrix writes must be visible to wgmma and to the copy engine.
+    publish(barrier_after(barrier_id::copies_written, ctx.consumer), WARPGROUP_THREADS);
     if (leader) {
       const int index[4] = {ctx.task.batch, head, block * BLOCK, 0};
       tma::store(ctx.params.y, tile, index);
-      tma::commit_stores();
     }
-    ++st.stores;
+    st.output_stores.commit(leader);
   }
-
-  __device__ static void store(const context&, consumer_state&) {}
 
   template <typename Scratch>
   __device__ static void finish(const params&, Scratch&, int) {
-    if (is_warpgroup_leader()) tma::wait_stores_read<0>();
+    staging_ring::drain();
   }
 
   // ------------------------------------------------------------------------------ host

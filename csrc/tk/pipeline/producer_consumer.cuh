@@ -28,8 +28,11 @@
 //   [init(params, scratch&, consumer)]   once per consumer warpgroup, before its first task
 //   consumer_state   registers a consumer warpgroup keeps (accumulators), constructed once
 //   compute(const task_context<K>&, consumer_state&, stage_inputs<K>&)   ctx.iterations stages
-//   store(const task_context<K>&, consumer_state&)                         the task's epilogue
+//   [store(const task_context<K>&, consumer_state&)]                       the task's epilogue
 //   [finish(params, scratch&, consumer)]                                   before the block exits
+//
+// An optional hook that a kernel leaves out is not called (the has_* concepts below detect them):
+// a kernel whose compute stores its own results as it goes writes no empty store.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -104,6 +107,20 @@ struct stage_inputs {
   __device__ void release(position at, int part = 0) const { ring.release(at, part); }
 };
 
+// The optional hooks, each detected by its call.
+template <typename K>
+concept has_prefetch = requires(const typename K::params& params) { K::prefetch(params); };
+template <typename K>
+concept has_init = requires(const typename K::params& params, scratch_of<K>& scratch, int consumer) {
+  K::init(params, scratch, consumer);
+};
+template <typename K>
+concept has_store = requires(const task_context<K>& ctx, typename K::consumer_state& state) { K::store(ctx, state); };
+template <typename K>
+concept has_finish = requires(const typename K::params& params, scratch_of<K>& scratch, int consumer) {
+  K::finish(params, scratch, consumer);
+};
+
 template <typename K>
 __global__ void __launch_bounds__(block_threads<K>, blocks_per_sm<K>()) producer_consumer_kernel(const __grid_constant__ typename K::params params) {
   static_assert(K::stages >= 1, "at least one stage");
@@ -120,7 +137,7 @@ __global__ void __launch_bounds__(block_threads<K>, blocks_per_sm<K>()) producer
 
   warp_specialized<K>(
       [&] {
-        if constexpr (requires { K::prefetch(params); }) K::prefetch(params);
+        if constexpr (has_prefetch<K>) K::prefetch(params);
         typename ring_of<K>::position write;
         uint32_t task_parity = 0;
         for (auto work = scheduler.first(); scheduler.valid(work); work = scheduler.next(work), task_parity ^= 1) {
@@ -141,7 +158,7 @@ __global__ void __launch_bounds__(block_threads<K>, blocks_per_sm<K>()) producer
         }
       },
       [&](int consumer) {
-        if constexpr (requires { K::init(params, smem.scratch, consumer); }) K::init(params, smem.scratch, consumer);
+        if constexpr (has_init<K>) K::init(params, smem.scratch, consumer);
         typename K::consumer_state state;
         typename ring_of<K>::position read;
         uint32_t task_parity = 0;
@@ -151,14 +168,14 @@ __global__ void __launch_bounds__(block_threads<K>, blocks_per_sm<K>()) producer
           if constexpr (has_resident<K>) smem.resident_full.wait(task_parity);
           stage_inputs<K> inputs{smem.stages, smem.ring, read};
           K::compute(ctx, state, inputs);
-          K::store(ctx, state);
+          if constexpr (has_store<K>) K::store(ctx, state);
           read = read.advanced_by(ctx.iterations);
           if constexpr (has_resident<K>) {
             __syncwarp();
             if (lane_id() == 0) smem.resident_free.arrive();
           }
         }
-        if constexpr (requires { K::finish(params, smem.scratch, consumer); }) K::finish(params, smem.scratch, consumer);
+        if constexpr (has_finish<K>) K::finish(params, smem.scratch, consumer);
       });
 }
 

@@ -3,3 +3,5 @@
 #include "fence.cuh"
 #include "mbarrier.cuh"
 #include "named_barrier.cuh"
+#include "publish.cuh"
+#include "turn_rotation.cuh"
