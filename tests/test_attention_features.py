@@ -3,7 +3,6 @@ softmax (the op contract's opcheck / compile / export / bad inputs: tests/op_db.
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import pytest
