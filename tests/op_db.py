@@ -195,6 +195,7 @@ def _grad_leaves(tensors) -> tuple:
 
 NO_GRAPH_YET = "no CUDA-graph check yet"
 NO_FALLBACK_YET = "no fallback check yet"
+NO_KERNEL = "no kernel yet: the reference serves every device"
 TOLERANCE = tk_testing.TOLERANCE
 
 
@@ -334,15 +335,44 @@ def _attention_forward(shape, causal, **kwargs) -> Sample:
     return Sample("-".join(("causal" if causal else "full", *map(str, shape))), "attention", make)
 
 
-def _attention_backward(shape, with_grad_lse, deterministic, **kwargs) -> Sample:
+def _attention_options(q_heads, device, causal, window_left, window_right, softcap, sinks):
+    """The op's last four arguments: window_left, window_right, softcap and (with ``sinks``) (Hq,) fp32 sinks."""
+    sink_logits = torch.randn(q_heads, device=device).requires_grad_() if sinks else None
+    return (window_left, window_right, softcap, sink_logits)
+
+
+# (id, causal, window_left, window_right, softcap, sinks): calls with the options switched on
+ATTENTION_OPTIONS = (
+    ("causal-window-softcap-sinks", True, 5, -1, 2.5, True),
+    ("window-both-sides-sinks", False, 3, 2, 0.0, True),
+    ("full-softcap", False, -1, -1, 1.5, False),
+)
+
+
+def _attention_option_forward(shape, row, **kwargs) -> Sample:
+    name, causal, *options = row
+
+    def make():
+        q, k, v = attention_inputs.make_qkv(*shape, **kwargs)
+        return (q, k, v, causal, 0.25, False, *_attention_options(shape[1], q.device, causal, *options))
+
+    return Sample(f"{name}-{'-'.join(map(str, shape))}", "attention", make)
+
+
+def _attention_backward(shape, with_grad_lse, deterministic, options=None, **kwargs) -> Sample:
+    causal = True if options is None else options[1]
+
     def make():
         q, k, v = attention_inputs.make_qkv(*shape, requires_grad=False, **kwargs)
-        out, lse = torch.ops.tk.attention(q, k, v, True, 0.3, deterministic)
+        extra = () if options is None else _attention_options(shape[1], q.device, *options[1:])
+        extra = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in extra)
+        out, lse = torch.ops.tk.attention(q, k, v, causal, 0.3, deterministic, *extra)
         grad_lse = torch.randn_like(lse) if with_grad_lse else None
-        return (torch.randn_like(out), grad_lse, q, k, v, out, lse, True, 0.3, deterministic)
+        return (torch.randn_like(out), grad_lse, q, k, v, out, lse, causal, 0.3, deterministic, *extra)
 
     lse = "grad-lse" if with_grad_lse else "no-grad-lse"
-    return Sample(f"attention_bwd-{lse}-{'deterministic' if deterministic else 'one-pass'}", "attention_bwd", make)
+    name = f"attention_bwd-{lse}-{'deterministic' if deterministic else 'one-pass'}"
+    return Sample(name if options is None else f"{name}-{options[0]}", "attention_bwd", make)
 
 
 def _attention_backward_samples(shape, **kwargs) -> tuple[Sample, ...]:
@@ -350,9 +380,16 @@ def _attention_backward_samples(shape, **kwargs) -> tuple[Sample, ...]:
                  for deterministic in (False, True) for with_grad_lse in (False, True))
 
 
+def _attention_option_samples(shape, **kwargs) -> tuple[Sample, ...]:
+    return tuple(sample for row in ATTENTION_OPTIONS for sample in (
+        _attention_option_forward(shape, row, **kwargs), _attention_backward(shape, True, False, row, **kwargs)))
+
+
 def _attention_kernel_samples(dtype):
+    """On the GPU: the kernels, and calls with options, which the CUDA entries hand to the reference."""
     shape, options = (1, 4, 2, 17, 23, 64), dict(dtype=dtype, device="cuda")
-    return (_attention_forward(shape, True, **options), *_attention_backward_samples(shape, **options))
+    return (_attention_forward(shape, True, **options), *_attention_backward_samples(shape, **options),
+            *_attention_option_samples(shape, **options))
 
 
 def _attention_inputs(q_shape=(2, 4, 9, 40), k_shape=(2, 2, 11, 40), v_shape=None, dtype=torch.float32):
@@ -394,6 +431,20 @@ class _CausalAttention(torch.nn.Module):
         return tk_ops.attention(q, k, v, causal=True)
 
 
+class _SlidingWindowAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.sinks = torch.nn.Parameter(torch.randn(4))
+
+    def forward(self, q, k, v):
+        return tk_ops.attention(q, k, v, causal=True, window=(4, -1), softcap=3.0, sinks=self.sinks)
+
+
+def _attend_with_options_and_lse(q, k, v, sinks):
+    out, lse = tk_ops.attention(q, k, v, window=(3, 2), softcap=2.0, sinks=sinks, return_lse=True)
+    return out.double().square().sum() + lse.double().sum()
+
+
 def _attend_with_lse(q, k, v):
     out, lse = tk_ops.attention(q, k, v, causal=True, return_lse=True)
     # Summed in float64: compiled and eager sum these ~10^4 terms in different orders (Inductor's own
@@ -401,6 +452,45 @@ def _attend_with_lse(q, k, v):
     # to ~2e-6 (one intra-op thread), beyond float32's rtol. In float64 that rounding is ~1e-13, so the
     # loss and the gradients (2 out and 1, exact either way) are compared at the default tolerances.
     return out.double().square().sum() + lse.double().sum()
+
+
+def _int32(values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def _attention_option_bad_inputs(function, make):
+    """Bad window, softcap and sinks for ``function(*inputs, **options)``, ``make() -> (inputs, Hq)``."""
+
+    def call(**options):
+        def run():
+            inputs, _ = make()
+            return function(*inputs, **options)
+
+        return run
+
+    def sinks(shape=None, dtype=torch.float32):
+        def run():
+            inputs, q_heads = make()
+            return function(*inputs, sinks=torch.randn(shape or (q_heads,), dtype=dtype))
+
+        return run
+
+    return (
+        ("window-not-a-pair", call(window=3), TypeError, "window must be None or a pair of ints"),
+        ("window-three-entries", call(window=(1, 2, 3)), TypeError, "window must be None or a pair of ints"),
+        ("window-float", call(window=(1.5, 0)), TypeError, "window must be None or a pair of ints"),
+        ("window-bool", call(window=(True, 0)), TypeError, "window must be None or a pair of ints"),
+        ("window-below-minus-one", call(window=(-2, 0)), ValueError, "window entries must be >= -1"),
+        ("negative-softcap", call(softcap=-1.0), ValueError, "softcap must be > 0"),
+        ("nan-softcap", call(softcap=float("nan")), ValueError, "softcap must be > 0"),
+        ("inf-softcap", call(softcap=float("inf")), ValueError, "softcap must be > 0"),
+        ("softcap-string", call(softcap="1"), TypeError, "softcap must be None or a number"),
+        ("sinks-not-a-tensor", call(sinks=[0.0] * 4), TypeError, "sinks must be a torch.Tensor"),
+        ("sinks-shape", sinks((3,)), ValueError, r"sinks.shape\[0\] must equal q's head count Hq"),
+        ("sinks-rank", sinks((4, 1)), ValueError, "sinks must have 1 dimensions"),
+        ("sinks-bf16", sinks(dtype=torch.bfloat16), TypeError, r"sinks must have dtype in \(float32\)"),
+        ("sinks-fp64-beside-fp32", sinks(dtype=torch.float64), TypeError, r"sinks must have dtype in \(float32\)"),
+    )
 
 
 ATTENTION = OpInfo(
@@ -411,6 +501,8 @@ ATTENTION = OpInfo(
         _attention_forward((1, 2, 1, 19, 7, 24), True),  # MQA, rows that see no key
         _attention_forward((1, 3, 3, 9, 9, 16), True),
         *_attention_backward_samples((1, 4, 2, 15, 11, 24)),
+        *_attention_option_samples((1, 4, 2, 15, 11, 24)),
+        *_attention_option_samples((2, 2, 1, 9, 9, 16), dtype=torch.float32),
     ),
     kernel_dtypes=KERNEL_16_BIT,
     kernel_samples=_attention_kernel_samples,
@@ -418,11 +510,19 @@ ATTENTION = OpInfo(
         CompileSample("causal-lse", _attend_with_lse,
                       lambda: attention_inputs.make_qkv(2, 4, 2, 19, 21, 64, dtype=torch.float32),
                       ("attention", "attention_bwd")),
+        CompileSample("window-softcap-sinks-lse", _attend_with_options_and_lse,
+                      lambda: [*attention_inputs.make_qkv(2, 4, 2, 19, 21, 32, dtype=torch.float32),
+                               torch.randn(4, requires_grad=True)],
+                      ("attention", "attention_bwd"), tol=1e-5),
     ),
     export=(
         ExportSample("causal", _CausalAttention,
                      lambda: tuple(attention_inputs.make_qkv(1, 4, 2, 11, 13, 40, dtype=torch.float32,
                                                              requires_grad=False)),
+                     ("attention",)),
+        ExportSample("sliding-window-softcap-sinks", _SlidingWindowAttention,
+                     lambda: tuple(attention_inputs.make_qkv(1, 4, 2, 11, 13, 40, dtype=torch.float32,
+                                                           requires_grad=False)),
                      ("attention",)),
     ),
     bad_inputs=_bad(
@@ -442,15 +542,161 @@ ATTENTION = OpInfo(
         ("empty-k", lambda: tk_ops.attention(*_attention_inputs(k_shape=(2, 2, 0, 40))), ValueError, "k"),
         ("nan-scale", lambda: tk_ops.attention(*_attention_inputs(), scale=float("nan")), ValueError, "scale"),
         ("inf-scale", lambda: tk_ops.attention(*_attention_inputs(), scale=float("inf")), ValueError, "scale"),
+        *_attention_option_bad_inputs(tk_ops.attention, lambda: (_attention_inputs(), 4)),
     ),
     device_mismatches=_device_mismatches(
-        tk_ops.attention, lambda: dict(zip("qkv", (t.cuda() for t in _attention_inputs()))), "q", "k"
+        tk_ops.attention, lambda: dict(zip("qkv", (t.cuda() for t in _attention_inputs())), sinks=torch.randn(4).cuda()),
+        "q", ("k", "sinks")
     ),
     graphs=tuple(_attention_graph(head_dim, method) for head_dim in (64, 128)
                  for method in attention_inputs.BACKWARD_METHODS),
     no_graph={},
     fallbacks=(),
     no_fallback=_without_sample(NO_FALLBACK_YET, "attention", "attention_bwd"),
+)
+
+
+# ------------------------------------------------------------------------------------- attention_varlen
+
+
+def _varlen_inputs(q_lengths=(5, 0, 8), k_lengths=(6, 3, 8), requires_grad=True, **kwargs):
+    """q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k (inputs.attention.make_varlen)."""
+    return attention_inputs.make_varlen(list(q_lengths), list(k_lengths), requires_grad=requires_grad, **kwargs)
+
+
+# (id, causal, window_left, window_right, softcap, sinks)
+VARLEN_OPTIONS = (
+    ("plain", False, -1, -1, 0.0, False),
+    ("causal-window-softcap-sinks", True, 3, -1, 2.0, True),
+    ("window-both-sides", False, 2, 1, 0.0, False),
+)
+
+
+def _varlen_forward(row, dtype=torch.float64) -> Sample:
+    name, causal, window_left, window_right, softcap, sinks = row
+
+    def make():
+        q, k, v, cu_q, cu_k, max_q, max_k = _varlen_inputs(dtype=dtype)
+        sink_logits = torch.randn(4, requires_grad=True) if sinks else None
+        return (q, k, v, cu_q, cu_k, max_q, max_k, causal, 0.3, window_left, window_right, softcap, sink_logits, False)
+
+    return Sample(f"{name}-{str(dtype).removeprefix('torch.')}", "attention_varlen", make)
+
+
+def _varlen_backward(row, with_grad_lse) -> Sample:
+    name, causal, window_left, window_right, softcap, sinks = row
+
+    def make():
+        q, k, v, cu_q, cu_k, max_q, max_k = _varlen_inputs(requires_grad=False)
+        options = (causal, 0.3, window_left, window_right, softcap, torch.randn(4) if sinks else None, False)
+        out, lse = torch.ops.tk.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *options)
+        grad_lse = torch.randn_like(lse) if with_grad_lse else None
+        return (torch.randn_like(out), grad_lse, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *options)
+
+    return Sample(f"attention_varlen_bwd-{name}-{'grad-lse' if with_grad_lse else 'no-grad-lse'}",
+                  "attention_varlen_bwd", make)
+
+
+def _attend_varlen_with_lse(q, k, v, sinks):
+    cu_q, cu_k = torch.tensor([0, 5, 5, 13], dtype=torch.int32), torch.tensor([0, 6, 9, 17], dtype=torch.int32)
+    out, lse = tk_ops.attention_varlen(q, k, v, cu_q, cu_k, 8, 8, causal=True, window=(3, -1), softcap=2.0,
+                                       sinks=sinks, return_lse=True)
+    return out.double().square().sum() + lse.double().sum()
+
+
+class _PackedAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.sinks = torch.nn.Parameter(torch.randn(4))
+
+    def forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k):
+        return tk_ops.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, 8, 8, causal=True, window=(3, -1),
+                                       softcap=2.0, sinks=self.sinks)
+
+
+def _varlen_call(**changes):
+    """tk_ops.attention_varlen on _varlen_inputs() (fp32) with some arguments replaced."""
+
+    def call():
+        q, k, v, cu_q, cu_k, max_q, max_k = _varlen_inputs(requires_grad=False, dtype=torch.float32)
+        arguments = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
+        arguments.update({name: change(arguments[name]) if callable(change) else change
+                          for name, change in changes.items() if name in arguments})
+        options = {name: change for name, change in changes.items() if name not in arguments}
+        return tk_ops.attention_varlen(**arguments, **options)
+
+    return call
+
+
+ATTENTION_VARLEN = OpInfo(
+    name="attention_varlen",
+    functions={"attention_varlen": ("attention_varlen", "attention_varlen_bwd")},
+    samples=(
+        *(_varlen_forward(row) for row in VARLEN_OPTIONS),
+        _varlen_forward(VARLEN_OPTIONS[1], torch.float32),
+        *(_varlen_backward(row, with_grad_lse) for row in VARLEN_OPTIONS for with_grad_lse in (False, True)),
+    ),
+    kernel_dtypes=(),  # no kernel yet: the reference serves every device
+    kernel_samples=lambda dtype: (),
+    compile=(
+        CompileSample("causal-window-softcap-sinks-lse", _attend_varlen_with_lse,
+                      lambda: [*_varlen_inputs(dtype=torch.float32)[:3], torch.randn(4, requires_grad=True)],
+                      ("attention_varlen", "attention_varlen_bwd"), tol=1e-5),
+    ),
+    export=(
+        ExportSample("packed", _PackedAttention,
+                     lambda: tuple(_varlen_inputs(requires_grad=False, dtype=torch.float32)[:5]),
+                     ("attention_varlen",)),
+    ),
+    bad_inputs=_bad(
+        ("q-rank", _varlen_call(q=lambda q: q[None]), ValueError, "q must have 3 dimensions"),
+        ("int-dtype", _varlen_call(q=lambda q: q.int()), TypeError, "q must have dtype"),
+        ("dtype-mismatch", _varlen_call(k=lambda k: k.double()), TypeError, "k must have q's dtype"),
+        ("head-dim", _varlen_call(k=lambda k: k[..., :8]), ValueError, r"k.shape\[2\] must equal q.shape\[2\]"),
+        ("kv-length", _varlen_call(v=lambda v: v[:-1]), ValueError, r"v.shape\[0\] must equal k.shape\[0\]"),
+        ("kv-heads", _varlen_call(v=lambda v: v[:, :1]), ValueError, r"v.shape\[1\] must equal k.shape\[1\]"),
+        ("group", _varlen_call(k=lambda k: torch.randn(k.shape[0], 3, k.shape[2]),
+                               v=lambda v: torch.randn(v.shape[0], 3, v.shape[2])), ValueError, "Hq .*Hkv"),
+        ("no-heads", _varlen_call(q=lambda q: q[:, :0]), ValueError, "q's heads and head dim must not be empty"),
+        ("cu-int64", _varlen_call(cu_seqlens_q=lambda cu: cu.long()), TypeError, "cu_seqlens_q must have dtype"),
+        ("cu-float", _varlen_call(cu_seqlens_k=lambda cu: cu.float()), TypeError, "cu_seqlens_k must have dtype"),
+        ("cu-rank", _varlen_call(cu_seqlens_q=lambda cu: cu[None]), ValueError, "cu_seqlens_q must have 1 dimensions"),
+        ("cu-one-entry", _varlen_call(cu_seqlens_q=_int32([0]), cu_seqlens_k=_int32([0])), ValueError,
+         r"cu_seqlens_q must be \(B \+ 1,\) with B >= 1"),
+        ("cu-lengths-differ", _varlen_call(cu_seqlens_k=_int32([0, 17])), ValueError,
+         "cu_seqlens_k must have cu_seqlens_q's length 4"),
+        ("cu-not-a-tensor", _varlen_call(cu_seqlens_q=[0, 5, 5, 13]), TypeError, "cu_seqlens_q must be a torch.Tensor"),
+        ("cu-not-from-zero", _varlen_call(cu_seqlens_q=_int32([1, 5, 5, 13])), ValueError,
+         "cu_seqlens_q must start at 0"),
+        ("cu-decreasing", _varlen_call(cu_seqlens_k=_int32([0, 6, 5, 17])), ValueError,
+         "cu_seqlens_k must be non-decreasing"),
+        ("cu-end", _varlen_call(cu_seqlens_q=_int32([0, 5, 5, 12])), ValueError,
+         "cu_seqlens_q must end at the packed length 13"),
+        ("max-seqlen-too-small", _varlen_call(max_seqlen_k=7), ValueError,
+         r"max_seqlen_k \(7\) must be at least the longest sequence of cu_seqlens_k \(8\)"),
+        ("max-seqlen-zero", _varlen_call(max_seqlen_q=0), ValueError, "max_seqlen_q must be >= 1"),
+        ("max-seqlen-float", _varlen_call(max_seqlen_q=8.0), TypeError, "max_seqlen_q must be a Python int"),
+        ("max-seqlen-bool", _varlen_call(max_seqlen_k=True), TypeError, "max_seqlen_k must be a Python int"),
+        ("nan-scale", _varlen_call(scale=float("nan")), ValueError, "scale"),
+        *_attention_option_bad_inputs(tk_ops.attention_varlen,
+                                      lambda: (_varlen_inputs(requires_grad=False, dtype=torch.float32), 4)),
+    ) + _op_calls(
+        ("op-checks-cu-contents",
+         lambda: torch.ops.tk.attention_varlen(*_varlen_inputs(requires_grad=False)[:3], _int32([0, 5, 3, 13]),
+                                               _int32([0, 6, 9, 17]), 8, 8, False, 0.3, -1, -1, 0.0, None, False),
+         ValueError, "cu_seqlens_q must be non-decreasing"),
+    ),
+    device_mismatches=_device_mismatches(
+        tk_ops.attention_varlen,
+        lambda: dict(zip(("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"),
+                         _varlen_inputs(requires_grad=False, dtype=torch.float32, device="cuda")),
+                     sinks=torch.randn(4, device="cuda")),
+        "q", ("k", "cu_seqlens_q", "cu_seqlens_k", "sinks"),
+    ),
+    graphs=(),
+    no_graph=_without_sample(NO_KERNEL, "attention_varlen", "attention_varlen_bwd"),
+    fallbacks=(),
+    no_fallback=_without_sample(NO_KERNEL, "attention_varlen", "attention_varlen_bwd"),
 )
 
 
@@ -1615,5 +1861,5 @@ FFTCONV = OpInfo(
 )
 
 
-OP_DB = (MATMUL, ATTENTION, LAYER_NORM, RMS_NORM, ROPE, LINEAR_ATTENTION, BASED_ATTENTION, MAMBA2_SSD, CAUSAL_CONV1D,
+OP_DB = (MATMUL, ATTENTION, ATTENTION_VARLEN, LAYER_NORM, RMS_NORM, ROPE, LINEAR_ATTENTION, BASED_ATTENTION, MAMBA2_SSD, CAUSAL_CONV1D,
          FFTCONV)

@@ -6,7 +6,7 @@ reference (CPU and unsupported inputs), a fake impl and autograd through a dedic
 """
 
 from tk_ops import _library
-from tk_ops.ops.attention import attention
+from tk_ops.ops.attention import attention, attention_varlen
 from tk_ops.ops.based_attention import based_attention
 from tk_ops.ops.causal_conv1d import causal_conv1d
 from tk_ops.ops.fftconv import fftconv
@@ -33,6 +33,7 @@ def extension_status() -> str:
 
 __all__ = [
     "attention",
+    "attention_varlen",
     "backends",
     "based_attention",
     "causal_conv1d",

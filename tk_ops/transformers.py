@@ -1,5 +1,10 @@
 """Opt-in switches that run unchanged Hugging Face transformers models through tk ops.
 
+``enable_attention()`` registers ``"tk_ops"`` (``ATTENTION_IMPLEMENTATION``) with transformers'
+``AttentionInterface``, so ``from_pretrained(..., attn_implementation="tk_ops")`` or
+``model.set_attn_implementation("tk_ops")`` runs every attention layer of a model through
+``tk_ops.attention`` / ``tk_ops.attention_varlen`` (``tk_attention_forward`` below says how).
+
 ``apply_tk_kernels_to_mamba2(model=None)`` replaces the ``forward`` of transformers'
 ``Mamba2Mixer`` (``transformers.models.mamba2.modeling_mamba2``, the mixer of ``Mamba2Model`` and
 ``Mamba2ForCausalLM``) by ``tk_ops.nn.mamba2.mamba2_mixer_forward``: in_proj, ``tk.causal_conv1d``
@@ -53,6 +58,7 @@ from typing import Optional
 
 import torch
 
+import tk_ops
 from tk_ops.nn.mamba2 import mamba2_mixer_forward
 
 # The transformers releases the switch supports (pyproject.toml's test extra declares the same range).
@@ -83,6 +89,174 @@ def check_transformers_version() -> str:
     if not SpecifierSet(SUPPORTED_TRANSFORMERS).contains(version, prereleases=True):
         raise ImportError(f"transformers {version} is installed; {hint}")
     return version
+
+
+# ------------------------------------------------------------------------------ attention interface
+
+# The name models select with attn_implementation=... once enable_attention() has run.
+ATTENTION_IMPLEMENTATION = "tk_ops"
+
+
+def _sliding_window(sliding_window, causal: bool):
+    """HF's ``sliding_window`` W as tk's window, as HF's eager masks define it: causal, key j is seen from
+    query i iff i - W < j <= i, i.e. (W - 1, 0); bidirectional, iff |i - j| <= W, i.e. (W, W)."""
+    if sliding_window is None:
+        return None
+    return (int(sliding_window) - 1, 0) if causal else (int(sliding_window), int(sliding_window))
+
+
+def _sinks_for(query: torch.Tensor, sinks):
+    """HF's sinks (GPT-OSS's ``s_aux``, a parameter in the model's dtype) as the op takes them: fp32, or fp64
+    beside fp64 activations (exact in the fp64 reference). The cast is differentiable."""
+    if sinks is None:
+        return None
+    return sinks.to(torch.float64 if query.dtype == torch.float64 else torch.float32)
+
+
+def _to_int(value) -> int:
+    return int(value.item()) if isinstance(value, torch.Tensor) else int(value)
+
+
+def _packed_starts(position_ids: Optional[torch.Tensor], batch: int, q_len: int) -> Optional[torch.Tensor]:
+    """The first row of every sequence of a padding-free packed batch (DataCollatorWithFlattening), or None.
+
+    A batch is packed when it is one row (batch 1) of position_ids that restart: a sequence starts
+    wherever a position is not the previous one plus 1, which is how transformers' masks split a packed
+    row (flash_attention_2 splits where the position equals its minimum; for the collator's ids, which
+    restart at 0, the two agree). Reading the ids is a device sync, as in the flash integration.
+    """
+    if position_ids is None or batch != 1 or q_len < 2:
+        return None
+    ids = position_ids.reshape(-1)[-q_len:]
+    breaks = torch.nonzero(ids[1:] - ids[:-1] != 1).reshape(-1) + 1
+    if breaks.numel() == 0:
+        return None
+    return torch.cat([breaks.new_zeros(1), breaks])
+
+
+def _cu_seqlens(lengths: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """HF's (B, H, N, D) as rows (B * N, H, D), a view where the layout allows (HF's q, k, v are
+    (B, N, H, D) projections transposed, so it does)."""
+    return t.transpose(1, 2).reshape(t.shape[0] * t.shape[2], t.shape[1], t.shape[3])
+
+
+def tk_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    is_causal: Optional[bool] = None,
+    s_aux: Optional[torch.Tensor] = None,
+    **kwargs,
+):
+    """transformers' attention function signature on tk ops; returns (out (B, Nq, Hq, Dv), None).
+
+    query (B, Hq, Nq, D), key (B, Hkv, Nk, D), value (B, Hkv, Nk, Dv) as the attention layers hand them
+    over (GQA read in place, no repeat_kv). What the layer passes is read as follows:
+    - ``scaling`` is the scale; ``is_causal`` (else ``module.is_causal``, else causal);
+    - ``sliding_window`` W: window (W - 1, 0) when causal, (W, W) when not, as HF's eager masks;
+    - ``softcap``: Gemma 2's logit softcap; ``s_aux`` (or ``sinks``): GPT-OSS's sinks, cast to fp32;
+    - ``attention_mask``: what the mask function registered with it gives (transformers' own mask for
+      flash attention): None, or the 2D padding mask (B, Nk) of booleans, which unpads q, k and v into
+      ``tk_ops.attention_varlen`` (queries are the last Nq positions of the mask, as with left padding
+      in generation; a query row of padding gets out 0). Any other mask (a 4D custom mask) raises;
+    - ``cu_seq_lens_q/k`` and ``max_length_q/k`` (DataCollatorWithFlattening(return_flash_attn_kwargs=True)):
+      the packed row goes to ``tk_ops.attention_varlen`` as given;
+    - else packed ``position_ids`` (batch 1, positions that restart: DataCollatorWithFlattening) are
+      split into sequences for ``tk_ops.attention_varlen``;
+    - otherwise ``tk_ops.attention`` on the dense tensors (causal bottom-right aligned: queries are the
+      last Nq of the Nk positions, as with a cache).
+    ``dropout`` > 0 raises (tk attention has no dropout); ``output_attentions`` gets no weights (None).
+    """
+    if dropout:
+        raise ValueError(
+            f"tk_ops attention has no dropout; got dropout={dropout} (set the config's attention_dropout to 0, "
+            "or use another attn_implementation for training with attention dropout)"
+        )
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    sinks = s_aux if s_aux is not None else kwargs.get("sinks")
+    options = dict(
+        causal=causal,
+        scale=scaling,
+        window=_sliding_window(sliding_window, causal),
+        softcap=softcap,
+        sinks=_sinks_for(query, sinks),
+    )
+    batch, q_heads, q_len, _ = query.shape
+    value_dim = value.shape[-1]
+
+    if attention_mask is not None:
+        if attention_mask.dim() != 2:
+            raise ValueError(
+                "tk_ops attention takes a 2D padding mask (batch, keys) or none, got a mask of shape "
+                f"{tuple(attention_mask.shape)} (a custom 4D mask needs another attn_implementation)"
+            )
+        mask = attention_mask.bool()
+        key, value = key[:, :, : mask.shape[1]], value[:, :, : mask.shape[1]]  # a static cache's unused slots
+        key_lengths = mask.sum(-1, dtype=torch.int32)
+        key_rows = torch.nonzero(mask.reshape(-1)).reshape(-1)
+        query_mask = mask[:, -q_len:]
+        query_lengths = query_mask.sum(-1, dtype=torch.int32)
+        query_rows = torch.nonzero(query_mask.reshape(-1)).reshape(-1)
+        out = tk_ops.attention_varlen(
+            _rows(query).index_select(0, query_rows),
+            _rows(key).index_select(0, key_rows),
+            _rows(value).index_select(0, key_rows),
+            _cu_seqlens(query_lengths),
+            _cu_seqlens(key_lengths),
+            max(1, _to_int(query_lengths.max())),
+            max(1, _to_int(key_lengths.max())),
+            **options,
+        )
+        padded = out.new_zeros((batch * q_len, q_heads, value_dim)).index_copy(0, query_rows, out)
+        return padded.view(batch, q_len, q_heads, value_dim), None
+
+    cu_seqlens_q, cu_seqlens_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    max_length_q, max_length_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+    if not all(x is not None for x in (cu_seqlens_q, cu_seqlens_k, max_length_q, max_length_k)):
+        cu_seqlens_q = cu_seqlens_k = None
+        starts = _packed_starts(kwargs.get("position_ids"), batch, q_len)
+        if starts is not None:
+            if key.shape[2] != q_len:
+                raise ValueError(
+                    "tk_ops attention: packed position_ids (several sequences in one row) with a cache that holds "
+                    f"earlier keys ({key.shape[2]} keys for {q_len} queries) are not supported"
+                )
+            cu_seqlens_q = cu_seqlens_k = torch.cat([starts, starts.new_full((1,), q_len)]).to(torch.int32)
+            max_length_q = max_length_k = _to_int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    if cu_seqlens_q is not None:
+        out = tk_ops.attention_varlen(
+            _rows(query), _rows(key), _rows(value), cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32),
+            _to_int(max_length_q), _to_int(max_length_k), **options,
+        )
+        return out.view(batch, q_len, q_heads, value_dim), None
+
+    out = tk_ops.attention(query, key, value, **options)
+    return out.transpose(1, 2), None
+
+
+def enable_attention() -> None:
+    """Register ``"tk_ops"`` with transformers' ``AttentionInterface`` (and, for its masks, with
+    ``AttentionMaskInterface``: the mask function of flash attention, which hands over the 2D padding
+    mask or None). Idempotent. Then ``attn_implementation="tk_ops"`` selects ``tk_attention_forward``."""
+    check_transformers_version()
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION_IMPLEMENTATION, tk_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_IMPLEMENTATION, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
+
+
+# ------------------------------------------------------------------------------------------ Mamba-2
 
 
 def _mixer_class():
@@ -177,9 +351,12 @@ def is_tk_kernels_applied_to_mamba2(model: Optional[torch.nn.Module] = None) -> 
 
 
 __all__ = [
+    "ATTENTION_IMPLEMENTATION",
     "SUPPORTED_TRANSFORMERS",
     "apply_tk_kernels_to_mamba2",
     "check_transformers_version",
+    "enable_attention",
     "is_tk_kernels_applied_to_mamba2",
+    "tk_attention_forward",
     "undo_tk_kernels_for_mamba2",
 ]
