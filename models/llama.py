@@ -122,9 +122,10 @@ class LlamaAttention(torch.nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.sliding_window = config.sliding_window
+        # Based's attention layers are built from a BasedConfig, which has no window
+        self.sliding_window = getattr(config, "sliding_window", None)
         # tk_ops' (left, right) window: the W - 1 keys before the query and none after it
-        self.window = None if config.sliding_window is None else (config.sliding_window - 1, 0)
+        self.window = None if self.sliding_window is None else (self.sliding_window - 1, 0)
         hidden, bias, reference = config.hidden_size, config.attention_bias, config.reference
         self.q_proj = make_linear(hidden, self.num_heads * self.head_dim, bias=bias, reference=reference)
         self.k_proj = make_linear(hidden, self.num_kv_heads * self.head_dim, bias=bias, reference=reference)
