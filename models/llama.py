@@ -34,8 +34,8 @@ import torch
 import tk_ops
 from models.layers import (
     CausalLM,
-    ResidualRMSNorm,
     PackedDocuments,
+    ResidualRMSNorm,
     SwiGLUMLP,
     causal_mask,
     make_linear,
