@@ -211,7 +211,9 @@ def _check_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale) 
         _checks.check_dim("cache_seqlens", cache_seqlens, 0, batch, "q.shape[0] (batch)")
         _checks.check_same_device(q=q, cache_seqlens=cache_seqlens)
     elif isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, (int, torch.SymInt)):
-        raise TypeError(f"cache_seqlens must be a (B,) int32 tensor or a Python int, got {type(cache_seqlens).__name__}")
+        raise TypeError(
+            f"cache_seqlens must be a (B,) int32 tensor or a Python int, got {type(cache_seqlens).__name__}"
+        )
 
 
 def attention_with_kvcache(
