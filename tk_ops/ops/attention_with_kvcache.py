@@ -62,7 +62,7 @@ from tk_ops.ops import attention as attention_module
 def _capacity(k_cache: torch.Tensor, block_table: Optional[torch.Tensor]) -> tuple[int, str]:
     """The positions a sequence can hold, and where that number comes from (for error messages)."""
     if block_table is None:
-        return k_cache.shape[1], f"Nmax = k_cache.shape[1] = {k_cache.shape[1]}"
+        return k_cache.shape[1], "Nmax = k_cache.shape[1]"
     blocks, block_size = block_table.shape[1], k_cache.shape[1]
     return blocks * block_size, f"max_blocks * block_size = {blocks} * {block_size}"
 
