@@ -10,7 +10,14 @@ On the tk path the residual add is fused into the RMSNorm that follows it
 (``tk_ops.rms_norm(x, w, residual=r, return_residual=True)``). Under autocast the residual stream
 stays fp32, as in the reference path, while the normalised activations are in the autocast dtype.
 Only the default rope type (no scaling) is implemented; there is no attention mask (causal
-attention over packed sequences) and no KV cache.
+attention over packed sequences).
+
+Generation (``models.generate``) passes a paged KV cache (``models.kv_cache.PagedKVCache``) to
+``forward(input_ids, cache=cache)``, on the tk path: the tokens are placed after those the cache
+holds (rotary positions included); into an empty cache, the prefill runs the model's own causal
+``tk_ops.attention`` and writes its keys and values into the cache; against a cache that holds
+tokens, each layer appends its keys and values and attends with ``tk_ops.attention_with_kvcache``.
+Without a cache nothing changes (training runs exactly the code it ran before).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from typing import Optional
 import torch
 
 import tk_ops
+from models.kv_cache import PagedKVCache
 from models.layers import (
     CausalLM,
     ResidualRMSNorm,
@@ -109,18 +117,29 @@ class LlamaAttention(torch.nn.Module):
         self.v_proj = make_linear(hidden, self.num_kv_heads * self.head_dim, bias=bias, reference=reference)
         self.o_proj = make_linear(self.num_heads * self.head_dim, hidden, bias=bias, reference=reference)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
+        """``cache``: this layer's ``models.kv_cache.LayerKVCache`` (tk path only), or None."""
         batch, seq_len, _ = x.shape
         # (B, N, H * D) -> (B, H, N, D) as strided views: tk ops take them without a copy
         q = self.q_proj(x).view(batch, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if self.reference:
+            if cache is not None:
+                raise ValueError("the KV cache runs on the tk path only (config.reference=False)")
             q, k = reference_rope(q, cos, sin), reference_rope(k, cos, sin)
             out = reference_attention(q, k, v, causal=True)
-        else:
-            q, k = tk_ops.rope_qk(q, k, cos, sin)
-            out = tk_ops.attention(q, k, v, causal=True)
+            return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
+        q, k = tk_ops.rope_qk(q, k, cos, sin)
+        if cache is not None and cache.length > 0:
+            out = tk_ops.attention_with_kvcache(
+                q.transpose(1, 2), cache.k_cache, cache.v_cache, k.transpose(1, 2), v.transpose(1, 2),
+                cache_seqlens=cache.cache_seqlens, block_table=cache.block_table, causal=True,
+            )
+            return self.o_proj(out.reshape(batch, seq_len, -1))
+        out = tk_ops.attention(q, k, v, causal=True)
+        if cache is not None:  # a prefill: the prompt's keys and values fill the empty cache
+            cache.write(k.transpose(1, 2), v.transpose(1, 2))
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
 
@@ -136,9 +155,9 @@ class LlamaDecoderLayer(torch.nn.Module):
         self.post_attention_layernorm = ResidualRMSNorm(hidden, eps, reference=reference)
         self.mlp = SwiGLUMLP(hidden, config.intermediate_size, bias=config.mlp_bias, reference=reference)
 
-    def forward(self, x, residual, cos, sin):
+    def forward(self, x, residual, cos, sin, cache=None):
         normed, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(normed, cos, sin)
+        x = self.self_attn(normed, cos, sin, cache)
         normed, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(normed), residual
 
@@ -156,11 +175,22 @@ class LlamaModel(torch.nn.Module):
             "inverse_frequencies", rotary_inverse_frequencies(config.head_dim, config.rope_theta), persistent=False
         )
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        cos, sin = rotary_tables(self.inverse_frequencies, input_ids.shape[1])
+    def forward(self, input_ids: torch.Tensor, cache=None) -> torch.Tensor:
+        """Hidden states (B, N, hidden); with ``cache`` (a ``models.kv_cache.PagedKVCache``) the tokens are
+        those after the ones it holds, and it holds them too afterwards."""
+        if cache is None:
+            cos, sin = rotary_tables(self.inverse_frequencies, input_ids.shape[1])
+            x, residual = self.embed_tokens(input_ids), None
+            for layer in self.layers:
+                x, residual = layer(x, residual, cos, sin)
+            return self.norm(x, residual)[0]
+        start, new_tokens = cache.length, input_ids.shape[1]
+        cache.make_room(new_tokens)
+        cos, sin = (table[start:] for table in rotary_tables(self.inverse_frequencies, start + new_tokens))
         x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin)
+        for index, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, cos, sin, cache.layer(index))
+        cache.advance(new_tokens)
         return self.norm(x, residual)[0]
 
 
@@ -173,6 +203,23 @@ class LlamaForCausalLM(CausalLM):
         self.config = config
         self.model = LlamaModel(config)
         self.init_head(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, targets: Optional[torch.Tensor] = None, cache=None) -> torch.Tensor:
+        """As CausalLM's; ``cache`` (a ``models.kv_cache.PagedKVCache``, no targets) gives the logits of the tokens
+        that follow those the cache holds, and adds them to it."""
+        if cache is None:
+            return super().forward(input_ids, targets)
+        if targets is not None:
+            raise ValueError("a forward with a KV cache is for generation: it takes no targets")
+        return self.lm_head(self.model(input_ids, cache))
+
+    def kv_cache(self, batch: int, max_length: int, *, block_size: int = 16) -> PagedKVCache:
+        """An empty paged KV cache for ``batch`` sequences of up to ``max_length`` tokens, in the dtype and on
+        the device of the model's weights."""
+        c, weight = self.config, self.model.embed_tokens.weight
+        return PagedKVCache(layers=c.num_hidden_layers, batch=batch, kv_heads=c.num_key_value_heads,
+                            head_dim=c.head_dim, max_length=max_length, block_size=block_size, dtype=weight.dtype,
+                            device=weight.device)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 3 x (2 x matmul parameters + causal attention scores)."""
