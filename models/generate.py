@@ -9,7 +9,8 @@ whose keys and values then fill a paged KV cache, ``models.kv_cache``); every ne
 of one token, each layer appending its key and value to the cache and attending to it with
 ``tk_ops.attention_with_kvcache``. Decoding is greedy by default (``--temperature 0``), or samples with
 a temperature and nucleus (top-p) filtering, reproducibly from ``--seed``. Prints the decoded text,
-the time to first token (the prefill and the first sampled token) and the decode rate in tokens/s.
+the time to first token (the prefill and the first sampled token) and the decode rate in tokens/s,
+both after an untimed warm-up generation of two tokens.
 
 The tokenizer is that of the prepared data directory (``--data``, default ``.data/kjv``), which must be
 the data the checkpoint was trained on. The context is the model's ``max_position_embeddings`` (the
@@ -30,6 +31,8 @@ import torch
 
 from models.checkpoint import load_model
 from models.data import DEFAULT_DATA_DIR, TokenData
+
+DEFAULT_NEW_TOKENS = 48
 
 
 def sample_next(logits: torch.Tensor, *, temperature: float, top_p: float, generator=None) -> torch.Tensor:
@@ -121,7 +124,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="a run directory of models.train, or its checkpoint.safetensors")
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA_DIR, help="the prepared data (its tokenizer)")
     parser.add_argument("--prompt", default="And God said")
-    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--max-new-tokens", type=int,
+                        help=f"default: {DEFAULT_NEW_TOKENS}, or what the model's context leaves after the prompt")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this much probability")
     parser.add_argument("--block-size", type=int, default=16, help="positions per block of the paged KV cache")
@@ -133,7 +137,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         parser.error(f"--temperature must be >= 0, got {args.temperature}")
     if not 0 < args.top_p <= 1:
         parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
-    if args.max_new_tokens < 1 or args.block_size < 1:
+    if (args.max_new_tokens is not None and args.max_new_tokens < 1) or args.block_size < 1:
         parser.error("--max-new-tokens and --block-size must be >= 1")
     return args
 
@@ -150,16 +154,21 @@ def main(argv: Optional[list[str]] = None) -> Generation:
         raise SystemExit(f"{file} was trained on other data than {args.data}: pass the --data it was trained on")
     tokenizer = data.tokenizer()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    dtype_name = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     model = load_model(file).to(device=device, dtype=dtype)
     prompt = torch.tensor([tokenizer.encode(args.prompt)], device=device)
+    new_tokens = args.max_new_tokens or min(DEFAULT_NEW_TOKENS, model.config.max_position_embeddings - prompt.shape[1])
+    # Untimed, so that the times are those of a warm process: the first op call imports PyTorch's compiler
+    # (seconds), the first of each kernel loads it.
+    generate(model, prompt, min(2, new_tokens), block_size=args.block_size)
     generator = torch.Generator(device=device).manual_seed(args.seed)
-    result = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+    result = generate(model, prompt, new_tokens, temperature=args.temperature, top_p=args.top_p,
                       block_size=args.block_size, generator=generator)
     parameters = sum(p.numel() for p in model.parameters())
     sampling = "greedy" if args.temperature == 0 else f"temperature {args.temperature}, top-p {args.top_p}"
-    print(f"{args.model} ({parameters / 1e6:.1f}M parameters, step {metadata['step']}) from {file}; "
-          f"{device.type}, {str(dtype).removeprefix('torch.')}, {sampling}, paged KV cache in blocks of {args.block_size}")
+    print(f"{args.model} ({parameters / 1e6:.1f}M parameters, step {metadata['step']}) from {file}; {device.type}, "
+          f"{str(dtype).removeprefix('torch.')}, {sampling}, paged KV cache in blocks of {args.block_size}")
     print(tokenizer.decode(result.tokens[0].tolist()))
     rate = result.decode_tokens_per_s
     decode = f"{rate:,.1f} tokens/s" if rate else "no decode step"
