@@ -31,7 +31,7 @@ SHAPES = (
     ("queries-on-cached-tokens", [4, 10], 3, 1, 11),
 )
 
-GROUPS = ((4, 4), (4, 2), (6, 2), (8, 1))  # (Hq, Hkv): GQA ratios 1, 2, 3, 8
+GROUPS = ((4, 4), (4, 2), (6, 2), (8, 2), (8, 1))  # (Hq, Hkv): GQA ratios 1, 2, 3, 4, 8
 
 # (id, options of tk_ops.attention_with_kvcache, whether the row has sinks)
 OPTIONS = (
