@@ -20,7 +20,15 @@ documents' cu_seqlens; the reference path runs SDPA with the block-diagonal caus
 On the tk path the residual add is fused into the RMSNorm that follows it
 (``tk_ops.rms_norm(x, w, residual=r, return_residual=True)``). Under autocast the residual stream
 stays fp32, as in the reference path, while the normalised activations are in the autocast dtype.
-Only the default rope type (no scaling) is implemented; there is no padding mask and no KV cache.
+Only the default rope type (no scaling) is implemented; there is no padding mask.
+
+Generation (``models.generate``) passes a paged KV cache (``models.kv_cache.PagedKVCache``) to
+``forward(input_ids, cache=cache)``, on the tk path: the tokens are placed after those the cache
+holds (rotary positions included); into an empty cache, the prefill runs the model's own causal
+``tk_ops.attention`` and writes its keys and values into the cache; against a cache that holds
+tokens, each layer appends its keys and values and attends with ``tk_ops.attention_with_kvcache``
+(with the model's sliding window). Without a cache nothing changes (training runs exactly the code it
+ran before).
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from typing import Optional
 import torch
 
 import tk_ops
+from models.kv_cache import PagedKVCache
 from models.layers import (
     CausalLM,
     PackedDocuments,
@@ -133,9 +142,17 @@ class LlamaAttention(torch.nn.Module):
         self.o_proj = make_linear(self.num_heads * self.head_dim, hidden, bias=bias, reference=reference)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: Optional[PackedDocuments] = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        documents: Optional[PackedDocuments] = None,
+        cache=None,
     ) -> torch.Tensor:
-        """cos, sin: (N, D / 2), or (B, N, D / 2) with ``documents`` (each token at its position in its document)."""
+        """cos, sin: (N, D / 2), or (B, N, D / 2) with ``documents`` (each token at its position in its
+        document); ``cache``: this layer's ``models.kv_cache.LayerKVCache`` (tk path only), or None."""
+        if documents is not None and cache is not None:
+            raise ValueError("packed documents and a KV cache do not go together")
         if documents is not None and not self.reference:
             return self._packed_forward(x, cos, sin, documents)
         batch, seq_len, _ = x.shape
@@ -144,6 +161,8 @@ class LlamaAttention(torch.nn.Module):
         k = self.k_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if self.reference:
+            if cache is not None:
+                raise ValueError("the KV cache runs on the tk path only (config.reference=False)")
             if documents is not None:
                 cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # one table per row, shared by the heads
             q, k = reference_rope(q, cos, sin), reference_rope(k, cos, sin)
@@ -151,9 +170,17 @@ class LlamaAttention(torch.nn.Module):
             if self.sliding_window is not None or documents is not None:
                 mask = causal_mask(seq_len, x.device, window=self.sliding_window, documents=documents)
             out = reference_attention(q, k, v, causal=True, mask=mask)
-        else:
-            q, k = tk_ops.rope_qk(q, k, cos, sin)
-            out = tk_ops.attention(q, k, v, causal=True, window=self.window)
+            return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
+        q, k = tk_ops.rope_qk(q, k, cos, sin)
+        if cache is not None and cache.length > 0:
+            out = tk_ops.attention_with_kvcache(
+                q.transpose(1, 2), cache.k_cache, cache.v_cache, k.transpose(1, 2), v.transpose(1, 2),
+                cache_seqlens=cache.cache_seqlens, block_table=cache.block_table, causal=True, window=self.window,
+            )
+            return self.o_proj(out.reshape(batch, seq_len, -1))
+        out = tk_ops.attention(q, k, v, causal=True, window=self.window)
+        if cache is not None:  # a prefill: the prompt's keys and values fill the empty cache
+            cache.write(k.transpose(1, 2), v.transpose(1, 2))
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
     def _packed_forward(self, x, cos, sin, documents: PackedDocuments) -> torch.Tensor:
@@ -185,9 +212,9 @@ class LlamaDecoderLayer(torch.nn.Module):
         self.post_attention_layernorm = ResidualRMSNorm(hidden, eps, reference=reference)
         self.mlp = SwiGLUMLP(hidden, config.intermediate_size, bias=config.mlp_bias, reference=reference)
 
-    def forward(self, x, residual, cos, sin, documents: Optional[PackedDocuments] = None):
+    def forward(self, x, residual, cos, sin, documents: Optional[PackedDocuments] = None, cache=None):
         normed, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(normed, cos, sin, documents)
+        x = self.self_attn(normed, cos, sin, documents, cache)
         normed, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(normed), residual
 
@@ -205,14 +232,29 @@ class LlamaModel(torch.nn.Module):
             "inverse_frequencies", rotary_inverse_frequencies(config.head_dim, config.rope_theta), persistent=False
         )
 
-    def forward(self, input_ids: torch.Tensor, documents: Optional[PackedDocuments] = None) -> torch.Tensor:
-        if documents is None:
-            cos, sin = rotary_tables(self.inverse_frequencies, input_ids.shape[1])
-        else:
-            cos, sin = rotary_tables_at(self.inverse_frequencies, documents.positions)
+    def forward(
+        self, input_ids: torch.Tensor, documents: Optional[PackedDocuments] = None, cache=None
+    ) -> torch.Tensor:
+        """Hidden states (B, N, hidden); with ``cache`` (a ``models.kv_cache.PagedKVCache``) the tokens are
+        those after the ones it holds, and it holds them too afterwards."""
+        if cache is None:
+            if documents is None:
+                cos, sin = rotary_tables(self.inverse_frequencies, input_ids.shape[1])
+            else:
+                cos, sin = rotary_tables_at(self.inverse_frequencies, documents.positions)
+            x, residual = self.embed_tokens(input_ids), None
+            for layer in self.layers:
+                x, residual = layer(x, residual, cos, sin, documents)
+            return self.norm(x, residual)[0]
+        if documents is not None:
+            raise ValueError("packed documents and a KV cache do not go together")
+        start, new_tokens = cache.length, input_ids.shape[1]
+        cache.make_room(new_tokens)
+        cos, sin = (table[start:] for table in rotary_tables(self.inverse_frequencies, start + new_tokens))
         x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin, documents)
+        for index, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, cos, sin, cache=cache.layer(index))
+        cache.advance(new_tokens)
         return self.norm(x, residual)[0]
 
 
@@ -228,6 +270,30 @@ class LlamaForCausalLM(CausalLM):
 
     def packed_hidden_states(self, input_ids: torch.Tensor, documents: PackedDocuments) -> torch.Tensor:
         return self.model(input_ids, documents)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        targets: Optional[torch.Tensor] = None,
+        *,
+        documents: Optional[PackedDocuments] = None,
+        cache=None,
+    ) -> torch.Tensor:
+        """As CausalLM's; ``cache`` (a ``models.kv_cache.PagedKVCache``, no targets) gives the logits of the tokens
+        that follow those the cache holds, and adds them to it."""
+        if cache is None:
+            return super().forward(input_ids, targets, documents=documents)
+        if targets is not None or documents is not None:
+            raise ValueError("a forward with a KV cache is for generation: it takes no targets or documents")
+        return self.lm_head(self.model(input_ids, cache=cache))
+
+    def kv_cache(self, batch: int, max_length: int, *, block_size: int = 16) -> PagedKVCache:
+        """An empty paged KV cache for ``batch`` sequences of up to ``max_length`` tokens, in the dtype and on
+        the device of the model's weights."""
+        c, weight = self.config, self.model.embed_tokens.weight
+        return PagedKVCache(layers=c.num_hidden_layers, batch=batch, kv_heads=c.num_key_value_heads,
+                            head_dim=c.head_dim, max_length=max_length, block_size=block_size, dtype=weight.dtype,
+                            device=weight.device)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 3 x (2 x matmul parameters + causal attention scores). Rows of

@@ -21,6 +21,7 @@ import torch
 import tk_ops
 import tk_testing
 from inputs import attention as attention_inputs
+from inputs import attention_with_kvcache as kvcache_inputs
 from inputs import based_attention as based_attention_inputs
 from inputs import causal_conv1d as causal_conv1d_inputs
 from inputs import fftconv as fftconv_inputs
@@ -127,7 +128,8 @@ class BadInput:
 
 @dataclass(frozen=True)
 class OpInfo:
-    """One op family. ``functions``: public function -> (forward tk op, backward tk op); ``kernel_dtypes``: the
+    """One op family. ``functions``: public function -> (forward tk op, backward tk op), or (forward tk op,) for an
+    op without a gradient; ``kernel_dtypes``: the
     input dtypes its CUDA kernels serve, each opchecked on the GPU with ``kernel_samples(dtype)``;
     ``device_mismatches``: CUDA calls with one tensor left on the CPU; ``graphs``: CUDA graphs of its kernels,
     ``no_graph``: for each tk op of the family that no graph captures, why; ``fallbacks``: CUDA inputs its
@@ -135,7 +137,7 @@ class OpInfo:
     is in a column or in its gaps)."""
 
     name: str
-    functions: dict[str, tuple[str, str]]
+    functions: dict[str, tuple[str, ...]]
     samples: tuple[Sample, ...]
     kernel_dtypes: tuple[torch.dtype, ...]
     kernel_samples: Callable[[torch.dtype], tuple[Sample, ...]]
@@ -697,6 +699,201 @@ ATTENTION_VARLEN = OpInfo(
     no_graph=_without_sample(NO_KERNEL, "attention_varlen", "attention_varlen_bwd"),
     fallbacks=(),
     no_fallback=_without_sample(NO_KERNEL, "attention_varlen", "attention_varlen_bwd"),
+)
+
+
+# ------------------------------------------------------------------------------- attention_with_kvcache
+
+KVCACHE_LENGTHS = [3, 0, 6]  # cached tokens of the three sequences (one empty) of the samples below
+
+
+def _kvcache_case(block_size=4, new_len=2, dtype=torch.float32, device="cpu", reserve=0):
+    """Three sequences, 2 queries, caches of 9 positions, NaN in every unused slot (inputs/attention_with_kvcache)."""
+    return kvcache_inputs.make_case(KVCACHE_LENGTHS, 2, new_len, capacity=9, block_size=block_size, dtype=dtype,
+                                    device=device, reserve=reserve)
+
+
+def _kvcache_sample(id, block_size, new_len=2, options=(), with_sinks=False, q_requires_grad=False,
+                    dtype=torch.float64) -> Sample:
+    def make():
+        case = _kvcache_case(block_size, new_len, dtype)
+        case.q.requires_grad_(q_requires_grad)
+        sinks = torch.randn(case.q.shape[2]) if with_sinks else None
+        return case.op_arguments(*options, sinks=sinks)
+
+    return Sample(id, "attention_with_kvcache", make)
+
+
+def _attend_to_cache_copies(q, k_cache, v_cache, k, v, cache_seqlens, block_table, sinks):
+    """A decode step on copies of the caches (the inputs stay as they are), returning the written copies."""
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    out, lse = tk_ops.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+                                             block_table=block_table, window=(4, -1), softcap=2.0, sinks=sinks,
+                                             return_lse=True)
+    return out, lse, k_cache, v_cache
+
+
+def _kvcache_compile_inputs():
+    case = _kvcache_case()
+    caches = [t.nan_to_num(0.0) for t in (case.k_cache, case.v_cache)]  # the outputs compare without NaN
+    return [case.q, *caches, case.k, case.v, case.cache_seqlens, case.block_table, torch.randn(case.q.shape[2])]
+
+
+class _PagedDecodeStep(torch.nn.Module):
+    """One decode step against a paged cache held in buffers (which the step writes)."""
+
+    def __init__(self):
+        super().__init__()
+        case = _kvcache_case(new_len=0, reserve=1)
+        self.register_buffer("k_cache", case.k_cache.nan_to_num(0.0))
+        self.register_buffer("v_cache", case.v_cache.nan_to_num(0.0))
+        self.register_buffer("block_table", case.block_table)
+
+    def forward(self, q, k, v, cache_seqlens):
+        return tk_ops.attention_with_kvcache(q, self.k_cache, self.v_cache, k, v, cache_seqlens=cache_seqlens,
+                                             block_table=self.block_table)
+
+
+def _kvcache_export_args():
+    case = _kvcache_case(new_len=1)
+    return case.q[:, :1], case.k, case.v, case.cache_seqlens
+
+
+def _kvcache_call(block_size=4, **changes):
+    """tk_ops.attention_with_kvcache on _kvcache_case(block_size) with some arguments replaced (a callable
+    change maps the argument's value) or options added."""
+
+    def call():
+        arguments = _kvcache_case(block_size).arguments()
+        arguments.update({name: change(arguments[name]) if callable(change) else change
+                          for name, change in changes.items() if name in arguments})
+        options = {name: change for name, change in changes.items() if name not in arguments}
+        return tk_ops.attention_with_kvcache(**arguments, **options)
+
+    return call
+
+
+def _kvcache_positional(q, k_cache, v_cache, k, v, cache_seqlens, block_table, **options):
+    return tk_ops.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+                                         block_table=block_table, **options)
+
+
+def _kvcache_op_call(**changes):
+    """torch.ops.tk.attention_with_kvcache (below the public function's checks) with arguments replaced."""
+
+    def call():
+        case = _kvcache_case()
+        for name, value in changes.items():
+            setattr(case, name, value)
+        return torch.ops.tk.attention_with_kvcache(*case.op_arguments())
+
+    return call
+
+
+def _with_block(entry, value):
+    """The block table with its entry ``entry`` (row, column) set to ``value``."""
+
+    def change(table):
+        table = table.clone()
+        table[entry] = value
+        return table
+
+    return change
+
+
+ATTENTION_WITH_KVCACHE = OpInfo(
+    name="attention_with_kvcache",
+    functions={"attention_with_kvcache": ("attention_with_kvcache",)},
+    samples=(
+        _kvcache_sample("dense-append", None),
+        _kvcache_sample("paged-append", 4),
+        _kvcache_sample("paged-no-append", 4, new_len=0),
+        _kvcache_sample("dense-window-softcap-sinks-fp32", None, options=(True, 0.3, 3, -1, 1.5), with_sinks=True,
+                        dtype=torch.float32),
+        _kvcache_sample("paged-not-causal-window-q-requires-grad", 2, options=(False, 0.3, 2, 1, 0.0),
+                        q_requires_grad=True),
+    ),
+    kernel_dtypes=(),  # no kernel yet: the reference serves every device
+    kernel_samples=lambda dtype: (),
+    compile=(
+        CompileSample("paged-window-softcap-sinks-lse", _attend_to_cache_copies, _kvcache_compile_inputs,
+                      ("attention_with_kvcache",)),
+    ),
+    export=(ExportSample("paged-decode-step-on-buffers", _PagedDecodeStep, _kvcache_export_args,
+                         ("attention_with_kvcache",)),),
+    bad_inputs=_bad(
+        ("q-rank", _kvcache_call(q=lambda q: q[0]), ValueError, "q must have 4 dimensions"),
+        ("int-q", _kvcache_call(q=lambda q: q.int()), TypeError, "q must have dtype"),
+        ("q-not-a-tensor", _kvcache_call(q=lambda q: q.tolist()), TypeError, "q must be a torch.Tensor"),
+        ("k-cache-rank", _kvcache_call(k_cache=lambda c: c[0]), ValueError, "k_cache must have 4 dimensions"),
+        ("cache-dtype", _kvcache_call(k_cache=lambda c: c.double()), TypeError, "k_cache must have q's dtype"),
+        ("k-dtype", _kvcache_call(k=lambda k: k.half()), TypeError, "k must have q's dtype"),
+        ("k-without-v", _kvcache_call(v=None), ValueError, "k and v are appended together: k was given without v"),
+        ("v-without-k", _kvcache_call(k=None), ValueError, "k and v are appended together: v was given without k"),
+        ("v-cache-slots", _kvcache_call(v_cache=lambda c: c[:, :2]), ValueError,
+         r"v_cache.shape\[1\] must equal k_cache.shape\[1\]"),
+        ("v-cache-heads", _kvcache_call(v_cache=lambda c: c[:, :, :1]), ValueError,
+         r"v_cache.shape\[2\] must equal k_cache.shape\[2\] \(Hkv\)"),
+        ("cache-head-dim", _kvcache_call(k_cache=lambda c: c[..., :8]), ValueError,
+         r"k_cache.shape\[3\] must equal q.shape\[3\] \(head dim D\)"),
+        ("cache-last-stride", _kvcache_call(k_cache=lambda c: c.repeat_interleave(2, dim=-1)[..., ::2]), ValueError,
+         "k_cache must have a unit last stride"),
+        ("group", _kvcache_call(q=lambda q: q[:, :, :3]), ValueError, "Hq .*Hkv"),
+        ("k-batch", _kvcache_call(k=lambda k: k[:2]), ValueError, r"k.shape\[0\] must equal q.shape\[0\]"),
+        ("k-heads", _kvcache_call(k=lambda k: k[:, :, :1]), ValueError, r"k.shape\[2\] must equal k_cache.shape\[2\]"),
+        ("k-head-dim", _kvcache_call(k=lambda k: k[..., :8]), ValueError, r"k.shape\[3\] must equal q.shape\[3\]"),
+        ("v-length", _kvcache_call(v=lambda v: v[:, :1]), ValueError, r"v.shape\[1\] must equal k.shape\[1\]"),
+        ("v-head-dim", _kvcache_call(v=lambda v: v[..., :8]), ValueError,
+         r"v.shape\[3\] must equal v_cache.shape\[3\] \(value head dim Dv\)"),
+        ("empty-k", _kvcache_call(k=lambda k: k[:, :0], v=lambda v: v[:, :0]), ValueError, "k must not be empty"),
+        ("dense-cache-rows", _kvcache_call(None, k_cache=lambda c: c[:2], v_cache=lambda c: c[:2]), ValueError,
+         r"k_cache.shape\[0\] \(B_cache\) must be at least q's batch 3"),
+        ("block-table-int64", _kvcache_call(block_table=lambda t: t.long()), TypeError, "block_table must have dtype"),
+        ("block-table-rank", _kvcache_call(block_table=lambda t: t[0]), ValueError,
+         "block_table must have 2 dimensions"),
+        ("block-table-batch", _kvcache_call(block_table=lambda t: t[:2]), ValueError,
+         r"block_table.shape\[0\] must equal q.shape\[0\]"),
+        ("cache-seqlens-int64", _kvcache_call(cache_seqlens=lambda s: s.long()), TypeError,
+         "cache_seqlens must have dtype"),
+        ("cache-seqlens-length", _kvcache_call(cache_seqlens=lambda s: s[:2]), ValueError,
+         r"cache_seqlens.shape\[0\] must equal q.shape\[0\]"),
+        ("cache-seqlens-float", _kvcache_call(cache_seqlens=3.0), TypeError,
+         r"cache_seqlens must be a \(B,\) int32 tensor or a Python int"),
+        ("cache-seqlens-bool", _kvcache_call(cache_seqlens=True), TypeError,
+         r"cache_seqlens must be a \(B,\) int32 tensor or a Python int"),
+        ("paged-capacity", _kvcache_call(cache_seqlens=_int32([3, 0, 11])), ValueError,
+         r"cache_seqlens\[2\] \+ Nnew \(11 \+ 2\) must be at most the cache's capacity "
+         r"\(max_blocks \* block_size = 3 \* 4 = 12\)"),
+        ("dense-capacity", _kvcache_call(None, cache_seqlens=_int32([3, 0, 8])), ValueError,
+         r"cache_seqlens\[2\] \+ Nnew \(8 \+ 2\) must be at most the cache's capacity "
+         r"\(Nmax = k_cache.shape\[1\] = 9\)"),
+        ("int-capacity", _kvcache_call(cache_seqlens=11), ValueError,
+         r"cache_seqlens\[0\] \+ Nnew \(11 \+ 2\) must be at most the cache's capacity"),
+        ("negative-cache-seqlens", _kvcache_call(cache_seqlens=_int32([3, -1, 6])), ValueError,
+         r"cache_seqlens\[1\] must be >= 0, got -1"),
+        ("negative-int-cache-seqlens", _kvcache_call(cache_seqlens=-1), ValueError, r"cache_seqlens\[0\] must be >= 0"),
+        ("block-past-the-pool", _kvcache_call(block_table=_with_block((2, 1), 11)), ValueError,
+         r"block_table\[2, 1\] must be a block index in \[0, num_blocks = 11\) \(sequence 2 uses its first 2 blocks\), "
+         "got 11"),
+        ("negative-block", _kvcache_call(block_table=_with_block((0, 0), -1)), ValueError,
+         r"block_table\[0, 0\] must be a block index"),
+        ("nan-scale", _kvcache_call(scale=float("nan")), ValueError, "scale"),
+        *_attention_option_bad_inputs(_kvcache_positional, lambda: (list(_kvcache_case().arguments().values()), 4)),
+    ) + _op_calls(
+        ("op-checks-capacity", _kvcache_op_call(cache_seqlens=_int32([3, 0, 11])), ValueError,
+         r"cache_seqlens\[2\] \+ Nnew \(11 \+ 2\) must be at most"),
+        ("op-checks-blocks", _kvcache_op_call(block_table=_int32([[0, 1, 2], [3, -1, -1], [6, 99, -1]])), ValueError,
+         r"block_table\[2, 1\] must be a block index"),
+    ),
+    device_mismatches=_device_mismatches(
+        tk_ops.attention_with_kvcache,
+        lambda: dict(_kvcache_case(device="cuda").arguments(), sinks=torch.randn(4, device="cuda")),
+        "q", ("k_cache", "v_cache", "k", "v", "cache_seqlens", "block_table", "sinks"),
+    ),
+    graphs=(),
+    no_graph=_without_sample(NO_KERNEL, "attention_with_kvcache"),
+    fallbacks=(),
+    no_fallback=_without_sample(NO_KERNEL, "attention_with_kvcache"),
 )
 
 
@@ -1861,5 +2058,5 @@ FFTCONV = OpInfo(
 )
 
 
-OP_DB = (MATMUL, ATTENTION, ATTENTION_VARLEN, LAYER_NORM, RMS_NORM, ROPE, LINEAR_ATTENTION, BASED_ATTENTION, MAMBA2_SSD, CAUSAL_CONV1D,
-         FFTCONV)
+OP_DB = (MATMUL, ATTENTION, ATTENTION_VARLEN, ATTENTION_WITH_KVCACHE, LAYER_NORM, RMS_NORM, ROPE, LINEAR_ATTENTION,
+         BASED_ATTENTION, MAMBA2_SSD, CAUSAL_CONV1D, FFTCONV)

@@ -7,6 +7,7 @@ reference (CPU and unsupported inputs), a fake impl and autograd through a dedic
 
 from tk_ops import _library
 from tk_ops.ops.attention import attention, attention_varlen
+from tk_ops.ops.attention_with_kvcache import attention_with_kvcache
 from tk_ops.ops.based_attention import based_attention
 from tk_ops.ops.causal_conv1d import causal_conv1d
 from tk_ops.ops.fftconv import fftconv
@@ -34,6 +35,7 @@ def extension_status() -> str:
 __all__ = [
     "attention",
     "attention_varlen",
+    "attention_with_kvcache",
     "backends",
     "based_attention",
     "causal_conv1d",

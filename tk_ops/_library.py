@@ -126,6 +126,28 @@ def register_autograd(op, backward: Callable, setup_context: Callable) -> None:
     _PYTHON_AUTOGRAD[op._opname] = autograd_kernel
 
 
+def register_forward_only(op) -> None:
+    """Make ``op`` an op without a gradient, like an inference kernel: its outputs never require grad
+    (the Autograd key runs it below autograd, as a call into an extension that autograd does not see
+    would), and the arguments its schema marks as written (``Tensor(a!)``) get their version counters
+    bumped at the ADInplaceOrView key, as PyTorch's own in-place ops do, so autograd notices that a
+    tensor it saved was overwritten, whichever kernel (reference or CUDA) wrote it.
+    """
+    written = [i for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+
+    def autograd_kernel(*inputs):
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(*inputs)
+
+    def version_kernel(keyset, *inputs):
+        torch.autograd.graph.increment_version([inputs[i] for i in written])
+        return op.redispatch(keyset & torch._C._after_ADInplaceOrView_keyset, *inputs)
+
+    LIB.impl(op._opname, autograd_kernel, "Autograd")
+    if written:
+        LIB.impl(op._opname, version_kernel, "ADInplaceOrView", with_keyset=True)
+
+
 def python_autograd(name: str) -> Callable:
     """The Python autograd kernel of ``tk::<name>`` (what the Autograd key runs), callable with the
     op's arguments: the reference the C++ autograd kernels of csrc/torch/autograd.cpp are tested against."""

@@ -141,13 +141,15 @@ def _hidden(start, rows, key_start, keys, offset, left, right, device) -> Option
     return hidden
 
 
-def _block_probabilities(q_rows, k_keys, start, key_start, offset, left, right, scale, softcap, sink_rows):
+def _block_probabilities(q_rows, k_keys, start, key_start, offset, left, right, scale, softcap, sink_rows,
+                         absent_keys=None):
     """Probabilities (B, Hkv, G * rows, keys), lse (B, Hkv, G * rows) and, with a softcap, tanh(T / c)
     (same shape as the probabilities; None without) of one query block.
 
     q_rows: (B, Hkv, G, rows, D) for query rows [start, start + rows); k_keys: (B, Hkv, keys, D) for keys
-    [key_start, key_start + keys); sink_rows: (Hkv, G * rows) or None. Rows that see no key get
-    probabilities 0 and lse -inf, or lse = sink with sinks (not NaN).
+    [key_start, key_start + keys); sink_rows: (Hkv, G * rows) or None; absent_keys: (B, keys) bool, True
+    for keys of a sequence that no row of it sees (None: none). Rows that see no key get probabilities 0
+    and lse -inf, or lse = sink with sinks (not NaN).
     """
     batch, kv_heads, group, rows, _ = q_rows.shape
     keys = k_keys.shape[2]
@@ -159,6 +161,8 @@ def _block_probabilities(q_rows, k_keys, start, key_start, offset, left, right, 
     hidden = _hidden(start, rows, key_start, keys, offset, left, right, scores.device)
     if hidden is not None:
         scores.view(batch, kv_heads, group, rows, keys).masked_fill_(hidden, _NEG_INF)
+    if absent_keys is not None:
+        scores.masked_fill_(absent_keys[:, None, None, :], _NEG_INF)
     lse = torch.logsumexp(scores, dim=-1)
     if sink_rows is not None:
         lse = torch.logaddexp(lse, sink_rows)
@@ -173,9 +177,10 @@ def _sink_rows(sinks, kv_heads, group, rows, compute) -> Optional[torch.Tensor]:
     return sinks.to(compute).view(kv_heads, group, 1).expand(kv_heads, group, rows).reshape(kv_heads, group * rows)
 
 
-def _forward(q, k, v, causal, scale, window_left, window_right, softcap, sinks):
+def _forward(q, k, v, causal, scale, window_left, window_right, softcap, sinks, absent_keys=None):
     """The forward of the module docstring for q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv):
-    (out (B, Hq, Nq, Dv) in q's dtype, lse (B, Hq, Nq) fp32), both contiguous."""
+    (out (B, Hq, Nq, Dv) in q's dtype, lse (B, Hq, Nq) fp32), both contiguous. ``absent_keys`` (B, Nk)
+    bool hides keys from every row of their sequence, on top of the mask (None: no key is absent)."""
     batch, q_heads, q_len, _ = q.shape
     kv_heads, key_len, value_dim = k.shape[1], k.shape[2], v.shape[3]
     group = q_heads // kv_heads
@@ -190,6 +195,7 @@ def _forward(q, k, v, causal, scale, window_left, window_right, softcap, sinks):
         probs, block_lse, _ = _block_probabilities(
             q_grouped[:, :, :, start:stop].to(compute), k_compute[:, :, key_start:key_stop], start, key_start,
             key_len - q_len, window_left, right, scale, softcap, _sink_rows(sinks, kv_heads, group, rows, compute),
+            None if absent_keys is None else absent_keys[:, key_start:key_stop],
         )
         block_out = torch.matmul(probs, v_compute[:, :, key_start:key_stop])
         out[:, :, :, start:stop] = block_out.view(batch, kv_heads, group, rows, value_dim)
