@@ -30,8 +30,9 @@ def test_greedy_generation_with_the_cache_equals_rerunning_the_model_without_one
     assert cached.prefill_tokens == 7 and cached.new_tokens == 25
 
 
-def test_cached_logits_equal_those_of_the_whole_sequence():
-    model = random_llama()
+@pytest.mark.parametrize("sliding_window", [None, 5], ids=["full", "window-5"])
+def test_cached_logits_equal_those_of_the_whole_sequence(sliding_window):
+    model = random_llama(sliding_window=sliding_window)
     tokens = torch.randint(0, 97, (3, 20))
     full = model(tokens)
     cache = model.kv_cache(3, 20, block_size=3)
