@@ -196,3 +196,17 @@ def test_op_rejects_bad_cu_seqlens_contents():
         cu_seqlens = torch.tensor(values, dtype=torch.int32)
         with pytest.raises(ValueError, match=message):
             torch.ops.tk.gated_delta_rule(*args, 0.5, None, cu_seqlens, False)
+
+
+def test_packed_sequences_are_isolated():
+    """A non-finite value in one packed sequence leaves the others' outputs and states untouched, also where
+    a shorter sequence's padding is laid out over its rows (sequence 0 over rows 3 to 8 of sequence 1)."""
+    inputs = gdn_inputs.make_inputs(1, 12, 1, 2, 4, 3, initial=True, states=2)
+    cu_seqlens = torch.tensor([0, 3, 12], dtype=torch.int32)
+    clean_o, clean_final = gdn_inputs.call(inputs, cu_seqlens=cu_seqlens)
+    inputs["v"][0, 5] = float("nan")
+    inputs["g"][0, 6] = float("inf")
+    o, final = gdn_inputs.call(inputs, cu_seqlens=cu_seqlens)
+    torch.testing.assert_close(o[:, :3], clean_o[:, :3], rtol=0, atol=0)
+    torch.testing.assert_close(final[0], clean_final[0], rtol=0, atol=0)
+    assert not torch.isfinite(o[:, 5]).all()

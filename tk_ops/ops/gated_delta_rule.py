@@ -124,7 +124,8 @@ class _Sequences:
         if self.index is None:
             return t
         rows = t[0][self.index]
-        return rows * self.valid.view(*self.valid.shape, *(1,) * (rows.dim() - 2))
+        # where, not a product: a non-finite value of another sequence must not leak into the padding.
+        return torch.where(self.valid.view(*self.valid.shape, *(1,) * (rows.dim() - 2)), rows, 0)
 
     def merge(self, t: torch.Tensor) -> torch.Tensor:
         """(N, longest, ...) -> (B, T, ...), the inverse of split."""
