@@ -25,6 +25,7 @@ from inputs import attention_with_kvcache as kvcache_inputs
 from inputs import based_attention as based_attention_inputs
 from inputs import causal_conv1d as causal_conv1d_inputs
 from inputs import fftconv as fftconv_inputs
+from inputs import gated_delta_rule as gdn_inputs
 from inputs import layer_norm as layer_norm_inputs
 from inputs import linear_attention as linear_attention_inputs
 from inputs import mamba2_ssd as mamba2_ssd_inputs
@@ -2058,5 +2059,192 @@ FFTCONV = OpInfo(
 )
 
 
+# ------------------------------------------------------------------------------------------ gated_delta_rule
+
+GDN_NAMES = gdn_inputs.NAMES
+GDN_LENGTHS = (3, 0, 1, 66)  # packed: an empty sequence, one of length 1, one of two chunks (CHUNK_SIZE 64)
+
+
+def _gdn_cu_seqlens(lengths=GDN_LENGTHS) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def _gdn_inputs(dtype=torch.float64, gate_dtype=None, initial=True, packed=False, device="cpu"):
+    """Inputs by name (tests/inputs/gated_delta_rule.py) and cu_seqlens: T = 70 (two chunks), Hk = 1, Hv = 2,
+    K = 5, V = 3; batch 2, or GDN_LENGTHS packed."""
+    states = len(GDN_LENGTHS) if packed else None
+    inputs = gdn_inputs.make_inputs(1 if packed else 2, 70, 1, 2, 5, 3, initial=initial, states=states, dtype=dtype,
+                                    gate_dtype=gate_dtype, device=device)
+    return inputs, (_gdn_cu_seqlens().to(device) if packed else None)
+
+
+def _gdn_args(dtype=torch.float64, gate_dtype=None, initial=True, packed=False, l2norm=True, requires_grad=True):
+    """tk.gated_delta_rule's arguments (q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm)."""
+    inputs, cu_seqlens = _gdn_inputs(dtype, gate_dtype, initial, packed)
+    q, k, v, g, beta, initial_state = (None if inputs[name] is None else inputs[name].requires_grad_(requires_grad)
+                                       for name in GDN_NAMES)
+    return (q, k, v, g, beta, 0.4, initial_state, cu_seqlens, l2norm)
+
+
+def _gdn_backward_args(with_final_grad, **options):
+    args = _gdn_args(requires_grad=False, **options)
+    o, final_state = torch.ops.tk.gated_delta_rule(*args)
+    return (torch.randn_like(o), torch.randn_like(final_state) if with_final_grad else None, *args)
+
+
+def _gdn_samples(id, with_final_grad, **options):
+    return (
+        Sample(id, "gated_delta_rule", lambda: _gdn_args(**options)),
+        Sample(f"gated_delta_rule_bwd-{id}", "gated_delta_rule_bwd",
+               lambda: _gdn_backward_args(with_final_grad, **options)),
+    )
+
+
+def _gdn_compile_inputs(packed: bool):
+    inputs, _ = _gdn_inputs(torch.float32, packed=packed)
+    return [inputs[name].requires_grad_() for name in GDN_NAMES]
+
+
+def _gdn_with_final_state(packed: bool):
+    cu_seqlens = _gdn_cu_seqlens() if packed else None
+
+    def run(q, k, v, g, beta, initial_state):
+        o, final_state = tk_ops.gated_delta_rule(q, k, v, g, beta, initial_state=initial_state,
+                                                 output_final_state=True, cu_seqlens=cu_seqlens, use_qk_l2norm=True)
+        return o * 2.0, final_state
+
+    return run
+
+
+class _GatedDeltaMixer(torch.nn.Module):
+    """Qwen3-Next's gates around the op: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)."""
+
+    def __init__(self, heads=2):
+        super().__init__()
+        self.A_log = torch.nn.Parameter(torch.rand(heads))
+        self.dt_bias = torch.nn.Parameter(torch.randn(heads))
+
+    def forward(self, q, k, v, a, b):
+        g = -torch.exp(self.A_log) * torch.nn.functional.softplus(a + self.dt_bias)
+        return tk_ops.gated_delta_rule(q, k, v, g, torch.sigmoid(b), use_qk_l2norm=True)[0]
+
+
+def _gdn_export_args():
+    inputs, _ = _gdn_inputs(torch.float32, initial=False)
+    return (inputs["q"], inputs["k"], inputs["v"], torch.randn(2, 70, 2), torch.randn(2, 70, 2))
+
+
+def _gdn_call(packed=False, **changes):
+    """tk_ops.gated_delta_rule on fp32 inputs (T = 13, Hk = 2, Hv = 4, K = 5, V = 3; batch 2, or packed as
+    lengths 4, 0, 9) with some arguments replaced: a callable change gets the original value."""
+    inputs = gdn_inputs.make_inputs(1 if packed else 2, 13, 2, 4, 5, 3, initial=True, states=3 if packed else None,
+                                    dtype=torch.float32)
+    arguments = dict(inputs, scale=None, cu_seqlens=_gdn_cu_seqlens((4, 0, 9)) if packed else None)
+    arguments.update({name: change(arguments[name]) if callable(change) else change
+                      for name, change in changes.items()})
+    positional = [arguments.pop(name) for name in GDN_NAMES[:5]]
+    return lambda: tk_ops.gated_delta_rule(*positional, **arguments)
+
+
+def _gdn_bad_inputs():
+    call = _gdn_call
+    return _bad(
+        ("q-not-a-tensor", call(q=lambda q: q.tolist()), TypeError, "q must be a torch.Tensor"),
+        ("g-not-a-tensor", call(g=0.5), TypeError, "g must be a torch.Tensor"),
+        ("q-rank-3", call(q=lambda q: q[0]), ValueError, "q must have 4 dimensions"),
+        ("v-rank-5", call(v=lambda v: v[None]), ValueError, "v must have 4 dimensions"),
+        ("integer-v", call(v=lambda v: v.to(torch.int32)), TypeError, "v must have dtype"),
+        ("k-dtype", call(k=lambda k: k.double()), TypeError, "k must have q's dtype"),
+        ("v-dtype", call(v=lambda v: v.bfloat16()), TypeError, "v must have q's dtype"),
+        ("k-head-dim", call(k=lambda k: k[..., :4]), ValueError, "k must have q's shape"),
+        ("v-batch", call(v=lambda v: v[:1]), ValueError, r"v\.shape\[0\] must equal q\.shape\[0\] \(B\)"),
+        ("v-length", call(v=lambda v: v[:, :12]), ValueError, r"v\.shape\[1\] must equal q\.shape\[1\] \(T\)"),
+        ("Hv-not-a-multiple-of-Hk", call(v=lambda v: v[:, :, :3], g=lambda g: g[..., :3], beta=lambda b: b[..., :3]),
+         ValueError, r"Hv = v\.shape\[2\] \(3\) must be a multiple of the key heads Hk = q\.shape\[2\] \(2\)"),
+        ("g-rank-4", call(g=lambda g: g[..., None]), ValueError, "g must have 3 dimensions"),
+        ("g-length", call(g=lambda g: g[:, :12]), ValueError, r"g must have shape \(2, 13, 4\) \(B, T, Hv\)"),
+        ("beta-heads", call(beta=lambda b: b[..., :2]), ValueError, r"beta must have shape \(2, 13, 4\)"),
+        ("fp64-g-with-fp32-v", call(g=lambda g: g.double()), TypeError, "g must have dtype float32 .v is"),
+        ("fp16-beta-with-bf16-inputs",
+         call(q=lambda q: q.bfloat16(), k=lambda k: k.bfloat16(), v=lambda v: v.bfloat16(), g=lambda g: g.bfloat16(),
+              beta=lambda b: b.half()),
+         TypeError, "beta must have dtype bfloat16 or float32"),
+        ("integer-beta", call(beta=lambda b: b.to(torch.int64)), TypeError, "beta must have dtype"),
+        ("scale-nan", call(scale=float("nan")), ValueError, "scale must be None or a finite number"),
+        ("scale-string", call(scale="0.5"), ValueError, "scale must be None or a finite number"),
+        ("scale-bool", call(scale=True), ValueError, "scale must be None or a finite number"),
+        ("initial_state-shape", call(initial_state=lambda s: s.mT), ValueError,
+         r"initial_state must have shape \(2, 4, 5, 3\) \(B, Hv, K, V\)"),
+        ("initial_state-rank-3", call(initial_state=lambda s: s[0]), ValueError, "initial_state must have 4"),
+        ("bf16-initial_state", call(initial_state=lambda s: s.bfloat16()), TypeError,
+         "initial_state must have dtype float32"),
+        ("fp32-initial_state-with-fp64-inputs",
+         call(q=lambda q: q.double(), k=lambda k: k.double(), v=lambda v: v.double(), g=lambda g: g.double(),
+              beta=lambda b: b.double()),
+         TypeError, "initial_state must have dtype float64"),
+        ("empty-T", call(q=lambda q: q[:, :0]), ValueError, "q must not be empty"),
+        ("empty-V", call(v=lambda v: v[..., :0]), ValueError, "v must not be empty"),
+        ("cu_seqlens-not-a-tensor", call(True, cu_seqlens=[0, 4, 4, 13]), TypeError,
+         "cu_seqlens must be a torch.Tensor"),
+        ("cu_seqlens-int64", call(True, cu_seqlens=lambda cu: cu.long()), TypeError, "cu_seqlens must have dtype"),
+        ("cu_seqlens-rank-2", call(True, cu_seqlens=lambda cu: cu[None]), ValueError,
+         "cu_seqlens must have 1 dimensions"),
+        ("cu_seqlens-one-entry", call(True, cu_seqlens=torch.zeros(1, dtype=torch.int32)), ValueError,
+         r"cu_seqlens must be \(N \+ 1,\) with N >= 1"),
+        ("cu_seqlens-with-batch-2", call(cu_seqlens=_gdn_cu_seqlens((13,)), initial_state=None), ValueError,
+         r"q\.shape\[0\] \(B\) must be 1"),
+        ("cu_seqlens-not-from-zero", call(True, cu_seqlens=torch.tensor([1, 4, 4, 13], dtype=torch.int32)),
+         ValueError, "cu_seqlens must start at 0"),
+        ("cu_seqlens-decreasing", call(True, cu_seqlens=torch.tensor([0, 4, 3, 13], dtype=torch.int32)),
+         ValueError, "cu_seqlens must be non-decreasing"),
+        ("cu_seqlens-end", call(True, cu_seqlens=torch.tensor([0, 4, 4, 12], dtype=torch.int32)), ValueError,
+         r"cu_seqlens must end at T = q\.shape\[1\] \(13\)"),
+        ("initial_state-per-batch-row-with-cu_seqlens", call(True, initial_state=lambda s: s[:1]), ValueError,
+         r"initial_state must have shape \(3, 4, 5, 3\) \(N = len\(cu_seqlens\) - 1, Hv, K, V\)"),
+    ) + _op_calls(
+        ("op-checks-cu_seqlens-contents",
+         lambda: torch.ops.tk.gated_delta_rule(*_gdn_args(torch.float32, packed=True, requires_grad=False)[:7],
+                                               torch.tensor([0, 5, 3, 70], dtype=torch.int32), True),
+         ValueError, "cu_seqlens must be non-decreasing"),
+    )
+
+
+def _gdn_on_the_gpu():
+    inputs, cu_seqlens = _gdn_inputs(torch.bfloat16, torch.float32, packed=True, device="cuda")
+    return dict(inputs, cu_seqlens=cu_seqlens)
+
+
+def _gdn_by_name(q, k, v, g, beta, initial_state, cu_seqlens):
+    return tk_ops.gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens)
+
+
+GATED_DELTA_RULE = OpInfo(
+    name="gated_delta_rule",
+    functions={"gated_delta_rule": ("gated_delta_rule", "gated_delta_rule_bwd")},
+    samples=(
+        *_gdn_samples("fp64-all-options", with_final_grad=True),
+        *_gdn_samples("fp32-no-options", with_final_grad=False, dtype=torch.float32, initial=False, l2norm=False),
+        *_gdn_samples("bf16-fp32-gates", with_final_grad=True, dtype=torch.bfloat16, gate_dtype=torch.float32),
+        *_gdn_samples("fp64-packed", with_final_grad=True, packed=True),
+    ),
+    kernel_dtypes=(),  # no kernel yet: the reference serves every device
+    kernel_samples=lambda dtype: (),
+    compile=tuple(
+        CompileSample("packed" if packed else "batch", _gdn_with_final_state(packed),
+                      lambda packed=packed: _gdn_compile_inputs(packed), ("gated_delta_rule", "gated_delta_rule_bwd"),
+                      loss=_random_projection, tol=1e-6)
+        for packed in (False, True)
+    ),
+    export=(ExportSample("qwen3-next-gates", _GatedDeltaMixer, _gdn_export_args, ("gated_delta_rule",), tol=1e-6),),
+    bad_inputs=_gdn_bad_inputs(),
+    device_mismatches=_device_mismatches(_gdn_by_name, _gdn_on_the_gpu, "q",
+                                         ("k", "v", "g", "beta", "initial_state", "cu_seqlens")),
+    graphs=(),
+    no_graph=_without_sample(NO_KERNEL, "gated_delta_rule", "gated_delta_rule_bwd"),
+    fallbacks=(),
+    no_fallback=_without_sample(NO_KERNEL, "gated_delta_rule", "gated_delta_rule_bwd"),
+)
+
+
 OP_DB = (MATMUL, ATTENTION, ATTENTION_VARLEN, ATTENTION_WITH_KVCACHE, LAYER_NORM, RMS_NORM, ROPE, LINEAR_ATTENTION,
-         BASED_ATTENTION, MAMBA2_SSD, CAUSAL_CONV1D, FFTCONV)
+         BASED_ATTENTION, MAMBA2_SSD, CAUSAL_CONV1D, FFTCONV, GATED_DELTA_RULE)

@@ -11,6 +11,7 @@ from tk_ops.ops.attention_with_kvcache import attention_with_kvcache
 from tk_ops.ops.based_attention import based_attention
 from tk_ops.ops.causal_conv1d import causal_conv1d
 from tk_ops.ops.fftconv import fftconv
+from tk_ops.ops.gated_delta_rule import gated_delta_rule
 from tk_ops.ops.layer_norm import layer_norm
 from tk_ops.ops.linear_attention import linear_attention
 from tk_ops.ops.mamba2_ssd import mamba2_ssd
@@ -41,6 +42,7 @@ __all__ = [
     "causal_conv1d",
     "extension_status",
     "fftconv",
+    "gated_delta_rule",
     "layer_norm",
     "linear",
     "linear_attention",

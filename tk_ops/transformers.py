@@ -32,11 +32,25 @@ ignored, as HF's torch path ignores them. HF's fused training shortcut
 ``tk.causal_conv1d`` runs its CUDA kernels on Hopper, reading the mixer's (B, L, D) activations in
 place; ``tk.mamba2_ssd``'s docstring says what serves it.
 
+``apply_tk_kernels_to_qwen3_next(model=None)`` does the same for transformers' ``Qwen3NextGatedDeltaNet``
+(``transformers.models.qwen3_next.modeling_qwen3_next``, the linear-attention mixer of ``Qwen3NextModel``
+and ``Qwen3NextForCausalLM``; the full-attention layers are left alone): its forward becomes
+``tk_ops.nn.gated_deltanet.gated_deltanet_forward`` (in_proj_qkvz and in_proj_ba, ``tk.causal_conv1d`` +
+SiLU, the gates, ``tk.gated_delta_rule`` with the l2norm of q and k, the gated RMSNorm on ``tk.rms_norm``,
+out_proj), with ``undo_tk_kernels_for_qwen3_next`` and ``is_tk_kernels_applied_to_qwen3_next`` in the same
+scopes; flash-linear-attention is not needed. What runs where is as for Mamba-2 (the prefill writes the conv
+state and the final recurrent state), and HF's own forward also takes packed sequences (a ``cu_seq_lens_q``
+keyword, which HF hands to the hub's fla kernels when they are installed) and a conv activation other than
+SiLU. The mixer is the same in every release of the range except for the cache argument and the cache
+questions, read as for Mamba-2 (5.17 groups q and k to the value heads in the mixer before the delta rule,
+5.24 inside it: the same function). ``tk.gated_delta_rule`` has no kernel yet: its reference serves
+every device.
+
 Supported transformers: ``SUPPORTED_TRANSFORMERS`` (>=5.17.0,<6, the range of pyproject.toml's
-``test`` extra; CI tests 5.17.0 and the newest release). ``apply_tk_kernels_to_mamba2`` raises
-ImportError on another version. (Older releases are untested: 5.10 and before write the mixer's
+``test`` extra; CI tests 5.17.0 and the newest release). The switches raise ImportError on another
+version. (Older releases are untested: 5.10 and before write the mixer's
 cache differently, and 4.x and 5.0 through their own Mamba2Cache.) What differs inside the range,
-and how it is read:
+and how it is read (for Mamba-2):
 - the gated norm: HF's ``MambaRMSNormGated`` has a ``group_size`` (intermediate_size // n_groups)
   from 5.23 and normalises over all intermediate channels before (no ``group_size``);
   ``tk_ops.nn.mamba2.gated_norm_group_size`` reads the norm's own grouping, so the switch computes
@@ -53,20 +67,18 @@ and how it is read:
 
 from __future__ import annotations
 
+import importlib
 import types
 from typing import Optional
 
 import torch
 
 import tk_ops
+from tk_ops.nn.gated_deltanet import SILU_NAMES, gated_deltanet_forward
 from tk_ops.nn.mamba2 import mamba2_mixer_forward
 
 # The transformers releases the switch supports (pyproject.toml's test extra declares the same range).
 SUPPORTED_TRANSFORMERS = ">=5.17.0,<6"
-
-# HF's Mamba2Mixer.forward, saved when the class is patched.
-_ORIGINAL_FORWARD = None
-
 
 def _installed_transformers_version() -> str:
     import transformers
@@ -256,18 +268,59 @@ def enable_attention() -> None:
     AttentionMaskInterface.register(ATTENTION_IMPLEMENTATION, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
 
 
-# ------------------------------------------------------------------------------------------ Mamba-2
+# ------------------------------------------------------------------------------------------ mixer switches
 
 
-def _mixer_class():
-    from transformers.models.mamba2 import modeling_mamba2
+class _ForwardSwitch:
+    """Replaces the ``forward`` of one HF mixer class by ``tk_forward``: on the class (saving HF's), or on the
+    mixers inside a model (instance attributes, which take precedence over the class)."""
 
-    return modeling_mamba2.Mamba2Mixer
+    def __init__(self, module: str, class_name: str, tk_forward):
+        self.module, self.class_name, self.tk_forward = module, class_name, tk_forward
+        self.original_forward = None  # HF's, while the class is patched
 
+    def mixer_class(self):
+        return getattr(importlib.import_module(self.module), self.class_name)
 
-def _hf_forward():
-    """HF's own forward, whether or not the class is patched now."""
-    return _ORIGINAL_FORWARD if _ORIGINAL_FORWARD is not None else _mixer_class().forward
+    def hf_forward(self):
+        """HF's own forward, whether or not the class is patched now."""
+        return self.original_forward if self.original_forward is not None else self.mixer_class().forward
+
+    def is_tk_forward(self, forward) -> bool:
+        return getattr(forward, "__func__", forward) is self.tk_forward
+
+    def mixers(self, model: torch.nn.Module) -> list:
+        mixer_class = self.mixer_class()
+        mixers = [module for module in model.modules() if isinstance(module, mixer_class)]
+        if not mixers:
+            raise ValueError(f"{type(model).__name__} contains no transformers {self.class_name}")
+        return mixers
+
+    def apply(self, model: Optional[torch.nn.Module]) -> None:
+        check_transformers_version()
+        if model is not None:
+            for mixer in self.mixers(model):
+                mixer.forward = types.MethodType(self.tk_forward, mixer)
+            return
+        if self.original_forward is None:
+            mixer_class = self.mixer_class()
+            self.original_forward = mixer_class.forward
+            mixer_class.forward = self.tk_forward
+
+    def undo(self, model: Optional[torch.nn.Module]) -> None:
+        if model is not None:
+            for mixer in self.mixers(model):
+                if self.is_tk_forward(mixer.__dict__.get("forward")):
+                    del mixer.forward
+            return
+        if self.original_forward is not None:
+            self.mixer_class().forward = self.original_forward
+            self.original_forward = None
+
+    def is_applied(self, model: Optional[torch.nn.Module]) -> bool:
+        if model is None:
+            return self.original_forward is not None
+        return all(self.is_tk_forward(mixer.forward) for mixer in self.mixers(model))
 
 
 def _cache_holds_state(cache, layer_idx) -> bool:
@@ -284,6 +337,19 @@ def _cache_holds_state(cache, layer_idx) -> bool:
     return layer_idx < len(cache.layers) and bool(getattr(cache.layers[layer_idx], "record_past", False))
 
 
+def _with_accelerate_hooks(forward):
+    """``forward`` firing accelerate's hooks of the mixer's conv1d (offloading), as HF's forward does: the tk
+    forwards read its weight directly."""
+    try:
+        from transformers.integrations.accelerate import force_accelerate_hooks
+    except (ImportError, AttributeError):  # transformers missing, or a version without the decorator
+        return forward
+    return force_accelerate_hooks("conv1d")(forward)
+
+
+# ---------------------------------------------------------------------------------------------- Mamba-2
+
+
 def _tk_mamba2_mixer_forward(self, hidden_states, cache_params=None, attention_mask=None, cache=None, **kwargs):
     """Mamba2Mixer.forward on tk ops; HF's own forward for decode steps (see the module docstring).
 
@@ -291,72 +357,79 @@ def _tk_mamba2_mixer_forward(self, hidden_states, cache_params=None, attention_m
     and HF's forward gets the cache by position (second in every version)."""
     cache = cache if cache is not None else cache_params
     if cache is not None and _cache_holds_state(cache, self.layer_idx):
-        return _hf_forward()(self, hidden_states, cache, attention_mask=attention_mask, **kwargs)
+        return _MAMBA2.hf_forward()(self, hidden_states, cache, attention_mask=attention_mask, **kwargs)
     return mamba2_mixer_forward(self, hidden_states, attention_mask=attention_mask, cache_params=cache)
 
 
-try:  # fire accelerate's hooks of conv1d (offloading), as HF's forward does: its weight is read directly
-    from transformers.integrations.accelerate import force_accelerate_hooks
-
-    _tk_mamba2_mixer_forward = force_accelerate_hooks("conv1d")(_tk_mamba2_mixer_forward)
-except (ImportError, AttributeError):  # transformers missing, or a version without the decorator
-    pass
-
-
-def _is_tk_forward(forward) -> bool:
-    return getattr(forward, "__func__", forward) is _tk_mamba2_mixer_forward
-
-
-def _mixers(model: torch.nn.Module) -> list:
-    mixer_class = _mixer_class()
-    mixers = [module for module in model.modules() if isinstance(module, mixer_class)]
-    if not mixers:
-        raise ValueError(f"{type(model).__name__} contains no transformers Mamba2Mixer")
-    return mixers
+_tk_mamba2_mixer_forward = _with_accelerate_hooks(_tk_mamba2_mixer_forward)
+_MAMBA2 = _ForwardSwitch("transformers.models.mamba2.modeling_mamba2", "Mamba2Mixer", _tk_mamba2_mixer_forward)
 
 
 def apply_tk_kernels_to_mamba2(model: Optional[torch.nn.Module] = None) -> None:
     """Run transformers' Mamba2Mixer through tk ops: the class (``model=None``) or the mixers of ``model``."""
-    global _ORIGINAL_FORWARD
-    check_transformers_version()
-    if model is not None:
-        for mixer in _mixers(model):
-            mixer.forward = types.MethodType(_tk_mamba2_mixer_forward, mixer)
-        return
-    mixer_class = _mixer_class()
-    if _ORIGINAL_FORWARD is None:
-        _ORIGINAL_FORWARD = mixer_class.forward
-        mixer_class.forward = _tk_mamba2_mixer_forward
+    _MAMBA2.apply(model)
 
 
 def undo_tk_kernels_for_mamba2(model: Optional[torch.nn.Module] = None) -> None:
     """Undo ``apply_tk_kernels_to_mamba2`` in the same scope: the class, or the mixers of ``model``
     (a model's mixers then follow the class again, patched or not)."""
-    global _ORIGINAL_FORWARD
-    if model is not None:
-        for mixer in _mixers(model):
-            if _is_tk_forward(mixer.__dict__.get("forward")):
-                del mixer.forward
-        return
-    if _ORIGINAL_FORWARD is not None:
-        _mixer_class().forward = _ORIGINAL_FORWARD
-        _ORIGINAL_FORWARD = None
+    _MAMBA2.undo(model)
 
 
 def is_tk_kernels_applied_to_mamba2(model: Optional[torch.nn.Module] = None) -> bool:
     """Whether the class (``model=None``) or every mixer of ``model`` runs the tk forward."""
-    if model is None:
-        return _ORIGINAL_FORWARD is not None
-    return all(_is_tk_forward(mixer.forward) for mixer in _mixers(model))
+    return _MAMBA2.is_applied(model)
+
+
+# ------------------------------------------------------------------------------------------ Qwen3-Next
+
+
+def _tk_qwen3_next_gated_deltanet_forward(self, hidden_states, cache_params=None, attention_mask=None, cache=None,
+                                          **kwargs):
+    """Qwen3NextGatedDeltaNet.forward on tk ops; HF's own forward for decode steps, packed sequences and a conv
+    activation other than SiLU (see the module docstring). The cache is accepted under both of HF's names, as
+    for Mamba-2."""
+    cache = cache if cache is not None else cache_params
+    if (
+        (cache is not None and _cache_holds_state(cache, self.layer_idx))
+        or kwargs.get("cu_seq_lens_q") is not None
+        or self.activation not in SILU_NAMES
+    ):
+        return _QWEN3_NEXT.hf_forward()(self, hidden_states, cache, attention_mask=attention_mask, **kwargs)
+    return gated_deltanet_forward(self, hidden_states, attention_mask=attention_mask, cache=cache)
+
+
+_tk_qwen3_next_gated_deltanet_forward = _with_accelerate_hooks(_tk_qwen3_next_gated_deltanet_forward)
+_QWEN3_NEXT = _ForwardSwitch("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet",
+                             _tk_qwen3_next_gated_deltanet_forward)
+
+
+def apply_tk_kernels_to_qwen3_next(model: Optional[torch.nn.Module] = None) -> None:
+    """Run transformers' Qwen3NextGatedDeltaNet through tk ops: the class (``model=None``) or the mixers of
+    ``model``. The full-attention layers are left alone."""
+    _QWEN3_NEXT.apply(model)
+
+
+def undo_tk_kernels_for_qwen3_next(model: Optional[torch.nn.Module] = None) -> None:
+    """Undo ``apply_tk_kernels_to_qwen3_next`` in the same scope: the class, or the mixers of ``model``."""
+    _QWEN3_NEXT.undo(model)
+
+
+def is_tk_kernels_applied_to_qwen3_next(model: Optional[torch.nn.Module] = None) -> bool:
+    """Whether the class (``model=None``) or every Gated DeltaNet mixer of ``model`` runs the tk forward."""
+    return _QWEN3_NEXT.is_applied(model)
 
 
 __all__ = [
     "ATTENTION_IMPLEMENTATION",
     "SUPPORTED_TRANSFORMERS",
     "apply_tk_kernels_to_mamba2",
+    "apply_tk_kernels_to_qwen3_next",
     "check_transformers_version",
     "enable_attention",
     "is_tk_kernels_applied_to_mamba2",
+    "is_tk_kernels_applied_to_qwen3_next",
     "tk_attention_forward",
     "undo_tk_kernels_for_mamba2",
+    "undo_tk_kernels_for_qwen3_next",
 ]
