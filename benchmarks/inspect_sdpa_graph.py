@@ -57,18 +57,18 @@ def print_sdpa_nodes(graph: torch.fx.Graph) -> None:
             print(f"    mask {mask.name}, built from {[(a.op, str(a.target)) for a in _ancestors(mask)]}")
             print_constant_checks(mask)
         if node.target in _FORWARD_TO_BACKWARD:
-            print(f"    tk causal flag: {attention._causal_if_rewritable(arguments, RewriteOptions())}")
+            print(f"    tk masking: {attention._masking_if_rewritable(arguments, RewriteOptions())}")
 
 
 def print_constant_checks(mask: torch.fx.Node) -> None:
-    """What the rewrite's mask proof concludes: the mask's value at compile time, and causal or not."""
+    """What the rewrite's mask proof concludes: the mask's value at compile time, and what tk runs it as."""
     q_len, k_len = (int(size) for size in mask.meta["val"].shape[-2:])
     with unset_fake_temporarily():
         constant = attention._constant_value(mask)
         print(f"      constant value: {None if constant is None else (constant.dtype, tuple(constant.shape))}")
         if constant is not None and constant.is_floating_point():
             print(f"      values: {sorted(set(constant.flatten().tolist()))[:4]}")
-        print(f"      causal: {attention._mask_causal(constant, q_len, k_len)}")
+        print(f"      masking: {attention._mask_masking(constant, q_len, k_len)}")
 
 
 def print_sdpa_nodes_then_rewrite(graph: torch.fx.Graph) -> None:

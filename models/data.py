@@ -17,12 +17,20 @@ the size of a real LM's; 8192 ids fit uint16 and are a multiple of 64 for the GE
     python -m models.data prepare --text FILE.txt      # any UTF-8 text instead
 
 writes, under ``.data/kjv`` (ignored by git; 2.5 MB for the KJV, small enough to carry to a GPU machine
-without network): ``tokenizer.json``, ``train.bin`` and ``val.bin`` (uint16 token ids) and
-``meta.json``. Every 20th block of 4096 tokens goes to ``val.bin``.
+without network): ``tokenizer.json``, ``train.bin`` and ``val.bin`` (uint16 token ids),
+``train_documents.bin`` and ``val_documents.bin`` (int64 offsets into them where a document begins)
+and ``meta.json``. Every 20th block of 4096 tokens goes to ``val.bin``.
+
+Documents: a document begins at a heading, a non-blank line with a blank line (or the start of the
+text) before it and a blank line after it. In the KJV these are exactly its 1189 chapter headings
+("Genesis 1"), so a document is a chapter (about 800 tokens); a text without such lines is one
+document. A split also begins a document wherever it skips the other split's tokens (its text
+jumps there).
 
 Batches are a pure function of (seed, step), so a resumed run sees exactly the batches it would
 have seen, and the global batch of a step is the same whatever the number of ranks: rank r takes
-its rows out of it. Llama gets windows of seq_len + 1 tokens (inputs and shifted targets); BERT
+its rows out of it. Llama gets windows of seq_len + 1 tokens (inputs and shifted targets), and with
+``--pack`` each input token's position in its document (``Batches.positions_at``); BERT
 gets windows of seq_len tokens with 15% of the positions masked (80% mask token, 10% a random
 token, 10% unchanged) and the original ids as labels there, -100 elsewhere.
 """
@@ -145,8 +153,14 @@ class Tokenizer:
 
     def encode_lines(self, text: str) -> np.ndarray:
         """The ids of a long text, encoded line by line in parallel (the same ids: lines end in "\\n")."""
-        encodings = self._tokenizer.encode_batch(text.splitlines(keepends=True))
-        return np.fromiter((i for e in encodings for i in e.ids), dtype=np.int64)
+        return self.encode_lines_with_offsets(text.splitlines(keepends=True))[0]
+
+    def encode_lines_with_offsets(self, lines: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """(ids of the lines, in order; the offset in ids where each line's tokens begin)."""
+        encodings = self._tokenizer.encode_batch(lines)
+        lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(lines))
+        ids = np.fromiter((i for e in encodings for i in e.ids), dtype=np.int64)
+        return ids, np.cumsum(lengths) - lengths
 
     def decode(self, ids) -> str:
         return self._tokenizer.decode(list(ids))
@@ -155,11 +169,39 @@ class Tokenizer:
 # ---------------------------------------------------------------------------------- prepare
 
 
+def _is_val(positions: np.ndarray) -> np.ndarray:
+    """Whether each token offset lies in a validation block."""
+    return positions // VAL_BLOCK_TOKENS % VAL_EVERY_BLOCKS == VAL_EVERY_BLOCKS - 1
+
+
 def split_train_val(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Every VAL_EVERY_BLOCKS-th block of VAL_BLOCK_TOKENS ids goes to validation."""
-    block = np.arange(len(ids)) // VAL_BLOCK_TOKENS
-    is_val = block % VAL_EVERY_BLOCKS == VAL_EVERY_BLOCKS - 1
+    is_val = _is_val(np.arange(len(ids)))
     return ids[~is_val], ids[is_val]
+
+
+def heading_lines(lines: list[str]) -> list[int]:
+    """The indices of the lines that begin a document: non-blank, with a blank line (or the start of
+    the text) before and a blank line after (the KJV's chapter headings)."""
+    blank = [not line.strip() for line in lines]
+    return [
+        i for i in range(len(lines) - 1)
+        if not blank[i] and blank[i + 1] and (i == 0 or blank[i - 1])
+    ]  # fmt: skip
+
+
+def split_document_starts(starts: np.ndarray, total: int) -> tuple[np.ndarray, np.ndarray]:
+    """Document starts (offsets into all ``total`` ids) as offsets into the train and validation ids,
+    as ``split_train_val`` splits them. Each split's first token, and each block of a split that does
+    not follow on from the split's previous block, begins a document too."""
+    begins = np.zeros(total, dtype=bool)
+    begins[starts] = True
+    is_val = _is_val(np.arange(total))
+    block_starts = np.arange(0, total, VAL_BLOCK_TOKENS)
+    jumps = is_val[block_starts] != is_val[np.maximum(block_starts - 1, 0)]
+    begins[block_starts[jumps]] = True
+    begins[0] = True
+    return np.flatnonzero(begins[~is_val]), np.flatnonzero(begins[is_val])
 
 
 def prepare(out_dir: Path, text: Optional[str] = None, source: str = "", vocab_size: int = DEFAULT_VOCAB_SIZE) -> dict:
@@ -172,13 +214,18 @@ def prepare(out_dir: Path, text: Optional[str] = None, source: str = "", vocab_s
         text, source = kjv_text(), KJV_SOURCE
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = Tokenizer.train(text, vocab_size, out_dir / "tokenizer.json")
-    train_ids, val_ids = split_train_val(tokenizer.encode_lines(text))
+    lines = text.splitlines(keepends=True)
+    ids, line_offsets = tokenizer.encode_lines_with_offsets(lines)
+    train_ids, val_ids = split_train_val(ids)
+    train_documents, val_documents = split_document_starts(line_offsets[heading_lines(lines)], len(ids))
     if len(val_ids) == 0:
         raise ValueError(
             f"the text is too short: it must give more than {VAL_BLOCK_TOKENS * (VAL_EVERY_BLOCKS - 1)} tokens"
         )
     train_ids.astype(np.uint16).tofile(out_dir / "train.bin")
     val_ids.astype(np.uint16).tofile(out_dir / "val.bin")
+    train_documents.astype(np.int64).tofile(out_dir / "train_documents.bin")
+    val_documents.astype(np.int64).tofile(out_dir / "val_documents.bin")
     meta = {
         "source": source,
         "text_bytes": len(text.encode()),
@@ -188,6 +235,9 @@ def prepare(out_dir: Path, text: Optional[str] = None, source: str = "", vocab_s
         "mask_token_id": tokenizer.mask_id,
         "train_tokens": int(len(train_ids)),
         "val_tokens": int(len(val_ids)),
+        "documents": "a heading line (between blank lines) begins a document; so does a jump between blocks",
+        "train_documents": int(len(train_documents)),
+        "val_documents": int(len(val_documents)),
     }
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
@@ -198,12 +248,15 @@ def prepare(out_dir: Path, text: Optional[str] = None, source: str = "", vocab_s
 
 @dataclass
 class TokenData:
-    """A prepared data directory: token ids (memory-mapped) and its meta.json."""
+    """A prepared data directory: token ids (memory-mapped), where documents begin in them (None in a
+    directory prepared before documents were recorded) and its meta.json."""
 
     train: np.ndarray
     val: np.ndarray
     meta: dict
     directory: Path
+    train_documents: Optional[np.ndarray] = None
+    val_documents: Optional[np.ndarray] = None
 
     @staticmethod
     def load(directory: Path) -> "TokenData":
@@ -213,7 +266,11 @@ class TokenData:
         meta = json.loads((directory / "meta.json").read_text())
         train = np.memmap(directory / "train.bin", dtype=np.uint16, mode="r")
         val = np.memmap(directory / "val.bin", dtype=np.uint16, mode="r")
-        return TokenData(train, val, meta, directory)
+        documents = [directory / f"{split}_documents.bin" for split in ("train", "val")]
+        if not all(path.exists() for path in documents):
+            return TokenData(train, val, meta, directory)
+        train_documents, val_documents = (np.fromfile(path, dtype=np.int64) for path in documents)
+        return TokenData(train, val, meta, directory, train_documents, val_documents)
 
     def tokenizer(self) -> Tokenizer:
         return Tokenizer(self.directory / "tokenizer.json")
@@ -224,7 +281,8 @@ class Batches:
 
     ``kind`` is ``"lm"`` (inputs, targets) or ``"mlm"`` (masked inputs, labels). Windows are
     non-overlapping; each epoch visits them in a fresh random order drawn from (seed, epoch)
-    (``shuffle=False``: in order, for evaluation).
+    (``shuffle=False``: in order, for evaluation). ``document_starts``: the sorted offsets into ids
+    where documents begin (0 among them), for ``positions_at``.
     """
 
     def __init__(
@@ -238,11 +296,13 @@ class Batches:
         shuffle: bool = True,
         vocab_size: int = 0,
         mask_id: int = -1,
+        document_starts: Optional[np.ndarray] = None,
     ) -> None:
         if kind not in ("lm", "mlm"):
             raise ValueError(f"kind must be 'lm' or 'mlm', got {kind!r}")
         self.ids, self.kind, self.seq_len, self.global_batch = ids, kind, seq_len, global_batch
         self.seed, self.shuffle, self.vocab_size, self.mask_id = seed, shuffle, vocab_size, mask_id
+        self.document_starts = document_starts
         self.window = seq_len + 1 if kind == "lm" else seq_len
         self.num_windows = (len(ids) - self.window) // seq_len + 1 if len(ids) >= self.window else 0
         self.steps_per_epoch = self.num_windows // global_batch
@@ -271,6 +331,16 @@ class Batches:
         if self.kind == "lm":
             return tokens[:, :-1], tokens[:, 1:]
         return self._mask(tokens, step)
+
+    def positions_at(self, step: int) -> torch.Tensor:
+        """(global_batch, seq_len) int64: each input token's position in its document, counted from the
+        document's first token or from the row's, whichever is later (``models.layers.PackedDocuments``)."""
+        if self.document_starts is None:
+            raise ValueError("these batches have no document starts")
+        row_starts = self._window_starts(step).numpy()[:, None]
+        tokens = row_starts + np.arange(self.seq_len)
+        document = self.document_starts[np.searchsorted(self.document_starts, tokens, side="right") - 1]
+        return torch.from_numpy(tokens - np.maximum(document, row_starts))
 
     def _mask(self, tokens: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step + (0 if self.shuffle else 2**40))

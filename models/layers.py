@@ -16,6 +16,7 @@ the fused residual stream and the kernels run in 16-bit, with the fp32 master we
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -58,8 +59,12 @@ def rotary_inverse_frequencies(rotary_dim: int, theta: float) -> torch.Tensor:
 
 def rotary_tables(inverse_frequencies: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin), each (seq_len, rotary_dim / 2) in fp32: the half form ``tk_ops.rope_qk`` takes."""
-    positions = torch.arange(seq_len, device=inverse_frequencies.device, dtype=torch.float32)
-    angles = torch.outer(positions, inverse_frequencies.float())
+    return rotary_tables_at(inverse_frequencies, torch.arange(seq_len, device=inverse_frequencies.device))
+
+
+def rotary_tables_at(inverse_frequencies: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of the angles at ``positions`` (any shape P), each (*P, rotary_dim / 2) in fp32."""
+    angles = positions.to(torch.float32)[..., None] * inverse_frequencies.float()
     return angles.cos(), angles.sin()
 
 
@@ -69,17 +74,74 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def reference_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Hugging Face's ``apply_rotary_pos_emb`` for one of q, k (B, H, N, D), full rotary."""
+    """Hugging Face's ``apply_rotary_pos_emb`` for one of q, k (B, H, N, D), full rotary; cos, sin
+    (N, D / 2) or, with a position per row, (B, 1, N, D / 2)."""
     cos = torch.cat((cos, cos), dim=-1).to(x.dtype)
     sin = torch.cat((sin, sin), dim=-1).to(x.dtype)
     return x * cos + rotate_half(x) * sin
 
 
-def reference_attention(q, k, v, *, causal: bool, dropout_p: float = 0.0) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` with GQA (k, v may have fewer heads than q)."""
+def reference_attention(
+    q, k, v, *, causal: bool, dropout_p: float = 0.0, mask: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` with GQA (k, v may have fewer heads than q); ``mask`` (boolean,
+    True where a query sees a key) replaces ``causal``."""
     return F.scaled_dot_product_attention(
-        q, k, v, dropout_p=dropout_p, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1]
-    )
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal and mask is None,
+        enable_gqa=k.shape[1] != q.shape[1],
+    )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedDocuments:
+    """Documents packed into the rows of a batch (B, N) of token ids, none attending to another.
+
+    ``positions`` (B, N) int64: each token's position in its document, 0 where a document begins
+    (and at every row's first token: a document cut by the row's start continues as a new piece).
+    ``cu_seqlens`` (S + 1,) int32 and ``max_seqlen``: the same S pieces as rows of the flattened
+    B * N tokens, in ``tk_ops.attention_varlen``'s layout.
+    """
+
+    positions: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+
+    @staticmethod
+    def from_positions(positions: torch.Tensor) -> "PackedDocuments":
+        """The packing of ``positions`` (B, N), which must restart at 0 or count up by one at every
+        token and start each row at 0. Reads the positions on the host: build it where the batch is made."""
+        if positions.dim() != 2 or positions.shape[1] == 0:
+            raise ValueError(f"positions must be (B, N) with N >= 1, got shape {tuple(positions.shape)}")
+        positions = positions.cpu()
+        continues = positions[:, 1:] == positions[:, :-1] + 1
+        if bool((positions[:, 0] != 0).any()) or not bool((continues | (positions[:, 1:] == 0)).all()):
+            raise ValueError("positions must start every row at 0 and then restart at 0 or count up by one")
+        starts = torch.nonzero(positions.flatten() == 0).flatten()
+        cu_seqlens = torch.cat((starts, torch.tensor([positions.numel()]))).to(torch.int32)
+        return PackedDocuments(positions, cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
+
+    def to(self, device: torch.device) -> "PackedDocuments":
+        return dataclasses.replace(self, positions=self.positions.to(device), cu_seqlens=self.cu_seqlens.to(device))
+
+    def same_document(self) -> torch.Tensor:
+        """(B, 1, N, N) bool: True where query i and key j are tokens of the same piece of a row."""
+        pieces = torch.cumsum(self.positions == 0, dim=1)
+        return (pieces[:, :, None] == pieces[:, None, :]).unsqueeze(1)
+
+
+def causal_mask(
+    seq_len: int, device: torch.device, *, window: Optional[int] = None, documents: Optional[PackedDocuments] = None
+) -> torch.Tensor:
+    """(1 or B, 1, N, N) bool, True where query i sees key j: j <= i, and with ``window`` W also
+    i - j < W (Mistral's sliding window: the token itself and the W - 1 before it), and with
+    ``documents`` only keys of the query's own document."""
+    query = torch.arange(seq_len, device=device)[:, None]
+    key = torch.arange(seq_len, device=device)[None, :]
+    sees = key <= query
+    if window is not None:
+        sees = sees & (key > query - window)
+    sees = sees[None, None]
+    return sees if documents is None else sees & documents.same_document()
 
 
 class ResidualRMSNorm(torch.nn.Module):
@@ -149,6 +211,7 @@ class CausalLM(torch.nn.Module):
     """What the causal language models share: ``forward(input_ids)`` -> logits (B, N, vocab);
     ``forward(input_ids, targets)`` -> mean cross-entropy over the targets that are not -100 (on the tk
     path ``tk_ops.linear_cross_entropy``, without the logits);
+    ``forward(..., documents=PackedDocuments)`` for rows of packed documents (where implemented);
     ``generate``; the weight initialisation; the tied embedding.
 
     A subclass sets ``config`` (with vocab_size, hidden_size, initializer_range, tie_word_embeddings,
@@ -167,6 +230,10 @@ class CausalLM(torch.nn.Module):
 
     def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)
+
+    def packed_hidden_states(self, input_ids: torch.Tensor, documents: PackedDocuments) -> torch.Tensor:
+        """``hidden_states`` with each token attending only within its document (models that implement it)."""
+        raise NotImplementedError(f"{type(self).__name__} does not take packed documents")
 
     def init_head(self, embedding: torch.nn.Embedding, *, keep: tuple[type, ...] = ()) -> None:
         """Add lm_head (tied to ``embedding`` if the config says so), then initialise every linear
@@ -190,8 +257,14 @@ class CausalLM(torch.nn.Module):
         if isinstance(module, torch.nn.Linear) and module.bias is not None:
             torch.nn.init.zeros_(module.bias)
 
-    def forward(self, input_ids: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
-        hidden = self.hidden_states(input_ids)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        targets: Optional[torch.Tensor] = None,
+        *,
+        documents: Optional[PackedDocuments] = None,
+    ) -> torch.Tensor:
+        hidden = self.hidden_states(input_ids) if documents is None else self.packed_hidden_states(input_ids, documents)
         if targets is None:
             return self.lm_head(hidden)
         if self.config.reference:

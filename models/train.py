@@ -2,6 +2,7 @@
 (``python -m models.data prepare``).
 
     python -m models.train --model llama --preset tiny                # CPU, a few minutes
+    python -m models.train --model llama --preset tiny --pack         # attention within each document
     python -m models.train --model bert --preset tiny
     python -m models.train --model based --preset tiny                # also mamba2, hyena
     python -m models.train --model llama --preset 1b --compile        # one H100
@@ -28,6 +29,13 @@ Mamba-2, Hyena) the reference path with the mixer's op from its peer library (``
 ``--compile`` compiles each block with ``torch.compile(fullgraph=True)`` (before FSDP sharding; without
 fullgraph under ``--peer``, whose Triton wrappers may break the graph).
 
+``--pack`` (Llama): the rows are the same windows of the concatenated corpus, but each token attends
+only to the tokens before it in its own document (a chapter of the KJV: ``models.data``) and its RoPE
+position counts from the document's first token, or from the row's first token for a document that
+began in an earlier row. The tk path runs ``tk_ops.attention_varlen`` over the rows' documents, the
+reference path SDPA with the block-diagonal causal mask. Every token is a real token, so the loss
+counts every target as without ``--pack`` (the last token of a document predicts the first of the next).
+
 MFU counts the matmul FLOPs (6 x matmul parameters per token, the output layer included) plus
 each model's sequence mixing (attention scores, linear attention, SSD, FFT convolution: the
 model's ``flops_per_token``), against the dense bf16 peak of the GPU (``--peak-tflops`` to set it; on
@@ -50,6 +58,7 @@ import torch.distributed as dist
 
 from models.checkpoint import load_checkpoint, save_checkpoint
 from models.data import DEFAULT_DATA_DIR, IGNORE_INDEX, REPO_ROOT, Batches, TokenData
+from models.layers import PackedDocuments
 from models.parallel import Runtime, gradient_sync, init_runtime, parallelize, unwrap
 from models.peers import PEER_OPS
 from models.presets import PRESETS, Preset, build_model
@@ -59,6 +68,8 @@ MIN_LR_FRACTION = 0.1
 PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("H800", 989e12), ("A100", 312e12))
 # flags whose default is the preset's value of the same name
 PRESET_DEFAULTS = ("seq_len", "batch_size", "steps", "lr", "warmup", "eval_every")
+# models whose forward takes documents=PackedDocuments (--pack)
+PACKED_MODELS = ("llama",)
 
 
 # ------------------------------------------------------------------------------------ config
@@ -96,6 +107,7 @@ class TrainConfig:
     timing_warmup: int
     sample_tokens: int
     no_progress: bool
+    pack: bool  # attention within each document (models.data's boundaries)
 
     @property
     def path(self) -> str:
@@ -149,18 +161,24 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[TrainConfig, Preset]:
     parser.add_argument("--timing-warmup", type=int, default=3, help="steps left out of the tokens/s average")
     parser.add_argument("--sample-tokens", type=int, default=48, help="causal models: sample this many tokens at the end")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--pack", action="store_true", help="llama: attend only within each document of a row (cu_seqlens)"
+    )
     args = parser.parse_args(argv)
     if args.preset not in PRESETS[args.model]:
         parser.error(f"--preset for {args.model} must be one of {sorted(PRESETS[args.model])}, got {args.preset!r}")
     if args.peer and args.model not in PEER_OPS:
         parser.error(f"--peer is for {', '.join(PEER_OPS)}; {args.model}'s peer layers are its --reference path")
+    if args.pack and args.model not in PACKED_MODELS:
+        parser.error(f"--pack is implemented for {', '.join(PACKED_MODELS)}, not {args.model}")
     preset = PRESETS[args.model][args.preset]
     fields = vars(args) | {name: getattr(preset, name) for name in PRESET_DEFAULTS if getattr(args, name) is None}
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     path = implementation_path(reference=args.reference, peer=args.peer)
     resolved = {
         "stop_at": min(args.stop_at or fields["steps"], fields["steps"]),
-        "out": args.out or REPO_ROOT / "runs" / f"{args.model}-{args.preset}{'' if path == 'tk_ops' else '-' + path}",
+        "out": args.out or REPO_ROOT / "runs" / f"{args.model}-{args.preset}{'-pack' if args.pack else ''}"
+        f"{'' if path == 'tk_ops' else '-' + path}",
         "device": device,
         "dtype": args.dtype or ("bf16" if device == "cuda" else "fp32"),
     }
@@ -212,9 +230,18 @@ def _shares(targets: torch.Tensor, parts: list[slice]) -> list[float]:
     return [counted[part].sum().item() / total for part in parts]
 
 
+def packing(batches: Batches, step: int, config: TrainConfig) -> Callable[[slice, torch.device], dict]:
+    """The model's extra arguments for some rows of the global batch of ``step``: documents=... under --pack."""
+    if not config.pack:
+        return lambda part, device: {}
+    positions = batches.positions_at(step)
+    return lambda part, device: {"documents": PackedDocuments.from_positions(positions[part]).to(device)}
+
+
 def train_step(model, optimizer, batches: Batches, step: int, config: TrainConfig, runtime: Runtime) -> float:
     """One optimizer step on the global batch of ``step``; returns its loss (mean over all targets)."""
     inputs, targets = batches.global_batch_at(step)
+    packed = packing(batches, step, config)
     first = runtime.rank * config.batch_size * config.grad_accum
     rows = config.batch_size
     parts = [slice(first + i * rows, first + (i + 1) * rows) for i in range(config.grad_accum)]
@@ -225,7 +252,7 @@ def train_step(model, optimizer, batches: Batches, step: int, config: TrainConfi
         x, y = inputs[part].to(runtime.device), targets[part].to(runtime.device)
         with gradient_sync(model, micro == config.grad_accum - 1):
             with autocast(config, runtime.device):
-                loss = model(x, y) * share
+                loss = model(x, y, **packed(part, runtime.device)) * share
             (loss * runtime.world_size).backward()
         total += loss.detach()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -251,9 +278,12 @@ def evaluate(model, batches: Batches, config: TrainConfig, runtime: Runtime) -> 
     total = torch.zeros((), device=runtime.device)
     for step in range(steps):
         inputs, targets = batches.global_batch_at(step)
+        packed = packing(batches, step, config)
         for part, share in zip(parts, _shares(targets, parts)):
             with autocast(config, runtime.device):
-                loss = model(inputs[part].to(runtime.device), targets[part].to(runtime.device))
+                loss = model(
+                    inputs[part].to(runtime.device), targets[part].to(runtime.device), **packed(part, runtime.device)
+                )
             total += loss.float() * share / steps
     if runtime.world_size > 1:
         dist.all_reduce(total)
@@ -276,6 +306,11 @@ def sample_text(model, data: TokenData, config: TrainConfig, runtime: Runtime, p
 
 def make_batches(data: TokenData, config: TrainConfig, world_batch: int) -> tuple[Batches, Batches]:
     """(train, eval) batches: shuffled training windows, the first validation windows in order."""
+    if config.pack and data.train_documents is None:
+        raise SystemExit(
+            f"--pack needs the document starts that `python -m models.data prepare` records; {data.directory} "
+            "was prepared without them: prepare it again"
+        )
     common = dict(
         kind="mlm" if config.model == "bert" else "lm",
         seq_len=config.seq_len,
@@ -284,7 +319,11 @@ def make_batches(data: TokenData, config: TrainConfig, world_batch: int) -> tupl
         vocab_size=data.meta["vocab_size"],
         mask_id=data.meta["mask_token_id"],
     )
-    return Batches(data.train, **common), Batches(data.val, **common, shuffle=False)
+    train_documents, val_documents = (data.train_documents, data.val_documents) if config.pack else (None, None)
+    return (
+        Batches(data.train, **common, document_starts=train_documents),
+        Batches(data.val, **common, shuffle=False, document_starts=val_documents),
+    )
 
 
 def train_loop(
@@ -432,7 +471,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     title = f"{config.model} {config.preset} ({parameters / 1e6:.1f}M), {config.path}"
     log = tqdm.write if runtime.is_main else (lambda _: None)
     parallel = f" {config.parallel}" if runtime.world_size > 1 else ""
-    mode = "compiled" if config.compile else "eager"
+    mode = ("compiled" if config.compile else "eager") + (", packed documents" if config.pack else "")
     log(
         f"{title}: {runtime.world_size} x {runtime.device.type}{parallel}, {config.dtype}, {mode}; "
         f"{world_batch * config.seq_len} tokens/step ({world_batch} x {config.seq_len}), "
@@ -447,6 +486,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "preset": config.preset,
         "path": config.path,
         "compile": config.compile,
+        "pack": config.pack,
         "parameters": parameters,
         "config": json.loads(unwrap(model).config.to_json()),
         "device": torch.cuda.get_device_name(runtime.device) if runtime.device.type == "cuda" else "cpu",

@@ -22,9 +22,11 @@ import torch
 import tk_ops
 import tk_testing
 from inputs import attention as attention_inputs
+from inputs import attention_with_kvcache as kvcache_inputs
 from inputs import based_attention as based_attention_inputs
 from inputs import causal_conv1d as causal_conv1d_inputs
 from inputs import fftconv as fftconv_inputs
+from inputs import gated_delta_rule as gdn_inputs
 from inputs import layer_norm as layer_norm_inputs
 from inputs import linear_attention as linear_attention_inputs
 from inputs import linear_cross_entropy as linear_cross_entropy_inputs
@@ -130,7 +132,8 @@ class BadInput:
 
 @dataclass(frozen=True)
 class OpInfo:
-    """One op family. ``functions``: public function -> (forward tk op, backward tk op); ``kernel_dtypes``: the
+    """One op family. ``functions``: public function -> (forward tk op, backward tk op), or (forward tk op,) for an
+    op without a gradient; ``kernel_dtypes``: the
     input dtypes its CUDA kernels serve, each opchecked on the GPU with ``kernel_samples(dtype)``;
     ``device_mismatches``: CUDA calls with one tensor left on the CPU; ``graphs``: CUDA graphs of its kernels,
     ``no_graph``: for each tk op of the family that no graph captures, why; ``fallbacks``: CUDA inputs its
@@ -138,7 +141,7 @@ class OpInfo:
     is in a column or in its gaps)."""
 
     name: str
-    functions: dict[str, tuple[str, str]]
+    functions: dict[str, tuple[str, ...]]
     samples: tuple[Sample, ...]
     kernel_dtypes: tuple[torch.dtype, ...]
     kernel_samples: Callable[[torch.dtype], tuple[Sample, ...]]
@@ -338,15 +341,44 @@ def _attention_forward(shape, causal, **kwargs) -> Sample:
     return Sample("-".join(("causal" if causal else "full", *map(str, shape))), "attention", make)
 
 
-def _attention_backward(shape, with_grad_lse, deterministic, **kwargs) -> Sample:
+def _attention_options(q_heads, device, causal, window_left, window_right, softcap, sinks):
+    """The op's last four arguments: window_left, window_right, softcap and (with ``sinks``) (Hq,) fp32 sinks."""
+    sink_logits = torch.randn(q_heads, device=device).requires_grad_() if sinks else None
+    return (window_left, window_right, softcap, sink_logits)
+
+
+# (id, causal, window_left, window_right, softcap, sinks): calls with the options switched on
+ATTENTION_OPTIONS = (
+    ("causal-window-softcap-sinks", True, 5, -1, 2.5, True),
+    ("window-both-sides-sinks", False, 3, 2, 0.0, True),
+    ("full-softcap", False, -1, -1, 1.5, False),
+)
+
+
+def _attention_option_forward(shape, row, **kwargs) -> Sample:
+    name, causal, *options = row
+
+    def make():
+        q, k, v = attention_inputs.make_qkv(*shape, **kwargs)
+        return (q, k, v, causal, 0.25, False, *_attention_options(shape[1], q.device, causal, *options))
+
+    return Sample(f"{name}-{'-'.join(map(str, shape))}", "attention", make)
+
+
+def _attention_backward(shape, with_grad_lse, deterministic, options=None, **kwargs) -> Sample:
+    causal = True if options is None else options[1]
+
     def make():
         q, k, v = attention_inputs.make_qkv(*shape, requires_grad=False, **kwargs)
-        out, lse = torch.ops.tk.attention(q, k, v, True, 0.3, deterministic)
+        extra = () if options is None else _attention_options(shape[1], q.device, *options[1:])
+        extra = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in extra)
+        out, lse = torch.ops.tk.attention(q, k, v, causal, 0.3, deterministic, *extra)
         grad_lse = torch.randn_like(lse) if with_grad_lse else None
-        return (torch.randn_like(out), grad_lse, q, k, v, out, lse, True, 0.3, deterministic)
+        return (torch.randn_like(out), grad_lse, q, k, v, out, lse, causal, 0.3, deterministic, *extra)
 
     lse = "grad-lse" if with_grad_lse else "no-grad-lse"
-    return Sample(f"attention_bwd-{lse}-{'deterministic' if deterministic else 'one-pass'}", "attention_bwd", make)
+    name = f"attention_bwd-{lse}-{'deterministic' if deterministic else 'one-pass'}"
+    return Sample(name if options is None else f"{name}-{options[0]}", "attention_bwd", make)
 
 
 def _attention_backward_samples(shape, **kwargs) -> tuple[Sample, ...]:
@@ -354,9 +386,16 @@ def _attention_backward_samples(shape, **kwargs) -> tuple[Sample, ...]:
                  for deterministic in (False, True) for with_grad_lse in (False, True))
 
 
+def _attention_option_samples(shape, **kwargs) -> tuple[Sample, ...]:
+    return tuple(sample for row in ATTENTION_OPTIONS for sample in (
+        _attention_option_forward(shape, row, **kwargs), _attention_backward(shape, True, False, row, **kwargs)))
+
+
 def _attention_kernel_samples(dtype):
+    """On the GPU: the kernels, and calls with options, which the CUDA entries hand to the reference."""
     shape, options = (1, 4, 2, 17, 23, 64), dict(dtype=dtype, device="cuda")
-    return (_attention_forward(shape, True, **options), *_attention_backward_samples(shape, **options))
+    return (_attention_forward(shape, True, **options), *_attention_backward_samples(shape, **options),
+            *_attention_option_samples(shape, **options))
 
 
 def _attention_inputs(q_shape=(2, 4, 9, 40), k_shape=(2, 2, 11, 40), v_shape=None, dtype=torch.float32):
@@ -398,6 +437,20 @@ class _CausalAttention(torch.nn.Module):
         return tk_ops.attention(q, k, v, causal=True)
 
 
+class _SlidingWindowAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.sinks = torch.nn.Parameter(torch.randn(4))
+
+    def forward(self, q, k, v):
+        return tk_ops.attention(q, k, v, causal=True, window=(4, -1), softcap=3.0, sinks=self.sinks)
+
+
+def _attend_with_options_and_lse(q, k, v, sinks):
+    out, lse = tk_ops.attention(q, k, v, window=(3, 2), softcap=2.0, sinks=sinks, return_lse=True)
+    return out.double().square().sum() + lse.double().sum()
+
+
 def _attend_with_lse(q, k, v):
     out, lse = tk_ops.attention(q, k, v, causal=True, return_lse=True)
     # Summed in float64: compiled and eager sum these ~10^4 terms in different orders (Inductor's own
@@ -405,6 +458,45 @@ def _attend_with_lse(q, k, v):
     # to ~2e-6 (one intra-op thread), beyond float32's rtol. In float64 that rounding is ~1e-13, so the
     # loss and the gradients (2 out and 1, exact either way) are compared at the default tolerances.
     return out.double().square().sum() + lse.double().sum()
+
+
+def _int32(values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def _attention_option_bad_inputs(function, make):
+    """Bad window, softcap and sinks for ``function(*inputs, **options)``, ``make() -> (inputs, Hq)``."""
+
+    def call(**options):
+        def run():
+            inputs, _ = make()
+            return function(*inputs, **options)
+
+        return run
+
+    def sinks(shape=None, dtype=torch.float32):
+        def run():
+            inputs, q_heads = make()
+            return function(*inputs, sinks=torch.randn(shape or (q_heads,), dtype=dtype))
+
+        return run
+
+    return (
+        ("window-not-a-pair", call(window=3), TypeError, "window must be None or a pair of ints"),
+        ("window-three-entries", call(window=(1, 2, 3)), TypeError, "window must be None or a pair of ints"),
+        ("window-float", call(window=(1.5, 0)), TypeError, "window must be None or a pair of ints"),
+        ("window-bool", call(window=(True, 0)), TypeError, "window must be None or a pair of ints"),
+        ("window-below-minus-one", call(window=(-2, 0)), ValueError, "window entries must be >= -1"),
+        ("negative-softcap", call(softcap=-1.0), ValueError, "softcap must be > 0"),
+        ("nan-softcap", call(softcap=float("nan")), ValueError, "softcap must be > 0"),
+        ("inf-softcap", call(softcap=float("inf")), ValueError, "softcap must be > 0"),
+        ("softcap-string", call(softcap="1"), TypeError, "softcap must be None or a number"),
+        ("sinks-not-a-tensor", call(sinks=[0.0] * 4), TypeError, "sinks must be a torch.Tensor"),
+        ("sinks-shape", sinks((3,)), ValueError, r"sinks.shape\[0\] must equal q's head count Hq"),
+        ("sinks-rank", sinks((4, 1)), ValueError, "sinks must have 1 dimensions"),
+        ("sinks-bf16", sinks(dtype=torch.bfloat16), TypeError, r"sinks must have dtype in \(float32\)"),
+        ("sinks-fp64-beside-fp32", sinks(dtype=torch.float64), TypeError, r"sinks must have dtype in \(float32\)"),
+    )
 
 
 ATTENTION = OpInfo(
@@ -415,6 +507,8 @@ ATTENTION = OpInfo(
         _attention_forward((1, 2, 1, 19, 7, 24), True),  # MQA, rows that see no key
         _attention_forward((1, 3, 3, 9, 9, 16), True),
         *_attention_backward_samples((1, 4, 2, 15, 11, 24)),
+        *_attention_option_samples((1, 4, 2, 15, 11, 24)),
+        *_attention_option_samples((2, 2, 1, 9, 9, 16), dtype=torch.float32),
     ),
     kernel_dtypes=KERNEL_16_BIT,
     kernel_samples=_attention_kernel_samples,
@@ -422,11 +516,19 @@ ATTENTION = OpInfo(
         CompileSample("causal-lse", _attend_with_lse,
                       lambda: attention_inputs.make_qkv(2, 4, 2, 19, 21, 64, dtype=torch.float32),
                       ("attention", "attention_bwd")),
+        CompileSample("window-softcap-sinks-lse", _attend_with_options_and_lse,
+                      lambda: [*attention_inputs.make_qkv(2, 4, 2, 19, 21, 32, dtype=torch.float32),
+                               torch.randn(4, requires_grad=True)],
+                      ("attention", "attention_bwd"), tol=1e-5),
     ),
     export=(
         ExportSample("causal", _CausalAttention,
                      lambda: tuple(attention_inputs.make_qkv(1, 4, 2, 11, 13, 40, dtype=torch.float32,
                                                              requires_grad=False)),
+                     ("attention",)),
+        ExportSample("sliding-window-softcap-sinks", _SlidingWindowAttention,
+                     lambda: tuple(attention_inputs.make_qkv(1, 4, 2, 11, 13, 40, dtype=torch.float32,
+                                                           requires_grad=False)),
                      ("attention",)),
     ),
     bad_inputs=_bad(
@@ -446,15 +548,356 @@ ATTENTION = OpInfo(
         ("empty-k", lambda: tk_ops.attention(*_attention_inputs(k_shape=(2, 2, 0, 40))), ValueError, "k"),
         ("nan-scale", lambda: tk_ops.attention(*_attention_inputs(), scale=float("nan")), ValueError, "scale"),
         ("inf-scale", lambda: tk_ops.attention(*_attention_inputs(), scale=float("inf")), ValueError, "scale"),
+        *_attention_option_bad_inputs(tk_ops.attention, lambda: (_attention_inputs(), 4)),
     ),
     device_mismatches=_device_mismatches(
-        tk_ops.attention, lambda: dict(zip("qkv", (t.cuda() for t in _attention_inputs()))), "q", "k"
+        tk_ops.attention, lambda: dict(zip("qkv", (t.cuda() for t in _attention_inputs())), sinks=torch.randn(4).cuda()),
+        "q", ("k", "sinks")
     ),
     graphs=tuple(_attention_graph(head_dim, method) for head_dim in (64, 128)
                  for method in attention_inputs.BACKWARD_METHODS),
     no_graph={},
     fallbacks=(),
     no_fallback=_without_sample(NO_FALLBACK_YET, "attention", "attention_bwd"),
+)
+
+
+# ------------------------------------------------------------------------------------- attention_varlen
+
+
+def _varlen_inputs(q_lengths=(5, 0, 8), k_lengths=(6, 3, 8), requires_grad=True, **kwargs):
+    """q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k (inputs.attention.make_varlen)."""
+    return attention_inputs.make_varlen(list(q_lengths), list(k_lengths), requires_grad=requires_grad, **kwargs)
+
+
+# (id, causal, window_left, window_right, softcap, sinks)
+VARLEN_OPTIONS = (
+    ("plain", False, -1, -1, 0.0, False),
+    ("causal-window-softcap-sinks", True, 3, -1, 2.0, True),
+    ("window-both-sides", False, 2, 1, 0.0, False),
+)
+
+
+def _varlen_forward(row, dtype=torch.float64) -> Sample:
+    name, causal, window_left, window_right, softcap, sinks = row
+
+    def make():
+        q, k, v, cu_q, cu_k, max_q, max_k = _varlen_inputs(dtype=dtype)
+        sink_logits = torch.randn(4, requires_grad=True) if sinks else None
+        return (q, k, v, cu_q, cu_k, max_q, max_k, causal, 0.3, window_left, window_right, softcap, sink_logits, False)
+
+    return Sample(f"{name}-{str(dtype).removeprefix('torch.')}", "attention_varlen", make)
+
+
+def _varlen_backward(row, with_grad_lse) -> Sample:
+    name, causal, window_left, window_right, softcap, sinks = row
+
+    def make():
+        q, k, v, cu_q, cu_k, max_q, max_k = _varlen_inputs(requires_grad=False)
+        options = (causal, 0.3, window_left, window_right, softcap, torch.randn(4) if sinks else None, False)
+        out, lse = torch.ops.tk.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *options)
+        grad_lse = torch.randn_like(lse) if with_grad_lse else None
+        return (torch.randn_like(out), grad_lse, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *options)
+
+    return Sample(f"attention_varlen_bwd-{name}-{'grad-lse' if with_grad_lse else 'no-grad-lse'}",
+                  "attention_varlen_bwd", make)
+
+
+def _attend_varlen_with_lse(q, k, v, sinks):
+    cu_q, cu_k = torch.tensor([0, 5, 5, 13], dtype=torch.int32), torch.tensor([0, 6, 9, 17], dtype=torch.int32)
+    out, lse = tk_ops.attention_varlen(q, k, v, cu_q, cu_k, 8, 8, causal=True, window=(3, -1), softcap=2.0,
+                                       sinks=sinks, return_lse=True)
+    return out.double().square().sum() + lse.double().sum()
+
+
+class _PackedAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.sinks = torch.nn.Parameter(torch.randn(4))
+
+    def forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k):
+        return tk_ops.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, 8, 8, causal=True, window=(3, -1),
+                                       softcap=2.0, sinks=self.sinks)
+
+
+def _varlen_call(**changes):
+    """tk_ops.attention_varlen on _varlen_inputs() (fp32) with some arguments replaced."""
+
+    def call():
+        q, k, v, cu_q, cu_k, max_q, max_k = _varlen_inputs(requires_grad=False, dtype=torch.float32)
+        arguments = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
+        arguments.update({name: change(arguments[name]) if callable(change) else change
+                          for name, change in changes.items() if name in arguments})
+        options = {name: change for name, change in changes.items() if name not in arguments}
+        return tk_ops.attention_varlen(**arguments, **options)
+
+    return call
+
+
+ATTENTION_VARLEN = OpInfo(
+    name="attention_varlen",
+    functions={"attention_varlen": ("attention_varlen", "attention_varlen_bwd")},
+    samples=(
+        *(_varlen_forward(row) for row in VARLEN_OPTIONS),
+        _varlen_forward(VARLEN_OPTIONS[1], torch.float32),
+        *(_varlen_backward(row, with_grad_lse) for row in VARLEN_OPTIONS for with_grad_lse in (False, True)),
+    ),
+    kernel_dtypes=(),  # no kernel yet: the reference serves every device
+    kernel_samples=lambda dtype: (),
+    compile=(
+        CompileSample("causal-window-softcap-sinks-lse", _attend_varlen_with_lse,
+                      lambda: [*_varlen_inputs(dtype=torch.float32)[:3], torch.randn(4, requires_grad=True)],
+                      ("attention_varlen", "attention_varlen_bwd"), tol=1e-5),
+    ),
+    export=(
+        ExportSample("packed", _PackedAttention,
+                     lambda: tuple(_varlen_inputs(requires_grad=False, dtype=torch.float32)[:5]),
+                     ("attention_varlen",)),
+    ),
+    bad_inputs=_bad(
+        ("q-rank", _varlen_call(q=lambda q: q[None]), ValueError, "q must have 3 dimensions"),
+        ("int-dtype", _varlen_call(q=lambda q: q.int()), TypeError, "q must have dtype"),
+        ("dtype-mismatch", _varlen_call(k=lambda k: k.double()), TypeError, "k must have q's dtype"),
+        ("head-dim", _varlen_call(k=lambda k: k[..., :8]), ValueError, r"k.shape\[2\] must equal q.shape\[2\]"),
+        ("kv-length", _varlen_call(v=lambda v: v[:-1]), ValueError, r"v.shape\[0\] must equal k.shape\[0\]"),
+        ("kv-heads", _varlen_call(v=lambda v: v[:, :1]), ValueError, r"v.shape\[1\] must equal k.shape\[1\]"),
+        ("group", _varlen_call(k=lambda k: torch.randn(k.shape[0], 3, k.shape[2]),
+                               v=lambda v: torch.randn(v.shape[0], 3, v.shape[2])), ValueError, "Hq .*Hkv"),
+        ("no-heads", _varlen_call(q=lambda q: q[:, :0]), ValueError, "q's heads and head dim must not be empty"),
+        ("cu-int64", _varlen_call(cu_seqlens_q=lambda cu: cu.long()), TypeError, "cu_seqlens_q must have dtype"),
+        ("cu-float", _varlen_call(cu_seqlens_k=lambda cu: cu.float()), TypeError, "cu_seqlens_k must have dtype"),
+        ("cu-rank", _varlen_call(cu_seqlens_q=lambda cu: cu[None]), ValueError, "cu_seqlens_q must have 1 dimensions"),
+        ("cu-one-entry", _varlen_call(cu_seqlens_q=_int32([0]), cu_seqlens_k=_int32([0])), ValueError,
+         r"cu_seqlens_q must be \(B \+ 1,\) with B >= 1"),
+        ("cu-lengths-differ", _varlen_call(cu_seqlens_k=_int32([0, 17])), ValueError,
+         "cu_seqlens_k must have cu_seqlens_q's length 4"),
+        ("cu-not-a-tensor", _varlen_call(cu_seqlens_q=[0, 5, 5, 13]), TypeError, "cu_seqlens_q must be a torch.Tensor"),
+        ("cu-not-from-zero", _varlen_call(cu_seqlens_q=_int32([1, 5, 5, 13])), ValueError,
+         "cu_seqlens_q must start at 0"),
+        ("cu-decreasing", _varlen_call(cu_seqlens_k=_int32([0, 6, 5, 17])), ValueError,
+         "cu_seqlens_k must be non-decreasing"),
+        ("cu-end", _varlen_call(cu_seqlens_q=_int32([0, 5, 5, 12])), ValueError,
+         "cu_seqlens_q must end at the packed length 13"),
+        ("max-seqlen-too-small", _varlen_call(max_seqlen_k=7), ValueError,
+         r"max_seqlen_k \(7\) must be at least the longest sequence of cu_seqlens_k \(8\)"),
+        ("max-seqlen-zero", _varlen_call(max_seqlen_q=0), ValueError, "max_seqlen_q must be >= 1"),
+        ("max-seqlen-float", _varlen_call(max_seqlen_q=8.0), TypeError, "max_seqlen_q must be a Python int"),
+        ("max-seqlen-bool", _varlen_call(max_seqlen_k=True), TypeError, "max_seqlen_k must be a Python int"),
+        ("nan-scale", _varlen_call(scale=float("nan")), ValueError, "scale"),
+        *_attention_option_bad_inputs(tk_ops.attention_varlen,
+                                      lambda: (_varlen_inputs(requires_grad=False, dtype=torch.float32), 4)),
+    ) + _op_calls(
+        ("op-checks-cu-contents",
+         lambda: torch.ops.tk.attention_varlen(*_varlen_inputs(requires_grad=False)[:3], _int32([0, 5, 3, 13]),
+                                               _int32([0, 6, 9, 17]), 8, 8, False, 0.3, -1, -1, 0.0, None, False),
+         ValueError, "cu_seqlens_q must be non-decreasing"),
+    ),
+    device_mismatches=_device_mismatches(
+        tk_ops.attention_varlen,
+        lambda: dict(zip(("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"),
+                         _varlen_inputs(requires_grad=False, dtype=torch.float32, device="cuda")),
+                     sinks=torch.randn(4, device="cuda")),
+        "q", ("k", "cu_seqlens_q", "cu_seqlens_k", "sinks"),
+    ),
+    graphs=(),
+    no_graph=_without_sample(NO_KERNEL, "attention_varlen", "attention_varlen_bwd"),
+    fallbacks=(),
+    no_fallback=_without_sample(NO_KERNEL, "attention_varlen", "attention_varlen_bwd"),
+)
+
+
+# ------------------------------------------------------------------------------- attention_with_kvcache
+
+KVCACHE_LENGTHS = [3, 0, 6]  # cached tokens of the three sequences (one empty) of the samples below
+
+
+def _kvcache_case(block_size=4, new_len=2, dtype=torch.float32, device="cpu", reserve=0):
+    """Three sequences, 2 queries, caches of 9 positions, NaN in every unused slot (inputs/attention_with_kvcache)."""
+    return kvcache_inputs.make_case(KVCACHE_LENGTHS, 2, new_len, capacity=9, block_size=block_size, dtype=dtype,
+                                    device=device, reserve=reserve)
+
+
+def _kvcache_sample(id, block_size, new_len=2, options=(), with_sinks=False, q_requires_grad=False,
+                    dtype=torch.float64) -> Sample:
+    def make():
+        case = _kvcache_case(block_size, new_len, dtype)
+        case.q.requires_grad_(q_requires_grad)
+        sinks = torch.randn(case.q.shape[2]) if with_sinks else None
+        return case.op_arguments(*options, sinks=sinks)
+
+    return Sample(id, "attention_with_kvcache", make)
+
+
+def _attend_to_cache_copies(q, k_cache, v_cache, k, v, cache_seqlens, block_table, sinks):
+    """A decode step on copies of the caches (the inputs stay as they are), returning the written copies."""
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    out, lse = tk_ops.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+                                             block_table=block_table, window=(4, -1), softcap=2.0, sinks=sinks,
+                                             return_lse=True)
+    return out, lse, k_cache, v_cache
+
+
+def _kvcache_compile_inputs():
+    case = _kvcache_case()
+    caches = [t.nan_to_num(0.0) for t in (case.k_cache, case.v_cache)]  # the outputs compare without NaN
+    return [case.q, *caches, case.k, case.v, case.cache_seqlens, case.block_table, torch.randn(case.q.shape[2])]
+
+
+class _PagedDecodeStep(torch.nn.Module):
+    """One decode step against a paged cache held in buffers (which the step writes)."""
+
+    def __init__(self):
+        super().__init__()
+        case = _kvcache_case(new_len=0, reserve=1)
+        self.register_buffer("k_cache", case.k_cache.nan_to_num(0.0))
+        self.register_buffer("v_cache", case.v_cache.nan_to_num(0.0))
+        self.register_buffer("block_table", case.block_table)
+
+    def forward(self, q, k, v, cache_seqlens):
+        return tk_ops.attention_with_kvcache(q, self.k_cache, self.v_cache, k, v, cache_seqlens=cache_seqlens,
+                                             block_table=self.block_table)
+
+
+def _kvcache_export_args():
+    case = _kvcache_case(new_len=1)
+    return case.q[:, :1], case.k, case.v, case.cache_seqlens
+
+
+def _kvcache_call(block_size=4, **changes):
+    """tk_ops.attention_with_kvcache on _kvcache_case(block_size) with some arguments replaced (a callable
+    change maps the argument's value) or options added."""
+
+    def call():
+        arguments = _kvcache_case(block_size).arguments()
+        arguments.update({name: change(arguments[name]) if callable(change) else change
+                          for name, change in changes.items() if name in arguments})
+        options = {name: change for name, change in changes.items() if name not in arguments}
+        return tk_ops.attention_with_kvcache(**arguments, **options)
+
+    return call
+
+
+def _kvcache_positional(q, k_cache, v_cache, k, v, cache_seqlens, block_table, **options):
+    return tk_ops.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+                                         block_table=block_table, **options)
+
+
+def _kvcache_op_call(**changes):
+    """torch.ops.tk.attention_with_kvcache (below the public function's checks) with arguments replaced."""
+
+    def call():
+        case = _kvcache_case()
+        for name, value in changes.items():
+            setattr(case, name, value)
+        return torch.ops.tk.attention_with_kvcache(*case.op_arguments())
+
+    return call
+
+
+def _with_block(entry, value):
+    """The block table with its entry ``entry`` (row, column) set to ``value``."""
+
+    def change(table):
+        table = table.clone()
+        table[entry] = value
+        return table
+
+    return change
+
+
+ATTENTION_WITH_KVCACHE = OpInfo(
+    name="attention_with_kvcache",
+    functions={"attention_with_kvcache": ("attention_with_kvcache",)},
+    samples=(
+        _kvcache_sample("dense-append", None),
+        _kvcache_sample("paged-append", 4),
+        _kvcache_sample("paged-no-append", 4, new_len=0),
+        _kvcache_sample("dense-window-softcap-sinks-fp32", None, options=(True, 0.3, 3, -1, 1.5), with_sinks=True,
+                        dtype=torch.float32),
+        _kvcache_sample("paged-not-causal-window-q-requires-grad", 2, options=(False, 0.3, 2, 1, 0.0),
+                        q_requires_grad=True),
+    ),
+    kernel_dtypes=(),  # no kernel yet: the reference serves every device
+    kernel_samples=lambda dtype: (),
+    compile=(
+        CompileSample("paged-window-softcap-sinks-lse", _attend_to_cache_copies, _kvcache_compile_inputs,
+                      ("attention_with_kvcache",)),
+    ),
+    export=(ExportSample("paged-decode-step-on-buffers", _PagedDecodeStep, _kvcache_export_args,
+                         ("attention_with_kvcache",)),),
+    bad_inputs=_bad(
+        ("q-rank", _kvcache_call(q=lambda q: q[0]), ValueError, "q must have 4 dimensions"),
+        ("int-q", _kvcache_call(q=lambda q: q.int()), TypeError, "q must have dtype"),
+        ("q-not-a-tensor", _kvcache_call(q=lambda q: q.tolist()), TypeError, "q must be a torch.Tensor"),
+        ("k-cache-rank", _kvcache_call(k_cache=lambda c: c[0]), ValueError, "k_cache must have 4 dimensions"),
+        ("cache-dtype", _kvcache_call(k_cache=lambda c: c.double()), TypeError, "k_cache must have q's dtype"),
+        ("k-dtype", _kvcache_call(k=lambda k: k.half()), TypeError, "k must have q's dtype"),
+        ("k-without-v", _kvcache_call(v=None), ValueError, "k and v are appended together: k was given without v"),
+        ("v-without-k", _kvcache_call(k=None), ValueError, "k and v are appended together: v was given without k"),
+        ("v-cache-slots", _kvcache_call(v_cache=lambda c: c[:, :2]), ValueError,
+         r"v_cache.shape\[1\] must equal k_cache.shape\[1\]"),
+        ("v-cache-heads", _kvcache_call(v_cache=lambda c: c[:, :, :1]), ValueError,
+         r"v_cache.shape\[2\] must equal k_cache.shape\[2\] \(Hkv\)"),
+        ("cache-head-dim", _kvcache_call(k_cache=lambda c: c[..., :8]), ValueError,
+         r"k_cache.shape\[3\] must equal q.shape\[3\] \(head dim D\)"),
+        ("cache-last-stride", _kvcache_call(k_cache=lambda c: c.repeat_interleave(2, dim=-1)[..., ::2]), ValueError,
+         "k_cache must have a unit last stride"),
+        ("group", _kvcache_call(q=lambda q: q[:, :, :3]), ValueError, "Hq .*Hkv"),
+        ("k-batch", _kvcache_call(k=lambda k: k[:2]), ValueError, r"k.shape\[0\] must equal q.shape\[0\]"),
+        ("k-heads", _kvcache_call(k=lambda k: k[:, :, :1]), ValueError, r"k.shape\[2\] must equal k_cache.shape\[2\]"),
+        ("k-head-dim", _kvcache_call(k=lambda k: k[..., :8]), ValueError, r"k.shape\[3\] must equal q.shape\[3\]"),
+        ("v-length", _kvcache_call(v=lambda v: v[:, :1]), ValueError, r"v.shape\[1\] must equal k.shape\[1\]"),
+        ("v-head-dim", _kvcache_call(v=lambda v: v[..., :8]), ValueError,
+         r"v.shape\[3\] must equal v_cache.shape\[3\] \(value head dim Dv\)"),
+        ("empty-k", _kvcache_call(k=lambda k: k[:, :0], v=lambda v: v[:, :0]), ValueError, "k must not be empty"),
+        ("dense-cache-rows", _kvcache_call(None, k_cache=lambda c: c[:2], v_cache=lambda c: c[:2]), ValueError,
+         r"k_cache.shape\[0\] \(B_cache\) must be at least q's batch 3"),
+        ("block-table-int64", _kvcache_call(block_table=lambda t: t.long()), TypeError, "block_table must have dtype"),
+        ("block-table-rank", _kvcache_call(block_table=lambda t: t[0]), ValueError,
+         "block_table must have 2 dimensions"),
+        ("block-table-batch", _kvcache_call(block_table=lambda t: t[:2]), ValueError,
+         r"block_table.shape\[0\] must equal q.shape\[0\]"),
+        ("cache-seqlens-int64", _kvcache_call(cache_seqlens=lambda s: s.long()), TypeError,
+         "cache_seqlens must have dtype"),
+        ("cache-seqlens-length", _kvcache_call(cache_seqlens=lambda s: s[:2]), ValueError,
+         r"cache_seqlens.shape\[0\] must equal q.shape\[0\]"),
+        ("cache-seqlens-float", _kvcache_call(cache_seqlens=3.0), TypeError,
+         r"cache_seqlens must be a \(B,\) int32 tensor or a Python int"),
+        ("cache-seqlens-bool", _kvcache_call(cache_seqlens=True), TypeError,
+         r"cache_seqlens must be a \(B,\) int32 tensor or a Python int"),
+        ("paged-capacity", _kvcache_call(cache_seqlens=_int32([3, 0, 11])), ValueError,
+         r"cache_seqlens\[2\] \+ Nnew \(11 \+ 2\) must be at most the cache's capacity "
+         r"\(max_blocks \* block_size = 3 \* 4 = 12\)"),
+        ("dense-capacity", _kvcache_call(None, cache_seqlens=_int32([3, 0, 8])), ValueError,
+         r"cache_seqlens\[2\] \+ Nnew \(8 \+ 2\) must be at most the cache's capacity "
+         r"\(Nmax = k_cache.shape\[1\] = 9\)"),
+        ("int-capacity", _kvcache_call(cache_seqlens=11), ValueError,
+         r"cache_seqlens\[0\] \+ Nnew \(11 \+ 2\) must be at most the cache's capacity"),
+        ("negative-cache-seqlens", _kvcache_call(cache_seqlens=_int32([3, -1, 6])), ValueError,
+         r"cache_seqlens\[1\] must be >= 0, got -1"),
+        ("negative-int-cache-seqlens", _kvcache_call(cache_seqlens=-1), ValueError, r"cache_seqlens\[0\] must be >= 0"),
+        ("block-past-the-pool", _kvcache_call(block_table=_with_block((2, 1), 11)), ValueError,
+         r"block_table\[2, 1\] must be a block index in \[0, num_blocks = 11\) \(sequence 2 uses its first 2 blocks\), "
+         "got 11"),
+        ("negative-block", _kvcache_call(block_table=_with_block((0, 0), -1)), ValueError,
+         r"block_table\[0, 0\] must be a block index"),
+        ("nan-scale", _kvcache_call(scale=float("nan")), ValueError, "scale"),
+        *_attention_option_bad_inputs(_kvcache_positional, lambda: (list(_kvcache_case().arguments().values()), 4)),
+    ) + _op_calls(
+        ("op-checks-capacity", _kvcache_op_call(cache_seqlens=_int32([3, 0, 11])), ValueError,
+         r"cache_seqlens\[2\] \+ Nnew \(11 \+ 2\) must be at most"),
+        ("op-checks-blocks", _kvcache_op_call(block_table=_int32([[0, 1, 2], [3, -1, -1], [6, 99, -1]])), ValueError,
+         r"block_table\[2, 1\] must be a block index"),
+    ),
+    device_mismatches=_device_mismatches(
+        tk_ops.attention_with_kvcache,
+        lambda: dict(_kvcache_case(device="cuda").arguments(), sinks=torch.randn(4, device="cuda")),
+        "q", ("k_cache", "v_cache", "k", "v", "cache_seqlens", "block_table", "sinks"),
+    ),
+    graphs=(),
+    no_graph=_without_sample(NO_KERNEL, "attention_with_kvcache"),
+    fallbacks=(),
+    no_fallback=_without_sample(NO_KERNEL, "attention_with_kvcache"),
 )
 
 
@@ -1619,6 +2062,193 @@ FFTCONV = OpInfo(
 )
 
 
+# ------------------------------------------------------------------------------------------ gated_delta_rule
+
+GDN_NAMES = gdn_inputs.NAMES
+GDN_LENGTHS = (3, 0, 1, 66)  # packed: an empty sequence, one of length 1, one of two chunks (CHUNK_SIZE 64)
+
+
+def _gdn_cu_seqlens(lengths=GDN_LENGTHS) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def _gdn_inputs(dtype=torch.float64, gate_dtype=None, initial=True, packed=False, device="cpu"):
+    """Inputs by name (tests/inputs/gated_delta_rule.py) and cu_seqlens: T = 70 (two chunks), Hk = 1, Hv = 2,
+    K = 5, V = 3; batch 2, or GDN_LENGTHS packed."""
+    states = len(GDN_LENGTHS) if packed else None
+    inputs = gdn_inputs.make_inputs(1 if packed else 2, 70, 1, 2, 5, 3, initial=initial, states=states, dtype=dtype,
+                                    gate_dtype=gate_dtype, device=device)
+    return inputs, (_gdn_cu_seqlens().to(device) if packed else None)
+
+
+def _gdn_args(dtype=torch.float64, gate_dtype=None, initial=True, packed=False, l2norm=True, requires_grad=True):
+    """tk.gated_delta_rule's arguments (q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm)."""
+    inputs, cu_seqlens = _gdn_inputs(dtype, gate_dtype, initial, packed)
+    q, k, v, g, beta, initial_state = (None if inputs[name] is None else inputs[name].requires_grad_(requires_grad)
+                                       for name in GDN_NAMES)
+    return (q, k, v, g, beta, 0.4, initial_state, cu_seqlens, l2norm)
+
+
+def _gdn_backward_args(with_final_grad, **options):
+    args = _gdn_args(requires_grad=False, **options)
+    o, final_state = torch.ops.tk.gated_delta_rule(*args)
+    return (torch.randn_like(o), torch.randn_like(final_state) if with_final_grad else None, *args)
+
+
+def _gdn_samples(id, with_final_grad, **options):
+    return (
+        Sample(id, "gated_delta_rule", lambda: _gdn_args(**options)),
+        Sample(f"gated_delta_rule_bwd-{id}", "gated_delta_rule_bwd",
+               lambda: _gdn_backward_args(with_final_grad, **options)),
+    )
+
+
+def _gdn_compile_inputs(packed: bool):
+    inputs, _ = _gdn_inputs(torch.float32, packed=packed)
+    return [inputs[name].requires_grad_() for name in GDN_NAMES]
+
+
+def _gdn_with_final_state(packed: bool):
+    cu_seqlens = _gdn_cu_seqlens() if packed else None
+
+    def run(q, k, v, g, beta, initial_state):
+        o, final_state = tk_ops.gated_delta_rule(q, k, v, g, beta, initial_state=initial_state,
+                                                 output_final_state=True, cu_seqlens=cu_seqlens, use_qk_l2norm=True)
+        return o * 2.0, final_state
+
+    return run
+
+
+class _GatedDeltaMixer(torch.nn.Module):
+    """Qwen3-Next's gates around the op: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)."""
+
+    def __init__(self, heads=2):
+        super().__init__()
+        self.A_log = torch.nn.Parameter(torch.rand(heads))
+        self.dt_bias = torch.nn.Parameter(torch.randn(heads))
+
+    def forward(self, q, k, v, a, b):
+        g = -torch.exp(self.A_log) * torch.nn.functional.softplus(a + self.dt_bias)
+        return tk_ops.gated_delta_rule(q, k, v, g, torch.sigmoid(b), use_qk_l2norm=True)[0]
+
+
+def _gdn_export_args():
+    inputs, _ = _gdn_inputs(torch.float32, initial=False)
+    return (inputs["q"], inputs["k"], inputs["v"], torch.randn(2, 70, 2), torch.randn(2, 70, 2))
+
+
+def _gdn_call(packed=False, **changes):
+    """tk_ops.gated_delta_rule on fp32 inputs (T = 13, Hk = 2, Hv = 4, K = 5, V = 3; batch 2, or packed as
+    lengths 4, 0, 9) with some arguments replaced: a callable change gets the original value."""
+    inputs = gdn_inputs.make_inputs(1 if packed else 2, 13, 2, 4, 5, 3, initial=True, states=3 if packed else None,
+                                    dtype=torch.float32)
+    arguments = dict(inputs, scale=None, cu_seqlens=_gdn_cu_seqlens((4, 0, 9)) if packed else None)
+    arguments.update({name: change(arguments[name]) if callable(change) else change
+                      for name, change in changes.items()})
+    positional = [arguments.pop(name) for name in GDN_NAMES[:5]]
+    return lambda: tk_ops.gated_delta_rule(*positional, **arguments)
+
+
+def _gdn_bad_inputs():
+    call = _gdn_call
+    return _bad(
+        ("q-not-a-tensor", call(q=lambda q: q.tolist()), TypeError, "q must be a torch.Tensor"),
+        ("g-not-a-tensor", call(g=0.5), TypeError, "g must be a torch.Tensor"),
+        ("q-rank-3", call(q=lambda q: q[0]), ValueError, "q must have 4 dimensions"),
+        ("v-rank-5", call(v=lambda v: v[None]), ValueError, "v must have 4 dimensions"),
+        ("integer-v", call(v=lambda v: v.to(torch.int32)), TypeError, "v must have dtype"),
+        ("k-dtype", call(k=lambda k: k.double()), TypeError, "k must have q's dtype"),
+        ("v-dtype", call(v=lambda v: v.bfloat16()), TypeError, "v must have q's dtype"),
+        ("k-head-dim", call(k=lambda k: k[..., :4]), ValueError, "k must have q's shape"),
+        ("v-batch", call(v=lambda v: v[:1]), ValueError, r"v\.shape\[0\] must equal q\.shape\[0\] \(B\)"),
+        ("v-length", call(v=lambda v: v[:, :12]), ValueError, r"v\.shape\[1\] must equal q\.shape\[1\] \(T\)"),
+        ("Hv-not-a-multiple-of-Hk", call(v=lambda v: v[:, :, :3], g=lambda g: g[..., :3], beta=lambda b: b[..., :3]),
+         ValueError, r"Hv = v\.shape\[2\] \(3\) must be a multiple of the key heads Hk = q\.shape\[2\] \(2\)"),
+        ("g-rank-4", call(g=lambda g: g[..., None]), ValueError, "g must have 3 dimensions"),
+        ("g-length", call(g=lambda g: g[:, :12]), ValueError, r"g must have shape \(2, 13, 4\) \(B, T, Hv\)"),
+        ("beta-heads", call(beta=lambda b: b[..., :2]), ValueError, r"beta must have shape \(2, 13, 4\)"),
+        ("fp64-g-with-fp32-v", call(g=lambda g: g.double()), TypeError, "g must have dtype float32 .v is"),
+        ("fp16-beta-with-bf16-inputs",
+         call(q=lambda q: q.bfloat16(), k=lambda k: k.bfloat16(), v=lambda v: v.bfloat16(), g=lambda g: g.bfloat16(),
+              beta=lambda b: b.half()),
+         TypeError, "beta must have dtype bfloat16 or float32"),
+        ("integer-beta", call(beta=lambda b: b.to(torch.int64)), TypeError, "beta must have dtype"),
+        ("scale-nan", call(scale=float("nan")), ValueError, "scale must be None or a finite number"),
+        ("scale-string", call(scale="0.5"), ValueError, "scale must be None or a finite number"),
+        ("scale-bool", call(scale=True), ValueError, "scale must be None or a finite number"),
+        ("initial_state-shape", call(initial_state=lambda s: s.mT), ValueError,
+         r"initial_state must have shape \(2, 4, 5, 3\) \(B, Hv, K, V\)"),
+        ("initial_state-rank-3", call(initial_state=lambda s: s[0]), ValueError, "initial_state must have 4"),
+        ("bf16-initial_state", call(initial_state=lambda s: s.bfloat16()), TypeError,
+         "initial_state must have dtype float32"),
+        ("fp32-initial_state-with-fp64-inputs",
+         call(q=lambda q: q.double(), k=lambda k: k.double(), v=lambda v: v.double(), g=lambda g: g.double(),
+              beta=lambda b: b.double()),
+         TypeError, "initial_state must have dtype float64"),
+        ("empty-T", call(q=lambda q: q[:, :0]), ValueError, "q must not be empty"),
+        ("empty-V", call(v=lambda v: v[..., :0]), ValueError, "v must not be empty"),
+        ("cu_seqlens-not-a-tensor", call(True, cu_seqlens=[0, 4, 4, 13]), TypeError,
+         "cu_seqlens must be a torch.Tensor"),
+        ("cu_seqlens-int64", call(True, cu_seqlens=lambda cu: cu.long()), TypeError, "cu_seqlens must have dtype"),
+        ("cu_seqlens-rank-2", call(True, cu_seqlens=lambda cu: cu[None]), ValueError,
+         "cu_seqlens must have 1 dimensions"),
+        ("cu_seqlens-one-entry", call(True, cu_seqlens=torch.zeros(1, dtype=torch.int32)), ValueError,
+         r"cu_seqlens must be \(N \+ 1,\) with N >= 1"),
+        ("cu_seqlens-with-batch-2", call(cu_seqlens=_gdn_cu_seqlens((13,)), initial_state=None), ValueError,
+         r"q\.shape\[0\] \(B\) must be 1"),
+        ("cu_seqlens-not-from-zero", call(True, cu_seqlens=torch.tensor([1, 4, 4, 13], dtype=torch.int32)),
+         ValueError, "cu_seqlens must start at 0"),
+        ("cu_seqlens-decreasing", call(True, cu_seqlens=torch.tensor([0, 4, 3, 13], dtype=torch.int32)),
+         ValueError, "cu_seqlens must be non-decreasing"),
+        ("cu_seqlens-end", call(True, cu_seqlens=torch.tensor([0, 4, 4, 12], dtype=torch.int32)), ValueError,
+         r"cu_seqlens must end at T = q\.shape\[1\] \(13\)"),
+        ("initial_state-per-batch-row-with-cu_seqlens", call(True, initial_state=lambda s: s[:1]), ValueError,
+         r"initial_state must have shape \(3, 4, 5, 3\) \(N = len\(cu_seqlens\) - 1, Hv, K, V\)"),
+    ) + _op_calls(
+        ("op-checks-cu_seqlens-contents",
+         lambda: torch.ops.tk.gated_delta_rule(*_gdn_args(torch.float32, packed=True, requires_grad=False)[:7],
+                                               torch.tensor([0, 5, 3, 70], dtype=torch.int32), True),
+         ValueError, "cu_seqlens must be non-decreasing"),
+    )
+
+
+def _gdn_on_the_gpu():
+    inputs, cu_seqlens = _gdn_inputs(torch.bfloat16, torch.float32, packed=True, device="cuda")
+    return dict(inputs, cu_seqlens=cu_seqlens)
+
+
+def _gdn_by_name(q, k, v, g, beta, initial_state, cu_seqlens):
+    return tk_ops.gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens)
+
+
+GATED_DELTA_RULE = OpInfo(
+    name="gated_delta_rule",
+    functions={"gated_delta_rule": ("gated_delta_rule", "gated_delta_rule_bwd")},
+    samples=(
+        *_gdn_samples("fp64-all-options", with_final_grad=True),
+        *_gdn_samples("fp32-no-options", with_final_grad=False, dtype=torch.float32, initial=False, l2norm=False),
+        *_gdn_samples("bf16-fp32-gates", with_final_grad=True, dtype=torch.bfloat16, gate_dtype=torch.float32),
+        *_gdn_samples("fp64-packed", with_final_grad=True, packed=True),
+    ),
+    kernel_dtypes=(),  # no kernel yet: the reference serves every device
+    kernel_samples=lambda dtype: (),
+    compile=tuple(
+        CompileSample("packed" if packed else "batch", _gdn_with_final_state(packed),
+                      lambda packed=packed: _gdn_compile_inputs(packed), ("gated_delta_rule", "gated_delta_rule_bwd"),
+                      loss=_random_projection, tol=1e-6)
+        for packed in (False, True)
+    ),
+    export=(ExportSample("qwen3-next-gates", _GatedDeltaMixer, _gdn_export_args, ("gated_delta_rule",), tol=1e-6),),
+    bad_inputs=_gdn_bad_inputs(),
+    device_mismatches=_device_mismatches(_gdn_by_name, _gdn_on_the_gpu, "q",
+                                         ("k", "v", "g", "beta", "initial_state", "cu_seqlens")),
+    graphs=(),
+    no_graph=_without_sample(NO_KERNEL, "gated_delta_rule", "gated_delta_rule_bwd"),
+    fallbacks=(),
+    no_fallback=_without_sample(NO_KERNEL, "gated_delta_rule", "gated_delta_rule_bwd"),
+)
+
+
 # ------------------------------------------------------------------------------------ linear_cross_entropy
 
 LCE_IGNORE_INDEX = linear_cross_entropy_inputs.IGNORE_INDEX
@@ -1760,6 +2390,5 @@ LINEAR_CROSS_ENTROPY = OpInfo(
     no_fallback=_without_sample(NO_KERNEL, "linear_cross_entropy", "linear_cross_entropy_bwd"),
 )
 
-
-OP_DB = (MATMUL, ATTENTION, LAYER_NORM, RMS_NORM, ROPE, LINEAR_ATTENTION, BASED_ATTENTION, MAMBA2_SSD, CAUSAL_CONV1D,
-         FFTCONV, LINEAR_CROSS_ENTROPY)
+OP_DB = (MATMUL, ATTENTION, ATTENTION_VARLEN, ATTENTION_WITH_KVCACHE, LAYER_NORM, RMS_NORM, ROPE, LINEAR_ATTENTION,
+         BASED_ATTENTION, MAMBA2_SSD, CAUSAL_CONV1D, FFTCONV, GATED_DELTA_RULE, LINEAR_CROSS_ENTROPY)

@@ -208,7 +208,7 @@ def test_deterministic_follows_torch_switch(monkeypatch):
     """deterministic=None takes torch.are_deterministic_algorithms_enabled(); an explicit value wins."""
     seen = []
     forward = attention_module.attention_op
-    monkeypatch.setattr(attention_module, "attention_op", lambda *args: seen.append(args[-1]) or forward(*args))
+    monkeypatch.setattr(attention_module, "attention_op", lambda *args: seen.append(args[5]) or forward(*args))
     q, k, v = make_qkv(1, 2, 2, 5, 5, 16, requires_grad=False)
     was_enabled, was_warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     try:

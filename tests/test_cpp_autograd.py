@@ -60,11 +60,18 @@ def _linear(grads, bias):
     return make
 
 
-def _attention(causal, used, hkv=2, grads=(True, True, True)):
+def _attention(causal, used, hkv=2, grads=(True, True, True), options=None):
+    """options: (window_left, window_right, softcap, sinks_requires_grad or None for no sinks), the op's
+    last four arguments; None calls the op with its first six."""
+
     def make(device, dtype):
         q = _t((2, 4, 9, 64), device, dtype, grads[0])
         k, v = _t((2, hkv, 11, 64), device, dtype, grads[1]), _t((2, hkv, 11, 64), device, dtype, grads[2])
-        return (q, k, v, causal, 0.125, True), used
+        if options is None:
+            return (q, k, v, causal, 0.125, True), used
+        window_left, window_right, softcap, sinks_grad = options
+        sinks = None if sinks_grad is None else _t((4,), device, torch.float32, sinks_grad)
+        return (q, k, v, causal, 0.125, True, window_left, window_right, softcap, sinks), used
 
     return make
 
@@ -169,6 +176,10 @@ CASES = [
     Case("attention_causal_gqa_lse", "attention", _attention(True, (1, 1), hkv=1)),
     Case("attention_lse_only", "attention", _attention(True, (None, 1))),
     Case("attention_k_frozen", "attention", _attention(False, (1, None), grads=(True, False, True))),
+    Case("attention_window_softcap_sinks", "attention", _attention(True, (1, 1), options=(3, -1, 2.5, True))),
+    Case("attention_frozen_sinks_lse_only", "attention", _attention(False, (None, 1), options=(2, 1, 0.0, False))),
+    Case("attention_sinks_only", "attention", _attention(False, (1, None), grads=(False, False, False),
+                                                         options=(-1, -1, 0.0, True))),
     Case("layer_norm", "layer_norm", _layer_norm(True, True, False, 0.0, (1, None, None, None))),
     Case("layer_norm_bare", "layer_norm", _layer_norm(False, False, False, 0.0, (1, None, None, None))),
     Case("layer_norm_residual_h", "layer_norm", _layer_norm(True, True, True, 0.0, (1, 1, None, None))),

@@ -206,7 +206,11 @@ def constant_mask(kind: str, nq: int, nk: int, device) -> torch.Tensor:
         "causal": cols <= rows,
         "causal_bottom_right": cols <= rows + (nk - nq),
         "all": cols >= 0,
+        # Mistral's sliding window W = 3 as a model writes it: the key itself and the 2 before it
         "window": (cols <= rows) & (cols > rows - 3),
+        "window_bottom_right": (cols <= rows + (nk - nq)) & (cols > rows + (nk - nq) - 3),
+        # a window that also sees one key after the diagonal: not causal
+        "band": (cols <= rows + 1) & (cols > rows - 3),
     }
     bias, _, shape = kind.partition("_")
     if bias not in _MASKED_BIAS:
@@ -237,14 +241,47 @@ def test_sdpa_with_constant_mask_rewritten(rewrites, kind, nq, nk):
 
 @pytest.mark.parametrize(
     "kind, nq, nk",
-    # a sliding window; top-left causal on a rectangle (tk's is bottom-right); empty rows (nq > nk)
-    [("window", 12, 12), ("causal", 9, 13), ("causal_bottom_right", 13, 9), ("soft_causal", 12, 12)],
+    [("window", 12, 12), ("additive_window", 12, 12), ("lowest_window", 12, 12), ("window_bottom_right", 9, 13)],
 )
+def test_sdpa_with_a_constant_sliding_window_mask_rewritten(rewrites, kind, nq, nk):
+    """A window of 3 keys (the query's own and the 2 before it) runs as tk's causal window=(2, 0)."""
+
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=constant_mask(kind, nq, nk, q.device))
+
+    inputs = [leaf(2, 2, nq, 64), leaf(2, 2, nk, 64), leaf(2, 2, nk, 64)]
+    check_rewrite(fn, inputs, {"attention", "attention_bwd"})
+    code = compiled_step(fn, *inputs)
+    [(*_, causal, _scale, _deterministic, left, right)] = call_arguments(code, "attention")
+    [(*_, backward_causal, _, _, backward_left, backward_right)] = call_arguments(code, "attention_bwd")
+    assert (causal, left, right) == (backward_causal, backward_left, backward_right) == ("True", "2", "-1")
+
+
+@pytest.mark.parametrize(
+    "kind, nq, nk",
+    # top-left causal or window on a rectangle (tk's are bottom-right); empty rows (nq > nk); a window
+    # that sees a key after the diagonal; a bias that does not mask (exp(-100) > 0)
+    [
+        ("causal", 9, 13), ("window", 9, 13), ("causal_bottom_right", 13, 9), ("band", 12, 12),
+        ("soft_causal", 12, 12), ("soft_window", 12, 12),
+    ],
+)  # fmt: skip
 def test_sdpa_with_other_constant_masks_left_alone(rewrites, kind, nq, nk):
     def fn(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=constant_mask(kind, nq, nk, q.device))
 
     check_left_alone(fn, [leaf(1, 2, nq, 64), leaf(1, 2, nk, 64), leaf(1, 2, nk, 64)], {"attention", "attention_bwd"})
+
+
+def test_hand_written_softcap_attention_left_alone(rewrites):
+    """softmax(c * tanh(s / c)) v written out (Gemma 2's softcap; SDPA has none): the pass matches only
+    fused SDPA nodes, so the matmuls, tanh and softmax stay as they are."""
+
+    def fn(q, k, v):
+        scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * 0.125 / 30.0) * 30.0
+        return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
+
+    check_left_alone(fn, [leaf(1, 2, 8, 64), leaf(1, 2, 8, 64), leaf(1, 2, 8, 64)], {"attention", "attention_bwd"})
 
 
 def test_sdpa_with_mask_from_an_input_left_alone(rewrites):
@@ -318,7 +355,7 @@ def _efficient_attention(q, k, v, bias, grad_out):
 _BACKENDS = {"cudnn": _cudnn_attention, "flash": _flash_attention, "efficient": _efficient_attention}
 
 
-def rewritten_backend_graph(backend, head_dim, *, training, mask=None, kv_copies=1, always=False):
+def rewritten_backend_graph(backend, head_dim, *, training, mask=None, kv_copies=1, always=False, any_device=True):
     """Trace SDPA's ``backend`` nodes (causal, through is_causal or a constant ``mask`` kind of
     constant_mask), run the attention rewrite on the graph; return (rewrites, graph)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -338,7 +375,7 @@ def rewritten_backend_graph(backend, head_dim, *, training, mask=None, kv_copies
         k, v = (torch.empty(2, 2, 16, head_dim, dtype=BF16, device="meta") for _ in range(2))
         traced = make_fx(attention, tracing_mode="fake")(q, k, v, torch.empty_like(q))
     traced.graph.eliminate_dead_code()  # as in AOT's joint graph: no unused outputs (the bias gradient)
-    options = RewriteOptions(any_device=True, always_rewrite_attention=always)
+    options = RewriteOptions(any_device=any_device, always_rewrite_attention=always)
     return rewrite_attention(traced.graph, options), traced.graph
 
 
@@ -398,6 +435,19 @@ def test_rule_replaces_flash(head_dim, training):
 def test_rule_replaces_efficient(head_dim, mask):
     rewrites, graph = rewritten_backend_graph("efficient", head_dim, training=True, mask=mask)
     assert rewrites == 1 and _ATEN._scaled_dot_product_efficient_attention.default not in called_ops(graph)
+
+
+@pytest.mark.parametrize("backend", ["cudnn", "efficient"])
+def test_a_window_stays_with_sdpa_on_a_kernel_device(backend, monkeypatch):
+    """tk has no window kernel: on a device its kernels serve (here pretended), a proven window mask
+    stays with SDPA's backend; only any_device, where the reference is asked for, takes it."""
+    from tk_ops.inductor.options import RewriteOptions
+
+    monkeypatch.setattr(RewriteOptions, "serves", lambda self, device, op_name: True)
+    for any_device, mask, expected in ((False, "additive_window", 0), (True, "additive_window", 1),
+                                       (False, "additive_causal", 1)):  # fmt: skip
+        rewrites, _ = rewritten_backend_graph(backend, 128, training=True, mask=mask, any_device=any_device)
+        assert rewrites == expected, (any_device, mask)
 
 
 @pytest.mark.parametrize("backend", ["cudnn", "efficient"])
@@ -596,7 +646,8 @@ def _hf_check(model, inputs, expected_ops):
         return logits
 
     logits, codes = run_and_get_code(step)
-    called = tk_calls("\n".join(codes))
+    code = "\n".join(codes)
+    called = tk_calls(code)
     assert expected_ops <= called, f"expected {expected_ops}, generated code calls {called}"
     assert_rel_close(logits, eager_logits, 3e-2, "logits")
     largest = max(g.norm().item() for g in eager_grads)
@@ -604,6 +655,7 @@ def _hf_check(model, inputs, expected_ops):
         # gradients that vanish mathematically (e.g. key biases under softmax) are rounding noise
         if g.norm().item() > 1e-3 * largest:
             assert_rel_close(p.grad, g, 5e-2, "parameter gradient")
+    return code
 
 
 def test_hf_llama_compiles_to_tk_ops(rewrites):
@@ -621,6 +673,17 @@ def test_hf_llama_with_its_mask_materialised_compiles_to_tk_ops(rewrites, monkey
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_HF_CONFIG, num_key_value_heads=1))
     ids = torch.randint(0, 97, (2, 13))
     _hf_check(model, {"input_ids": ids}, {"attention", "attention_bwd", "rms_norm", "rms_norm_bwd", "rope_qk", "rope_qk_bwd"})
+
+
+def test_hf_mistral_sliding_window_compiles_to_tk_ops(rewrites):
+    """Mistral's sliding window (4 keys, 13 tokens): transformers materialises the mask from aranges
+    under torch.compile; the rewrite proves it a window and runs tk's window=(3, 0)."""
+    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency")
+    config = transformers.MistralConfig(**TINY_HF_CONFIG, num_key_value_heads=1, sliding_window=4)
+    ids = torch.randint(0, 97, (2, 13))
+    code = _hf_check(transformers.MistralForCausalLM(config), {"input_ids": ids}, {"attention", "attention_bwd"})
+    calls = re.findall(r"torch\.ops\.tk\.attention(?:_bwd)?\.default\(.*\)", code)  # one call per line
+    assert len(calls) == 4 and all(call.endswith(", 3, -1)") for call in calls)  # 2 layers, forward and backward
 
 
 def test_hf_bert_compiles_to_tk_ops(rewrites):

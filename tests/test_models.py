@@ -1,4 +1,5 @@
-"""models.llama and models.bert: Hugging Face compatibility, tk path vs reference path, autocast, compile.
+"""models.llama and models.bert: Hugging Face compatibility, tk path vs reference path, autocast, compile;
+Llama's sliding window (as Mistral's) and packed documents.
 
 The Hugging Face models are tiny random ones built from configs (no hub); the tests that need
 ``transformers`` skip without it.
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from models.bert import BertConfig, BertForMaskedLM
+from models.layers import PackedDocuments
 from models.llama import LlamaConfig, LlamaForCausalLM
 from tk_ops import _library
 from tk_testing import RecordTkCalls, assert_rel_close, check_compile_fullgraph, requires_cuda
@@ -23,6 +25,8 @@ except ImportError:  # a test dependency
 
 needs_transformers = pytest.mark.skipif(transformers is None, reason="needs transformers (pip install transformers)")
 
+# a window shorter than SEQ_LEN, so that it hides keys
+WINDOW = 4
 # odd sizes on purpose: nothing is a multiple of 16 except where a head dim must be even
 SIZES = dict(
     hidden_size=48, intermediate_size=83, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64
@@ -109,6 +113,35 @@ def test_bert_state_dict_loads_into_hf():
 
 
 @needs_transformers
+@pytest.mark.parametrize("reference", [False, True], ids=["tk", "reference"])
+def test_llama_with_a_window_loads_hf_mistral_and_matches_logits(reference):
+    hf_config = transformers.MistralConfig(**LLAMA, sliding_window=WINDOW, rms_norm_eps=1e-5)
+    hf_config._attn_implementation = "eager"
+    hf = transformers.MistralForCausalLM(hf_config).eval()
+    ours = LlamaForCausalLM(LlamaConfig.from_hf(hf_config, reference=reference)).eval()
+    assert ours.config.sliding_window == WINDOW and not ours.config.tie_word_embeddings
+    ours.load_state_dict(hf.state_dict())
+    ids = tokens(LLAMA["vocab_size"])
+    with torch.no_grad():
+        assert_rel_close(ours(ids), hf(ids).logits, 1e-5, "logits")
+
+
+@needs_transformers
+def test_llama_with_a_window_is_a_mistral_for_hf():
+    ours = llama(reference=False, sliding_window=WINDOW).eval()
+    hf_config = transformers.AutoConfig.for_model(**ours.config.to_hf_dict())
+    assert isinstance(hf_config, transformers.MistralConfig) and hf_config.sliding_window == WINDOW
+    hf = transformers.MistralForCausalLM(hf_config).eval()
+    hf.load_state_dict(ours.state_dict())
+    ids = tokens(LLAMA["vocab_size"])
+    with torch.no_grad():
+        assert_rel_close(ours(ids), hf(ids).logits, 1e-5, "logits")
+    assert LlamaConfig.from_hf(hf_config) == ours.config
+    with pytest.raises(ValueError, match="no attention or MLP biases"):
+        LlamaConfig(**LLAMA, sliding_window=WINDOW, attention_bias=True).to_hf_dict()
+
+
+@needs_transformers
 def test_configs_reject_what_the_models_do_not_implement():
     with pytest.raises(ValueError, match="rope_type"):
         LlamaConfig.from_hf(transformers.LlamaConfig(**LLAMA, rope_scaling={"rope_type": "linear", "factor": 2.0}))
@@ -116,13 +149,15 @@ def test_configs_reject_what_the_models_do_not_implement():
         BertConfig.from_hf(transformers.BertConfig(**BERT, hidden_act="relu"))
     with pytest.raises(ValueError, match="num_key_value_heads"):
         LlamaConfig(**{**LLAMA, "num_key_value_heads": 3})
+    with pytest.raises(ValueError, match="sliding_window"):
+        LlamaConfig(**LLAMA, sliding_window=0)
 
 
 # ------------------------------------------------------------------------- tk path vs reference
 
 
-def _loss_and_grads(model, ids, targets):
-    loss = model(ids, targets)
+def _loss_and_grads(model, ids, targets, **arguments):
+    loss = model(ids, targets, **arguments)
     loss.backward()
     return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
 
@@ -169,6 +204,119 @@ def test_llama_tk_path_trains_without_the_logits(tied):
     with torch.no_grad():
         assert_rel_close(tk_model(ids), reference_model(ids), 1e-5, "logits")
     assert head_calls == [(BATCH, SEQ_LEN, LLAMA["vocab_size"])]
+
+
+def _float64_pair(**overrides):
+    """The tk and reference Llama in float64 with the same weights."""
+    tk_model = llama(reference=False, **overrides).double()
+    reference_model = llama(reference=True, **overrides).double()
+    reference_model.load_state_dict(tk_model.state_dict())
+    return tk_model, reference_model
+
+
+def _assert_same_loss_and_grads(tk_model, reference_model, ids, targets, **arguments):
+    tk_loss, tk_grads = _loss_and_grads(tk_model, ids, targets, **arguments)
+    reference_loss, reference_grads = _loss_and_grads(reference_model, ids, targets, **arguments)
+    assert_rel_close(tk_loss, reference_loss, 1e-12, "loss")
+    for name, grad in reference_grads.items():
+        torch.testing.assert_close(tk_grads[name], grad, rtol=1e-9, atol=1e-15, msg=f"grad of {name}")
+
+
+def test_llama_sliding_window_tk_path_matches_reference_path_in_float64():
+    tk_model, reference_model = _float64_pair(sliding_window=WINDOW)
+    ids, targets = tokens(LLAMA["vocab_size"]), tokens(LLAMA["vocab_size"])
+    with torch.no_grad():
+        assert_rel_close(tk_model(ids), reference_model(ids), 1e-12, "logits")
+    with RecordTkCalls() as recorded:
+        _assert_same_loss_and_grads(tk_model, reference_model, ids, targets)
+    assert {"attention", "attention_bwd"} <= recorded.calls.keys()
+
+
+def test_llama_sliding_window_changes_the_result_only_beyond_the_window():
+    windowed, _ = _float64_pair(sliding_window=WINDOW)
+    unwindowed = llama(reference=False).double()
+    unwindowed.load_state_dict(windowed.state_dict())
+    ids = tokens(LLAMA["vocab_size"])
+    with torch.no_grad():
+        with_window, without = windowed(ids), unwindowed(ids)
+    # the first WINDOW tokens see all their keys either way; every later one loses some
+    torch.testing.assert_close(with_window[:, :WINDOW], without[:, :WINDOW], rtol=1e-12, atol=1e-12)
+    assert ((with_window - without)[:, WINDOW:].abs().amax(-1) > 1e-6).all()
+
+
+def test_llama_sliding_window_counts_the_keys_each_query_sees():
+    config = LlamaConfig(**LLAMA, sliding_window=WINDOW)
+    per_layer_and_head = 4 * config.head_dim
+    without = LlamaForCausalLM(LlamaConfig(**LLAMA)).flops_per_token(100)
+    windowed = LlamaForCausalLM(config).flops_per_token(100)
+    keys_seen = WINDOW * (1 - WINDOW / 200)
+    saved = config.num_hidden_layers * config.num_attention_heads * per_layer_and_head * (50 - keys_seen)
+    assert without - windowed == pytest.approx(3 * saved)
+
+
+# Three rows of SEQ_LEN tokens: documents of 4, 3 and 6 tokens; one row-long document; single-token documents
+# then a longer one.
+POSITIONS = torch.tensor([
+    [0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 4, 5],
+    list(range(SEQ_LEN)),
+    [0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9],
+])  # fmt: skip
+
+
+def test_packed_documents_from_positions():
+    documents = PackedDocuments.from_positions(POSITIONS)
+    assert documents.cu_seqlens.tolist() == [0, 4, 7, 13, 26, 27, 28, 29, 39] and documents.max_seqlen == 13
+    assert documents.cu_seqlens.dtype == torch.int32
+    same = documents.same_document()[0, 0]
+    assert same[6, 4] and not same[4, 3] and same.shape == (SEQ_LEN, SEQ_LEN)
+    for bad in (POSITIONS[:, 1:], POSITIONS + 1, torch.tensor([[0, 1, 3]])):
+        with pytest.raises(ValueError, match="positions"):
+            PackedDocuments.from_positions(bad)
+
+
+@pytest.mark.parametrize("window", [None, WINDOW], ids=["no_window", "window"])
+def test_llama_packed_tk_path_matches_reference_path_in_float64(window):
+    """The tk path (attention_varlen over the documents) against the reference path (SDPA with the
+    block-diagonal causal mask), logits and gradients."""
+    tk_model, reference_model = _float64_pair(sliding_window=window)
+    ids, targets = tokens(LLAMA["vocab_size"]), tokens(LLAMA["vocab_size"])
+    documents = PackedDocuments.from_positions(POSITIONS)
+    with torch.no_grad():
+        assert_rel_close(tk_model(ids, documents=documents), reference_model(ids, documents=documents), 1e-12)
+    with RecordTkCalls() as recorded:
+        _assert_same_loss_and_grads(tk_model, reference_model, ids, targets, documents=documents)
+    assert {"attention_varlen", "attention_varlen_bwd", "rope_qk", "rope_qk_bwd"} <= recorded.calls.keys()
+    assert "attention" not in recorded.calls
+
+
+@pytest.mark.parametrize("reference", [False, True], ids=["tk", "reference"])
+def test_llama_packed_row_equals_each_document_alone(reference):
+    """A packed row's logits, and the gradients of a function of them, are those of its documents run one
+    by one as batches of their own (positions from 0, no attention across them)."""
+    model = llama(reference=reference, sliding_window=WINDOW).double()
+    ids = tokens(LLAMA["vocab_size"])[:1]
+    documents = PackedDocuments.from_positions(POSITIONS[:1])
+    packed_logits = model(ids, documents=documents)
+    packed_logits.square().sum().backward()
+    packed_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    bounds = documents.cu_seqlens.tolist()
+    alone = torch.cat([model(ids[:, start:stop]) for start, stop in zip(bounds[:-1], bounds[1:])], dim=1)
+    alone.square().sum().backward()
+    assert_rel_close(packed_logits, alone, 1e-12, "logits")
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(packed_grads[name], p.grad, rtol=1e-9, atol=1e-15, msg=f"grad of {name}")
+    # and packing is not a no-op: one row-long document attends across the boundaries
+    assert (model(ids) - packed_logits).abs().amax() > 1e-6
+
+
+def test_packed_documents_are_refused_by_models_without_them():
+    from models.mamba2 import Mamba2Config, Mamba2ForCausalLM
+
+    model = Mamba2ForCausalLM(Mamba2Config(vocab_size=31, hidden_size=64, num_hidden_layers=1, num_heads=2,
+                                           head_dim=64, state_size=16, chunk_size=16, reference=True))  # fmt: skip
+    with pytest.raises(NotImplementedError, match="packed documents"):
+        model(torch.zeros(1, 4, dtype=torch.long), documents=PackedDocuments.from_positions(torch.arange(4)[None]))
 
 
 @pytest.mark.parametrize(
@@ -293,6 +441,5 @@ def test_flops_per_token_counts_every_linear(make):
 
 @needs_transformers
 def test_configs_round_trip_through_hf_configs():
-    for config in (LlamaConfig(**LLAMA, rope_theta=1234.0), BertConfig(**BERT)):
-        hf_config_class = transformers.LlamaConfig if isinstance(config, LlamaConfig) else transformers.BertConfig
-        assert type(config).from_hf(hf_config_class(**config.to_hf_dict())) == config
+    for config in (LlamaConfig(**LLAMA, rope_theta=1234.0), LlamaConfig(**LLAMA, sliding_window=7), BertConfig(**BERT)):
+        assert type(config).from_hf(transformers.AutoConfig.for_model(**config.to_hf_dict())) == config

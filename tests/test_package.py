@@ -21,7 +21,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_nn_modules_exist():
-    for name in ("LayerNorm", "RMSNorm", "RotaryEmbedding", "Linear", "Mamba2Mixer"):
+    for name in ("LayerNorm", "RMSNorm", "RotaryEmbedding", "Linear", "Mamba2Mixer", "GatedDeltaNet"):
         assert issubclass(getattr(tk_ops.nn, name), torch.nn.Module)
 
 

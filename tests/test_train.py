@@ -2,8 +2,8 @@
 bit-for-bit resume, the peer path (on the fakes of tests/fake_peers), and 2-process DDP / FSDP2 runs
 (gloo on CPU, compiled blocks under FSDP2 for the linear-time models) against one process.
 
-The corpus here is a synthetic English-like text (the shipped KJV: tests/test_corpus.py); the
-models are the ``nano`` presets, a few steps each.
+The corpus here is a synthetic English-like text in short chapters (the shipped KJV:
+tests/test_corpus.py); the models are the ``nano`` presets, a few steps each.
 """
 
 from __future__ import annotations
@@ -31,13 +31,21 @@ CONNECTIVES = ["and", "unto", "for", "upon", "with", "before", "after", "because
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
+# a heading between blank lines (a document's start, as the KJV's chapter headings) every this many lines
+CHAPTER_LINES = 4
+
+
 def synthetic_text(lines: int = 6000, seed: int = 0) -> str:
     rng = random.Random(seed)
 
     def phrase() -> str:
         return f"the {rng.choice(NOUNS)} {rng.choice(VERBS)} {rng.choice(CONNECTIVES)} the {rng.choice(NOUNS)}"
 
-    return "".join(f"{phrase().capitalize()}, {phrase()}.\n" for _ in range(lines))
+    def heading(line: int) -> str:
+        chapter = line // CHAPTER_LINES + 1
+        return ("" if chapter == 1 else "\n") + f"Chapter {chapter}\n\n" if line % CHAPTER_LINES == 0 else ""
+
+    return "".join(f"{heading(line)}{phrase().capitalize()}, {phrase()}.\n" for line in range(lines))
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +146,47 @@ def test_lm_batches_are_shifted_windows_given_by_seed_and_step(data_dir):
     # one epoch visits every window once
     epoch = torch.cat([batches._window_starts(step) for step in range(batches.steps_per_epoch)])
     assert len(set(epoch.tolist())) == len(epoch) == batches.steps_per_epoch * 6
+
+
+def test_heading_lines_begin_documents():
+    lines = ["Genesis 1\n", "\n", "In the beginning.\n", "And the earth.\n", "\n", "Genesis 2\n", "\n", "Thus.\n"]
+    assert data.heading_lines(lines) == [0, 5]
+    assert data.heading_lines(["One paragraph.\n", "No headings.\n"]) == []
+
+
+def test_prepare_records_where_documents_begin(data_dir):
+    prepared = data.TokenData.load(data_dir)
+    tokenizer = prepared.tokenizer()
+    for ids, starts in ((prepared.train, prepared.train_documents), (prepared.val, prepared.val_documents)):
+        assert starts[0] == 0 and (np.diff(starts) > 0).all() and starts[-1] < len(ids)
+        # all but the starts where a split jumps over the other's blocks are chapter headings
+        headings = [start for start in starts if tokenizer.decode(ids[start : start + 8]).startswith("Chapter")]
+        jumps = len(ids) // data.VAL_BLOCK_TOKENS + 1
+        assert len(starts) - jumps <= len(headings) <= len(starts)
+    assert prepared.meta["train_documents"] == len(prepared.train_documents)
+
+
+def test_split_document_starts_adds_the_jumps_between_blocks():
+    block, every = data.VAL_BLOCK_TOKENS, data.VAL_EVERY_BLOCKS
+    total = (every + 1) * block + 10  # train blocks 0..18, val block 19, train block 20 and 10 tokens of 21
+    train, val = data.split_document_starts(np.array([5, (every - 1) * block + 7, every * block + 3]), total)
+    assert train.tolist() == [0, 5, (every - 1) * block, (every - 1) * block + 3]
+    assert val.tolist() == [0, 7]
+
+
+def test_positions_restart_at_each_document_and_each_row(data_dir):
+    prepared = data.TokenData.load(data_dir)
+    batches = data.Batches(prepared.train, kind="lm", seq_len=64, global_batch=8, seed=0,
+                           document_starts=prepared.train_documents)  # fmt: skip
+    positions = batches.positions_at(5)
+    starts = set(prepared.train_documents.tolist())
+    for row, row_start in zip(positions.tolist(), batches._window_starts(5).tolist()):
+        expected, position = [], 0
+        for token in range(row_start, row_start + 64):
+            position = 0 if token == row_start or token in starts else position + 1
+            expected.append(position)
+        assert row == expected
+    assert (positions == 0).sum() > 8  # some rows hold more than one document
 
 
 def test_mlm_batches_mask_fifteen_percent(data_dir):
@@ -265,6 +314,30 @@ def test_peer_path_follows_the_reference_path(data_dir, tmp_path, fake_peers, mo
     assert losses(peer) == pytest.approx(losses(reference), rel=1e-5)
     reloaded = checkpoint.load_model(tmp_path / "peer" / "checkpoint.safetensors")
     assert not reloaded.config.reference and not reloaded.config.peer
+
+
+def test_packed_training_lowers_the_loss_and_the_reference_path_follows(data_dir, tmp_path):
+    """--pack on the tk path (attention_varlen) and on the reference path (the block-diagonal mask): the
+    loss goes down, both paths give the same losses, and packing changed them (rows hold several documents)."""
+    common = ["--steps", "12", "--eval-every", "6", "--sample-tokens", "0", "--no-save"]
+    packed = run(tmp_path / "tk", data_dir, *common, "--pack")
+    assert packed["pack"] and losses(packed, "eval_loss")[-1] < losses(packed, "eval_loss")[0] - 0.5
+    reference = run(tmp_path / "reference", data_dir, *common, "--pack", "--reference")
+    assert losses(packed) == pytest.approx(losses(reference), rel=1e-4)
+    assert losses(packed, "eval_loss") == pytest.approx(losses(reference, "eval_loss"), rel=1e-4)
+    unpacked = run(tmp_path / "unpacked", data_dir, "--steps", "1", "--sample-tokens", "0", "--no-save")
+    assert losses(unpacked, "eval_loss")[0] != pytest.approx(losses(packed, "eval_loss")[0], rel=1e-6)
+
+
+def test_pack_is_refused_without_documents(data_dir, tmp_path):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--model", "bert", "--preset", "nano", "--pack"])
+    old = tmp_path / "old"
+    old.mkdir()
+    for name in ("meta.json", "tokenizer.json", "train.bin", "val.bin"):
+        (old / name).write_bytes((data_dir / name).read_bytes())
+    with pytest.raises(SystemExit, match="prepare it again"):
+        run(tmp_path / "run", old, "--steps", "1", "--pack")
 
 
 def test_peer_is_refused_where_the_reference_is_the_peer():

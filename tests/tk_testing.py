@@ -177,7 +177,8 @@ def check_compile_fullgraph(
     seed: int | None = None,
 ) -> None:
     """``torch.compile(fn, fullgraph=True)`` runs forward and backward with ``torch.ops.tk.<op>.default`` for
-    every name in ``ops`` in its generated code, and gives eager's outputs and input gradients.
+    every name in ``ops`` in its generated code, and gives eager's outputs and input gradients (forward only
+    when no input requires grad: ops without a gradient).
 
     ``fn`` returns a tensor or a tuple of tensors; backward starts from ``loss(*outputs)``, or from the
     output itself when ``loss`` is None. Both runs use fresh leaves with the ``requires_grad`` of ``inputs``;
@@ -190,7 +191,8 @@ def check_compile_fullgraph(
             torch.manual_seed(seed)
         leaves = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
         outputs = _as_tuple(run(*leaves))
-        (outputs[0] if loss is None else loss(*outputs)).backward()
+        if any(t.requires_grad for t in leaves):
+            (outputs[0] if loss is None else loss(*outputs)).backward()
         return [out.detach() for out in outputs], [t.grad for t in leaves if t.requires_grad]
 
     (outputs, grads), codes = run_and_get_code(forward_backward, torch.compile(fn, fullgraph=True))

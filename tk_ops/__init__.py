@@ -6,10 +6,12 @@ reference (CPU and unsupported inputs), a fake impl and autograd through a dedic
 """
 
 from tk_ops import _library
-from tk_ops.ops.attention import attention
+from tk_ops.ops.attention import attention, attention_varlen
+from tk_ops.ops.attention_with_kvcache import attention_with_kvcache
 from tk_ops.ops.based_attention import based_attention
 from tk_ops.ops.causal_conv1d import causal_conv1d
 from tk_ops.ops.fftconv import fftconv
+from tk_ops.ops.gated_delta_rule import gated_delta_rule
 from tk_ops.ops.layer_norm import layer_norm
 from tk_ops.ops.linear_attention import linear_attention
 from tk_ops.ops.linear_cross_entropy import linear_cross_entropy
@@ -34,11 +36,14 @@ def extension_status() -> str:
 
 __all__ = [
     "attention",
+    "attention_varlen",
+    "attention_with_kvcache",
     "backends",
     "based_attention",
     "causal_conv1d",
     "extension_status",
     "fftconv",
+    "gated_delta_rule",
     "layer_norm",
     "linear",
     "linear_attention",

@@ -84,14 +84,23 @@ def register_autograd(op, backward: Callable, setup_context: Callable) -> None:
 
     The kernel is a plain autograd.Function at the Autograd key. torch.library.register_autograd
     builds the same thing plus generic handling of defaults, keyword-only arguments and tensor
-    lists, which tk schemas do not have; skipping it saves ~30 us of host time per call (measured
+    lists, which tk schemas do not have (beyond trailing defaults, below); skipping it saves ~30 us of host time per call (measured
     on the 2-core CI machine), as much as a small kernel takes. On CUDA tensors the C++ kernels of
     csrc/torch/autograd.cpp take precedence where the extension registers one (``has_cpp_autograd``);
     a change here must be made there too (tests/test_cpp_autograd.py compares the two bit for bit).
+
+    Trailing arguments may have defaults (tk::attention's options): a Python kernel receives a call
+    without the trailing arguments that equal their defaults (the dispatcher drops them when it hands
+    the call to Python), so the Autograd kernel puts them back and ``setup_context`` and ``backward``
+    always see every input. The reference and fake impls of such an op take the same Python defaults.
     """
     schema = op._schema
-    assert not any(a.has_default_value() or a.kwarg_only for a in schema.arguments), f"{schema}: defaults"
+    assert not any(a.kwarg_only for a in schema.arguments), f"{schema}: keyword-only arguments"
     assert not any(str(a.type) in ("Tensor[]", "Tensor?[]") for a in schema.arguments), f"{schema}: tensor list"
+    first_default = next((i for i, a in enumerate(schema.arguments) if a.has_default_value()), len(schema.arguments))
+    assert all(a.has_default_value() for a in schema.arguments[first_default:]), f"{schema}: defaults not trailing"
+    defaults = tuple(a.default_value for a in schema.arguments[first_default:])
+    arity = len(schema.arguments)
 
     def forward(ctx, *inputs):
         with torch._C._AutoDispatchBelowAutograd():
@@ -106,6 +115,8 @@ def register_autograd(op, backward: Callable, setup_context: Callable) -> None:
     )
 
     def autograd_kernel(*inputs):
+        if len(inputs) < arity:
+            inputs = inputs + defaults[len(inputs) - first_default :]
         if torch.is_grad_enabled() and torch._C._any_requires_grad(*inputs):
             return function.apply(*inputs)
         with torch._C._AutoDispatchBelowAutograd():
@@ -113,6 +124,28 @@ def register_autograd(op, backward: Callable, setup_context: Callable) -> None:
 
     LIB.impl(op._opname, autograd_kernel, "Autograd")
     _PYTHON_AUTOGRAD[op._opname] = autograd_kernel
+
+
+def register_forward_only(op) -> None:
+    """Make ``op`` an op without a gradient, like an inference kernel: its outputs never require grad
+    (the Autograd key runs it below autograd, as a call into an extension that autograd does not see
+    would), and the arguments its schema marks as written (``Tensor(a!)``) get their version counters
+    bumped at the ADInplaceOrView key, as PyTorch's own in-place ops do, so autograd notices that a
+    tensor it saved was overwritten, whichever kernel (reference or CUDA) wrote it.
+    """
+    written = [i for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+
+    def autograd_kernel(*inputs):
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(*inputs)
+
+    def version_kernel(keyset, *inputs):
+        torch.autograd.graph.increment_version([inputs[i] for i in written])
+        return op.redispatch(keyset & torch._C._after_ADInplaceOrView_keyset, *inputs)
+
+    LIB.impl(op._opname, autograd_kernel, "Autograd")
+    if written:
+        LIB.impl(op._opname, version_kernel, "ADInplaceOrView", with_keyset=True)
 
 
 def python_autograd(name: str) -> Callable:

@@ -4,7 +4,9 @@
 // as they are stored (any strides with a unit last stride, so (B, N, H, D) views need no copy) and
 // launches on the current stream. What the kernels cannot take (fp32/fp64, head dims other than
 // 64/128 or differing between q, k and v, another GPU, strides TMA cannot describe) goes to the
-// op's reference twin tk::<op>_ref, which warns once.
+// op's reference twin tk::<op>_ref, which warns once. So does every call with one of the options
+// window, softcap or sinks switched on (the last four arguments of both ops, tk_ops/ops/attention.py):
+// no kernel computes them yet.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -64,12 +66,24 @@ std::optional<attn::forward_problem> plan_forward(const at::Tensor& q, const at:
   return p;
 }
 
+// Whether a call asks for an option no kernel computes: a window edge (-1 = unbounded; under causal the
+// public function passes window_right = -1), a softcap (0 = off) or sinks.
+bool options_on(int64_t window_left, int64_t window_right, double softcap, const std::optional<at::Tensor>& sinks) {
+  return window_left >= 0 || window_right >= 0 || softcap != 0.0 || sinks.has_value();
+}
+
 // `deterministic` only concerns the backward; the forward takes it so that autograd can hand it on.
 std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                  bool causal, double scale, bool deterministic) {
+                                                  bool causal, double scale, bool deterministic, int64_t window_left,
+                                                  int64_t window_right, double softcap,
+                                                  const std::optional<at::Tensor>& sinks) {
   check_inputs("tk::attention", q, k, v);
-  auto plan = plan_forward(q, k, v, causal, scale);
-  if (!plan) return fallback<&attention_cuda>("tk::attention_ref", q, k, v, causal, scale, deterministic);
+  std::optional<attn::forward_problem> plan;
+  if (!options_on(window_left, window_right, softcap, sinks)) plan = plan_forward(q, k, v, causal, scale);
+  if (!plan) {
+    return fallback<&attention_cuda>("tk::attention_ref", q, k, v, causal, scale, deterministic, window_left,
+                                     window_right, softcap, sinks);
+  }
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
   at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   plan->out = out.data_ptr();
@@ -91,9 +105,11 @@ attn::backward_method backward_method(bool deterministic) {
   return name == "one_pass" ? attn::backward_method::one_pass : attn::backward_method::recompute;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
+// grad_sinks, the fourth output, is an empty fp32 tensor when the call has no sinks (always, on the kernels).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q, const at::Tensor& k,
-    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool causal, double scale, bool deterministic) {
+    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool causal, double scale, bool deterministic,
+    int64_t window_left, int64_t window_right, double softcap, const std::optional<at::Tensor>& sinks) {
   check_inputs("tk::attention_bwd", q, k, v);
   const std::vector<int64_t> out_shape{q.size(0), q.size(1), q.size(2), v.size(3)};
   TORCH_CHECK_VALUE(out.sizes() == out_shape, "tk::attention_bwd: out must be ", out_shape, ", got ", out.sizes());
@@ -110,7 +126,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
   std::optional<attn::backward_problem> plan;
   const bool statistics_fp32 =
       lse.scalar_type() == at::kFloat && (!grad_lse.has_value() || grad_lse->scalar_type() == at::kFloat);
-  if (kernel_device(q) && q.numel() > 0 && k.numel() > 0 && statistics_fp32 &&
+  if (!options_on(window_left, window_right, softcap, sinks) && kernel_device(q) && q.numel() > 0 &&
+      k.numel() > 0 && statistics_fp32 &&
       grad_out.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type()) {
     const auto qv = view_of(q), kv = view_of(k), vv = view_of(v), ov = view_of(out), gv = view_of(grad_out);
     if (qv && kv && vv && ov && gv) {
@@ -121,7 +138,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
   }
   if (!plan) {
     return fallback<&attention_bwd_cuda>("tk::attention_bwd_ref", grad_out, grad_lse, q, k, v, out, lse, causal, scale,
-                                         deterministic);
+                                         deterministic, window_left, window_right, softcap, sinks);
   }
 
   const at::Tensor lse_rows = lse.contiguous();
@@ -138,7 +155,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
   plan->grad_v = grad_v.data_ptr();
   plan->workspace = workspace.data_ptr<float>();
   launch_on(q, [&](cudaStream_t stream) { return attn::launch(*plan, stream); });
-  return {grad_q, grad_k, grad_v};
+  return {grad_q, grad_k, grad_v, at::empty({0}, q.options().dtype(at::kFloat))};
 }
 
 }  // namespace

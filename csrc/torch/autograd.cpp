@@ -74,9 +74,12 @@ TK_OPS_HANDLE(matmul, Tensor(const Tensor&, const Tensor&))
 TK_OPS_HANDLE(matmul_bwd, tensor_pair(const Tensor&, const Tensor&, const Tensor&, std::array<bool, 2>))
 TK_OPS_HANDLE(linear, Tensor(const Tensor&, const Tensor&, const optional_tensor&))
 TK_OPS_HANDLE(linear_bwd, tensor_triple(const Tensor&, const Tensor&, const Tensor&, std::array<bool, 3>))
-TK_OPS_HANDLE(attention, tensor_pair(const Tensor&, const Tensor&, const Tensor&, bool, double, bool))
-TK_OPS_HANDLE(attention_bwd, tensor_triple(const Tensor&, const optional_tensor&, const Tensor&, const Tensor&,
-                                           const Tensor&, const Tensor&, const Tensor&, bool, double, bool))
+// attention's last four arguments: window_left, window_right, softcap, sinks (tk_ops/ops/attention.py).
+TK_OPS_HANDLE(attention, tensor_pair(const Tensor&, const Tensor&, const Tensor&, bool, double, bool, int64_t, int64_t,
+                                     double, const optional_tensor&))
+TK_OPS_HANDLE(attention_bwd, tensor_quadruple(const Tensor&, const optional_tensor&, const Tensor&, const Tensor&,
+                                              const Tensor&, const Tensor&, const Tensor&, bool, double, bool, int64_t,
+                                              int64_t, double, const optional_tensor&))
 TK_OPS_HANDLE(layer_norm, tensor_quadruple(const Tensor&, const optional_tensor&, const optional_tensor&,
                                            const optional_tensor&, const optional_tensor&, double, double))
 TK_OPS_HANDLE(layer_norm_bwd,
@@ -204,14 +207,21 @@ Tensor linear_kernel(const Tensor& x, const Tensor& weight, const optional_tenso
 
 // ---------------------------------------------------------------------------------- attention
 
+// The options (window_left, window_right, softcap, sinks) are handed on to the backward as they came;
+// sinks is saved with the tensors and gets the backward's grad_sinks (no gradient without sinks).
 struct attention_autograd : traceable_function<attention_autograd> {
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
-                               double scale, bool deterministic) {
-    auto [out, lse] = below_autograd(attention(), q, k, v, causal, scale, deterministic);
-    ctx->save_for_backward({q, k, v, out, lse});
+                               double scale, bool deterministic, int64_t window_left, int64_t window_right,
+                               double softcap, const optional_tensor& sinks) {
+    auto [out, lse] = below_autograd(attention(), q, k, v, causal, scale, deterministic, window_left, window_right,
+                                     softcap, sinks);
+    ctx->save_for_backward({q, k, v, out, lse, or_undefined(sinks)});
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["deterministic"] = deterministic;
+    ctx->saved_data["window_left"] = window_left;
+    ctx->saved_data["window_right"] = window_right;
+    ctx->saved_data["softcap"] = softcap;
     // An output that is not used gets no gradient (undefined), so the backward skips the lse term.
     ctx->set_materialize_grads(false);
     return {out, lse};
@@ -219,20 +229,27 @@ struct attention_autograd : traceable_function<attention_autograd> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
-    const Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
+    const Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4], &sinks = saved[5];
     const Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(out);
     const optional_tensor grad_lse = grads[1].defined() ? optional_tensor(unit_last_stride(grads[1])) : std::nullopt;
-    auto [grad_q, grad_k, grad_v] = attention_bwd().call(
+    auto [grad_q, grad_k, grad_v, grad_sinks] = attention_bwd().call(
         unit_last_stride(grad_out), grad_lse, q, k, v, out, lse, ctx->saved_data.at("causal").toBool(),
-        ctx->saved_data.at("scale").toDouble(), ctx->saved_data.at("deterministic").toBool());
-    return {grad_q, grad_k, grad_v, Tensor(), Tensor(), Tensor()};
+        ctx->saved_data.at("scale").toDouble(), ctx->saved_data.at("deterministic").toBool(),
+        ctx->saved_data.at("window_left").toInt(), ctx->saved_data.at("window_right").toInt(),
+        ctx->saved_data.at("softcap").toDouble(), or_none(sinks));
+    return {grad_q,   grad_k,   grad_v,   Tensor(), Tensor(),
+            Tensor(), Tensor(), Tensor(), Tensor(), if_needed(sinks.defined(), grad_sinks)};
   }
 };
 
 tensor_pair attention_kernel(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, double scale,
-                             bool deterministic) {
-  if (!builds_graph(q, k, v)) return below_autograd(attention(), q, k, v, causal, scale, deterministic);
-  const variable_list outputs = attention_autograd::apply(q, k, v, causal, scale, deterministic);
+                             bool deterministic, int64_t window_left, int64_t window_right, double softcap,
+                             const optional_tensor& sinks) {
+  if (!builds_graph(q, k, v, sinks)) {
+    return below_autograd(attention(), q, k, v, causal, scale, deterministic, window_left, window_right, softcap, sinks);
+  }
+  const variable_list outputs =
+      attention_autograd::apply(q, k, v, causal, scale, deterministic, window_left, window_right, softcap, sinks);
   return {outputs[0], outputs[1]};
 }
 

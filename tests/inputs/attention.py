@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 from unittest import mock
 
@@ -36,3 +37,14 @@ def backward_method(method: str):
         else:
             os.environ.pop(BACKWARD_ENV, None)
         yield
+
+
+def make_varlen(q_lengths, k_lengths, q_heads=4, kv_heads=2, head_dim=16, value_dim=None, dtype=torch.float64,
+                device="cpu", requires_grad=True):
+    """Packed q (total_q, Hq, D), k, v (total_k, Hkv, D/Dv) and int32 cu_seqlens for the given lengths."""
+    value_dim = head_dim if value_dim is None else value_dim
+    cu_q = torch.tensor([0, *itertools.accumulate(q_lengths)], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, *itertools.accumulate(k_lengths)], dtype=torch.int32, device=device)
+    q, k, v = (torch.randn(shape, dtype=dtype, device=device).requires_grad_(requires_grad) for shape in (
+        (sum(q_lengths), q_heads, head_dim), (sum(k_lengths), kv_heads, head_dim), (sum(k_lengths), kv_heads, value_dim)))
+    return q, k, v, cu_q, cu_k, max(max(q_lengths), 1), max(max(k_lengths), 1)

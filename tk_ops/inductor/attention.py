@@ -10,8 +10,21 @@ lse. The rewrite is exact only when: dropout 0, bf16/fp16, head dim 64 or 128, a
   * an explicit mask (boolean, or additive: 0 or at most _MASKED_BIAS) that reads no graph input,
     e.g. one built from aranges as Hugging Face models do under torch.compile before torch 2.14.
     Such a mask is a constant of the graph: it is evaluated on the CPU at compile time and accepted
-    when every query sees every key (no mask) or when it is the bottom-right causal mask with no
-    empty row.
+    when every query sees every key (no mask), when it is the bottom-right causal mask with no
+    empty row, or when it is a bottom-right sliding-window causal mask: query i sees key j iff
+    i + Nk - Nq - left <= j <= i + Nk - Nq, for one left >= 0 (Mistral's window W is left = W - 1;
+    with Nq <= Nk no row is empty), which runs as tk's window=(left, 0). A window is proven from
+    the mask's values, whatever ops built it (``(j <= i) & (j > i - W)`` on aranges, Hugging Face's
+    sliding-window masks).
+
+A sliding window has no tk kernel yet: tk runs it on its reference, far slower than any SDPA
+backend. So a proven window is rewritten only with ``RewriteOptions.any_device`` (where the
+reference is what is asked for: the CPU tests); on a kernel device SDPA keeps it.
+
+A softcap (``c * tanh(s / c)`` between q k^T and the softmax) is not rewritten: SDPA has no softcap,
+so a softcapped attention is hand-written matmuls, tanh and softmax, and this pass matches only
+the fused SDPA nodes (matching the decomposed math and its backward is a separate rewrite, and tk
+would also run the softcap on its reference today).
 
 K and V expanded from fewer heads by Hugging Face's ``repeat_kv`` (unsqueeze, expand, copy,
 reshape) are read from the unexpanded tensors, as GQA, so the copies disappear. Their gradients
@@ -147,14 +160,25 @@ def _constant_value(node: torch.fx.Node) -> Optional[torch.Tensor]:
     return values[node]
 
 
-def _constant_mask_causal(mask: torch.fx.Node, q_len: int, k_len: int) -> Optional[bool]:
-    """False if the constant mask lets every query see every key, True if it is the bottom-right
-    causal mask with no empty row (tk's causal), None if it is neither or not a constant."""
+@dataclasses.dataclass(frozen=True)
+class _Masking:
+    """The mask of an SDPA node as tk's arguments: causal, and the window's left edge (-1: none)."""
+
+    causal: bool
+    window_left: int = -1
+
+
+_NO_MASK, _CAUSAL = _Masking(False), _Masking(True)
+
+
+def _constant_mask_masking(mask: torch.fx.Node, q_len: int, k_len: int) -> Optional[_Masking]:
+    """What tk computes for a constant mask (module docstring): no mask, causal, or causal with a
+    window; None if the mask is none of them or not a constant."""
     with unset_fake_temporarily():  # real tensors, computed now, while the pass runs under fake mode
-        return _mask_causal(_constant_value(mask), q_len, k_len)
+        return _mask_masking(_constant_value(mask), q_len, k_len)
 
 
-def _mask_causal(value: Optional[torch.Tensor], q_len: int, k_len: int) -> Optional[bool]:
+def _mask_masking(value: Optional[torch.Tensor], q_len: int, k_len: int) -> Optional[_Masking]:
     if value is None or value.dim() < 2:
         return None
     for dim in range(value.dim() - 2):  # broadcast copies (stride 0) are checked once
@@ -173,10 +197,22 @@ def _mask_causal(value: Optional[torch.Tensor], q_len: int, k_len: int) -> Optio
     except RuntimeError:
         return None
     if bool(attends.all()):
-        return False
-    causal = torch.arange(k_len)[None, :] <= torch.arange(q_len)[:, None] + (k_len - q_len)
-    if q_len <= k_len and torch.equal(attends, causal.expand_as(attends)):
-        return True
+        return _NO_MASK
+    if q_len > k_len:  # the first rows would see no key under a bottom-right causal mask
+        return None
+    # distance of key j from query i's diagonal key i + Nk - Nq: 0 on it, negative before it
+    distance = torch.arange(k_len)[None, :] - (torch.arange(q_len)[:, None] + (k_len - q_len))
+    causal = distance <= 0
+    if torch.equal(attends, causal.expand_as(attends)):
+        return _CAUSAL
+    # the window's left edge from the last row, whose keys left of the diagonal are never cut off by
+    # the start of the keys in a window narrower than the row; then the whole mask must match it
+    last_row_seen = attends[(0,) * (attends.dim() - 2) + (-1,)].nonzero()
+    if last_row_seen.numel() == 0:
+        return None
+    left = k_len - 1 - int(last_row_seen[0])
+    if torch.equal(attends, (causal & (distance >= -left)).expand_as(attends)):
+        return _Masking(True, left)
     return None
 
 
@@ -184,8 +220,9 @@ def _mask(arguments: dict) -> Optional[torch.fx.Node]:
     return arguments.get("attn_mask", arguments.get("attn_bias"))
 
 
-def _causal_if_rewritable(arguments: dict, options: RewriteOptions) -> Optional[bool]:
-    """tk's causal flag for an SDPA node it computes exactly, None if it does not."""
+def _masking_if_rewritable(arguments: dict, options: RewriteOptions) -> Optional[_Masking]:
+    """tk's causal flag and window for an SDPA node it computes exactly (and may take: a window only
+    under any_device), None if it does not."""
     q, k, v = (_graph.fake_value(arguments[name]) for name in ("query", "key", "value"))
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
         return None
@@ -201,11 +238,14 @@ def _causal_if_rewritable(arguments: dict, options: RewriteOptions) -> Optional[
     if mask is not None:
         if not all(isinstance(size, int) for size in (q.shape[2], k.shape[2])):
             return None
-        return _constant_mask_causal(mask, q.shape[2], k.shape[2])
+        masking = _constant_mask_masking(mask, q.shape[2], k.shape[2])
+        if masking is not None and masking.window_left >= 0 and not options.any_device:
+            return None
+        return masking
     causal = bool(arguments.get("is_causal", False))
     if causal and not torch.fx.experimental.symbolic_shapes.statically_known_true(q.shape[2] == k.shape[2]):
         return None
-    return causal
+    return _Masking(causal)
 
 
 def _unrepeated(node: torch.fx.Node) -> tuple[torch.fx.Node, int]:
@@ -251,12 +291,13 @@ def sdpa_settings() -> tuple:
     return switches, tuple(int(backend) for backend in torch._C._get_sdp_priority_order())
 
 
-def _tk_is_faster(forward: torch.fx.Node, arguments: dict, causal: bool, training: bool) -> bool:
-    """The rule of the module docstring: tk measured at least as fast as this node's backend."""
-    if forward.target not in _MEASURED_BACKENDS:
+def _tk_is_faster(forward: torch.fx.Node, arguments: dict, masking: _Masking, training: bool) -> bool:
+    """The rule of the module docstring: tk measured at least as fast as this node's backend (a window,
+    only taken under any_device, was not measured)."""
+    if forward.target not in _MEASURED_BACKENDS or masking.window_left >= 0:
         return True
     head_dim = _graph.fake_value(arguments["query"]).shape[-1]
-    causal_mask = causal and _mask(arguments) is not None
+    causal_mask = masking.causal and _mask(arguments) is not None
     speedup = SPEEDUP_OVER_BACKEND[(forward.target, head_dim, causal_mask)]
     return (speedup.forward_and_backward if training else speedup.forward) >= 1.0
 
@@ -290,13 +331,13 @@ def rewrite_attention(graph: torch.fx.Graph, options: RewriteOptions) -> int:
         users = _graph.getitem_users(forward)
         if users is None:
             continue
-        causal = _causal_if_rewritable(arguments, options)
-        if causal is None:
+        masking = _masking_if_rewritable(arguments, options)
+        if masking is None:
             continue
         backwards = _partner_backwards(forward, users)
         if backwards is None:
             continue
-        if not (options.always_rewrite_attention or _tk_is_faster(forward, arguments, causal, bool(backwards))):
+        if not (options.always_rewrite_attention or _tk_is_faster(forward, arguments, masking, bool(backwards))):
             continue
         query = arguments["query"]
         (key, key_copies), (value, value_copies) = _unrepeated(arguments["key"]), _unrepeated(arguments["value"])
@@ -305,9 +346,11 @@ def rewrite_attention(graph: torch.fx.Graph, options: RewriteOptions) -> int:
             scale = 1.0 / math.sqrt(_graph.fake_value(query).shape[-1])
         # SDPA's backends follow torch's deterministic switch at run time; the rewrite at compile time.
         deterministic = torch.are_deterministic_algorithms_enabled()
+        trailing_arguments = (masking.causal, scale, deterministic)
+        if masking.window_left >= 0:  # (left, right = unbounded): with causal the right edge is 0
+            trailing_arguments += (masking.window_left, -1)
         out, lse = _graph.insert_call(
-            graph, forward, torch.ops.tk.attention.default, (query, key, value, causal, scale, deterministic), 2,
-            forward
+            graph, forward, torch.ops.tk.attention.default, (query, key, value, *trailing_arguments), 2, forward
         )
         for item in users.get(0, []):
             item.replace_all_uses_with(out)
@@ -318,7 +361,7 @@ def rewrite_attention(graph: torch.fx.Graph, options: RewriteOptions) -> int:
                 graph,
                 backward,
                 torch.ops.tk.attention_bwd.default,
-                (grad_out, None, query, key, value, out, lse, causal, scale, deterministic),
+                (grad_out, None, query, key, value, out, lse, *trailing_arguments),
                 _GRADS,
                 backward,
             )

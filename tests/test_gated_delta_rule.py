@@ -1,0 +1,212 @@
+"""tk.gated_delta_rule's numerics: the chunked reference (forward and its hand-written backward) against the
+float64 token-by-token recurrence of tests/inputs/gated_delta_rule.py, on odd lengths, grouped heads, packed
+sequences, states, the l2norm, strided views and bf16 inputs. The op contract (opcheck, compile, export, bad
+inputs) is tests/op_db.py's. No kernel yet: every case runs the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tk_ops
+from inputs import gated_delta_rule as gdn_inputs
+from tk_ops.ops import gated_delta_rule as gdn_module
+from tk_testing import TOLERANCE, assert_rel_close, check_matches_contiguous_copies, parametrize_with_ids
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+# (id, B, T, Hk, Hv, K, V, initial, l2norm); T is never a multiple of the chunk (64, or 8 where patched).
+CASES = [
+    ("T1", 2, 1, 2, 2, 5, 3, False, False),
+    ("T37-Hv-over-Hk-2-initial", 2, 37, 2, 4, 5, 7, True, False),
+    ("T37-Hv-over-Hk-4-l2norm", 1, 37, 1, 4, 6, 4, False, True),
+    ("T150-three-chunks-all-options", 2, 150, 2, 4, 8, 5, True, True),
+]
+CASE_ARGS = "B, T, Hk, Hv, K, V, initial, l2norm"
+
+
+def _leaves(inputs):
+    return {name: None if t is None else t.detach().requires_grad_() for name, t in inputs.items()}
+
+
+def _gradients(outputs, inputs, grads):
+    """The gradients of the inputs (by name, those present) for the output gradients ``grads`` (zeros for an
+    input the outputs do not depend on: q, for the final state alone)."""
+    names = [name for name in gdn_inputs.NAMES if inputs[name] is not None]
+    values = torch.autograd.grad(outputs, [inputs[name] for name in names], grads, materialize_grads=True)
+    return dict(zip(names, values))
+
+
+def _check_against_recurrence(inputs, tol, grad_tol, **options):
+    """Output, final states and every gradient (through a random output and final-state gradient) of
+    tk_ops.gated_delta_rule against the float64 recurrence on the same values."""
+    ours, exact = _leaves(inputs), _leaves({name: None if t is None else t.double() for name, t in inputs.items()})
+    o, final = gdn_inputs.call(ours, **options)
+    o_exact, final_exact = gdn_inputs.recurrence(exact, **options)
+    assert o.dtype == inputs["v"].dtype and o.shape == inputs["v"].shape
+    assert final.dtype == (torch.float64 if inputs["v"].dtype == torch.float64 else torch.float32)
+    assert_rel_close(o, o_exact, tol, "o")
+    assert_rel_close(final, final_exact, tol, "final state")
+    grad_o, grad_final = torch.randn_like(o_exact), torch.randn_like(final_exact)
+    got = _gradients((o, final), ours, (grad_o.to(o.dtype), grad_final.to(final.dtype)))
+    want = _gradients((o_exact, final_exact), exact, (grad_o, grad_final))
+    assert got.keys() == want.keys()
+    for name, grad in got.items():
+        assert grad.dtype == inputs[name].dtype, name
+        assert_rel_close(grad, want[name], grad_tol, f"grad of {name}")
+
+
+@pytest.mark.parametrize("chunk_size", [64, 8])
+@parametrize_with_ids(CASE_ARGS, CASES)
+def test_matches_recurrence_float64(monkeypatch, chunk_size, B, T, Hk, Hv, K, V, initial, l2norm):
+    monkeypatch.setattr(gdn_module, "CHUNK_SIZE", chunk_size)
+    inputs = gdn_inputs.make_inputs(B, T, Hk, Hv, K, V, initial=initial)
+    _check_against_recurrence(inputs, 1e-12, 1e-11, use_qk_l2norm=l2norm)
+
+
+def test_scale():
+    inputs = gdn_inputs.make_inputs(1, 21, 2, 2, 4, 3, initial=True)
+    o, final = gdn_inputs.call(inputs, scale=0.3)
+    o_exact, final_exact = gdn_inputs.recurrence(inputs, scale=0.3)
+    assert_rel_close(o, o_exact, 1e-12)
+    assert_rel_close(final, final_exact, 1e-12)
+    assert_rel_close(gdn_inputs.call(inputs)[0], gdn_inputs.recurrence(inputs)[0], 1e-12, "default 1 / sqrt(K)")
+
+
+@pytest.mark.parametrize("chunk_size", [64, 4])
+@pytest.mark.parametrize("lengths", [(3, 0, 1, 30, 1), (0, 17), (1,)], ids=["mixed", "first-empty", "one"])
+def test_packed_sequences(monkeypatch, chunk_size, lengths):
+    """cu_seqlens with empty and length-1 sequences: each sequence from its own initial state (an empty one
+    keeps it), as the recurrence does sequence by sequence."""
+    monkeypatch.setattr(gdn_module, "CHUNK_SIZE", chunk_size)
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    inputs = gdn_inputs.make_inputs(1, sum(lengths), 2, 4, 5, 3, initial=True, states=len(lengths))
+    _check_against_recurrence(inputs, 1e-12, 1e-11, cu_seqlens=cu_seqlens, use_qk_l2norm=True)
+    _, final = gdn_inputs.call(inputs, cu_seqlens=cu_seqlens)
+    for n, length in enumerate(lengths):
+        if length == 0:
+            torch.testing.assert_close(final[n], inputs["initial_state"][n], rtol=0, atol=0)
+
+
+def test_packed_equals_separate_calls():
+    lengths = (11, 70, 2)
+    cu_seqlens = torch.tensor([0, 11, 81, 83], dtype=torch.int32)
+    inputs = gdn_inputs.make_inputs(1, 83, 1, 2, 4, 6, initial=True, states=3)
+    o, final = gdn_inputs.call(inputs, cu_seqlens=cu_seqlens)
+    for n, (start, length) in enumerate(zip(cu_seqlens.tolist(), lengths)):
+        piece = {name: t[:, start : start + length] for name, t in inputs.items() if name != "initial_state"}
+        piece["initial_state"] = inputs["initial_state"][n : n + 1]
+        o_n, final_n = gdn_inputs.call(piece)
+        assert_rel_close(o[:, start : start + length], o_n, 1e-13, f"o of sequence {n}")
+        assert_rel_close(final[n : n + 1], final_n, 1e-13, f"final state of sequence {n}")
+
+
+def test_chunk_size_changes_only_the_order_of_arithmetic(monkeypatch):
+    inputs = gdn_inputs.make_inputs(2, 45, 2, 4, 6, 5, initial=True)
+    expected = gdn_inputs.call(inputs, use_qk_l2norm=True)
+    for chunk_size in (1, 5, 45, 128):
+        monkeypatch.setattr(gdn_module, "CHUNK_SIZE", chunk_size)
+        for got, want in zip(gdn_inputs.call(inputs, use_qk_l2norm=True), expected):
+            assert_rel_close(got, want, 1e-12, f"chunk size {chunk_size}")
+
+
+def test_final_state_only_when_asked():
+    inputs = gdn_inputs.make_inputs(1, 9, 1, 1, 4, 4)
+    o, final = tk_ops.gated_delta_rule(*(inputs[name] for name in gdn_inputs.NAMES[:5]))
+    assert final is None
+    assert_rel_close(o, gdn_inputs.recurrence(inputs)[0], 1e-12)
+
+
+@pytest.mark.parametrize("used", ["o", "final_state"])
+def test_gradient_through_one_output(used):
+    """Only o, or only the final state, reaches the loss: the other output's gradient arrives as None."""
+    inputs = gdn_inputs.make_inputs(1, 19, 2, 2, 4, 3, initial=True)
+    ours, exact = _leaves(inputs), _leaves(inputs)
+    index = 0 if used == "o" else 1
+    out, out_exact = gdn_inputs.call(ours)[index], gdn_inputs.recurrence(exact)[index]
+    grad = torch.randn_like(out)
+    got, want = _gradients(out, ours, grad), _gradients(out_exact, exact, grad)
+    for name, value in got.items():
+        assert_rel_close(value, want[name], 1e-11, f"grad of {name}")
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["batch", "cu_seqlens"])
+@pytest.mark.parametrize("l2norm", [False, True], ids=["plain", "l2norm"])
+def test_gradcheck(monkeypatch, packed, l2norm):
+    """Every input, the initial state included, through o and the final state, on tiny float64 shapes with
+    chunks of 3 (several chunks and a partial one)."""
+    monkeypatch.setattr(gdn_module, "CHUNK_SIZE", 3)
+    cu_seqlens = torch.tensor([0, 4, 4, 5, 8], dtype=torch.int32) if packed else None
+    inputs = gdn_inputs.make_inputs(1 if packed else 2, 8, 1, 2, 3, 2, initial=True, states=4 if packed else None)
+    leaves = _leaves(inputs)
+
+    def function(*tensors):
+        return gdn_inputs.call(dict(zip(gdn_inputs.NAMES, tensors)), cu_seqlens=cu_seqlens, use_qk_l2norm=l2norm)
+
+    assert torch.autograd.gradcheck(function, [leaves[name] for name in gdn_inputs.NAMES])
+
+
+def _fused_projection_views(B, T, Hk, Hv, K, V):
+    """q, k, v as column slices of one (B, T, 2 Hk K + Hv V) projection, g and beta as columns of one (B, T, 2 Hv)
+    tensor and the initial state as a transposed (B, Hv, V, K) tensor: none of them contiguous."""
+    projection = torch.randn(B, T, 2 * Hk * K + Hv * V, dtype=torch.float64)
+    projection[..., Hk * K : 2 * Hk * K] /= K**0.5
+    q, k, v = projection.split([Hk * K, Hk * K, Hv * V], dim=-1)
+    gates = torch.cat([-0.5 * torch.rand(B, T, Hv), 0.05 + 0.9 * torch.rand(B, T, Hv)], dim=-1).double()
+    initial = torch.randn(B, Hv, V, K, dtype=torch.float64).transpose(2, 3)
+    return (q.unflatten(-1, (Hk, K)), k.unflatten(-1, (Hk, K)), v.unflatten(-1, (Hv, V)), gates[..., :Hv],
+            gates[..., Hv:], initial)
+
+
+def test_strided_views_match_contiguous_copies():
+    views = _fused_projection_views(2, 23, 2, 4, 5, 3)
+    assert not any(t.is_contiguous() for t in views)
+
+    def function(q, k, v, g, beta, initial_state):
+        o, final = tk_ops.gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
+                                           use_qk_l2norm=True)
+        return torch.cat([o.flatten(), final.flatten()])
+
+    check_matches_contiguous_copies(function, views)
+    o, final = function(*views).split([2 * 23 * 4 * 3, 2 * 4 * 5 * 3])
+    expected = gdn_inputs.recurrence(dict(zip(gdn_inputs.NAMES, views)), use_qk_l2norm=True)
+    assert_rel_close(o, expected[0].flatten(), 1e-12)
+    assert_rel_close(final, expected[1].flatten(), 1e-12)
+
+
+@pytest.mark.parametrize("gate_dtype", [torch.bfloat16, torch.float32], ids=["bf16-gates", "fp32-gates"])
+def test_bf16_inputs(gate_dtype):
+    """bf16 q, k, v (g and beta in bf16 or fp32, as Qwen3-Next's g): computed in fp32, so against the float64
+    recurrence of the same rounded values only the bf16 output rounding (and the gradients') remains."""
+    inputs = gdn_inputs.make_inputs(2, 70, 2, 4, 16, 8, initial=True, dtype=torch.bfloat16, gate_dtype=gate_dtype)
+    _check_against_recurrence(inputs, TOLERANCE[torch.bfloat16], TOLERANCE[torch.bfloat16], use_qk_l2norm=True)
+
+
+def test_fp32_inputs():
+    inputs = gdn_inputs.make_inputs(1, 100, 2, 2, 16, 16, initial=True, dtype=torch.float32)
+    _check_against_recurrence(inputs, TOLERANCE[torch.float32], 10 * TOLERANCE[torch.float32], use_qk_l2norm=True)
+
+
+def test_op_rejects_bad_cu_seqlens_contents():
+    """The op itself (under torch.compile, or on a GPU, the public function leaves cu_seqlens' contents to it)
+    raises on lengths that do not add up."""
+    inputs = gdn_inputs.make_inputs(1, 10, 1, 1, 4, 4, dtype=torch.float32)
+    args = [inputs[name] for name in gdn_inputs.NAMES[:5]]
+    for values, message in (([0, 6, 4, 10], "non-decreasing"), ([1, 10], "start at 0"), ([0, 9], "end at T")):
+        cu_seqlens = torch.tensor(values, dtype=torch.int32)
+        with pytest.raises(ValueError, match=message):
+            torch.ops.tk.gated_delta_rule(*args, 0.5, None, cu_seqlens, False)
+
+
+def test_packed_sequences_are_isolated():
+    """A non-finite value in one packed sequence leaves the others' outputs and states untouched, also where
+    a shorter sequence's padding is laid out over its rows (sequence 0 over rows 3 to 8 of sequence 1)."""
+    inputs = gdn_inputs.make_inputs(1, 12, 1, 2, 4, 3, initial=True, states=2)
+    cu_seqlens = torch.tensor([0, 3, 12], dtype=torch.int32)
+    clean_o, clean_final = gdn_inputs.call(inputs, cu_seqlens=cu_seqlens)
+    inputs["v"][0, 5] = float("nan")
+    inputs["g"][0, 6] = float("inf")
+    o, final = gdn_inputs.call(inputs, cu_seqlens=cu_seqlens)
+    torch.testing.assert_close(o[:, :3], clean_o[:, :3], rtol=0, atol=0)
+    torch.testing.assert_close(final[0], clean_final[0], rtol=0, atol=0)
+    assert not torch.isfinite(o[:, 5]).all()
