@@ -36,9 +36,9 @@ The backward recomputes the logits rather than the forward computing the gradien
 Liger-Kernel's fused linear cross-entropy does, keeping grad_x and grad_weight for the backward to
 scale). Recomputing costs one more GEMM over the logits (4 instead of 3 of 2NVH FLOPs each), and
 buys memory where it is scarcest: between forward and backward the op keeps only lse (N floats)
-besides x, W and the targets, which the model holds anyway, where the other way keeps grad_x and an
-fp32 grad_weight (V H floats: 2 GB for Llama-3's 128256 x 4096 head) from the end of the forward,
-when a training step's activations peak, to the head's backward. Measured with torch.profiler's CPU
+besides x, W and the targets, which the model holds anyway, where the other way keeps grad_x and
+grad_weight (V H values: 1 GiB in bf16, 2 GiB in fp32 for Llama-3's 128256 x 4096 head) from the end
+of the forward, when a training step's activations peak, to the head's backward. Measured with torch.profiler's CPU
 allocation events (fp32, N = 4096, H = 256, V = 8192: logits of 128 MiB, x 4 MiB, W 8 MiB, the
 default tiles of 16 MiB): this reference's forward peaks at 16.1 MiB above its inputs and leaves
 16 KiB (lse) behind, its backward peaks at 32.0 MiB (a tile plus the gradients); the same tiles with
