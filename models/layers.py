@@ -3,15 +3,15 @@ residual block (RMSNorm, a sequence mixer, RMSNorm, SwiGLU MLP) and the causal-L
 
 Every model module has a ``reference`` flag. ``reference=False`` runs on tk_ops (``tk_ops.linear``,
 ``tk_ops.attention``, ``tk_ops.rms_norm``, ``tk_ops.layer_norm``, ``tk_ops.rope_qk``, the mixers of
-``tk_ops.nn``);
+``tk_ops.nn``, and for a causal LM's training loss ``tk_ops.linear_cross_entropy``);
 ``reference=True`` runs on standard PyTorch ops only (``F.linear``,
 ``F.scaled_dot_product_attention``, ``F.layer_norm``, ...). Both paths have the same parameters
 and state_dict keys, so one checkpoint serves both.
 
-Under ``torch.autocast``, tk_ops.linear / matmul / attention cast fp32 inputs to the autocast
-dtype themselves, as their torch counterparts do. The norms are not autocast (in torch either);
-the tk path hands them activations in the autocast dtype (``to_autocast_dtype``) so the fused
-residual stream and the kernels run in 16-bit, with the fp32 master weights.
+Under ``torch.autocast``, tk_ops.linear / matmul / attention / linear_cross_entropy cast fp32 inputs
+to the autocast dtype themselves, as their torch counterparts do. The norms are not autocast (in
+torch either); the tk path hands them activations in the autocast dtype (``to_autocast_dtype``) so
+the fused residual stream and the kernels run in 16-bit, with the fp32 master weights.
 """
 
 from __future__ import annotations
@@ -209,7 +209,8 @@ class MixerBlock(torch.nn.Module):
 
 class CausalLM(torch.nn.Module):
     """What the causal language models share: ``forward(input_ids)`` -> logits (B, N, vocab);
-    ``forward(input_ids, targets)`` -> mean cross-entropy over the targets that are not -100;
+    ``forward(input_ids, targets)`` -> mean cross-entropy over the targets that are not -100 (on the tk
+    path ``tk_ops.linear_cross_entropy``, without the logits);
     ``forward(..., documents=PackedDocuments)`` for rows of packed documents (where implemented);
     ``generate``; the weight initialisation; the tied embedding.
 
@@ -264,10 +265,15 @@ class CausalLM(torch.nn.Module):
         documents: Optional[PackedDocuments] = None,
     ) -> torch.Tensor:
         hidden = self.hidden_states(input_ids) if documents is None else self.packed_hidden_states(input_ids, documents)
-        logits = self.lm_head(hidden)
         if targets is None:
-            return logits
-        return F.cross_entropy(at_least_fp32(logits).flatten(0, 1), targets.flatten(), ignore_index=-100)
+            return self.lm_head(hidden)
+        if self.config.reference:
+            logits = self.lm_head(hidden)
+            return F.cross_entropy(at_least_fp32(logits).flatten(0, 1), targets.flatten(), ignore_index=-100)
+        # The head and the loss in one op: the (B N, vocab) logits, the largest activation of a small
+        # model's training step, are never held. It casts under autocast as the lm_head would.
+        return tk_ops.linear_cross_entropy(hidden, self.lm_head.weight, targets, bias=self.lm_head.bias,
+                                           ignore_index=-100)
 
     @torch.no_grad()
     def generate(

@@ -12,6 +12,7 @@ values do not matter.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from unittest import mock
@@ -28,12 +29,14 @@ from inputs import fftconv as fftconv_inputs
 from inputs import gated_delta_rule as gdn_inputs
 from inputs import layer_norm as layer_norm_inputs
 from inputs import linear_attention as linear_attention_inputs
+from inputs import linear_cross_entropy as linear_cross_entropy_inputs
 from inputs import mamba2_ssd as mamba2_ssd_inputs
 from inputs import matmul as matmul_inputs
 from inputs import rms_norm as rms_norm_inputs
 from inputs import rope as rope_inputs
 from tk_ops.ops import based_attention as based_attention_module
 from tk_ops.ops import linear_attention as linear_attention_module
+from tk_ops.ops import linear_cross_entropy as linear_cross_entropy_module
 
 KERNEL_16_BIT = (torch.bfloat16, torch.float16)
 
@@ -2246,5 +2249,146 @@ GATED_DELTA_RULE = OpInfo(
 )
 
 
+# ------------------------------------------------------------------------------------ linear_cross_entropy
+
+LCE_IGNORE_INDEX = linear_cross_entropy_inputs.IGNORE_INDEX
+
+
+def _small_tiles():
+    """Tiles of 4 rows by 8 classes in the op's reference, so that the samples' 13 rows and 23 classes cross
+    several tile boundaries, neither a multiple of its tile."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(linear_cross_entropy_module, "ROWS_PER_TILE", 4))
+    stack.enter_context(mock.patch.object(linear_cross_entropy_module, "VOCAB_PER_TILE", 8))
+    return stack
+
+
+def _lce_args(dtype, with_bias, options, requires_grad=True):
+    """tk.linear_cross_entropy's arguments on x (13, 9), weight (23, 9), 3 rows ignored; ``options``
+    (label_smoothing, softcap, reduction)."""
+    x, weight, bias, target = linear_cross_entropy_inputs.make_inputs(13, 9, 23, dtype=dtype, with_bias=with_bias,
+                                                                      requires_grad=requires_grad)
+    return (x, weight, target, bias, LCE_IGNORE_INDEX, *options)
+
+
+def _lce_samples(id, dtype, with_bias, options, masks=((True, True, True),)):
+    """The forward opcheck and one backward opcheck per output mask."""
+
+    def backward(mask):
+        x, weight, target, bias, *rest = _lce_args(dtype, with_bias, options, requires_grad=False)
+        loss, lse = torch.ops.tk.linear_cross_entropy(x, weight, target, bias, *rest)
+        return (torch.randn_like(loss), x, weight, target, bias, lse, *rest, list(mask))
+
+    return (Sample(id, "linear_cross_entropy", lambda: _lce_args(dtype, with_bias, options), _small_tiles),) + tuple(
+        Sample(f"linear_cross_entropy_bwd-{id}-{''.join('1' if m else '0' for m in mask)}",
+               "linear_cross_entropy_bwd", lambda mask=mask: backward(mask), _small_tiles)
+        for mask in masks
+    )
+
+
+class _LMHeadLoss(torch.nn.Module):
+    def __init__(self, hidden=9, vocab=23):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(vocab, hidden) / hidden**0.5)
+
+    def forward(self, x, target):  # x (B, T, H), target (B, T): an LM's hidden states and next tokens
+        return tk_ops.linear_cross_entropy(x, self.weight, target, label_smoothing=0.1)
+
+
+def _lce_compile_inputs(batch_shape=(13,)):
+    x, weight, bias, target = linear_cross_entropy_inputs.make_inputs(
+        math.prod(batch_shape), 9, 23, dtype=torch.float32, requires_grad=True)
+    return [x.detach().view(*batch_shape, 9).requires_grad_(), weight, bias, target.view(batch_shape)]
+
+
+def _lce_bad_inputs():
+    x, weight, bias, target = linear_cross_entropy_inputs.make_inputs(5, 8, 11, dtype=torch.float32)
+
+    def call(**changes):
+        arguments = dict(x=x, weight=weight, target=target, bias=bias) | changes
+        return lambda: tk_ops.linear_cross_entropy(**arguments)
+
+    return _bad(
+        ("x-not-a-tensor", call(x=x.tolist()), TypeError, "x must be a torch.Tensor"),
+        ("x-integer", call(x=x.to(torch.int32)), TypeError, "x must have dtype"),
+        ("x-0-dim", call(x=x[0, 0]), ValueError, "x must have"),
+        ("x-no-rows", call(x=x[:0], target=target[:0]), ValueError, "x must not be empty"),
+        ("x-H-0", call(x=x[:, :0], weight=weight[:, :0]), ValueError, "x must not be empty"),
+        ("weight-not-a-tensor", call(weight=None), TypeError, "weight must be a torch.Tensor"),
+        ("weight-rank-1", call(weight=weight[0]), ValueError, "weight must have 2 dimensions"),
+        ("weight-rank-3", call(weight=weight[None]), ValueError, "weight must have 2 dimensions"),
+        ("weight-V-0", call(weight=weight[:0], bias=None), ValueError, "weight must not be empty"),
+        ("weight-H", call(weight=torch.randn(11, 7)), ValueError, r"weight.shape\[1\] must equal x.shape\[-1\] \(H\)"),
+        ("weight-fp64-with-fp32-x", call(weight=weight.double()), TypeError, "weight must have x's dtype"),
+        ("weight-bf16-with-fp32-x", call(weight=weight.bfloat16()), TypeError, "weight must have x's dtype"),
+        ("bias-rank-2", call(bias=bias[None]), ValueError, "bias must have 1 dimensions"),
+        ("bias-size", call(bias=bias[:10]), ValueError, r"bias.shape\[0\] must equal weight.shape\[0\] \(V\)"),
+        ("bias-dtype", call(bias=bias.half()), TypeError, "bias must have x's dtype"),
+        ("target-not-a-tensor", call(target=target.tolist()), TypeError, "target must be a torch.Tensor"),
+        ("target-int32", call(target=target.int()), TypeError, r"target must have dtype in \(int64\)"),
+        ("target-float", call(target=target.float()), TypeError, r"target must have dtype in \(int64\)"),
+        ("target-length", call(target=target[:4]), ValueError, r"target must have x's shape without its last dim"),
+        ("target-flat-for-batched-x", call(x=x.view(5, 1, 8)), ValueError, r"target must have x's shape"),
+        ("target-one-hot", call(target=torch.zeros(5, 11, dtype=torch.int64)), ValueError, "target must have"),
+        ("reduction-avg", call(reduction="avg"), ValueError, "reduction must be one of 'mean', 'sum', 'none'"),
+        ("reduction-None", call(reduction=None), ValueError, "reduction must be one of"),
+        ("label_smoothing-negative", call(label_smoothing=-0.1), ValueError, r"label_smoothing must be in \[0, 1\]"),
+        ("label_smoothing-above-1", call(label_smoothing=1.5), ValueError, r"label_smoothing must be in \[0, 1\]"),
+        ("label_smoothing-nan", call(label_smoothing=float("nan")), ValueError, "label_smoothing must be in"),
+        ("label_smoothing-string", call(label_smoothing="0.1"), TypeError, "label_smoothing must be a float"),
+        ("softcap-0", call(softcap=0.0), ValueError, "softcap must be a finite number > 0"),
+        ("softcap-negative", call(softcap=-30.0), ValueError, "softcap must be a finite number > 0"),
+        ("softcap-inf", call(softcap=float("inf")), ValueError, "softcap must be a finite number > 0"),
+        ("softcap-True", call(softcap=True), TypeError, "softcap must be None or a float"),
+        ("softcap-tensor", call(softcap=torch.tensor(30.0)), TypeError, "softcap must be None or a float"),
+        ("ignore_index-float", call(ignore_index=-100.0), TypeError, "ignore_index must be an int"),
+        ("ignore_index-True", call(ignore_index=True), TypeError, "ignore_index must be an int"),
+    ) + _op_calls(
+        ("target-out-of-range", lambda: torch.ops.tk.linear_cross_entropy(x, weight, torch.full((5,), 11), bias, -100,
+                                                                          0.0, None, "mean"),
+         ValueError, r"target values must be ignore_index \(-100\) or in \[0, 11\), got 11"),
+        ("target-negative", lambda: tk_ops.linear_cross_entropy(x, weight, torch.full((5,), -1)), ValueError,
+         r"target values must be ignore_index \(-100\) or in \[0, 11\), got -1"),
+    )
+
+
+def _lce_on_the_gpu():
+    x, weight, bias, target = linear_cross_entropy_inputs.make_inputs(5, 8, 11, dtype=torch.bfloat16, device="cuda")
+    return dict(x=x, weight=weight, target=target, bias=bias)
+
+
+LINEAR_CROSS_ENTROPY = OpInfo(
+    name="linear_cross_entropy",
+    functions={"linear_cross_entropy": ("linear_cross_entropy", "linear_cross_entropy_bwd")},
+    samples=(
+        *_lce_samples("fp64-bias-smoothing-softcap-mean", torch.float64, True, (0.1, 5.0, "mean"),
+                      masks=((True, True, True), (False, True, False), (True, False, True))),
+        *_lce_samples("fp32-sum", torch.float32, False, (0.0, None, "sum")),
+        *_lce_samples("bf16-bias-smoothing-none", torch.bfloat16, True, (0.2, None, "none")),
+    ),
+    kernel_dtypes=(),
+    kernel_samples=lambda dtype: (),
+    compile=(
+        CompileSample("bias-smoothing-softcap-mean",
+                      lambda x, weight, bias, target: tk_ops.linear_cross_entropy(
+                          x, weight, target, bias=bias, label_smoothing=0.1, softcap=4.0),
+                      _lce_compile_inputs, ("linear_cross_entropy", "linear_cross_entropy_bwd")),
+        CompileSample("batch-dims-none",
+                      lambda x, weight, bias, target: tk_ops.linear_cross_entropy(
+                          x, weight, target, bias=bias, reduction="none"),
+                      lambda: _lce_compile_inputs((3, 5)), ("linear_cross_entropy", "linear_cross_entropy_bwd"),
+                      loss=_random_projection),
+    ),
+    export=(ExportSample("lm-head", _LMHeadLoss,
+                         lambda: (torch.randn(2, 5, 9), torch.randint(0, 23, (2, 5))), ("linear_cross_entropy",)),),
+    bad_inputs=_lce_bad_inputs(),
+    device_mismatches=_device_mismatches(tk_ops.linear_cross_entropy, _lce_on_the_gpu, "x",
+                                         ("weight", "target", "bias")),
+    graphs=(),
+    no_graph=_without_sample(NO_KERNEL, "linear_cross_entropy", "linear_cross_entropy_bwd"),
+    fallbacks=(),
+    no_fallback=_without_sample(NO_KERNEL, "linear_cross_entropy", "linear_cross_entropy_bwd"),
+)
+
 OP_DB = (MATMUL, ATTENTION, ATTENTION_VARLEN, ATTENTION_WITH_KVCACHE, LAYER_NORM, RMS_NORM, ROPE, LINEAR_ATTENTION,
-         BASED_ATTENTION, MAMBA2_SSD, CAUSAL_CONV1D, FFTCONV, GATED_DELTA_RULE)
+         BASED_ATTENTION, MAMBA2_SSD, CAUSAL_CONV1D, FFTCONV, GATED_DELTA_RULE, LINEAR_CROSS_ENTROPY)

@@ -914,3 +914,120 @@ def test_dropout_residual_layer_norm_fp32_left_alone(rewrites):
     f32 = torch.float32
     inputs = [leaf(3, 5, HIDDEN, dtype=f32), leaf(3, 5, HIDDEN, dtype=f32), leaf(HIDDEN, dtype=f32), leaf(HIDDEN, dtype=f32)]
     check_left_alone(dropout_block(), inputs, {"layer_norm"})
+
+
+# ---------------------------------------------------------------------- LM head + cross-entropy
+
+LCE_OPS = {"linear_cross_entropy", "linear_cross_entropy_bwd"}
+VOCAB = 37
+
+
+def lm_head_inputs(*leading, bias=False, dtype=BF16, ignore_index=-100):
+    """Hidden states (*leading, 24), a head (VOCAB, 24) (and bias), next-token targets (*leading), a few of
+    them ignore_index."""
+    target = torch.randint(0, VOCAB, leading)
+    target.view(-1)[:3] = ignore_index
+    head = [leaf(*leading, 24, dtype=dtype), leaf(VOCAB, 24, dtype=dtype)]
+    return [*head, *([leaf(VOCAB, dtype=dtype)] if bias else []), target]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_lm_head_loss_rewritten(rewrites, reduction):
+    def fn(x, w, b, t):
+        return F.cross_entropy(F.linear(x, w, b).float(), t, reduction=reduction)
+
+    check_rewrite(fn, lm_head_inputs(13, bias=True), LCE_OPS)
+
+
+@parametrize_with_ids("fn", [
+    ("view-after-cast", lambda x, w, t: F.cross_entropy(
+        F.linear(x, w).float().view(-1, VOCAB), t.view(-1), ignore_index=-1, label_smoothing=0.1)),
+    ("reshape-before-cast", lambda x, w, t: F.cross_entropy(
+        F.linear(x, w).reshape(-1, VOCAB).to(torch.float32), t.reshape(-1), ignore_index=-1, reduction="sum")),
+    ("flatten", lambda x, w, t: F.cross_entropy(
+        F.linear(x, w).float().flatten(0, 1), t.flatten(), ignore_index=-1, label_smoothing=0.2)),
+])
+def test_lm_head_loss_over_batch_and_time_rewritten(rewrites, fn):
+    """The forms an LM writes for (B, T, H) hidden states: the logits viewed as (B T, V) rows."""
+    check_rewrite(fn, lm_head_inputs(3, 5, ignore_index=-1), LCE_OPS)
+
+
+def test_lm_head_loss_of_modules_rewritten(rewrites):
+    head, loss = torch.nn.Linear(24, VOCAB).to(BF16), torch.nn.CrossEntropyLoss(ignore_index=-1)
+
+    def fn(x, t):
+        return loss(head(x).float(), t)
+
+    x, _, t = lm_head_inputs(11, ignore_index=-1)
+    check_rewrite(fn, [x, t], LCE_OPS)
+
+
+def test_lm_head_loss_under_autocast_rewritten(rewrites):
+    """fp32 operands, bf16 logits by autocast's cast: the rewrite makes that cast explicit."""
+
+    def fn(x, w, t):
+        with torch.autocast("cpu", dtype=BF16):
+            logits = F.linear(x, w)
+        return F.cross_entropy(logits.float(), t)
+
+    check_rewrite(fn, lm_head_inputs(13, dtype=torch.float32), LCE_OPS)
+
+
+def test_lm_head_loss_inference_rewritten(rewrites):
+    x, w, t = lm_head_inputs(13, ignore_index=-1)
+    fn = lambda x, w, t: F.cross_entropy(F.linear(x, w).float(), t, ignore_index=-1)  # noqa: E731
+    loss, code = compiled_inference(fn, x, w, t)
+    assert tk_calls(code) == {"linear_cross_entropy"}
+    assert_rel_close(loss, fn(x, w, t), 2e-2, "loss")
+
+
+@parametrize_with_ids("fn", [
+    ("class-weights", lambda x, w, t: F.cross_entropy(F.linear(x, w).float(), t, weight=torch.ones(VOCAB))),
+    ("logits-returned", lambda x, w, t: (lambda logits: (F.cross_entropy(logits.float(), t), logits))(
+        F.linear(x, w))),
+    ("fp32-logits-read-twice", lambda x, w, t: (lambda logits: F.cross_entropy(logits, t) + logits.mean())(
+        F.linear(x, w).float())),
+    ("no-fp32-cast", lambda x, w, t: F.cross_entropy(F.linear(x, w), t)),
+    ("softcapped", lambda x, w, t: F.cross_entropy(30.0 * torch.tanh(F.linear(x, w).float() / 30.0), t)),
+    ("probabilities", lambda x, w, t: F.cross_entropy(F.linear(x, w).float(),
+                                                      F.one_hot(t.clamp(min=0), VOCAB).float())),
+])
+def test_lm_head_loss_left_alone(rewrites, fn):
+    check_left_alone(fn, lm_head_inputs(13), LCE_OPS)
+
+
+def test_lm_head_loss_with_classes_along_dim_1_left_alone(rewrites):
+    """3-D logits read by F.cross_entropy as (B, V, T): not rows of the head."""
+
+    def fn(x, w, t):
+        return F.cross_entropy(F.linear(x, w).float().transpose(1, 2), t, ignore_index=-1)
+
+    check_left_alone(fn, lm_head_inputs(3, 5, ignore_index=-1), LCE_OPS)
+
+
+def test_lm_head_loss_in_fp32_left_alone(rewrites):
+    check_left_alone(lambda x, w, t: F.cross_entropy(F.linear(x, w).float(), t, ignore_index=-1),
+                     lm_head_inputs(13, dtype=torch.float32, ignore_index=-1), LCE_OPS)
+
+
+def test_lm_head_loss_not_rewritten_where_no_kernel_serves():
+    saved = inductor_config.joint_custom_post_pass, inductor_config.pre_grad_custom_pass
+    tk_ops.inductor.enable()
+    try:
+        check_left_alone(lambda x, w, t: F.cross_entropy(F.linear(x, w).float(), t, ignore_index=-1),
+                         lm_head_inputs(13, ignore_index=-1), LCE_OPS)
+    finally:
+        tk_ops.inductor.disable()
+        inductor_config.joint_custom_post_pass, inductor_config.pre_grad_custom_pass = saved
+
+
+def test_hf_llama_with_labels_keeps_its_head(rewrites):
+    """Hugging Face's causal LMs return their logits beside the loss: the logits are read twice, so the head
+    and the loss stay as they are (the rest of the model still goes to tk)."""
+    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency")
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_HF_CONFIG, num_key_value_heads=1)).to(BF16)
+    ids = torch.randint(0, 97, (2, 13))
+    compiled = torch.compile(model, fullgraph=True)
+    _, codes = run_and_get_code(lambda: compiled(input_ids=ids, labels=ids).loss.backward())
+    called = tk_calls("\n".join(codes))
+    assert "rms_norm" in called and not (LCE_OPS & called)

@@ -181,8 +181,29 @@ def test_tk_path_matches_reference_path_in_float64(make, vocab):
     norm = "rms_norm" if make is llama else "layer_norm"
     expected = {"linear", "linear_bwd", "attention", "attention_bwd", norm, f"{norm}_bwd"}
     if make is llama:
-        expected |= {"rope_qk", "rope_qk_bwd"}
+        expected |= {"rope_qk", "rope_qk_bwd", "linear_cross_entropy", "linear_cross_entropy_bwd"}
     assert expected <= recorded.calls.keys()
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_llama_tk_path_trains_without_the_logits(tied):
+    """The tk path's training loss is the head and the loss in one op: lm_head never runs (no (B N, vocab)
+    logits), its weight still gets the gradient; without targets the model returns the logits, as the
+    reference path does."""
+    tk_model = llama(reference=False, tie_word_embeddings=tied)
+    reference_model = llama(reference=True, tie_word_embeddings=tied)
+    reference_model.load_state_dict(tk_model.state_dict())
+    head_calls = []
+    tk_model.lm_head.register_forward_hook(lambda module, inputs, output: head_calls.append(output.shape))
+    ids, targets = tokens(LLAMA["vocab_size"]), tokens(LLAMA["vocab_size"])
+    tk_loss, _ = _loss_and_grads(tk_model, ids, targets)
+    assert head_calls == []
+    reference_loss, _ = _loss_and_grads(reference_model, ids, targets)
+    assert_rel_close(tk_loss, reference_loss, 1e-5, "loss")
+    assert_rel_close(tk_model.lm_head.weight.grad, reference_model.lm_head.weight.grad, 1e-4, "grad of the head")
+    with torch.no_grad():
+        assert_rel_close(tk_model(ids), reference_model(ids), 1e-5, "logits")
+    assert head_calls == [(BATCH, SEQ_LEN, LLAMA["vocab_size"])]
 
 
 def _float64_pair(**overrides):

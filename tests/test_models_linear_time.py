@@ -67,11 +67,12 @@ def hyena(reference: bool, **overrides) -> HyenaForCausalLM:
     return HyenaForCausalLM(config)
 
 
-# model factory, the tk ops its tk path must call
+# model factory, the tk ops its tk path must call (the training loss: the shared head's linear_cross_entropy)
+LOSS_OPS = {"linear_cross_entropy", "linear_cross_entropy_bwd"}
 MODELS = {
-    "based": (based, {"based_attention", "based_attention_bwd", "attention", "rms_norm", "linear_bwd"}),
-    "mamba2": (mamba2, {"mamba2_ssd", "causal_conv1d", "causal_conv1d_bwd", "rms_norm", "linear_bwd"}),
-    "hyena": (hyena, {"fftconv", "causal_conv1d", "causal_conv1d_bwd", "rms_norm", "linear_bwd"}),
+    "based": (based, {"based_attention", "based_attention_bwd", "attention", "rms_norm", "linear_bwd", *LOSS_OPS}),
+    "mamba2": (mamba2, {"mamba2_ssd", "causal_conv1d", "causal_conv1d_bwd", "rms_norm", "linear_bwd", *LOSS_OPS}),
+    "hyena": (hyena, {"fftconv", "causal_conv1d", "causal_conv1d_bwd", "rms_norm", "linear_bwd", *LOSS_OPS}),
 }
 
 

@@ -14,6 +14,7 @@ from tk_ops.ops.fftconv import fftconv
 from tk_ops.ops.gated_delta_rule import gated_delta_rule
 from tk_ops.ops.layer_norm import layer_norm
 from tk_ops.ops.linear_attention import linear_attention
+from tk_ops.ops.linear_cross_entropy import linear_cross_entropy
 from tk_ops.ops.mamba2_ssd import mamba2_ssd
 from tk_ops.ops.matmul import linear, matmul
 from tk_ops.ops.rms_norm import rms_norm
@@ -46,6 +47,7 @@ __all__ = [
     "layer_norm",
     "linear",
     "linear_attention",
+    "linear_cross_entropy",
     "mamba2_ssd",
     "matmul",
     "nn",

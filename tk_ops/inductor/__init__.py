@@ -19,9 +19,14 @@ Rewritten, in inference and training graphs, only where exact (dtypes, shapes, m
   * Hugging Face's RMSNorm (fp32 normalisation, cast, times a weight of x's dtype) -> ``tk.rms_norm``;
   * the ``rotate_half`` RoPE ``q * cos + rotate_half(q) * sin`` (q and k together or alone) ->
     ``tk.rope_qk`` / ``tk.rope``;
+  * an LM head and its loss, ``F.cross_entropy(F.linear(x, w, b).float(), t)`` (also with the logits
+    reshaped to (-1, V), any ignore_index, label_smoothing and reduction; bf16/fp16 logits; no class
+    weights; logits read by nothing else) -> ``tk.linear_cross_entropy`` / ``tk.linear_cross_entropy_bwd``,
+    on Dynamo's graph before autograd (``tk_ops/inductor/linear_cross_entropy.py``);
   * with ``enable(matmul=True)``: ``mm`` / ``addmm`` -> ``tk.matmul`` / ``tk.linear``.
-``enable`` is idempotent, chains with a pass the user already installed in
-``torch._inductor.config.joint_custom_post_pass`` (theirs runs first), and ``disable`` restores it.
+``enable`` is idempotent, chains with the passes the user already installed in
+``torch._inductor.config.joint_custom_post_pass`` and ``pre_grad_custom_pass`` (theirs run first), and
+``disable`` restores them.
 By default rewrites fire only for tensors on devices where a tk kernel serves them (an sm_90 GPU
 with ``tk_ops._C`` built); ``enable(any_device=True)`` rewrites everywhere, which the CPU test
 suite uses to exercise the rewrites against the reference paths.
@@ -29,10 +34,10 @@ suite uses to exercise the rewrites against the reference paths.
 
 from __future__ import annotations
 
-from tk_ops.inductor.graph_pass import TkGraphPass
+from tk_ops.inductor.graph_pass import TkGraphPass, TkPreGradPass
 from tk_ops.inductor.options import RewriteOptions
 
-_CONFIG_SLOT = "joint_custom_post_pass"
+_PASS_SLOTS = {"joint_custom_post_pass": TkGraphPass, "pre_grad_custom_pass": TkPreGradPass}
 
 
 def _config():
@@ -44,22 +49,25 @@ def _config():
 def enable(*, any_device: bool = False, matmul: bool = False, always_rewrite_attention: bool = False) -> None:
     """Install the tk rewrites (again with new options if already installed)."""
     config = _config()
-    current = getattr(config, _CONFIG_SLOT)
-    previous = current.previous if isinstance(current, TkGraphPass) else current
     options = RewriteOptions(any_device=any_device, matmul=matmul, always_rewrite_attention=always_rewrite_attention)
-    setattr(config, _CONFIG_SLOT, TkGraphPass(options, previous))
+    for slot, pass_type in _PASS_SLOTS.items():
+        current = getattr(config, slot)
+        previous = current.previous if isinstance(current, pass_type) else current
+        setattr(config, slot, pass_type(options, previous))
 
 
 def disable() -> None:
-    """Remove the tk rewrites, restoring the pass that was installed before ``enable``."""
+    """Remove the tk rewrites, restoring the passes that were installed before ``enable``."""
     config = _config()
-    current = getattr(config, _CONFIG_SLOT)
-    if isinstance(current, TkGraphPass):
-        setattr(config, _CONFIG_SLOT, current.previous)
+    for slot, pass_type in _PASS_SLOTS.items():
+        current = getattr(config, slot)
+        if isinstance(current, pass_type):
+            setattr(config, slot, current.previous)
 
 
 def is_enabled() -> bool:
-    return isinstance(getattr(_config(), _CONFIG_SLOT), TkGraphPass)
+    config = _config()
+    return all(isinstance(getattr(config, slot), pass_type) for slot, pass_type in _PASS_SLOTS.items())
 
 
 __all__ = ["disable", "enable", "is_enabled"]

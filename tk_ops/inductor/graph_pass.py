@@ -1,4 +1,6 @@
-"""The joint-graph pass that applies every tk rewrite, chained after a user's own pass."""
+"""The passes that apply the tk rewrites, each chained after a user's own pass in its slot: the joint-graph
+pass (attention, patterns, dropout, matmul) and the pass over Dynamo's graph before autograd (the LM-head
+loss, which needs F.cross_entropy's call as written)."""
 
 from __future__ import annotations
 
@@ -10,12 +12,13 @@ import torch.fx
 from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from tk_ops.inductor import _graph, attention, layer_norm_dropout, matmul, patterns
+from tk_ops.inductor import _graph, attention, layer_norm_dropout, linear_cross_entropy, matmul, patterns
 from tk_ops.inductor.options import RewriteOptions
 
 _SOURCES = (
     attention.__file__,
     layer_norm_dropout.__file__,
+    linear_cross_entropy.__file__,
     matmul.__file__,
     patterns.__file__,
     _graph.__file__,
@@ -58,3 +61,28 @@ class TkGraphPass(CustomGraphPass):
                 return None  # the wrapped pass cannot be cached, so neither can we
         options = tuple(sorted(dataclasses.asdict(self.options).items()))
         return (get_hash_for_files(_SOURCES), options, attention.sdpa_settings(), previous_uuid)
+
+
+class TkPreGradPass(CustomGraphPass):
+    """Runs ``previous`` (the pre-grad pass installed before us, if any), then the LM-head loss rewrite."""
+
+    def __init__(self, options: RewriteOptions, previous: Optional[Any] = None):
+        self.options = options
+        self.previous = previous
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        if self.previous is not None:
+            self.previous(graph)
+        rewrites = linear_cross_entropy.rewrite_linear_cross_entropy(graph, self.options)
+        if rewrites:
+            counters["tk_ops"]["linear_cross_entropy"] += rewrites
+
+    def uuid(self) -> Optional[Any]:
+        """Stable across processes, for the caches (which then look up the graph before this pass runs)."""
+        previous_uuid = None
+        if self.previous is not None:
+            previous_uuid = self.previous.uuid() if hasattr(self.previous, "uuid") else None
+            if previous_uuid is None:
+                return None
+        options = tuple(sorted(dataclasses.asdict(self.options).items()))
+        return (get_hash_for_files(_SOURCES), options, previous_uuid)

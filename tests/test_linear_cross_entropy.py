@@ -1,0 +1,227 @@
+"""tk.linear_cross_entropy: the reference against the float64 definition F.cross_entropy(F.linear(...)) at odd
+sizes across its tiles (every reduction, ignored rows, label smoothing, softcap, bias, leading batch dims,
+strided views, bf16), gradcheck, and its memory: never the (N, V) logits. Its contract (opcheck, compile,
+export, bad inputs): tests/op_db.py, run by tests/test_op_contract.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile
+
+import tk_ops
+from inputs.linear_cross_entropy import float64_loss, make_inputs
+from tk_ops.ops import linear_cross_entropy as linear_cross_entropy_module
+from tk_testing import TOLERANCE, assert_rel_close, check_matches_contiguous_copies, parametrize_with_ids
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+N, H, V = 37, 19, 101  # neither N nor V a multiple of the small tiles below
+OPTIONS = [  # id, bias, label_smoothing, softcap
+    ("plain", False, 0.0, None),
+    ("bias", True, 0.0, None),
+    ("smoothing", False, 0.15, None),
+    ("softcap", True, 0.0, 2.5),
+    ("smoothing-softcap-bias", True, 0.3, 4.0),
+    ("full-smoothing", False, 1.0, None),
+]
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Tiles of 8 rows by 16 classes: N = 37 and V = 101 cross several tiles and end in partial ones."""
+    monkeypatch.setattr(linear_cross_entropy_module, "ROWS_PER_TILE", 8)
+    monkeypatch.setattr(linear_cross_entropy_module, "VOCAB_PER_TILE", 16)
+
+
+def check_against_float64(x, weight, bias, target, tol, grad_tol=None, **options):
+    """Loss and the gradients of x, weight, bias (for one random output gradient) against float64_loss on the
+    same values."""
+    leaves = [t.detach().requires_grad_() for t in (x, weight) + (() if bias is None else (bias,))]
+    reference_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    loss = tk_ops.linear_cross_entropy(leaves[0], leaves[1], target, bias=leaves[2] if bias is not None else None,
+                                       **options)
+    expected = float64_loss(*reference_leaves[:2], target, *reference_leaves[2:], **options)
+    assert loss.dtype == (torch.float64 if x.dtype == torch.float64 else torch.float32)
+    assert_rel_close(loss, expected, tol, "loss")
+    grad = torch.randn_like(expected)
+    grads = torch.autograd.grad(loss, leaves, grad.to(loss.dtype))
+    expected_grads = torch.autograd.grad(expected, reference_leaves, grad)
+    for name, leaf, got, want in zip(("x", "weight", "bias"), leaves, grads, expected_grads):
+        assert got.dtype == leaf.dtype and got.shape == leaf.shape
+        assert_rel_close(got, want, grad_tol or tol, f"grad_{name}")
+
+
+@pytest.mark.usefixtures("small_tiles")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@parametrize_with_ids("with_bias, label_smoothing, softcap", OPTIONS)
+def test_matches_float64_definition(dtype, reduction, with_bias, label_smoothing, softcap):
+    x, weight, bias, target = make_inputs(N, H, V, dtype=dtype, with_bias=with_bias, ignored=5)
+    target[7] = V - 1  # the last class, in the last, partial tile of classes
+    check_against_float64(x, weight, bias, target, TOLERANCE[dtype], reduction=reduction,
+                          label_smoothing=label_smoothing, softcap=softcap)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_default_tiles_match_float64_definition(reduction):
+    """One tile with the default sizes; then more rows and classes than a default tile holds."""
+    x, weight, bias, target = make_inputs(N, H, V)
+    check_against_float64(x, weight, bias, target, TOLERANCE[torch.float64], reduction=reduction,
+                          label_smoothing=0.1, softcap=3.0)
+    rows = linear_cross_entropy_module.ROWS_PER_TILE + 3
+    vocab = linear_cross_entropy_module.VOCAB_PER_TILE + 5
+    x, weight, bias, target = make_inputs(rows, 8, vocab, dtype=torch.float32)
+    check_against_float64(x, weight, bias, target, TOLERANCE[torch.float32], reduction=reduction)
+
+
+@pytest.mark.usefixtures("small_tiles")
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.2])
+def test_every_row_ignored(reduction, label_smoothing):
+    """As PyTorch: "mean" is 0 / 0 = NaN, "sum" 0, "none" zeros; every gradient is 0 (not NaN)."""
+    x, weight, bias, target = make_inputs(N, H, V, ignored=N, requires_grad=True)
+    loss = tk_ops.linear_cross_entropy(x, weight, target, bias=bias, reduction=reduction,
+                                       label_smoothing=label_smoothing)
+    expected = float64_loss(x, weight, target, bias, reduction=reduction, label_smoothing=label_smoothing)
+    torch.testing.assert_close(loss, expected.detach(), equal_nan=True, rtol=0, atol=0)
+    assert loss.isnan().item() if reduction == "mean" else not loss.any()
+    loss.sum().backward()
+    assert not (x.grad.any() or weight.grad.any() or bias.grad.any())
+
+
+@pytest.mark.usefixtures("small_tiles")
+@pytest.mark.parametrize("ignore_index", [0, 50, V - 1])
+def test_ignore_index_inside_the_vocabulary(ignore_index):
+    """An ignore_index that is a class: rows with that target are left out, the class stays in every softmax."""
+    x, weight, bias, target = make_inputs(N, H, V, ignored=0)
+    target[::3] = ignore_index
+    check_against_float64(x, weight, bias, target, TOLERANCE[torch.float64], ignore_index=ignore_index,
+                          label_smoothing=0.1)
+
+
+@pytest.mark.usefixtures("small_tiles")
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_leading_batch_dims_are_rows(reduction):
+    """x (B, T, H) with target (B, T): every (b, t) is one row, as F.cross_entropy of the logits reshaped to
+    (B T, V); "none" returns target's shape. A single row x (H,) with a 0-dim target, likewise."""
+    x, weight, bias, target = make_inputs(3 * 7, H, V)
+    check_against_float64(x.view(3, 7, H), weight, bias, target.view(3, 7), TOLERANCE[torch.float64],
+                          reduction=reduction, label_smoothing=0.1)
+    check_against_float64(x[-1], weight, bias, target[-1], TOLERANCE[torch.float64], reduction=reduction)
+
+
+@pytest.mark.usefixtures("small_tiles")
+def test_bf16_inputs_with_fp32_arithmetic():
+    """bf16 x, weight, bias: the loss is fp32, within fp32 rounding of the float64 loss of the same bf16
+    values (the logits are not rounded to bf16 first); the gradients are bf16, within bf16 rounding."""
+    x, weight, bias, target = make_inputs(N, H, V, dtype=torch.bfloat16)
+    for reduction in ("mean", "none"):
+        check_against_float64(x, weight, bias, target, TOLERANCE[torch.float32], TOLERANCE[torch.bfloat16],
+                              reduction=reduction, label_smoothing=0.1, softcap=3.0)
+
+
+@pytest.mark.usefixtures("small_tiles")
+def test_bf16_within_rounding_of_the_unfused_bf16_computation():
+    """The unfused F.cross_entropy(F.linear(x, w).float()) on the same bf16 values rounds the logits to bf16
+    first: the two agree to within that rounding."""
+    x, weight, _, target = make_inputs(N, H, V, dtype=torch.bfloat16, with_bias=False)
+    unfused = torch.nn.functional.cross_entropy(torch.nn.functional.linear(x, weight).float(), target)
+    assert_rel_close(tk_ops.linear_cross_entropy(x, weight, target), unfused, TOLERANCE[torch.bfloat16])
+
+
+def test_under_autocast_fp32_inputs_run_in_the_autocast_dtype():
+    x, weight, bias, target = make_inputs(N, H, V, dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = tk_ops.linear_cross_entropy(x, weight, target, bias=bias)
+    expected = tk_ops.linear_cross_entropy(x.bfloat16(), weight.bfloat16(), target, bias=bias.bfloat16())
+    assert loss.dtype == torch.float32 and torch.equal(loss, expected)
+
+
+@pytest.mark.usefixtures("small_tiles")
+@pytest.mark.parametrize("reduction, label_smoothing, softcap", [
+    ("mean", 0.0, None), ("sum", 0.2, 2.0), ("none", 0.1, None), ("none", 0.0, 1.5),
+])
+def test_gradcheck(reduction, label_smoothing, softcap):
+    x, weight, bias, target = make_inputs(11, 5, 19, ignored=2, requires_grad=True)
+
+    def loss(x, weight, bias):
+        return tk_ops.linear_cross_entropy(x, weight, target, bias=bias, reduction=reduction,
+                                           label_smoothing=label_smoothing, softcap=softcap)
+
+    assert torch.autograd.gradcheck(loss, (x, weight, bias))
+
+
+def test_gradients_only_where_asked():
+    """x without grad (a frozen body) and no bias: the weight's gradient alone, as the definition's."""
+    x, weight, _, target = make_inputs(N, H, V, with_bias=False)
+    weight.requires_grad_()
+    tk_ops.linear_cross_entropy(x, weight, target, label_smoothing=0.1).backward()
+    reference = weight.detach().clone().requires_grad_()
+    float64_loss(x, reference, target, label_smoothing=0.1).backward()
+    assert x.grad is None
+    assert_rel_close(weight.grad, reference.grad, TOLERANCE[torch.float64], "grad_weight")
+
+
+@pytest.mark.usefixtures("small_tiles")
+def test_strided_views_match_contiguous_copies():
+    """x rows of a wider buffer (a unit last stride, read in place), x and weight transposed views (copied)."""
+    x, weight, bias, target = make_inputs(N, H, V)
+    wide = torch.randn(N, H + 6, dtype=torch.float64)[:, 3 : 3 + H]
+    wide.copy_(x)
+    transposed_x = x.T.contiguous().T
+    transposed_weight = weight.T.contiguous().T
+    assert wide.stride(-1) == 1 and not wide.is_contiguous() and transposed_x.stride(-1) != 1
+
+    def loss(x, weight, bias):
+        return tk_ops.linear_cross_entropy(x, weight, target, bias=bias, reduction="none", label_smoothing=0.1)
+
+    for views in ((wide, weight, bias), (transposed_x, transposed_weight, bias[::1])):
+        check_matches_contiguous_copies(loss, views)
+
+
+def test_strided_target():
+    x, weight, bias, _ = make_inputs(N, H, V)
+    every_other = torch.randint(0, V, (2 * N,))[::2]
+    expected = tk_ops.linear_cross_entropy(x, weight, every_other.contiguous(), bias=bias)
+    assert torch.equal(tk_ops.linear_cross_entropy(x, weight, every_other, bias=bias), expected)
+
+
+# ------------------------------------------------------------------------------------------- memory
+
+
+def allocated_bytes(fn) -> tuple[object, int, int]:
+    """fn()'s result, the most CPU memory its allocations held at once, and what they still hold at its end,
+    from torch.profiler's allocation events (each allocation and free with its size, in time order)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        result = fn()
+    sizes = []
+
+    def collect(events):
+        for event in events:
+            if event.tag == _EventType.Allocation:
+                sizes.append((event.start_time_ns, event.extra_fields.alloc_size))
+            collect(event.children)
+
+    collect(profiler.profiler.kineto_results.experimental_event_tree())
+    held = peak = 0
+    for _, size in sorted(sizes):
+        held += size
+        peak = max(peak, held)
+    return result, peak, held
+
+
+def test_memory_stays_far_below_the_logits():
+    """N V dominates (fp32 logits of 128 MiB against 1 MiB of x and 2 MiB of W): the forward and the backward
+    each peak under a quarter of the logits (a default tile is 16 MiB), and what the forward leaves for the
+    backward is the lse, N floats."""
+    rows, hidden, vocab = 4096, 64, 8192
+    x, weight, _, target = make_inputs(rows, hidden, vocab, dtype=torch.float32, with_bias=False,
+                                       requires_grad=True)
+    logits_bytes = rows * vocab * 4
+    loss, forward_peak, kept = allocated_bytes(lambda: tk_ops.linear_cross_entropy(x, weight, target))
+    _, backward_peak, _ = allocated_bytes(loss.backward)
+    assert forward_peak < logits_bytes / 4, forward_peak
+    assert kept <= rows * 4 + 64, kept  # lse, and the loss
+    assert backward_peak < logits_bytes / 4, backward_peak

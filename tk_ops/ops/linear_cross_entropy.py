@@ -1,0 +1,350 @@
+"""Fused linear cross-entropy (an LM head and its loss): ``tk.linear_cross_entropy``.
+
+For rows x_i (H,), a weight W (V, H), an optional bias b (V,) and class indices t_i:
+    r_i = W x_i + b                                  the logits, never held for all rows at once
+    z_i = c * tanh(r_i / c)   with softcap c,  else z_i = r_i
+    lse_i = log sum_v exp(z_iv)
+    loss_i = lse_i - (1 - e) z_{i, t_i} - (e / V) sum_v z_iv      (label smoothing e in [0, 1])
+           = (1 - e) (-log p_{i, t_i}) + e * mean_v(-log p_iv),  p_i = softmax(z_i)
+and loss_i = 0 where t_i == ignore_index. reduction "none" returns loss_i, "sum" their sum, "mean"
+their sum over the number of rows not ignored (NaN when every row is ignored, as in PyTorch). This
+is ``F.cross_entropy(F.linear(x, W, b).float(), t, ignore_index=, label_smoothing=, reduction=)``
+(softcap applied to the fp32 logits first), except that the logits are not rounded to x's dtype
+before the loss (the fp32 accumulator is used as it is) and fp64 inputs stay fp64.
+
+Gradients. With g_i the gradient reaching loss_i (the output gradient, divided by the number of
+rows not ignored under "mean"; 0 on ignored rows) and q_iv = (1 - e) [v == t_i] + e / V:
+    dz_iv = g_i (p_iv - q_iv),   dr_iv = dz_iv (1 - (z_iv / c)^2) with softcap, else dz_iv
+    grad_x_i = sum_v dr_iv W_v,  grad_W_v = sum_i dr_iv x_i,  grad_b_v = sum_i dr_iv
+p_iv = exp(z_iv - lse_i) is recomputed from the lse the forward saves.
+
+Forward op
+  tk::linear_cross_entropy(Tensor x, Tensor weight, Tensor target, Tensor? bias, int ignore_index,
+                           float label_smoothing, float? softcap, str reduction) -> (Tensor loss, Tensor lse)
+  x (N, H), weight (V, H), target (N,) int64, bias (V,); loss () for "mean" and "sum", (N,) for
+  "none"; lse (N,), the log-sum-exp of the (softcapped) logits of each row, not differentiable.
+  Both in fp32 (fp64 for fp64 inputs).
+Backward op
+  tk::linear_cross_entropy_bwd(Tensor grad, Tensor x, Tensor weight, Tensor target, Tensor? bias,
+                               Tensor lse, int ignore_index, float label_smoothing, float? softcap,
+                               str reduction, bool[3] output_mask)
+      -> (Tensor grad_x, Tensor grad_weight, Tensor grad_bias)
+  grad has the loss's shape. A gradient not asked for (output_mask False), and grad_bias without a
+  bias, comes back empty (shape (0,)). Each gradient has its input's dtype.
+
+The backward recomputes the logits rather than the forward computing the gradients at once (as
+Liger-Kernel's fused linear cross-entropy does, keeping grad_x and grad_weight for the backward to
+scale). Recomputing costs one more GEMM over the logits (4 instead of 3 of 2NVH FLOPs each), and
+buys memory where it is scarcest: between forward and backward the op keeps only lse (N floats)
+besides x, W and the targets, which the model holds anyway, where the other way keeps grad_x and
+grad_weight (V H values: 1 GiB in bf16, 2 GiB in fp32 for Llama-3's 128256 x 4096 head) from the end
+of the forward, when a training step's activations peak, to the head's backward. Measured with torch.profiler's CPU
+allocation events (fp32, N = 4096, H = 256, V = 8192: logits of 128 MiB, x 4 MiB, W 8 MiB, the
+default tiles of 16 MiB): this reference's forward peaks at 16.1 MiB above its inputs and leaves
+16 KiB (lse) behind, its backward peaks at 32.0 MiB (a tile plus the gradients); the same tiles with
+the gradients computed in the forward leave 12.0 MiB behind the forward. Recomputing also gives
+reduction "none" its per-row output gradient for free, and costs nothing beyond the loss where no
+backward follows.
+
+Dtypes: x fp16, bf16, fp32 or fp64; weight and bias x's dtype; target int64. Arithmetic in fp32
+(fp64 for fp64 inputs). Target values other than ignore_index must lie in [0, V) (checked by the
+reference, which raises otherwise). x and weight reach the ops with a unit last stride (other
+strides free); anything else is copied by the public function.
+
+No CUDA kernel yet: the reference serves every device (on a GPU with a one-time warning). It walks
+the logits in tiles of ROWS_PER_TILE rows by VOCAB_PER_TILE classes, as a kernel would: the forward
+keeps per row a running maximum and sum of exponentials (the streamed log-sum-exp), the target's
+logit and the sum of the logits; the backward accumulates grad_x, grad_weight and grad_bias in the
+compute dtype tile by tile. Its memory is O(N H + V H) for the inputs and gradients plus a few tiles,
+never O(N V).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import torch
+
+from tk_ops import _checks, _library
+from tk_ops._autocast import autocast_inputs
+
+REDUCTIONS = ("mean", "sum", "none")  # F.cross_entropy's
+# A tile of fp32 logits is 16 MiB: small beside any LM head's logits (16k rows by 128k classes are
+# 8 GiB), large enough for efficient GEMMs and a short Python loop (512 tiles there).
+ROWS_PER_TILE = 1024
+VOCAB_PER_TILE = 4096
+
+
+# ----------------------------------------------------------------------------------- reference
+
+
+def _exact_precision(reference):
+    """The reference with autocast off: its fp32 (fp64) GEMMs must not be recast to 16 bits when the op is
+    called under torch.autocast (the public function has already cast the inputs as autocast would)."""
+
+    @functools.wraps(reference)
+    def run(first, *args):
+        with torch.autocast(first.device.type, enabled=False):
+            return reference(first, *args)
+
+    return run
+
+
+def _tiles(size: int, tile: int):
+    return [slice(start, min(start + tile, size)) for start in range(0, size, tile)]
+
+
+def _check_targets(target: torch.Tensor, ignore_index: int, vocab: int) -> None:
+    out_of_range = (target != ignore_index) & ((target < 0) | (target >= vocab))
+    if bool(out_of_range.any()):
+        bad = target[out_of_range][0].item()
+        raise ValueError(f"target values must be ignore_index ({ignore_index}) or in [0, {vocab}), got {bad}")
+
+
+def _logits(x_rows, weight, bias, classes: slice, softcap: Optional[float]) -> torch.Tensor:
+    """The (softcapped) logits of a tile, in x_rows' dtype (the compute dtype); in place after the GEMM,
+    so that a tile costs one tile of memory."""
+    logits = x_rows @ weight[classes].to(x_rows.dtype).T
+    if bias is not None:
+        logits += bias[classes].to(x_rows.dtype)
+    if softcap is not None:
+        logits.div_(softcap).tanh_().mul_(softcap)
+    return logits
+
+
+def _target_column(target_rows: torch.Tensor, classes: slice):
+    """(each row's target as a column of the tile, clamped into it; whether the target is in the tile)."""
+    inside = (target_rows >= classes.start) & (target_rows < classes.stop)
+    column = (target_rows - classes.start).clamp(0, classes.stop - classes.start - 1)
+    return column[:, None], inside
+
+
+class _RowStatistics:
+    """What the forward keeps per row while it streams over the tiles of classes: the running maximum and
+    sum of exponentials (the streamed log-sum-exp), the target's logit and the sum of the logits."""
+
+    def __init__(self, rows: int, like: torch.Tensor) -> None:
+        self.max = like.new_full((rows,), -math.inf)
+        self.sum_exp, self.target_logit, self.logit_sum = (like.new_zeros(rows) for _ in range(3))
+
+    def add(self, logits: torch.Tensor, target_rows: torch.Tensor, classes: slice, smoothing: bool) -> None:
+        """Fold in one tile of logits, which it overwrites (called on a temporary, so that it is freed before
+        the next tile's GEMM)."""
+        column, inside = _target_column(target_rows, classes)
+        self.target_logit += torch.where(inside, logits.gather(1, column)[:, 0], 0.0)
+        if smoothing:
+            self.logit_sum += logits.sum(1)
+        new_max = torch.maximum(self.max, logits.amax(1))
+        self.sum_exp = self.sum_exp * torch.exp(self.max - new_max) + logits.sub_(new_max[:, None]).exp_().sum(1)
+        self.max = new_max
+
+    def lse(self) -> torch.Tensor:
+        return self.max + torch.log(self.sum_exp)
+
+
+def _reduce(loss_rows: torch.Tensor, counted: torch.Tensor, reduction: str) -> torch.Tensor:
+    if reduction == "none":
+        return loss_rows
+    total = loss_rows.sum()
+    return total if reduction == "sum" else total / counted.sum()
+
+
+@_exact_precision
+def _linear_cross_entropy_reference(x, weight, target, bias, ignore_index, label_smoothing, softcap, reduction):
+    compute = _checks.compute_dtype(x.dtype)
+    vocab = weight.shape[0]
+    _check_targets(target, ignore_index, vocab)
+    lse = x.new_empty(x.shape[0], dtype=compute)
+    loss_rows = x.new_empty(x.shape[0], dtype=compute)
+    for rows in _tiles(x.shape[0], ROWS_PER_TILE):
+        x_rows, target_rows = x[rows].to(compute), target[rows]
+        statistics = _RowStatistics(x_rows.shape[0], x_rows)
+        for classes in _tiles(vocab, VOCAB_PER_TILE):
+            statistics.add(_logits(x_rows, weight, bias, classes, softcap), target_rows, classes, label_smoothing > 0)
+        lse[rows] = statistics.lse()
+        row_loss = lse[rows] - (1 - label_smoothing) * statistics.target_logit
+        row_loss -= (label_smoothing / vocab) * statistics.logit_sum
+        loss_rows[rows] = torch.where(target_rows != ignore_index, row_loss, 0.0)
+    return _reduce(loss_rows, target != ignore_index, reduction), lse
+
+
+def _loss_shape(x: torch.Tensor, reduction: str) -> tuple[int, ...]:
+    return (x.shape[0],) if reduction == "none" else ()
+
+
+def _linear_cross_entropy_fake(x, weight, target, bias, ignore_index, label_smoothing, softcap, reduction):
+    compute = _checks.compute_dtype(x.dtype)
+    return x.new_empty(_loss_shape(x, reduction), dtype=compute), x.new_empty(x.shape[0], dtype=compute)
+
+
+def _row_gradients(grad, counted: torch.Tensor, reduction: str, compute: torch.dtype) -> torch.Tensor:
+    """g_i: the gradient reaching each row's loss (0 on ignored rows, also when all are ignored)."""
+    grad = grad.to(compute)
+    if reduction == "mean":
+        grad = grad / counted.sum()
+    return torch.where(counted, grad.expand(counted.shape), 0.0)
+
+
+def _backward_tile(grads, x_rows, target_rows, row_grad, lse_rows, weight, bias, classes, options) -> None:
+    """Add one tile's share to grads (grad_x rows, grad_weight, grad_bias; None where not asked for).
+    A function of its own, so that its tiles are freed before the next tile's GEMM."""
+    label_smoothing, softcap = options
+    grad_x, grad_weight, grad_bias = grads
+    compute, vocab = x_rows.dtype, weight.shape[0]
+    logits = _logits(x_rows, weight, bias, classes, softcap)
+    cap_slope = None if softcap is None else (logits / softcap).square_().neg_().add_(1)  # dz/dr = 1 - (z/c)^2
+    column, inside = _target_column(target_rows, classes)
+    # dz = g (p - q): the softmax minus the smoothed one-hot, whose target share is added where it lies
+    grad_logits = logits.sub_(lse_rows[:, None]).exp_().sub_(label_smoothing / vocab)
+    grad_logits.scatter_add_(1, column, inside.to(compute)[:, None] * -(1 - label_smoothing))
+    grad_logits *= row_grad[:, None]
+    if cap_slope is not None:
+        grad_logits *= cap_slope
+    if grad_x is not None:
+        grad_x += grad_logits @ weight[classes].to(compute)
+    if grad_weight is not None:
+        grad_weight[classes] += grad_logits.T @ x_rows
+    if grad_bias is not None:
+        grad_bias[classes] += grad_logits.sum(0)
+
+
+@_exact_precision
+def _linear_cross_entropy_bwd_reference(
+    grad, x, weight, target, bias, lse, ignore_index, label_smoothing, softcap, reduction, output_mask
+):
+    compute = _checks.compute_dtype(x.dtype)
+    row_grad = _row_gradients(grad, target != ignore_index, reduction, compute)
+    grad_x = x.new_zeros(x.shape, dtype=compute) if output_mask[0] else None
+    grad_weight = weight.new_zeros(weight.shape, dtype=compute) if output_mask[1] else None
+    grad_bias = weight.new_zeros(weight.shape[0], dtype=compute) if output_mask[2] and bias is not None else None
+    for rows in _tiles(x.shape[0], ROWS_PER_TILE):
+        grads = (None if grad_x is None else grad_x[rows], grad_weight, grad_bias)
+        x_rows = x[rows].to(compute)
+        for classes in _tiles(weight.shape[0], VOCAB_PER_TILE):
+            _backward_tile(grads, x_rows, target[rows], row_grad[rows], lse[rows], weight, bias, classes,
+                           (label_smoothing, softcap))
+    return (
+        x.new_empty(0) if grad_x is None else grad_x.to(x.dtype),
+        x.new_empty(0) if grad_weight is None else grad_weight.to(weight.dtype),
+        x.new_empty(0) if grad_bias is None else grad_bias.to(bias.dtype),
+    )
+
+
+def _linear_cross_entropy_bwd_fake(
+    grad, x, weight, target, bias, lse, ignore_index, label_smoothing, softcap, reduction, output_mask
+):
+    return (
+        x.new_empty(x.shape) if output_mask[0] else x.new_empty(0),
+        weight.new_empty(weight.shape) if output_mask[1] else x.new_empty(0),
+        bias.new_empty(bias.shape) if output_mask[2] and bias is not None else x.new_empty(0),
+    )
+
+
+linear_cross_entropy_op = _library.define(
+    "linear_cross_entropy",
+    "(Tensor x, Tensor weight, Tensor target, Tensor? bias, int ignore_index, float label_smoothing,"
+    " float? softcap, str reduction) -> (Tensor loss, Tensor lse)",
+    reference=_linear_cross_entropy_reference,
+    fake=_linear_cross_entropy_fake,
+)
+linear_cross_entropy_bwd_op = _library.define(
+    "linear_cross_entropy_bwd",
+    "(Tensor grad, Tensor x, Tensor weight, Tensor target, Tensor? bias, Tensor lse, int ignore_index,"
+    " float label_smoothing, float? softcap, str reduction, bool[3] output_mask)"
+    " -> (Tensor grad_x, Tensor grad_weight, Tensor grad_bias)",
+    reference=_linear_cross_entropy_bwd_reference,
+    fake=_linear_cross_entropy_bwd_fake,
+)
+
+
+# ------------------------------------------------------------------------------------ autograd
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, target, bias, ignore_index, label_smoothing, softcap, reduction = inputs
+    _, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(x, weight, target, bias, lse)
+    ctx.options = (ignore_index, label_smoothing, softcap, reduction)
+
+
+def _linear_cross_entropy_backward(ctx, grad, grad_lse):
+    x, weight, target, bias, lse = ctx.saved_tensors
+    mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3]]
+    grad_x, grad_weight, grad_bias = linear_cross_entropy_bwd_op(grad, x, weight, target, bias, lse, *ctx.options, mask)
+    return (
+        grad_x if mask[0] else None,
+        grad_weight if mask[1] else None,
+        None,
+        grad_bias if mask[2] else None,
+        None,
+        None,
+        None,
+        None,
+    )
+
+
+_library.register_autograd(linear_cross_entropy_op, _linear_cross_entropy_backward, _setup_context)
+
+
+# ----------------------------------------------------------------------------------- public API
+
+
+def _check_options(ignore_index, label_smoothing, reduction, softcap) -> None:
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
+        raise TypeError(f"label_smoothing must be a float, got {type(label_smoothing).__name__}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
+    if not isinstance(reduction, str) or reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {', '.join(map(repr, REDUCTIONS))}, got {reduction!r}")
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+            raise TypeError(f"softcap must be None or a float, got {type(softcap).__name__}")
+        if not (math.isfinite(softcap) and softcap > 0):
+            raise ValueError(f"softcap must be a finite number > 0 (None: no softcap), got {softcap!r}")
+
+
+def linear_cross_entropy(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    softcap: Optional[float] = None,
+) -> torch.Tensor:
+    """The cross-entropy of the logits ``x @ weight.T + bias`` against ``target``, without holding them.
+
+    ``F.cross_entropy(F.linear(x, weight, bias).float().reshape(-1, V), target.reshape(-1), ...)``
+    (softcap c: ``c * tanh(logits / c)`` first) for x (..., H), weight (V, H), bias (V,), target
+    (...) int64 with x's leading shape: every leading index of x is one row, whatever its rank
+    (F.cross_entropy itself would read a 3-D logits tensor's dim 1 as the classes). reduction "none"
+    returns target's shape, "mean" and "sum" a scalar; fp32 (fp64 for fp64 x). Under torch.autocast,
+    fp32 x, weight and bias are cast to the autocast dtype first, as F.linear casts them.
+    """
+    _check_options(ignore_index, label_smoothing, reduction, softcap)
+    _checks.check_tensor("x", x, ndim=tuple(range(1, 9)))
+    _checks.check_tensor("weight", weight, ndim=2)
+    _checks.check_optional("bias", bias, ndim=1)
+    _checks.check_tensor("target", target, dtypes=(torch.int64,), allow_empty=True)
+    x, weight, bias = autocast_inputs(x, weight, bias)
+    _checks.check_same_device(x=x, weight=weight, target=target, bias=bias)
+    _checks.check_same_dtype(x=x, weight=weight, bias=bias)
+    _checks.check_dim("weight", weight, 1, x.shape[-1], "x.shape[-1] (H)")
+    if bias is not None:
+        _checks.check_dim("bias", bias, 0, weight.shape[0], "weight.shape[0] (V)")
+    if target.shape != x.shape[:-1]:
+        raise ValueError(f"target must have x's shape without its last dim {tuple(x.shape[:-1])}, "
+                         f"got shape {tuple(target.shape)}")
+    rows = x.reshape(-1, x.shape[-1])
+    loss, _ = linear_cross_entropy_op(
+        _checks.unit_last_stride(rows), _checks.unit_last_stride(weight), target.reshape(-1), bias,
+        ignore_index, float(label_smoothing), None if softcap is None else float(softcap), reduction,
+    )
+    return loss.view(target.shape) if reduction == "none" else loss
