@@ -30,6 +30,19 @@ def rewrites():
     inductor_config.joint_custom_post_pass = saved
 
 
+# What the GPU build's extension declares for the attention kernels (tk_ops._library.kernel_support),
+# for the tests that pretend a kernel device or kernels with limits on the CPU.
+KERNEL_HEAD_DIMS = {"attention": {"head_dims": (64, 128)}, "attention_bwd": {"head_dims": (64, 128)}}
+
+
+@pytest.fixture
+def declared_head_dims(monkeypatch):
+    """_library.kernel_support answering what ``KERNEL_HEAD_DIMS`` (or the test's edit of it) declares."""
+    declared = {op: dict(properties) for op, properties in KERNEL_HEAD_DIMS.items()}
+    monkeypatch.setattr(tk_ops._library, "kernel_support", lambda name: declared.get(name, {}))
+    return declared
+
+
 def sum_of_squares(*outputs):
     return sum(o.float().square().sum() for o in outputs)
 
@@ -169,7 +182,7 @@ def test_sdpa_inference_rewritten(rewrites):
     "case",
     ["mask", "dropout", "fp32", "head_dim_32", "causal_rectangular"],
 )
-def test_sdpa_left_alone(rewrites, case):
+def test_sdpa_left_alone(rewrites, declared_head_dims, case):
     nq, nk, d, dtype = 8, 8, 64, BF16
     if case == "causal_rectangular":
         nk = 12
@@ -438,7 +451,7 @@ def test_rule_replaces_efficient(head_dim, mask):
 
 
 @pytest.mark.parametrize("backend", ["cudnn", "efficient"])
-def test_a_window_stays_with_sdpa_on_a_kernel_device(backend, monkeypatch):
+def test_a_window_stays_with_sdpa_on_a_kernel_device(backend, monkeypatch, declared_head_dims):
     """tk has no window kernel: on a device its kernels serve (here pretended), a proven window mask
     stays with SDPA's backend; only any_device, where the reference is asked for, takes it."""
     from tk_ops.inductor.options import RewriteOptions
@@ -448,6 +461,29 @@ def test_a_window_stays_with_sdpa_on_a_kernel_device(backend, monkeypatch):
                                        (False, "additive_causal", 1)):  # fmt: skip
         rewrites, _ = rewritten_backend_graph(backend, 128, training=True, mask=mask, any_device=any_device)
         assert rewrites == expected, (any_device, mask)
+
+
+@pytest.mark.parametrize("any_device", [False, True])
+def test_head_dims_are_the_ones_the_kernels_declare(monkeypatch, declared_head_dims, any_device):
+    """The rewrite asks the extension which head dims its kernels take instead of restating them: a
+    head dim is rewritten iff it is declared; with nothing declared (no extension), only under any_device."""
+    from tk_ops.inductor.options import RewriteOptions
+
+    monkeypatch.setattr(RewriteOptions, "serves", lambda self, device, op_name: True)
+    declared_head_dims["attention"]["head_dims"] = (64,)
+    for head_dim, expected in ((64, 1), (128, 0)):
+        rewrites, _ = rewritten_backend_graph("flash", head_dim, training=False, any_device=any_device)
+        assert rewrites == expected, head_dim
+    declared_head_dims.clear()
+    rewrites, _ = rewritten_backend_graph("flash", 128, training=False, any_device=any_device)
+    assert rewrites == int(any_device)
+
+
+@requires_kernel("attention")
+def test_the_extension_declares_the_attention_head_dims():
+    assert tk_ops._library.kernel_support("attention") == {"head_dims": (64, 128)}
+    assert tk_ops._library.kernel_support("attention_bwd") == {"head_dims": (64, 128)}
+    assert tk_ops._library.kernel_support("no_such_op") == {}
 
 
 @pytest.mark.parametrize("backend", ["cudnn", "efficient"])

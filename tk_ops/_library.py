@@ -165,6 +165,15 @@ def has_cuda_kernel(name: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"{NAMESPACE}::{name}", "CUDA")
 
 
+def kernel_support(name: str) -> dict[str, tuple[int, ...]]:
+    """What the CUDA kernels of ``tk::<name>`` take, as the extension declares it from the kernels' own
+    lists (csrc/torch/kernel_support.h), e.g. ``{"head_dims": (64, 128)}``; ``{}`` without the extension
+    or without a declaration. Callers ask here instead of restating the kernels' limits."""
+    if EXTENSION is None:
+        return {}
+    return dict(EXTENSION.kernel_support().get(name, {}))
+
+
 def backends() -> dict[str, str]:
     """Which implementation serves each op on CUDA tensors: ``"cuda kernel"`` or ``"reference"``.
 

@@ -12,9 +12,11 @@
 // caller bug (check `contains` first) and throws std::invalid_argument.
 #pragma once
 
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 namespace tk {
 
@@ -23,6 +25,12 @@ struct one_of {
   template <typename V>
   static constexpr bool contains(V value) {
     return ((value == static_cast<V>(VALUES)) || ...);
+  }
+  // {64, 128}: an integer list as data (what the kernels take, for tk_ops._library.kernel_support).
+  static std::vector<int64_t> integers()
+    requires(std::is_integral_v<decltype(VALUES)> && ...)
+  {
+    return {static_cast<int64_t>(VALUES)...};
   }
   // "64, 128": for error messages.
   static std::string names() {

@@ -4,7 +4,8 @@ Dynamo/AOT lower ``F.scaled_dot_product_attention`` to one fused forward node pe
 (flash, efficient, cuDNN, flash-for-CPU) and, in training graphs, one partner backward node that
 reads the forward's output and logsumexp. Both are replaced: the forward by ``tk.attention``
 (which returns out and lse) and each partner backward by ``tk.attention_bwd`` reading our out and
-lse. The rewrite is exact only when: dropout 0, bf16/fp16, head dim 64 or 128, and either
+lse. The rewrite is exact only when: dropout 0, bf16/fp16, a head dim the kernels take (as the
+extension declares it, ``_library.kernel_support``: 64 or 128 today), and either
   * no mask, or ``is_causal`` with Nq == Nk (SDPA's causal mask is top-left aligned, tk's
     bottom-right; the two agree only on square problems), or
   * an explicit mask (boolean, or additive: 0 or at most _MASKED_BIAS) that reads no graph input,
@@ -93,7 +94,6 @@ _FORWARD_TO_BACKWARD = {
         aten._cudnn_attention_backward.default,
     ),
 }
-_KERNEL_HEAD_DIMS = (64, 128)
 _GRADS = 3  # grad_query, grad_key, grad_value
 # The most memory one intermediate of a constant mask may take when it is evaluated at compile time.
 _CONSTANT_MASK_BYTES = 1 << 28
@@ -230,7 +230,7 @@ def _masking_if_rewritable(arguments: dict, options: RewriteOptions) -> Optional
         return None
     if not (q.dtype == k.dtype == v.dtype and q.dtype in KERNEL_DTYPES):
         return None
-    if not (q.shape[-1] == k.shape[-1] == v.shape[-1] and q.shape[-1] in _KERNEL_HEAD_DIMS):
+    if not (q.shape[-1] == k.shape[-1] == v.shape[-1] and options.kernel_takes("attention", "head_dims", q.shape[-1])):
         return None
     if q.shape[1] % k.shape[1] != 0 or not options.serves(q.device, "attention"):
         return None
@@ -298,7 +298,9 @@ def _tk_is_faster(forward: torch.fx.Node, arguments: dict, masking: _Masking, tr
         return True
     head_dim = _graph.fake_value(arguments["query"]).shape[-1]
     causal_mask = masking.causal and _mask(arguments) is not None
-    speedup = SPEEDUP_OVER_BACKEND[(forward.target, head_dim, causal_mask)]
+    speedup = SPEEDUP_OVER_BACKEND.get((forward.target, head_dim, causal_mask))
+    if speedup is None:  # a head dim the kernels take that was not measured against this backend
+        return True
     return (speedup.forward_and_backward if training else speedup.forward) >= 1.0
 
 

@@ -21,6 +21,15 @@ class RewriteOptions:
     # SDPA backend because it measured faster (cuDNN): for benchmarking tk against it.
     always_rewrite_attention: bool = False
 
+    def kernel_takes(self, op_name: str, property: str, value: int) -> bool:
+        """Whether op_name's kernels take ``value`` for ``property`` (``"head_dims"``), as the extension
+        declares (``_library.kernel_support``). With nothing declared (no extension), only under
+        any_device, where the reference, exact for every value, serves the rewrite."""
+        declared = _library.kernel_support(op_name).get(property)
+        if declared is None:
+            return self.any_device
+        return value in declared
+
     def serves(self, device: torch.device, op_name: str) -> bool:
         if self.any_device:
             return True

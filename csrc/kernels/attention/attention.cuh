@@ -38,8 +38,8 @@ namespace tk::attention {
 
 using warpgroup::operand_major;
 
-// What the kernels are instantiated for; unsupported_reason rejects everything else first.
-using kernel_head_dims = one_of<64, 128>;
+// What the kernels are instantiated for (with kernel_head_dims, attention.h); unsupported_reason
+// rejects everything else first.
 using kernel_dtypes = one_of<element_type::bf16, element_type::fp16>;
 
 constexpr float LOG2_E = 1.4426950408889634f;

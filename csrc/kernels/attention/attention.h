@@ -12,11 +12,16 @@
 #include <string>
 
 #include "kernels/common/heads_view.h"
+#include "tk/dispatch.h"
 #include "tk/element_type.h"
 
 namespace tk::attention {
 
 using tk::element_type;
+
+// The head dims the kernels are instantiated for (D = Dv); unsupported_reason rejects the others. Here
+// rather than in attention.cuh so that the registration declares them to Python (kernel_support.h).
+using kernel_head_dims = one_of<64, 128>;
 
 using tk::heads_view;
 
