@@ -71,7 +71,7 @@ def test_setup_builds_no_extension_without_cuda_torch():
 def test_reference_on_accelerator_warns_once(monkeypatch):
     """The fallback warning names the op and the inputs; it is emitted once per op."""
     monkeypatch.setattr(_library, "_REFERENCE_WARNED", set())
-    reference = _library._warn_once_on_accelerator("demo", lambda x: x + 1)
+    reference = _library._reference_kernel("demo", lambda x: x + 1)
     meta = torch.empty(3, device="meta")
     with pytest.warns(UserWarning, match=r"tk\.demo has no meta kernel .*float32\(3,\)"):
         reference(meta)
@@ -79,6 +79,18 @@ def test_reference_on_accelerator_warns_once(monkeypatch):
         __import__("warnings").simplefilter("error")
         reference(meta)
     reference(torch.ones(2))  # CPU: never warns
+
+
+def test_references_run_with_autocast_off():
+    """A reference computes in fp32 (fp64) whatever autocast the op is called under: the public functions
+    have already cast the inputs as autocast would, and its internal matmuls must not go to 16 bits."""
+    seen = _library._reference_kernel("demo", lambda x: torch.is_autocast_enabled(x.device.type))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not seen(torch.ones(2))
+    q, k, v = (torch.randn(1, 2, 33, 64, dtype=torch.bfloat16) for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under_autocast = tk_ops.attention(q, k, v, causal=True)
+    torch.testing.assert_close(under_autocast, tk_ops.attention(q, k, v, causal=True), rtol=0, atol=0)
 
 
 @requires_cuda

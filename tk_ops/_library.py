@@ -45,19 +45,27 @@ def _describe_tensors(args) -> str:
     return ", ".join(parts)
 
 
-def _warn_once_on_accelerator(name: str, reference: Callable) -> Callable:
+def _reference_kernel(name: str, reference: Callable) -> Callable:
+    """The kernel that runs ``reference``: with autocast off, so that its fp32 (fp64) math is not recast to
+    16 bits when the op is called under torch.autocast (the public functions have already cast their
+    inputs as autocast would); warning once per op when it serves an accelerator's tensors."""
+
     @functools.wraps(reference)
     def run(*args):
-        if name not in _REFERENCE_WARNED:
-            device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
-            if device is not None and device.type != "cpu":
-                _REFERENCE_WARNED.add(name)
-                warnings.warn(
-                    f"tk_ops: tk.{name} has no {device.type} kernel for these inputs "
-                    f"({_describe_tensors(args)}); running the PyTorch reference path",
-                    stacklevel=2,
-                )
-        return reference(*args)
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        if device is None:
+            return reference(*args)
+        if name not in _REFERENCE_WARNED and device.type != "cpu":
+            _REFERENCE_WARNED.add(name)
+            warnings.warn(
+                f"tk_ops: tk.{name} has no {device.type} kernel for these inputs "
+                f"({_describe_tensors(args)}); running the PyTorch reference path",
+                stacklevel=2,
+            )
+        if not torch.amp.is_autocast_available(device.type):
+            return reference(*args)
+        with torch.autocast(device.type, enabled=False):
+            return reference(*args)
 
     return run
 
@@ -72,7 +80,7 @@ def define(name: str, schema: str, *, reference: Callable, fake: Callable):
     for op_name in (name, f"{name}_ref"):
         qualname = f"{NAMESPACE}::{op_name}"
         torch.library.define(qualname, schema, lib=LIB, tags=_TAGS)
-        torch.library.register_kernel(qualname, None, _warn_once_on_accelerator(name, reference), lib=LIB)
+        torch.library.register_kernel(qualname, None, _reference_kernel(name, reference), lib=LIB)
         torch.library.register_fake(qualname, fake, lib=LIB)
     _DEFINED.append(name)
     return getattr(torch.ops.tk, name).default

@@ -61,7 +61,6 @@ never O(N V).
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Optional
 
@@ -78,18 +77,6 @@ VOCAB_PER_TILE = 4096
 
 
 # ----------------------------------------------------------------------------------- reference
-
-
-def _exact_precision(reference):
-    """The reference with autocast off: its fp32 (fp64) GEMMs must not be recast to 16 bits when the op is
-    called under torch.autocast (the public function has already cast the inputs as autocast would)."""
-
-    @functools.wraps(reference)
-    def run(first, *args):
-        with torch.autocast(first.device.type, enabled=False):
-            return reference(first, *args)
-
-    return run
 
 
 def _tiles(size: int, tile: int):
@@ -151,7 +138,6 @@ def _reduce(loss_rows: torch.Tensor, counted: torch.Tensor, reduction: str) -> t
     return total if reduction == "sum" else total / counted.sum()
 
 
-@_exact_precision
 def _linear_cross_entropy_reference(x, weight, target, bias, ignore_index, label_smoothing, softcap, reduction):
     compute = _checks.compute_dtype(x.dtype)
     vocab = weight.shape[0]
@@ -210,7 +196,6 @@ def _backward_tile(grads, x_rows, target_rows, row_grad, lse_rows, weight, bias,
         grad_bias[classes] += grad_logits.sum(0)
 
 
-@_exact_precision
 def _linear_cross_entropy_bwd_reference(
     grad, x, weight, target, bias, lse, ignore_index, label_smoothing, softcap, reduction, output_mask
 ):
