@@ -4,9 +4,10 @@
 // as they are stored (any strides with a unit last stride, so (B, N, H, D) views need no copy) and
 // launches on the current stream. What the kernels cannot take (fp32/fp64, head dims other than
 // 64/128 or differing between q, k and v, another GPU, strides TMA cannot describe) goes to the
-// op's reference twin tk::<op>_ref, which warns once. So does every call with one of the options
-// window, softcap or sinks switched on (the last four arguments of both ops, tk_ops/ops/attention.py):
-// no kernel computes them yet.
+// op's reference twin tk::<op>_ref, which warns once. The options window, softcap and sinks (the last
+// four arguments of both ops, tk_ops/ops/attention.py) run on the forward kernel; a backward call
+// with any of them switched on goes to the reference (no backward kernel computes them yet), which
+// recomputes the probabilities from q, k and v and reads only `out` of the forward's results.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -61,18 +62,31 @@ bool kernel_device(const at::Tensor& t) {
   return (dtype == at::kBFloat16 || dtype == at::kHalf) && tk::registration::runs_kernels(t);
 }
 
+// Sinks the forward kernel reads as they are: (Hq,) fp32, contiguous, on q's device.
+bool kernel_sinks(const at::Tensor& sinks, const at::Tensor& q) {
+  return sinks.dim() == 1 && sinks.size(0) == q.size(1) && sinks.scalar_type() == at::kFloat &&
+         sinks.device() == q.device() && sinks.is_contiguous();
+}
+
 std::optional<attn::forward_problem> plan_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                  bool causal, double scale) {
+                                                  bool causal, double scale, int64_t window_left,
+                                                  int64_t window_right, double softcap,
+                                                  const std::optional<at::Tensor>& sinks) {
   if (!kernel_device(q) || q.numel() == 0 || k.numel() == 0) return std::nullopt;
+  if (sinks.has_value() && !kernel_sinks(*sinks, q)) return std::nullopt;
   const auto qv = view_of(q), kv = view_of(k), vv = view_of(v);
   if (!qv || !kv || !vv) return std::nullopt;
   attn::forward_problem p{element_of(q), causal, float(scale), *qv, *kv, *vv, nullptr, nullptr};
+  p.window_left = window_left;
+  p.window_right = window_right;
+  p.softcap = softcap;
+  p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
   if (!attn::unsupported_reason(p).empty()) return std::nullopt;
   return p;
 }
 
-// Whether a call asks for an option no kernel computes: a window edge (-1 = unbounded; under causal the
-// public function passes window_right = -1), a softcap (0 = off) or sinks.
+// Whether a call asks for an option no backward kernel computes: a window edge (-1 = unbounded; under
+// causal the public function passes window_right = -1), a softcap (0 = off) or sinks.
 bool options_on(int64_t window_left, int64_t window_right, double softcap, const std::optional<at::Tensor>& sinks) {
   return window_left >= 0 || window_right >= 0 || softcap != 0.0 || sinks.has_value();
 }
@@ -83,8 +97,8 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at:
                                                   int64_t window_right, double softcap,
                                                   const std::optional<at::Tensor>& sinks) {
   check_inputs("tk::attention", q, k, v);
-  std::optional<attn::forward_problem> plan;
-  if (!options_on(window_left, window_right, softcap, sinks)) plan = plan_forward(q, k, v, causal, scale);
+  std::optional<attn::forward_problem> plan =
+      plan_forward(q, k, v, causal, scale, window_left, window_right, softcap, sinks);
   if (!plan) {
     return fallback<&attention_cuda>("tk::attention_ref", q, k, v, causal, scale, deterministic, window_left,
                                      window_right, softcap, sinks);

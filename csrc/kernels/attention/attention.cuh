@@ -25,8 +25,10 @@
 // its row maxima over the raw q.k and folds the scale and the max subtraction into one FFMA.
 #pragma once
 
+#include <algorithm>
 #include <climits>
 #include <cmath>
+#include <cstdint>
 #include <string>
 #include <type_traits>
 
@@ -193,6 +195,52 @@ struct visibility {
   // The first query tile of `block_q` rows that sees any key of [k0, ...).
   __device__ int first_query_tile(int k0, int block_q) const { return causal ? max(0, k0 - diagonal()) / block_q : 0; }
 };
+
+// Which keys a query sees under a window (the forward's options: attention.h): key j with
+// key_floor(i) <= j < key_limit(i), where
+//   key_floor(i) = max(0, i + Nk - Nq - left),  key_limit(i) = min(Nk, i + Nk - Nq + right + 1).
+// Causal is right = 0; an unbounded edge is stored as one that reaches every key (left = Nk,
+// right = Nq: the same keys for every query i < Nq). Both bounds rise by at most one per query, so
+// the keys a run of queries sees are one range, and the keys all of them see whole are another.
+// visibility (above) is the case left unbounded, which the backward and the plain forward keep.
+struct key_window {
+  int q_rows;
+  int k_rows;
+  int left;   // 0 <= left <= Nk
+  int right;  // 0 <= right <= Nq
+
+  // Clamps the edges as above; query + Nk - Nq +- edge stays in int when Nq + Nk <= MAX_WINDOWED_ROWS
+  // (unsupported_reason), for the padded rows past Nq of a last query block too.
+  static key_window of(int64_t q_rows, int64_t k_rows, bool causal, int64_t left, int64_t right) {
+    const int64_t reach_left = left < 0 ? k_rows : std::min(left, k_rows);
+    const int64_t reach_right = causal ? 0 : right < 0 ? q_rows : std::min(right, q_rows);
+    return {int(q_rows), int(k_rows), int(reach_left), int(reach_right)};
+  }
+
+  __host__ __device__ int diagonal() const { return k_rows - q_rows; }
+  __device__ int key_floor(int query) const { return max(0, query + diagonal() - left); }
+  __device__ int key_limit(int query) const { return min(k_rows, query + diagonal() + right + 1); }
+
+  // The key blocks of `block_kv` keys that queries [q0, q0 + q_count) (clipped to Nq) see:
+  // first_key_block(q0) and the key_blocks(...) after it (0 when no query sees a key).
+  __device__ int first_key_block(int q0, int block_kv) const { return key_floor(q0) / block_kv; }
+  __device__ int key_blocks(int q0, int q_count, int block_kv) const {
+    const int limit = key_limit(min(q0 + q_count, q_rows) - 1);
+    return limit <= 0 ? 0 : ceil_div(limit, block_kv) - first_key_block(q0, block_kv);
+  }
+  // Of the key blocks, [first, end) are seen whole by every query of [q0, q0 + q_count) below Nq
+  // (first >= end when there are none): the blocks that need no mask.
+  struct block_range {
+    int first, end;
+  };
+  __device__ block_range whole_key_blocks(int q0, int q_count, int block_kv) const {
+    const int last_query = max(q0, min(q0 + q_count, q_rows) - 1);
+    return {ceil_div(key_floor(last_query), block_kv), max(0, key_limit(q0)) / block_kv};
+  }
+};
+
+// The most Nq + Nk the forward with options takes: key_window's bounds stay in int.
+constexpr int64_t MAX_WINDOWED_ROWS = int64_t(1) << 30;
 
 // -------------------------------------------------------------- resident tiles and epilogues
 

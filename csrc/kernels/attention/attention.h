@@ -4,6 +4,15 @@
 // Tensors are (B, H, N, D) views with a unit last stride and any other strides (in elements).
 // Query head h reads key/value head h / (Hq / Hkv). Causal masks are bottom-right aligned: query i
 // sees key j iff j <= i + Nk - Nq; a query that sees no key gets out = 0 and lse = -inf.
+//
+// The forward also takes FlashAttention's options (tk_ops/ops/attention.py has the definition):
+//   window (left, right)  query i sees key j iff i + Nk - Nq - left <= j <= i + Nk - Nq + right
+//                         (-1 = unbounded; causal takes right as 0)
+//   softcap c > 0         each scaled score t becomes c tanh(t / c) before the mask
+//   sinks (Hq,) fp32      one logit per query head in each row's softmax denominator only:
+//                         out = sum_j p_j v_j / (sum_j p_j + exp(sink)), lse includes it, and a
+//                         row that sees no key gets out = 0 and lse = sink
+// The backward takes none of them yet.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -32,6 +41,11 @@ struct forward_problem {
   heads_view q, k, v;
   void* out;   // (B, Hq, Nq, D) contiguous
   float* lse;  // (B, Hq, Nq) contiguous, natural log
+  int64_t window_left = -1, window_right = -1;  // -1 = unbounded
+  double softcap = 0.0;                          // 0 = off
+  const float* sinks = nullptr;                  // (Hq,) contiguous, or none
+
+  bool has_options() const { return window_left >= 0 || window_right >= 0 || softcap != 0.0 || sinks != nullptr; }
 };
 
 // How the backward forms dq:

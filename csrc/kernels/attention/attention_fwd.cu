@@ -19,7 +19,21 @@
 // Key blocks past the last one a causal block sees are never loaded. The blocks every row of a
 // consumer sees whole run first, without mask code; the blocks that cross the diagonal or the key
 // tail (TMA zero-fills keys >= Nk, whose scores must become -inf) run after them, masked.
+//
+// The options variant (forward_features::options) adds FlashAttention's window, softcap and sinks
+// (attention.h), each switched on or off per call by its parameters; the plain variant compiles to
+// the code it had before they existed.
+//   window   a task visits only the key blocks its queries see (key_window): the blocks left of
+//            the window are never loaded either, so the work follows the visible pairs. A
+//            consumer's blocks cut by the window's left edge run masked before its whole blocks,
+//            those cut by the right edge or the key tail after them.
+//   softcap  the raw score becomes t = tanh(scale / softcap * q.k) and the FFMA's factor
+//            softcap * log2(e) instead of scale * log2(e): the capped score in log2 units, with
+//            the row max still taken before the factor (t is increasing in q.k, the factor > 0)
+//   sinks    joined in the epilogue as one more key of value 0 (join_sink)
+#include <algorithm>
 #include <cfloat>
+#include <type_traits>
 
 #include "attention.cuh"
 
@@ -64,10 +78,35 @@ struct scale_minus_offset {
 struct natural_lse {
   __device__ static float apply(float max2, float sum) { return sum > 0.0f ? (max2 + __log2f(sum)) * LN_2 : NEG_INF; }
 };
+// The softcapped score before its factor: tanh(tanh_scale * s), tanh_scale = scale / softcap. MUFU's
+// tanh (tanh.approx, one instruction a score, as FlashAttention-3's softcap) is off by about 2^-11
+// on t (|t| <= 1), so the capped score softcap * t by about softcap * 2^-11 (natural-log units).
+struct capped_score {
+  __device__ static float apply(float s, float tanh_scale) {
+    float t;
+    asm("tanh.approx.f32 %0, %1;\n" : "=f"(t) : "f"(s * tanh_scale));
+    return t;
+  }
+};
 
-template <typename T, int D>
+// Which of FlashAttention's options an instantiation compiles in: none, or window, softcap and sinks
+// together, each off unless its parameter switches it on (one variant rather than one per
+// combination: the switches cost a few uniform branches, not registers in the mainloop).
+enum class forward_features { plain, options };
+
+// The options' parameters (run() sets them from the problem); the plain variant has none.
+struct options_params {
+  key_window window;  // with causal folded in: right = 0
+  bool softcapped = false;
+  float tanh_scale = 0.0f;        // scale / softcap, if softcapped
+  const float* sinks = nullptr;  // (Hq,), or none
+};
+struct no_options {};
+
+template <typename T, int D, forward_features FEATURES>
 struct forward_kernel : forward_plan<D> {
   using plan = forward_plan<D>;
+  static constexpr bool with_options = FEATURES == forward_features::options;
   using q_tile = shared_tile<T, plan::rows_per_consumer, D>;  // one consumer's query rows, later its output
   using kv_tile = shared_tile<T, plan::block_kv, D>;
   using scores = warpgroup::accumulator<plan::block_kv>;      // a warp's 16 query rows x 128 keys
@@ -86,11 +125,15 @@ struct forward_kernel : forward_plan<D> {
   enum part : int { key_part, value_part };
   static constexpr uint32_t stage_bytes[] = {kv_tile::bytes, kv_tile::bytes};
 
-  struct params {
+  // The options' parameters are a base rather than a member: the plain variant's params keep their
+  // layout (nvcc lays an empty [[no_unique_address]] member out differently on the device than on
+  // the host).
+  struct params : std::conditional_t<with_options, options_params, no_options> {
     CUtensorMap q, k, v, out;  // boxes of one panel of q_tile / kv_tile / q_tile
     float* lse;
     int q_rows, k_rows, q_heads, batch, group;  // group = Hq / Hkv
-    float scale_log2;  // c = scale * log2(e), |c| >= FLT_MIN (run() lifts smaller ones, 0 included)
+    float scale_log2;  // c = scale * log2(e) (softcap * log2(e) if softcapped), |c| >= FLT_MIN (run() lifts
+                       // smaller ones, 0 included)
     bool negative;     // c < 0: the row max of c s is c times the raw scores' row min
     bool causal;
 
@@ -120,7 +163,20 @@ struct forward_kernel : forward_plan<D> {
   }
 
   __device__ static int iterations(const params& p, pipeline::head_block task) {
-    return p.vis().key_blocks(task.block * plan::block_q, plan::block_q, plan::block_kv);
+    if constexpr (with_options) {
+      return p.window.key_blocks(task.block * plan::block_q, plan::block_q, plan::block_kv);
+    } else {
+      return p.vis().key_blocks(task.block * plan::block_q, plan::block_q, plan::block_kv);
+    }
+  }
+
+  // The key block of iteration 0: under a window, the first block the task's queries see.
+  __device__ static int first_key_block(const params& p, pipeline::head_block task) {
+    if constexpr (with_options) {
+      return p.window.first_key_block(task.block * plan::block_q, plan::block_kv);
+    } else {
+      return 0;
+    }
   }
 
   __device__ static void prefetch(const params& p) {
@@ -135,7 +191,7 @@ struct forward_kernel : forward_plan<D> {
   }
 
   __device__ static void load(const params& p, pipeline::head_block task, int j, int part, stage& s, mbarrier& full) {
-    const int index[4] = {task.batch, task.head / p.group, j * plan::block_kv, 0};
+    const int index[4] = {task.batch, task.head / p.group, (first_key_block(p, task) + j) * plan::block_kv, 0};
     tma::load(part == key_part ? s.k : s.v, part == key_part ? p.k : p.v, full, index);
   }
 
@@ -151,6 +207,37 @@ struct forward_kernel : forward_plan<D> {
     return ctx.task.block * plan::block_q + ctx.consumer * plan::rows_per_consumer;
   }
 
+  // The iterations [first, end) whose key blocks every row of this consumer sees whole, which run
+  // without mask code: before them come the blocks that cross a window's left edge, after them those
+  // that cross the diagonal (a window's right edge) or the key tail.
+  __device__ static key_window::block_range unmasked_iterations(const context& ctx) {
+    const int blocks = ctx.iterations;
+    if constexpr (with_options) {
+      const key_window::block_range whole =
+          ctx.params.window.whole_key_blocks(first_row(ctx), plan::rows_per_consumer, plan::block_kv);
+      const int first_block = first_key_block(ctx.params, ctx.task);
+      const int first = min(blocks, max(0, whole.first - first_block));
+      return {first, max(first, min(blocks, whole.end - first_block))};
+    } else {
+      return {0, min(blocks, ctx.params.vis().unmasked_key_blocks(first_row(ctx), plan::block_kv))};
+    }
+  }
+
+  // Whether a query sees a key, from per-row bounds: a prefix (key < key_limit(query): 2 integers per
+  // thread, compared with each element's key after the S wait), with a window a range (4 integers).
+  // The per-element rule (vis.visible) let ptxas evaluate its 64 predicates ahead of the S wgmma and
+  // pack them into bit fields: ~300-470 instructions between taking the issue turn and issuing
+  // (benchmarks/results/attention.md).
+  __device__ static auto visible_keys(const params& p) {
+    if constexpr (with_options) {
+      return [window = p.window](int query, int key) {
+        return key >= window.key_floor(query) && key < window.key_limit(query);
+      };
+    } else {
+      return [vis = p.vis()](int query, int key) { return key < vis.key_limit(query); };
+    }
+  }
+
   // s = q.k (raw), then the online softmax: s becomes exp2(c s - max) against the lazily moved max
   // (c = scale * log2(e)), one FFMA per score. The row max of c s is c times the row max of the raw
   // scores (c > 0) or their row min (c < 0), rounded once: the same float as the max over the
@@ -162,15 +249,15 @@ struct forward_kernel : forward_plan<D> {
   template <bool MASKED>
   __device__ static bool softmax(const context& ctx, consumer_state& state, scores& s, int j, row_vector& rescale) {
     const params& p = ctx.params;
+    if constexpr (with_options) {
+      if (p.softcapped) warp::map<capped_score>(s, s, p.tanh_scale);  // before the mask hides keys
+    }
     if constexpr (MASKED) {
-      const visibility vis = p.vis();
-      const fragment::coord origin{first_row(ctx) + warpgroup::warp_row(), j * plan::block_kv};
+      const auto sees = visible_keys(p);
+      const fragment::coord origin{first_row(ctx) + warpgroup::warp_row(),
+                                   (first_key_block(p, ctx.task) + j) * plan::block_kv};
       const float hidden = p.negative ? INFINITY : NEG_INF;
-      // Hidden keys as a per-row prefix (key < key_limit(query): 2 integers per thread, compared
-      // with each element's key after the S wait). The per-element rule (vis.visible) let ptxas
-      // evaluate its 64 predicates ahead of the S wgmma and pack them into bit fields: ~300-470
-      // instructions between taking the issue turn and issuing (benchmarks/results/attention.md).
-      warp::mask(s, origin, [&](int query, int key) { return key < vis.key_limit(query); }, hidden);
+      warp::mask(s, origin, sees, hidden);
     }
     row_vector max, offset;
     if (!p.negative) {
@@ -229,7 +316,7 @@ struct forward_kernel : forward_plan<D> {
     const int blocks = ctx.iterations;
     if (blocks == 0) return;
     const q_tile& q = ctx.resident.q[ctx.consumer];
-    const int unmasked = min(blocks, ctx.params.vis().unmasked_key_blocks(first_row(ctx), plan::block_kv));
+    const key_window::block_range unmasked = unmasked_iterations(ctx);
     scores s;
     probabilities prob;
     row_vector unused_rescale;  // the output is still zero
@@ -246,7 +333,7 @@ struct forward_kernel : forward_plan<D> {
     turns.pass();
     warpgroup::wait<0>(s);
     in.release(at, key_part);
-    if (unmasked > 0) {
+    if (unmasked.first == 0 && unmasked.end > 0) {
       softmax<false>(ctx, state, s, 0, unused_rescale);
     } else {
       softmax<true>(ctx, state, s, 0, unused_rescale);
@@ -254,7 +341,9 @@ struct forward_kernel : forward_plan<D> {
     warp::copy(prob, s);
 
     int j = 1;
-    for (at.advance(); j < unmasked; ++j, at.advance()) step<false>(ctx, state, in, s, prob, j, at);
+    at.advance();
+    for (; j < unmasked.first; ++j, at.advance()) step<true>(ctx, state, in, s, prob, j, at);
+    for (; j < unmasked.end; ++j, at.advance()) step<false>(ctx, state, in, s, prob, j, at);
     for (; j < blocks; ++j, at.advance()) step<true>(ctx, state, in, s, prob, j, at);
 
     // O += P_{n-1} V_{n-1}
@@ -269,11 +358,32 @@ struct forward_kernel : forward_plan<D> {
     in.release(last, value_part);
   }
 
+  // A sink joins the row as one more key whose value is 0: O and the sum are rescaled to
+  // M = max(max, sink) as the mainloop rescales to a new max, and exp2(sink - M) joins the sum.
+  // Neither exponential exceeds 1 (a sink far above the scores cannot overflow); a row that saw no
+  // key (max = -inf) gets O = 0, sum = 1 and lse = sink; a sink of -inf changes nothing.
+  __device__ static void join_sink(float sink_log2, consumer_state& state, row_vector& sum) {
+    row_vector joined, offset, rescale, sink_weight;
+    warp::max(joined, state.max, sink_log2);
+    warp::map<exponent_offset>(offset, joined);
+    warp::sub(rescale, state.max, offset);
+    warp::exp2(rescale, rescale);
+    warp::sub(sink_weight, sink_log2, offset);
+    warp::exp2(sink_weight, sink_weight);
+    warp::mul(sum, sum, rescale);
+    warp::add(sum, sum, sink_weight);
+    warp::mul_row(state.o, state.o, rescale);
+    state.max = joined;
+  }
+
   // lse per row; O /= rowsum, staged in this consumer's Q tile (its wgmmas are done), one TMA store.
   __device__ static void store(const context& ctx, consumer_state& state) {
     const params& p = ctx.params;
     row_vector sum = state.sum, inverse, lse;
     warp::all_lanes_row_sum(sum);
+    if constexpr (with_options) {
+      if (p.sinks != nullptr) join_sink(p.sinks[ctx.task.head] * LOG2_E, state, sum);
+    }
     warp::map<reciprocal_or_zero>(inverse, sum);
     warp::map<natural_lse>(lse, state.max, sum);
     warp::mul_row(state.o, state.o, inverse);
@@ -288,10 +398,22 @@ struct forward_kernel : forward_plan<D> {
   }
 };
 
-// Layout rules (shape rules: shape_reason, checked before).
+// The options' rules: what the public function checks, re-checked (a kernel must not misread them), and
+// the lengths key_window's int bounds take.
+std::string options_reason(const forward_problem& pr) {
+  if (!pr.has_options()) return {};
+  if (pr.window_left < -1 || pr.window_right < -1) return "window edges must be >= -1 (-1 = unbounded)";
+  if (!(std::isfinite(pr.softcap) && pr.softcap >= 0.0 && pr.softcap * LOG2_E <= FLT_MAX)) {
+    return "softcap must be 0 (off) or a finite number > 0 below FLT_MAX / log2(e)";
+  }
+  if (pr.q.rows + pr.k.rows > MAX_WINDOWED_ROWS) return "with a window, softcap or sinks, Nq + Nk must be at most 2^30";
+  return {};
+}
+
+// Layout rules (shape rules: shape_reason, checked before); the same for both variants.
 template <typename T, int D>
 std::string reason_for(const forward_problem& pr) {
-  using K = forward_kernel<T, D>;
+  using K = forward_kernel<T, D, forward_features::plain>;
   const heads_view out = contiguous_view(pr.out, pr.q.batch, pr.q.heads, pr.q.rows, pr.q.dim);
   for (const auto& [name, view] : {std::pair{"q", pr.q}, std::pair{"out", out}}) {
     if (std::string r = layout_reason<typename K::q_tile, T>(name, view); !r.empty()) return r;
@@ -302,9 +424,9 @@ std::string reason_for(const forward_problem& pr) {
   return {};
 }
 
-template <typename T, int D>
+template <typename T, int D, forward_features FEATURES>
 cudaError_t run(const forward_problem& pr, cudaStream_t stream) {
-  using K = forward_kernel<T, D>;
+  using K = forward_kernel<T, D, FEATURES>;
   typename K::params p;
   p.q = make_tma_map<typename K::q_tile>(heads_layout<T>(pr.q));
   p.k = make_tma_map<typename K::kv_tile>(heads_layout<T>(pr.k));
@@ -317,11 +439,21 @@ cudaError_t run(const forward_problem& pr, cudaStream_t stream) {
   p.q_heads = int(pr.q.heads);
   p.batch = int(pr.q.batch);
   p.group = int(pr.q.heads / pr.k.heads);
+  float c = pr.scale * LOG2_E;
+  if constexpr (K::with_options) {
+    p.window = key_window::of(pr.q.rows, pr.k.rows, pr.causal, pr.window_left, pr.window_right);
+    p.softcapped = pr.softcap > 0.0;
+    p.sinks = pr.sinks;
+    if (p.softcapped) {
+      // |scale / softcap| beyond FLT_MAX saturates tanh just the same (scores of 0 stay 0, not NaN).
+      p.tanh_scale = float(std::clamp(double(pr.scale) / pr.softcap, double(-FLT_MAX), double(FLT_MAX)));
+      c = float(pr.softcap * LOG2_E);
+    }
+  }
   // A |c| below the smallest normal float (0 included) would be flushed to 0 by the FTZ arithmetic,
   // and 0 * -inf is NaN in a hidden key's FFMA. FLT_MIN gives the same probabilities: for any score
-  // |q.k| < 2^100, c s and the offset are below 2^-26 each, where exp2 is 1 to fp32 rounding (uniform
-  // weights), and lse = ln(number of visible keys) to rounding.
-  const float c = pr.scale * LOG2_E;
+  // |q.k| < 2^100 (a softcapped |t| <= 1), c s and the offset are below 2^-26 each, where exp2 is 1
+  // to fp32 rounding (uniform weights), and lse = ln(number of visible keys) to rounding.
   p.scale_log2 = std::fabs(c) < FLT_MIN ? FLT_MIN : c;
   p.negative = p.scale_log2 < 0.0f;
   p.causal = pr.causal;
@@ -332,11 +464,14 @@ cudaError_t run(const forward_problem& pr, cudaStream_t stream) {
 
 std::string unsupported_reason(const forward_problem& p) {
   if (std::string r = shape_reason(p.q, p.k, p.v); !r.empty()) return r;
+  if (std::string r = options_reason(p); !r.empty()) return r;
   return dispatch(p, [&]<typename T, int D>() { return reason_for<T, D>(p); });
 }
 
 cudaError_t launch(const forward_problem& p, cudaStream_t stream) {
-  return dispatch(p, [&]<typename T, int D>() { return run<T, D>(p, stream); });
+  return dispatch(p, [&]<typename T, int D>() {
+    return p.has_options() ? run<T, D, forward_features::options>(p, stream) : run<T, D, forward_features::plain>(p, stream);
+  });
 }
 
 }  // namespace tk::attention
