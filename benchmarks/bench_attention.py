@@ -248,9 +248,56 @@ CHECK_SHAPES = [  # (B, Hq, Hkv, Nq, Nk, D, causal): tails, Nq != Nk, GQA, rows 
 ]
 
 
+# The forward kernel's options: (batch, Hq, Hkv, Nq, Nk, D, causal, window_left, window_right, softcap), each
+# with random sinks. A causal sliding window that skips key blocks; a two-sided window where rows past the
+# keys see none (their out is 0, their lse the sink).
+CHECK_OPTION_SHAPES = [
+    (1, 2, 1, 300, 700, 128, True, 150, -1, 2.0),
+    (2, 4, 2, 333, 200, 64, False, 40, 90, 0.0),
+]
+
+
+def options_expected(q, k, v, causal, scale, left, right, softcap, sinks):
+    """out and lse in float64, as tk_ops/ops/attention.py defines them (the sinks keep every lse finite)."""
+    group = q.shape[1] // k.shape[1]
+    q, k, v = q.double(), k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = scale * q @ k.transpose(-1, -2)
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    diagonal = torch.arange(q.shape[2], device=q.device)[:, None] + k.shape[2] - q.shape[2]
+    keys = torch.arange(k.shape[2], device=q.device)[None, :]
+    visible = torch.ones_like(keys - diagonal, dtype=torch.bool)
+    if left >= 0:
+        visible &= keys >= diagonal - left
+    if causal or right >= 0:
+        visible &= keys <= diagonal + (0 if causal else right)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(torch.cat([scores, sinks.double().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)], -1), -1)
+    return torch.exp(scores - lse[..., None]) @ v, lse
+
+
+def check_options() -> None:
+    for batch, q_heads, kv_heads, q_len, k_len, head_dim, causal, left, right, softcap in CHECK_OPTION_SHAPES:
+        q = torch.randn(batch, q_heads, q_len, head_dim, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(batch, kv_heads, k_len, head_dim, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        sinks = torch.randn(q_heads, device="cuda")
+        scale = head_dim**-0.5
+        out, lse = torch.ops.tk.attention(q, k, v, causal, scale, False, left, right, softcap, sinks)
+        expected_out, expected_lse = options_expected(q, k, v, causal, scale, left, right, softcap, sinks)
+        err = max(common.relative_difference(out.double(), expected_out),
+                  common.relative_difference(lse.double(), expected_lse))
+        status = "ok" if err < 1e-2 else "WRONG"
+        print(f"attention {batch}x{q_heads}/{kv_heads}x{q_len}x{k_len}x{head_dim} causal={causal} "
+              f"window=({left}, {right}) softcap={softcap} sinks: rel err {err:.2e} {status}")
+        if status != "ok":
+            raise SystemExit("attention check: wrong result")
+
+
 def check() -> None:
     """The forward against float64 SDPA (rows that see no key left out) and finite gradients, on tails,
-    Nq != Nk and GQA; exits non-zero on a wrong result."""
+    Nq != Nk and GQA, then the forward with window, softcap and sinks against float64; exits non-zero
+    on a wrong result."""
     for batch, q_heads, kv_heads, q_len, k_len, head_dim, causal in CHECK_SHAPES:
         q = torch.randn(batch, q_heads, q_len, head_dim, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(batch, kv_heads, k_len, head_dim, device="cuda", dtype=torch.bfloat16)
@@ -274,6 +321,7 @@ def check() -> None:
               f"one-pass vs deterministic grads {methods_err:.2e} {status}")
         if status != "ok":
             raise SystemExit("attention check: wrong result")
+    check_options()
     torch.cuda.synchronize()
 
 

@@ -392,7 +392,8 @@ def _attention_option_samples(shape, **kwargs) -> tuple[Sample, ...]:
 
 
 def _attention_kernel_samples(dtype):
-    """On the GPU: the kernels, and calls with options, which the CUDA entries hand to the reference."""
+    """On the GPU: the kernels, and calls with options: the forward kernel takes them, the backward's CUDA entry hands
+    them to the reference."""
     shape, options = (1, 4, 2, 17, 23, 64), dict(dtype=dtype, device="cuda")
     return (_attention_forward(shape, True, **options), *_attention_backward_samples(shape, **options),
             *_attention_option_samples(shape, **options))
@@ -430,6 +431,41 @@ def _attention_graph(head_dim: int, method: str) -> GraphSample:
         tolerances=None if deterministic else (0, 0, attention_inputs.BF16_ROUNDING, 0, 0),  # out, lse, dq, dk, dv
         context=lambda: attention_inputs.backward_method(method),
     )
+
+
+def _attention_options_graph(head_dim: int) -> GraphSample:
+    """The forward kernel with a causal sliding window, a softcap and sinks (an input the replay reads anew)."""
+
+    def make_inputs():
+        q, k, v = attention_inputs.make_qkv(2, 4, 2, 511, 513, head_dim, dtype=torch.bfloat16, device="cuda",
+                                            requires_grad=False)
+        return q, k, v, torch.randn(4, device="cuda")
+
+    def step(q, k, v, sinks):
+        return torch.ops.tk.attention(q, k, v, True, 0.1, False, 100, -1, 2.0, sinks)
+
+    return GraphSample(f"forward-options-D{head_dim}", ("attention",), make_inputs, step)
+
+
+def _attention_backward_with_options() -> FallbackSample:
+    """Gradients with a window, a softcap and sinks on CUDA: the forward kernel takes the options, no backward
+    kernel does, so the backward's reference computes them (from q, k, v and the kernel's out)."""
+    options = dict(causal=True, window=(20, -1), softcap=2.0)
+
+    def make_inputs():
+        q, k, v = attention_inputs.make_qkv(1, 4, 2, 65, 77, 64, dtype=torch.bfloat16, device="cuda")
+        return q, k, v, torch.randn(4, device="cuda", requires_grad=True), torch.randn_like(q)
+
+    def gradients(q, k, v, sinks, grad_out):
+        return torch.autograd.grad(tk_ops.attention(q, k, v, sinks=sinks, **options), (q, k, v, sinks), grad_out)
+
+    def float64_gradients(q, k, v, sinks, grad_out):
+        leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v, sinks)]
+        out = tk_ops.attention(*leaves[:3], sinks=leaves[3], **options)
+        return torch.autograd.grad(out, leaves, grad_out.cpu().double())
+
+    return FallbackSample("backward-window-softcap-sinks", ("attention_bwd",), make_inputs, gradients,
+                          float64_gradients, 2 * TOLERANCE[torch.bfloat16])
 
 
 class _CausalAttention(torch.nn.Module):
@@ -554,11 +590,12 @@ ATTENTION = OpInfo(
         tk_ops.attention, lambda: dict(zip("qkv", (t.cuda() for t in _attention_inputs())), sinks=torch.randn(4).cuda()),
         "q", ("k", "sinks")
     ),
-    graphs=tuple(_attention_graph(head_dim, method) for head_dim in (64, 128)
-                 for method in attention_inputs.BACKWARD_METHODS),
+    graphs=(*(_attention_graph(head_dim, method) for head_dim in (64, 128)
+              for method in attention_inputs.BACKWARD_METHODS),
+            *(_attention_options_graph(head_dim) for head_dim in (64, 128))),
     no_graph={},
-    fallbacks=(),
-    no_fallback=_without_sample(NO_FALLBACK_YET, "attention", "attention_bwd"),
+    fallbacks=(_attention_backward_with_options(),),
+    no_fallback=_without_sample(NO_FALLBACK_YET, "attention"),
 )
 
 

@@ -460,16 +460,132 @@ def test_varlen_deterministic_follows_torch_switch(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------- CUDA
+#
+# The forward kernel takes window, softcap and sinks (csrc/kernels/attention/attention_fwd.cu, its options
+# variant); the backward and the varlen op run the references. Each kernel case runs under
+# tk_testing.runs_the_kernels, so a forward that fell back to the reference (whose warning raises there)
+# fails instead of passing on the reference's numbers.
+
+# (causal, window): the key-block range narrowed and masked at a left edge only, a right edge only, both,
+# the diagonal alone and a causal sliding window wider than one key block (128 keys); and no window.
+KERNEL_MASKS = [(False, None), (True, None), (False, (200, -1)), (True, (200, -1)), (False, (-1, 130)),
+                (False, (100, 60)), (True, (100, 60)), (False, (0, 0)), (True, (129, -1))]
+# (softcap, with_sinks). A softcap of 1.5 against scores of about unit size saturates their tails.
+KERNEL_SCORES = [(None, False), (1.5, False), (None, True), (1.5, True)]
+# (batch, Hq, Hkv, Nq, Nk): GQA at odd equal lengths; MQA with Nq < Nk (a window leaves whole key
+# blocks out on both sides); Nq > Nk, where rows see no key under a causal mask or a window.
+KERNEL_SHAPES = [("gqa-333x333", (2, 4, 2, 333, 333)), ("mqa-200x1000", (1, 4, 1, 200, 1000)),
+                 ("mha-1000x200", (1, 3, 3, 1000, 200))]
+
+
+def kernel_sinks(q_heads):
+    """Sinks on the GPU: random, one far above every score (the row's out all but 0, lse the sink) and one of -inf
+    (no sink)."""
+    sinks = make_sinks(q_heads, requires_grad=False, device="cuda")
+    sinks[0], sinks[-1] = 60.0, NEG_INF
+    return sinks
+
+
+def mask_id(mask):
+    causal, window = mask
+    return ("causal" if causal else "full") + ("" if window is None else f"-window{window}".replace(" ", ""))
+
+
+@tk_testing.requires_kernel("attention")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@tk_testing.parametrize_with_ids("shape", KERNEL_SHAPES)
+@pytest.mark.parametrize("softcap, with_sinks", KERNEL_SCORES, ids=["plain", "softcap", "sinks", "softcap-sinks"])
+@pytest.mark.parametrize("causal, window", KERNEL_MASKS, ids=[mask_id(mask) for mask in KERNEL_MASKS])
+def test_kernel_forward_options_against_float64(causal, window, softcap, with_sinks, shape, head_dim, dtype):
+    """The forward kernel's out and lse against float64; a row that sees no key gets out 0 and lse -inf, or its
+    sink."""
+    batch, q_heads, kv_heads, q_len, key_len = shape
+    q, k, v = make_qkv(batch, q_heads, kv_heads, q_len, key_len, head_dim, dtype=dtype, device="cuda",
+                       requires_grad=False)
+    sinks = kernel_sinks(q_heads) if with_sinks else None
+    options = dict(causal=causal, window=window, softcap=softcap)
+    with tk_testing.runs_the_kernels("attention"):
+        out, lse = tk_ops.attention(q, k, v, sinks=sinks, return_lse=True, **options)
+    ref_out, ref_lse = naive_attention(q, k, v, sinks=sinks, **options)
+    tol = tk_testing.TOLERANCE[dtype]
+    assert out.dtype == dtype and lse.dtype == torch.float32 and out.is_contiguous() and lse.is_contiguous()
+    tk_testing.assert_rel_close(out, ref_out, tol, "out")
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "lse: -inf rows differ"
+    tk_testing.assert_rel_close(lse.masked_fill(torch.isinf(lse), 0), ref_lse.masked_fill(torch.isinf(ref_lse), 0),
+                                tol, "lse")
+    blind = ~visible_keys(q_len, key_len, causal, window, device="cuda").any(-1)
+    assert torch.all(out[:, :, blind] == 0), "a row that sees no key must output 0"
+    torch.testing.assert_close(lse[:, :, blind], ref_lse[:, :, blind].float(), rtol=1e-6, atol=1e-6)
+
+
+@tk_testing.requires_kernel("attention")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_kernel_forward_options_then_the_reference_backward(head_dim):
+    """With options the backward runs the reference (which warns), from q, k, v and the kernel's out; the
+    gradients of q, k, v and the sinks, through out and lse, match float64."""
+    q, k, v = make_qkv(2, 4, 2, 300, 333, head_dim, dtype=torch.bfloat16, device="cuda")
+    sinks = make_sinks(4, device="cuda")
+    options = dict(causal=True, window=(150, -1), softcap=3.0)
+    leaves = [q, k, v, sinks]
+    with tk_testing.runs_the_kernels("attention"):
+        out, lse = tk_ops.attention(q, k, v, sinks=sinks, return_lse=True, **options)
+    leaves64 = [t.detach().double().requires_grad_() for t in leaves]
+    ref_out, ref_lse = naive_attention(*leaves64[:3], sinks=leaves64[3], **options)
+    tol = tk_testing.TOLERANCE[torch.bfloat16]
+    tk_testing.assert_rel_close(out, ref_out, tol, "out")
+    out_weight, lse_weight = torch.randn_like(ref_out), lse_loss_weights(ref_lse)
+    with tk_testing.runs_the_references("attention_bwd"):
+        grads = torch.autograd.grad(weighted_loss(out, lse, out_weight, lse_weight), leaves)
+    ref_grads = torch.autograd.grad(weighted_loss(ref_out, ref_lse, out_weight, lse_weight), leaves64)
+    for name, grad, ref_grad in zip(("dq", "dk", "dv", "dsinks"), grads, ref_grads):
+        tk_testing.assert_rel_close(grad, ref_grad, 2 * tol, name)
+
+
+@tk_testing.requires_kernel("attention")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_kernel_forward_options_on_strided_views(dtype, head_dim):
+    """(B, N, H, D) views of one projection give bitwise what contiguous copies give."""
+    batch, q_len, key_len = 2, 301, 517
+    q = torch.randn(batch, q_len, 4 * head_dim, dtype=dtype, device="cuda").view(batch, q_len, 4, head_dim)
+    kv = torch.randn(batch, key_len, 2, 2, head_dim, dtype=dtype, device="cuda")
+    q, (k, v) = q.transpose(1, 2), (t.transpose(1, 2) for t in kv.unbind(2))
+    sinks = make_sinks(4, requires_grad=False, device="cuda")
+    options = dict(causal=True, window=(140, -1), softcap=2.0, sinks=sinks, return_lse=True)
+    with tk_testing.runs_the_kernels("attention"):
+        out, lse = tk_ops.attention(q, k, v, **options)
+        out_copies, lse_copies = tk_ops.attention(q.contiguous(), k.contiguous(), v.contiguous(), **options)
+    torch.testing.assert_close(out, out_copies, rtol=0, atol=0)
+    torch.testing.assert_close(lse, lse_copies, rtol=0, atol=0)
+
+
+@tk_testing.requires_kernel("attention")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_kernel_forward_never_reads_key_blocks_left_of_the_window(head_dim):
+    """128 queries at the end of 2048 keys with window (100, 20) see keys 1820..2047: key blocks of 128 from
+    1792 on. Keys and values before 1792 set to NaN change nothing (those blocks are never loaded), and the
+    output matches float64."""
+    q, k, v = make_qkv(1, 4, 2, 128, 2048, head_dim, dtype=torch.bfloat16, device="cuda", requires_grad=False)
+    options = dict(window=(100, 20), return_lse=True)
+    with tk_testing.runs_the_kernels("attention"):
+        out, lse = tk_ops.attention(q, k, v, **options)
+        k_nan, v_nan = k.clone(), v.clone()
+        k_nan[:, :, :1792], v_nan[:, :, :1792] = float("nan"), float("nan")
+        out_nan, lse_nan = tk_ops.attention(q, k_nan, v_nan, **options)
+    torch.testing.assert_close(out_nan, out, rtol=0, atol=0)
+    torch.testing.assert_close(lse_nan, lse, rtol=0, atol=0)
+    ref_out, _ = naive_attention(q, k, v, window=(100, 20))
+    tk_testing.assert_rel_close(out, ref_out, tk_testing.TOLERANCE[torch.bfloat16], "out")
 
 
 @tk_testing.requires_cuda
-def test_options_on_cuda_fall_back_to_the_reference():
-    """window, softcap and sinks on CUDA tensors: the CUDA entry hands the call to the reference (warning once)."""
-    q, k, v = make_qkv(1, 4, 2, 37, 41, 64, dtype=torch.bfloat16, device="cuda")
-    sinks = make_sinks(4, device="cuda")
+def test_varlen_options_on_cuda_run_the_reference():
+    """attention_varlen has no kernel: on CUDA tensors with every option it runs the reference (warning once)."""
     options = dict(causal=True, window=(9, -1), softcap=3.0)
-    check_against_naive(dense_call(**options), dense_naive(**options), [q, k, v, sinks],
-                        tk_testing.TOLERANCE[torch.bfloat16])
+    sinks = make_sinks(4, device="cuda")
     q, k, v, cu_q, cu_k, max_q, max_k = make_varlen([5, 0, 17], [9, 3, 17], dtype=torch.bfloat16, device="cuda")
-    check_against_naive(varlen_call(cu_q, cu_k, max_q, max_k, **options), varlen_naive(cu_q.cpu(), cu_k.cpu(), **options),
-                        [q, k, v, sinks], tk_testing.TOLERANCE[torch.bfloat16])
+    with tk_testing.runs_the_references("attention_varlen"):
+        check_against_naive(varlen_call(cu_q, cu_k, max_q, max_k, **options),
+                            varlen_naive(cu_q.cpu(), cu_k.cpu(), **options), [q, k, v, sinks],
+                            tk_testing.TOLERANCE[torch.bfloat16])
