@@ -66,11 +66,13 @@ Varlen ops (packed sequences, FlashAttention's ``flash_attn_varlen_func`` layout
       -> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_sinks), the formulas above.
   No CUDA kernel serves these ops yet: the reference runs on every device (warning once on a GPU).
 
-The kernels serve bf16/fp16 with D = Dv in {64, 128}, without window, softcap and sinks; everything
-else runs the reference (the CUDA entry hands a call with any of the four options switched on to
-tk::attention_ref), which computes an exact softmax in fp32 (fp64 for fp64 inputs) over blocks of
-query rows, each against the keys its rows can see (a sliding window reads W + rows keys, not Nk),
-so that long sequences never hold more than ``_REFERENCE_BLOCK_BYTES`` of scores per block.
+The kernels serve bf16/fp16 with D = Dv in {64, 128}: the forward with or without window, softcap and
+sinks, the backward without them (its CUDA entry hands a call with any of the four options switched
+on to tk::attention_bwd_ref, which recomputes the probabilities from q, k and v, reads the forward's
+out and not its lse). Everything else runs the reference, which computes an exact softmax in fp32
+(fp64 for fp64 inputs) over blocks of query rows, each against the keys its rows can see (a sliding
+window reads W + rows keys, not Nk), so that long sequences never hold more than
+``_REFERENCE_BLOCK_BYTES`` of scores per block.
 """
 
 from __future__ import annotations
@@ -284,7 +286,8 @@ def _attention_bwd_fake(grad_out, grad_lse, q, k, v, out, lse, causal, scale, de
 
 
 # The options come last, with defaults that switch them off: the CUDA entries of csrc/torch/attention.cpp
-# take all ten arguments and hand any call with an option switched on to tk::attention_ref.
+# take all ten arguments; the forward's kernel computes the options, the backward's entry hands any call
+# with an option switched on to tk::attention_bwd_ref.
 _OPTIONS = "int window_left=-1, int window_right=-1, float softcap=0., Tensor? sinks=None"
 
 attention_op = _library.define(
@@ -576,8 +579,8 @@ def attention(
     ``return_lse``: lse (B, Hq, Nq) fp32, the natural-log logsumexp of the masked, capped, scaled
     scores and the sink. A row that sees no key has out 0 and lse -inf (with sinks: lse = its sink).
     Inputs may be views with any strides and a unit last stride, e.g.
-    ``x.view(B, N, H, D).transpose(1, 2)``. window, softcap and sinks run the reference on every
-    device for now (on a GPU with a one-time warning).
+    ``x.view(B, N, H, D).transpose(1, 2)``. On the kernels the forward takes window, softcap and
+    sinks; their backward runs the reference for now (on a GPU with a one-time warning).
 
     ``deterministic``: True makes the backward on the kernels bitwise reproducible (dq from a
     second kernel that recomputes the scores); False (the default, as in FlashAttention) lets it
