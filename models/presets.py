@@ -9,6 +9,7 @@ import dataclasses
 
 from models.based import BasedConfig, BasedForCausalLM
 from models.bert import BertConfig, BertForMaskedLM
+from models.gdn import GDNConfig, GDNForCausalLM
 from models.hyena import HyenaConfig, HyenaForCausalLM
 from models.llama import LlamaConfig, LlamaForCausalLM
 from models.mamba2 import Mamba2Config, Mamba2ForCausalLM
@@ -20,6 +21,7 @@ MODELS = {
     "based": (BasedConfig, BasedForCausalLM),
     "mamba2": (Mamba2Config, Mamba2ForCausalLM),
     "hyena": (HyenaConfig, HyenaForCausalLM),
+    "gdn": (GDNConfig, GDNForCausalLM),
 }
 
 
@@ -68,6 +70,16 @@ def hyena_shape(hidden: int, layers: int, mlp: int) -> dict:
     return dict(hidden_size=hidden, num_hidden_layers=layers, intermediate_size=mlp)
 
 
+def gdn_shape(hidden: int, layers: int, heads: int, kv_heads: int, key_heads: int, head_dim: int, mlp: int) -> dict:
+    """Every head of head_dim channels; Gated DeltaNet with twice as many value heads as key heads
+    (Qwen3-Next's 16 / 32); every 4th block full attention."""
+    return dict(
+        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=head_dim, linear_num_key_heads=key_heads, linear_num_value_heads=2 * key_heads,
+        linear_key_head_dim=head_dim, linear_value_head_dim=head_dim, intermediate_size=mlp,
+    )  # fmt: skip
+
+
 # Parameters (with this corpus's 8192-id vocabulary): llama nano 0.6M, tiny 5.2M, small 29M, base 144M,
 # 1b 990M (the shape of Llama-3.2-1B: 16 layers, d=2048, 32 query / 8 key-value heads of 64, MLP 8192,
 # rope theta 5e5); bert nano 0.6M, tiny 5.5M, small 30M, base 92M (BERT-base's shape); based nano 0.6M,
@@ -112,6 +124,12 @@ PRESETS = {
         "small": Preset(hyena_shape(512, 8, 1536),                      512,  32, 1000, 1e-3, 100,  100, "GPU (H100: bench_long_context)"),
         "base": Preset(hyena_shape(1024, 12, 2816),                    1024,  16, 1000, 6e-4, 100,  100, "GPU, not yet run"),
         "1b": Preset(hyena_shape(2048, 18, 5632),                      2048,   8,  300, 3e-4,  30,   50, "H100 (bench_training)"),
+    },
+    # Qwen3-Next's 3:1 hybrid without experts; the gated delta rule runs its PyTorch reference on every device
+    "gdn": {  #     hidden, layers, heads, kv heads, key heads, head dim, mlp
+        "nano": Preset(gdn_shape(64, 4, 4, 2, 2, 16, 160),              32,   4,    8, 3e-3,   2,    4, "CPU (tests)"),
+        "tiny": Preset(gdn_shape(256, 4, 4, 2, 1, 64, 768),            128,  16,  300, 2e-3,  30,   25, "CPU"),
+        "1b": Preset(gdn_shape(2048, 20, 16, 2, 8, 128, 5632),        2048,   8,  300, 3e-4,  30,   50, "GPU, not yet run"),
     },
 }
 # fmt: on
