@@ -83,9 +83,13 @@ def gdn_shape(hidden: int, layers: int, heads: int, kv_heads: int, key_heads: in
 # Parameters (with this corpus's 8192-id vocabulary): llama nano 0.6M, tiny 5.2M, small 29M, base 144M,
 # 1b 990M (the shape of Llama-3.2-1B: 16 layers, d=2048, 32 query / 8 key-value heads of 64, MLP 8192,
 # rope theta 5e5); bert nano 0.6M, tiny 5.5M, small 30M, base 92M (BERT-base's shape); based nano 0.6M,
-# tiny 5.1M, small 29M, base 148M, 1b 950M (every 4th block full attention, as the Based paper's hybrids);
-# mamba2 nano 0.6M, tiny 5.6M, small 32M, base 167M, 1b 1.05B (Mamba2-1.3B's width, 40 layers instead of 48);
+# tiny 4.4M, small 29M, base 148M, 1b 950M (every 4th block full attention, as the Based paper's hybrids);
+# mamba2 nano 0.6M, tiny 3.8M, small 32M, base 167M, 1b 1.05B (Mamba2-1.3B's width, 40 layers instead of 48);
 # hyena nano 0.6M, tiny 5.6M, small 32M, base 164M, 1b 945M.
+# tiny is every model's CPU demo: 300 steps of 16 x 128 tokens (the same tokens for all). On the CPU the
+# mixers run the ops' PyTorch references, so the linear-time models are as deep as keeps their fp32
+# step near Llama tiny's (4 blocks) on 2 cores: Based 3 blocks, Mamba-2 4 (its chunk and state as on
+# the GPU), Hyena 4. README.md has each run's minutes and eval loss.
 # fmt: off
 PRESETS = {
     "llama": {  #   hidden, layers, heads, kv heads, mlp             seq  batch steps  lr   warmup eval  where
@@ -104,7 +108,7 @@ PRESETS = {
     # Based heads of 64 value channels (the kernels' Dv); small and 1b ran on the H100, base not yet
     "based": {  #   hidden, layers, heads, mlp, attention every
         "nano": Preset(based_shape(64, 2, 2, 160, 2),                    32,   4,    8, 3e-3,   2,    4, "CPU (tests)"),
-        "tiny": Preset(based_shape(256, 4, 4, 768, 0),                  128,  16,  300, 2e-3,  30,   25, "CPU"),
+        "tiny": Preset(based_shape(256, 3, 4, 768, 0),                  128,  16,  300, 2e-3,  30,   25, "CPU"),
         "small": Preset(based_shape(512, 8, 8, 1536, 4),                512,  32, 1000, 1e-3, 100,  100, "GPU (H100: bench_long_context)"),
         "base": Preset(based_shape(1024, 12, 16, 2816, 4),             1024,  16, 1000, 6e-4, 100,  100, "GPU, not yet run"),
         "1b": Preset(based_shape(2048, 20, 32, 5632, 4),               2048,   8,  300, 3e-4,  30,   50, "H100 (bench_training)"),
@@ -112,7 +116,7 @@ PRESETS = {
     # no MLP: twice the layers of a transformer of the same width; small and 1b ran on the H100, base not yet
     "mamba2": {  #  hidden, layers, state, chunk
         "nano": Preset(mamba2_shape(64, 2, 16, 16),                      32,   4,    8, 3e-3,   2,    4, "CPU (tests)"),
-        "tiny": Preset(mamba2_shape(256, 8, 64, 64),                    128,  16,  300, 2e-3,  30,   25, "CPU"),
+        "tiny": Preset(mamba2_shape(256, 4, 64, 64),                    128,  16,  300, 2e-3,  30,   25, "CPU"),
         "small": Preset(mamba2_shape(512, 16, 128, 128),                512,  32, 1000, 1e-3, 100,  100, "GPU (H100: bench_long_context)"),
         "base": Preset(mamba2_shape(1024, 24, 128, 256),               1024,  16, 1000, 6e-4, 100,  100, "GPU, not yet run"),
         "1b": Preset(mamba2_shape(2048, 40, 128, 256),                 2048,   8,  300, 3e-4,  30,   50, "H100 (bench_training, batch 4 x grad-accum 2)"),
