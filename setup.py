@@ -102,19 +102,21 @@ def write_build_info(reason):
                 return
     except OSError:
         pass
-    with open(BUILD_INFO, "w") as f:
-        f.write(text)
+    try:
+        with open(BUILD_INFO, "w") as f:
+            f.write(text)
+    except OSError as error:  # a read-only tree: extension_status() then says there is no record
+        print(f"tk_ops: could not write {BUILD_INFO} ({error})")
 
 
-def recording(command):
-    """``command``, which first writes tk_ops/_build_info.py."""
+def recording(name, command):
+    """The command ``name``: ``command``, which first writes tk_ops/_build_info.py."""
 
-    class Recording(command):
-        def run(self):
-            write_build_info(why_not)
-            super().run()
+    def run(self):
+        write_build_info(why_not)
+        command.run(self)
 
-    return Recording
+    return type(name, (command,), {"run": run})
 
 
 ext_modules, build_ext_command, why_not = cuda_extension_modules()
@@ -123,8 +125,8 @@ setup(
     packages=find_packages(include=["tk_ops", "tk_ops.*"]),
     ext_modules=ext_modules,
     cmdclass={
-        "egg_info": recording(egg_info),
-        "build_py": recording(build_py),
-        "build_ext": recording(build_ext_command),
+        "egg_info": recording("egg_info", egg_info),
+        "build_py": recording("build_py", build_py),
+        "build_ext": recording("build_ext", build_ext_command),
     },
 )

@@ -157,15 +157,19 @@ class ResidualRMSNorm(torch.nn.Module):
         self.eps = eps
         self.reference = reference
 
+    def scale(self) -> torch.Tensor:
+        """The per-channel factor of the normalised stream (a subclass may parametrise it otherwise)."""
+        return self.weight
+
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         if self.reference:
             stream = x if residual is None else residual + x
             normed = at_least_fp32(stream)
             normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
-            return self.weight * normed.to(stream.dtype), stream
+            return self.scale() * normed.to(stream.dtype), stream
         if residual is None:
-            return tk_ops.rms_norm(to_autocast_dtype(x), self.weight, self.eps), x
-        return tk_ops.rms_norm(to_autocast_dtype(x), self.weight, self.eps, residual=residual, return_residual=True)
+            return tk_ops.rms_norm(to_autocast_dtype(x), self.scale(), self.eps), x
+        return tk_ops.rms_norm(to_autocast_dtype(x), self.scale(), self.eps, residual=residual, return_residual=True)
 
 
 class SwiGLUMLP(torch.nn.Module):

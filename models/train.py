@@ -1,10 +1,10 @@
-"""Train a model of models/ (Llama, BERT, Based, Mamba-2, Hyena) on the prepared corpus
-(``python -m models.data prepare``).
+"""Train a model of models/ (Llama, BERT, Based, Mamba-2, Hyena, the Gated DeltaNet hybrid) on the
+prepared corpus (``python -m models.data prepare``).
 
     python -m models.train --model llama --preset tiny                # CPU, a few minutes
     python -m models.train --model llama --preset tiny --pack         # attention within each document
     python -m models.train --model bert --preset tiny
-    python -m models.train --model based --preset tiny                # also mamba2, hyena
+    python -m models.train --model based --preset tiny                # also mamba2, hyena, gdn
     python -m models.train --model llama --preset 1b --compile        # one H100
     python -m models.train --model llama --preset 1b --compile --reference
     python -m models.train --model based --preset 1b --compile --peer   # on fla's parallel_based
@@ -37,7 +37,7 @@ reference path SDPA with the block-diagonal causal mask. Every token is a real t
 counts every target as without ``--pack`` (the last token of a document predicts the first of the next).
 
 MFU counts the matmul FLOPs (6 x matmul parameters per token, the output layer included) plus
-each model's sequence mixing (attention scores, linear attention, SSD, FFT convolution: the
+each model's sequence mixing (attention scores, linear attention, SSD, FFT convolution, the delta rule: the
 model's ``flops_per_token``), against the dense bf16 peak of the GPU (``--peak-tflops`` to set it; on
 CPU it is shown only when set).
 """
@@ -524,6 +524,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
         if "sample" in summary:
             log(f"sample: {summary['sample']!r}")
     if runtime.world_size > 1:
+        # Tear the group down together, after rank 0's plot and summary: a rank that tore down gloo
+        # alone while the other was still in its last work aborted once on the CPU ("terminate called
+        # without an active exception", 1 run in 7 of the 2-process Based test).
+        dist.barrier()
         dist.destroy_process_group()
     return summary
 

@@ -258,7 +258,7 @@ def test_checkpoint_loads_as_a_model_and_into_hugging_face(data_dir, tmp_path):
         torch.testing.assert_close(model(ids), hf(ids).logits, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("model", ["llama", "bert", "based", "mamba2", "hyena"])
+@pytest.mark.parametrize("model", ["llama", "bert", "based", "mamba2", "hyena", "gdn"])
 def test_resume_continues_bit_for_bit(data_dir, tmp_path, model):
     """6 steps in one go == 3 steps, stop, resume for 3 (BERT also draws dropout masks)."""
     common = ["--steps", "6", "--eval-every", "2", "--sample-tokens", "0"]
@@ -276,7 +276,7 @@ def test_resume_continues_bit_for_bit(data_dir, tmp_path, model):
     assert all(torch.equal(final_whole[k], final_split[k]) for k in final_whole)
 
 
-@pytest.mark.parametrize("model", ["based", "mamba2", "hyena"])
+@pytest.mark.parametrize("model", ["based", "mamba2", "hyena", "gdn"])
 def test_linear_time_models_lower_the_loss_and_sample(data_dir, tmp_path, model):
     summary = run(tmp_path, data_dir, "--steps", "12", "--eval-every", "12", "--sample-tokens", "3", model=model)
     evals = losses(summary, "eval_loss")
