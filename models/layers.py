@@ -3,7 +3,8 @@ residual block (RMSNorm, a sequence mixer, RMSNorm, SwiGLU MLP) and the causal-L
 
 Every model module has a ``reference`` flag. ``reference=False`` runs on tk_ops (``tk_ops.linear``,
 ``tk_ops.attention``, ``tk_ops.rms_norm``, ``tk_ops.layer_norm``, ``tk_ops.rope_qk``, the mixers of
-``tk_ops.nn``, and for a causal LM's training loss ``tk_ops.linear_cross_entropy``);
+``tk_ops.nn``, and for a causal LM's training loss ``tk_ops.linear_cross_entropy`` where it does not
+fall back to its reference on a GPU);
 ``reference=True`` runs on standard PyTorch ops only (``F.linear``,
 ``F.scaled_dot_product_attention``, ``F.layer_norm``, ...). Both paths have the same parameters
 and state_dict keys, so one checkpoint serves both.
@@ -211,10 +212,22 @@ class MixerBlock(torch.nn.Module):
         return self.mlp(normed), residual
 
 
+# Whether this build has a CUDA kernel for tk.linear_cross_entropy (fixed once the extension is loaded).
+LINEAR_CROSS_ENTROPY_KERNEL = tk_ops.backends()["linear_cross_entropy"] == "cuda kernel"
+
+
+def fuses_head_and_loss(device: torch.device) -> bool:
+    """Whether the tk path's training loss on ``device`` is tk_ops.linear_cross_entropy: on the CPU (every
+    op runs its reference there; the fused one never holds the logits) and where its kernel serves. On a
+    GPU without that kernel its tiled fp32 reference would cost far more than the lm_head's GEMM kernel
+    and F.cross_entropy, so the tk path keeps those."""
+    return device.type == "cpu" or LINEAR_CROSS_ENTROPY_KERNEL
+
+
 class CausalLM(torch.nn.Module):
     """What the causal language models share: ``forward(input_ids)`` -> logits (B, N, vocab);
     ``forward(input_ids, targets)`` -> mean cross-entropy over the targets that are not -100 (on the tk
-    path ``tk_ops.linear_cross_entropy``, without the logits);
+    path ``tk_ops.linear_cross_entropy``, without the logits, where ``fuses_head_and_loss``);
     ``forward(..., documents=PackedDocuments)`` for rows of packed documents (where implemented);
     ``generate``; the weight initialisation; the tied embedding.
 
@@ -272,6 +285,9 @@ class CausalLM(torch.nn.Module):
         if targets is None:
             return self.lm_head(hidden)
         if self.config.reference:
+            logits = self.lm_head(hidden)
+            return F.cross_entropy(at_least_fp32(logits).flatten(0, 1), targets.flatten(), ignore_index=-100)
+        if not fuses_head_and_loss(hidden.device):
             logits = self.lm_head(hidden)
             return F.cross_entropy(at_least_fp32(logits).flatten(0, 1), targets.flatten(), ignore_index=-100)
         # The head and the loss in one op: the (B N, vocab) logits, the largest activation of a small

@@ -206,6 +206,27 @@ def test_llama_tk_path_trains_without_the_logits(tied):
     assert head_calls == [(BATCH, SEQ_LEN, LLAMA["vocab_size"])]
 
 
+def test_the_fused_loss_is_used_on_the_cpu_and_where_its_kernel_serves(monkeypatch):
+    """On a GPU without a linear_cross_entropy kernel the tk path keeps the lm_head GEMM and F.cross_entropy
+    (the op's tiled fp32 reference would be far slower there); on the CPU it always fuses."""
+    from models import layers
+
+    for kernel in (False, True):
+        monkeypatch.setattr(layers, "LINEAR_CROSS_ENTROPY_KERNEL", kernel)
+        assert layers.fuses_head_and_loss(torch.device("cpu"))
+        assert layers.fuses_head_and_loss(torch.device("cuda", 0)) == kernel
+    monkeypatch.setattr(layers, "fuses_head_and_loss", lambda device: False)
+    tk_model = llama(reference=False)
+    head_calls = []
+    tk_model.lm_head.register_forward_hook(lambda module, inputs, output: head_calls.append(output.shape))
+    reference_model = llama(reference=True)
+    reference_model.load_state_dict(tk_model.state_dict())
+    ids, targets = tokens(LLAMA["vocab_size"]), tokens(LLAMA["vocab_size"])
+    unfused_loss, _ = _loss_and_grads(tk_model, ids, targets)
+    assert head_calls == [(BATCH, SEQ_LEN, LLAMA["vocab_size"])]
+    assert_rel_close(unfused_loss, _loss_and_grads(reference_model, ids, targets)[0], 1e-5, "loss")
+
+
 def _float64_pair(**overrides):
     """The tk and reference Llama in float64 with the same weights."""
     tk_model = llama(reference=False, **overrides).double()

@@ -4,6 +4,7 @@ loss, which needs F.cross_entropy's call as written)."""
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Any, Optional
 
@@ -26,8 +27,9 @@ _SOURCES = (
 )
 
 
-class TkGraphPass(CustomGraphPass):
-    """Runs ``previous`` (the pass installed before us, if any), then the tk rewrites."""
+class _ChainedPass(CustomGraphPass):
+    """Runs ``previous`` (the pass installed in the slot before us, if any), then ``rewrite``; its uuid
+    covers our sources, the options, ``cache_key_extra()`` and the wrapped pass's uuid."""
 
     def __init__(self, options: RewriteOptions, previous: Optional[Any] = None):
         self.options = options
@@ -36,6 +38,30 @@ class TkGraphPass(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         if self.previous is not None:
             self.previous(graph)
+        self.rewrite(graph)
+
+    @abc.abstractmethod
+    def rewrite(self, graph: torch.fx.Graph) -> None:
+        """The slot's tk rewrites, in place."""
+
+    def cache_key_extra(self) -> tuple:
+        return ()
+
+    def uuid(self) -> Optional[Any]:
+        """Stable across processes, for the FX graph and AOTAutograd caches."""
+        previous_uuid = None
+        if self.previous is not None:
+            previous_uuid = self.previous.uuid() if hasattr(self.previous, "uuid") else None
+            if previous_uuid is None:
+                return None  # the wrapped pass cannot be cached, so neither can we
+        options = tuple(sorted(dataclasses.asdict(self.options).items()))
+        return (get_hash_for_files(_SOURCES), options, *self.cache_key_extra(), previous_uuid)
+
+
+class TkGraphPass(_ChainedPass):
+    """The joint-graph slot: attention, the patterns, dropout into layer_norm, matmul."""
+
+    def rewrite(self, graph: torch.fx.Graph) -> None:
         attention_rewrites = attention.rewrite_attention(graph, self.options)
         if attention_rewrites:
             counters["tk_ops"]["attention"] += attention_rewrites
@@ -51,38 +77,14 @@ class TkGraphPass(CustomGraphPass):
         if matmul_rewrites:
             counters["tk_ops"]["matmul"] += matmul_rewrites
 
-    def uuid(self) -> Optional[Any]:
-        """Stable across processes for the FX graph cache: our sources, options, the SDPA backend
-        settings the attention rule depends on (attention.py says why) and the wrapped pass."""
-        previous_uuid = None
-        if self.previous is not None:
-            previous_uuid = self.previous.uuid() if hasattr(self.previous, "uuid") else None
-            if previous_uuid is None:
-                return None  # the wrapped pass cannot be cached, so neither can we
-        options = tuple(sorted(dataclasses.asdict(self.options).items()))
-        return (get_hash_for_files(_SOURCES), options, attention.sdpa_settings(), previous_uuid)
+    def cache_key_extra(self) -> tuple:
+        return (attention.sdpa_settings(),)  # the SDPA backend settings the attention rule reads
 
 
-class TkPreGradPass(CustomGraphPass):
-    """Runs ``previous`` (the pre-grad pass installed before us, if any), then the LM-head loss rewrite."""
+class TkPreGradPass(_ChainedPass):
+    """The pre-grad slot (Dynamo's graph before autograd): the LM-head loss rewrite."""
 
-    def __init__(self, options: RewriteOptions, previous: Optional[Any] = None):
-        self.options = options
-        self.previous = previous
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        if self.previous is not None:
-            self.previous(graph)
+    def rewrite(self, graph: torch.fx.Graph) -> None:
         rewrites = linear_cross_entropy.rewrite_linear_cross_entropy(graph, self.options)
         if rewrites:
             counters["tk_ops"]["linear_cross_entropy"] += rewrites
-
-    def uuid(self) -> Optional[Any]:
-        """Stable across processes, for the caches (which then look up the graph before this pass runs)."""
-        previous_uuid = None
-        if self.previous is not None:
-            previous_uuid = self.previous.uuid() if hasattr(self.previous, "uuid") else None
-            if previous_uuid is None:
-                return None
-        options = tuple(sorted(dataclasses.asdict(self.options).items()))
-        return (get_hash_for_files(_SOURCES), options, previous_uuid)

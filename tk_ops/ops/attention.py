@@ -79,7 +79,7 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Iterator, Optional
+from typing import Iterator, NamedTuple, Optional
 
 import torch
 
@@ -555,6 +555,25 @@ def _check_sinks(sinks, q: torch.Tensor, q_heads: int) -> Optional[torch.Tensor]
     return sinks.contiguous()
 
 
+class MaskOptions(NamedTuple):
+    """The options every attention op takes, as its schema takes them."""
+
+    causal: bool
+    scale: float
+    window_left: int
+    window_right: int
+    softcap: float
+    sinks: Optional[torch.Tensor]
+
+
+def mask_options(q: torch.Tensor, head_dim: int, q_heads: int, *, causal, scale, window, softcap, sinks) -> MaskOptions:
+    """The public causal, scale, window, softcap and sinks of attention, attention_varlen and
+    attention_with_kvcache, checked and normalised once (scale defaults to 1/sqrt(head_dim))."""
+    causal, window_left, window_right = _window_and_causal(window, causal)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    return MaskOptions(causal, scale, window_left, window_right, _softcap_value(softcap), _check_sinks(sinks, q, q_heads))
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -591,24 +610,21 @@ def attention(
     if not (_checks.uniform_floats(q, k, v, autocast=True) and _plain_shapes(q.shape, k.shape, v.shape, scale)):
         q, k, v = autocast_inputs(q, k, v)
         _check_inputs(q, k, v, scale)
-    causal, window_left, window_right = _window_and_causal(window, causal)
-    softcap = _softcap_value(softcap)
-    sinks = _check_sinks(sinks, q, q.shape[1])
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[3])
+    options = mask_options(q, q.shape[3], q.shape[1], causal=causal, scale=scale, window=window, softcap=softcap,
+                           sinks=sinks)
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     out, lse = attention_op(
         _checks.unit_last_stride(q),
         _checks.unit_last_stride(k),
         _checks.unit_last_stride(v),
-        bool(causal),
-        float(scale),
+        options.causal,
+        options.scale,
         bool(deterministic),
-        window_left,
-        window_right,
-        softcap,
-        sinks,
+        options.window_left,
+        options.window_right,
+        options.softcap,
+        options.sinks,
     )
     return (out, lse) if return_lse else out
 
@@ -691,14 +707,11 @@ def attention_varlen(
     """
     q, k, v = autocast_inputs(q, k, v)
     _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)
-    causal, window_left, window_right = _window_and_causal(window, causal)
-    softcap = _softcap_value(softcap)
-    sinks = _check_sinks(sinks, q, q.shape[1])
+    options = mask_options(q, q.shape[2], q.shape[1], causal=causal, scale=scale, window=window, softcap=softcap,
+                           sinks=sinks)
     if _reads_contents_without_sync(cu_seqlens_q):
         sequence_bounds("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
         sequence_bounds("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[2])
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     out, lse = attention_varlen_op(
@@ -709,12 +722,12 @@ def attention_varlen(
         cu_seqlens_k.contiguous(),
         max_seqlen_q,
         max_seqlen_k,
-        bool(causal),
-        float(scale),
-        window_left,
-        window_right,
-        softcap,
-        sinks,
+        options.causal,
+        options.scale,
+        options.window_left,
+        options.window_right,
+        options.softcap,
+        options.sinks,
         bool(deterministic),
     )
     return (out, lse) if return_lse else out

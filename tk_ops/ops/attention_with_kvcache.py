@@ -48,7 +48,6 @@ mask puts it, so one batched call serves sequences of different lengths.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -258,17 +257,14 @@ def attention_with_kvcache(
     an int is specialised, one graph per value.
     """
     _check_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale)
-    causal, window_left, window_right = attention_module._window_and_causal(window, causal)
-    softcap = attention_module._softcap_value(softcap)
-    sinks = attention_module._check_sinks(sinks, q, q.shape[2])
+    options = attention_module.mask_options(q, q.shape[3], q.shape[2], causal=causal, scale=scale, window=window,
+                                            softcap=softcap, sinks=sinks)
     batch, new_len = q.shape[0], 0 if k is None else k.shape[1]
     if not isinstance(cache_seqlens, torch.Tensor):
         check_lengths([cache_seqlens] * batch, new_len, k_cache, block_table)
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
     if attention_module._reads_contents_without_sync(cache_seqlens):
         _check_contents(cache_seqlens, block_table, new_len, k_cache)
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[3])
     out, lse = attention_with_kvcache_op(
         _checks.unit_last_stride(q),
         k_cache,
@@ -277,11 +273,6 @@ def attention_with_kvcache(
         _checks.unit_last_stride(v),
         cache_seqlens.contiguous(),
         None if block_table is None else block_table.contiguous(),
-        bool(causal),
-        float(scale),
-        window_left,
-        window_right,
-        softcap,
-        sinks,
+        *options,
     )
     return (out, lse) if return_lse else out
