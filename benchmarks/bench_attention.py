@@ -21,6 +21,8 @@ kernel configuration on its first call, which every provider makes before it is 
 
 Run from the repository root: python3 -m benchmarks.bench_attention [--out DIR] [--only grid gqa odd]
     [--pass fwd --pass bwd ...]
+The forward with the mask options (sliding window, softcap, sinks; FEATURE_CASES) against compiled
+FlexAttention, into attention_features.json: python3 -m benchmarks.bench_attention --features [--out DIR]
 A small correctness pass (what compute-sanitizer runs): python3 -m benchmarks.bench_attention --check
 On the CPU, tiny cases, nothing timed: python3 -m benchmarks.bench_attention --dry-run [--out DIR]
 """
@@ -88,7 +90,7 @@ def cases(groups: set[str]) -> list[Case]:
 DRY_RUN_CASES = [Case("grid", 2, 2, 2, 64, 64, False), Case("gqa", 1, 4, 2, 48, 64, True), Case("odd", 1, 2, 2, 33, 128, True)]
 
 
-def make_inputs(case: Case, device="cuda") -> tuple:
+def make_inputs(case: Case | FeatureCase, device="cuda") -> tuple:
     def heads(count):
         return torch.randn(case.batch, count, case.n, case.head_dim, device=device, dtype=torch.bfloat16)
 
@@ -238,6 +240,125 @@ def with_fa4(bench: common.Bench) -> tuple[common.Bench, str]:
                                baselines=(*bench.baselines, FA4_PROVIDER)), description
 
 
+# ---------------------------------------------------------------------------- the mask options
+
+@dataclasses.dataclass(frozen=True)
+class FeatureCase:
+    """A forward with the kernel's mask options (window, softcap, sinks), Nq = Nk = n. TFLOP/s count the
+    (query, key) pairs the mask lets through, as FlashAttention counts a sliding window."""
+    group: str
+    batch: int
+    q_heads: int
+    kv_heads: int
+    n: int
+    head_dim: int
+    causal: bool
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    sinks: bool = False
+    dtype: str = "bf16"
+
+    def visible_pairs(self) -> int:
+        rows = torch.arange(self.n, dtype=torch.int64)
+        left, right = self.window
+        first = (rows - left).clamp(min=0) if left >= 0 else torch.zeros_like(rows)
+        last = rows if self.causal else ((rows + right).clamp(max=self.n - 1) if right >= 0 else torch.full_like(rows, self.n - 1))
+        return int((last - first + 1).clamp(min=0).sum())
+
+    def flops(self, pass_: str) -> float:
+        return 4.0 * self.batch * self.q_heads * self.visible_pairs() * self.head_dim
+
+    @property
+    def label(self) -> str:
+        heads = f"H={self.q_heads}" if self.q_heads == self.kv_heads else f"Hq={self.q_heads} Hkv={self.kv_heads}"
+        options = [f"window={self.window}"] * (self.window != (-1, -1)) + [f"softcap={self.softcap:g}"] * bool(self.softcap)
+        options += ["sinks"] * self.sinks
+        return f"B={self.batch} {heads} N={self.n} D={self.head_dim}" + " causal" * self.causal + "".join(f" {o}" for o in options)
+
+
+FEATURE_CASES = [
+    # the plain causal kernel: how this run's FlexAttention compares with the anchors' (362 TFLOP/s)
+    FeatureCase("plain", 2, 16, 16, 8192, 128, True),
+    # Mistral-style causal sliding window at long context (the issue's row: FA4 652, Flex 368)
+    FeatureCase("window", 1, 16, 16, 32768, 128, True, window=(4095, -1)),
+    # a local two-sided window
+    FeatureCase("window", 2, 16, 16, 8192, 128, False, window=(256, 256)),
+    # Gemma 2's softcap 50 (at D = 128: the kernel has no D = 256 yet)
+    FeatureCase("softcap", 2, 16, 16, 8192, 128, True, softcap=50.0),
+    # GPT-OSS's layers: 64 query / 8 KV heads of 64, sinks, full causal and a 128-token window
+    FeatureCase("sinks", 1, 64, 8, 8192, 64, True, sinks=True),
+    FeatureCase("sinks", 1, 64, 8, 8192, 64, True, window=(127, -1), sinks=True),
+]
+# (the CPU's compiled FlexAttention returns no lse, so the sinks' rows say so there)
+DRY_RUN_FEATURE_CASES = [FeatureCase("window", 1, 4, 2, 64, 64, True, window=(15, -1), softcap=5.0),
+                         FeatureCase("window", 1, 2, 2, 48, 128, False, window=(8, 4)),
+                         FeatureCase("sinks", 1, 4, 2, 64, 64, True, sinks=True)]
+
+
+def feature_sinks(case: FeatureCase, device) -> torch.Tensor | None:
+    """Each query head's sink logit (fixed, so every provider sees the same)."""
+    if not case.sinks:
+        return None
+    return torch.randn(case.q_heads, generator=torch.Generator().manual_seed(0)).to(device)
+
+
+def ours_with_options(case: FeatureCase, pass_: str):
+    scale, (left, right) = case.head_dim**-0.5, case.window
+    sinks = feature_sinks(case, "cuda" if torch.cuda.is_available() else "cpu")
+
+    def run(q, k, v, grad_out):
+        return torch.ops.tk.attention(q, k, v, case.causal, scale, False, left, right, case.softcap,
+                                      None if sinks is None else sinks.to(q.device))
+    return run
+
+
+def flex_with_options(case: FeatureCase, pass_: str):
+    """FlexAttention (compiled): the window and causality as a block mask (made once, outside the timing),
+    the softcap as a score_mod, the sinks folded in afterwards from its lse: out * sigmoid(lse - sink)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    left, right = case.window
+
+    def visible(b, h, q_idx, kv_idx):
+        keep = (q_idx >= 0) & (kv_idx >= 0)
+        if case.causal:
+            keep = keep & (kv_idx <= q_idx)
+        elif right >= 0:
+            keep = keep & (kv_idx - q_idx <= right)
+        if left >= 0:
+            keep = keep & (q_idx - kv_idx <= left)
+        return keep
+
+    def capped(score, b, h, q_idx, kv_idx):
+        return case.softcap * torch.tanh(score / case.softcap)
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    masked = case.causal or case.window != (-1, -1)
+    block_mask = create_block_mask(visible, None, None, case.n, case.n, device=device) if masked else None
+    attend = torch.compile(flex_attention, dynamic=False)
+    sinks = feature_sinks(case, device)
+
+    def run(q, k, v, grad_out):
+        result = attend(q, k, v, score_mod=capped if case.softcap else None, block_mask=block_mask,
+                        scale=case.head_dim**-0.5, enable_gqa=case.q_heads != case.kv_heads, return_lse=sinks is not None)
+        if sinks is None:
+            return result
+        out, lse = result
+        return out * torch.sigmoid(lse - sinks.view(1, -1, 1)).unsqueeze(-1).to(out.dtype)
+    return run
+
+
+FEATURES_BENCH = common.Bench(
+    "attention_features", "Attention forward with window / softcap / sinks: tk_ops vs FlexAttention (bf16)",
+    ours=common.Provider("tk_ops", ours_with_options),
+    baselines=(common.Provider("flex", flex_with_options),),
+    inputs=lambda case, pass_, device: make_inputs(case, device),
+    set_bytes=lambda case, pass_, inputs: 2 * common.tensor_bytes(inputs), max_sets=4,
+    timer=functools.partial(common.time_ms, warmup=3, rounds=10, batch=5),
+    panel=lambda row: row["group"],
+)
+
+
 # ---------------------------------------------------------------------------- correctness
 
 CHECK_SHAPES = [  # (B, Hq, Hkv, Nq, Nk, D, causal): tails, Nq != Nk, GQA, rows that see no key
@@ -328,7 +449,15 @@ def check() -> None:
 def main(argv=None) -> None:
     parser = common.arguments(__doc__, passes=PASSES)
     parser.add_argument("--only", nargs="*", choices=GROUPS, default=list(GROUPS))
+    parser.add_argument("--features", action="store_true",
+                        help="instead: the forward with window, softcap and sinks against FlexAttention (attention_features.json)")
     args = parser.parse_args(argv)
+    if args.features:
+        if common.without_gpu(args, FEATURES_BENCH, DRY_RUN_FEATURE_CASES):
+            return
+        common.run(FEATURES_BENCH, FEATURE_CASES, out=args.out,
+                   flops="fwd 4 B H D x the (query, key) pairs the causal mask and the window let through; bf16")
+        return
     if args.plot_from:
         return common.without_gpu(args, BENCH, [])
     bench, fa4 = (BENCH, None) if args.check and not args.dry_run else with_fa4(BENCH)
