@@ -428,7 +428,7 @@ def _attention_graph(head_dim: int, method: str) -> GraphSample:
     return GraphSample(
         f"forward-backward-D{head_dim}-{method}", ("attention", "attention_bwd"), make_inputs, step,
         new_values=lambda *inputs: [torch.randn_like(t) for t in inputs], changed=0,
-        tolerances=None if deterministic else (0, 0, attention_inputs.BF16_ROUNDING, 0, 0),  # out, lse, dq, dk, dv
+        tolerances=None if deterministic else (0, 0, attention_inputs.BF16_ROUNDING, 0, 0, 0),  # out, lse, dq, dk, dv, sinks
         context=lambda: attention_inputs.backward_method(method),
     )
 
