@@ -129,6 +129,15 @@ def attention(document: dict, summary: bool) -> str:
     return markdown(header, body)
 
 
+def attention_features(document: dict, summary: bool) -> str:
+    """The forward with the mask options: TFLOP/s (over the pairs the mask lets through) of ours and of
+    compiled FlexAttention, and the ratio."""
+    header = ["shape", "ours TFLOP/s", "FlexAttention", "x Flex"]
+    body = [[r["shape"], fmt(r["ours_tflops"], 0), fmt(r["baseline_tflops"], 0), fmt(r["ratio"])]
+            for r in document["rows"]]
+    return markdown(header, body)
+
+
 def keep_in_attention_summary(row: dict) -> bool:
     return row.get("group") != "grid" or row.get("n") in (1024, 4096, 16384)
 
@@ -209,28 +218,29 @@ def long_context(document: dict, summary: bool) -> str:
     return markdown(header, body)
 
 
-# name -> (JSON files, table); the record is benchmarks/results/<name>.md
-FAMILIES: dict[str, tuple[tuple[str, ...], Callable[[dict, bool], str]]] = {
-    "gemm": (("gemm",), gemm),
-    "attention": (("attention",), attention),
-    "norms": (("norms",), memory_bound(("eager", "compiled", "liger"), ("shape",), graph=True,
-                                       in_summary=lambda row: row["hidden"] in (1024, 4096, 8192))),
-    "rope": (("rope",), memory_bound(("eager", "compiled", "liger"), ("name",))),
-    "conv1d": (("conv1d",), memory_bound(("eager", "compiled"))),
-    "fftconv": (("fftconv", "fftconv_fp32"), memory_bound(("torch.fft eager", "torch.fft compiled"))),
-    "mamba2": (("mamba2",), mamba2),
-    "linear_attention": (("linear_attention",), linear_attention),
-    "overhead": (("overhead",), overhead),
-    "compile": (("compile",), compile_),
-    "training": (("training",), training),
-    "long_context": (("long_context",), long_context),
+# name -> its JSON files, each with its table; the record is benchmarks/results/<name>.md (the README
+# summarises the first file)
+FAMILIES: dict[str, tuple[tuple[str, Callable[[dict, bool], str]], ...]] = {
+    "gemm": (("gemm", gemm),),
+    "attention": (("attention", attention), ("attention_features", attention_features)),
+    "norms": (("norms", memory_bound(("eager", "compiled", "liger"), ("shape",), graph=True,
+                                     in_summary=lambda row: row["hidden"] in (1024, 4096, 8192))),),
+    "rope": (("rope", memory_bound(("eager", "compiled", "liger"), ("name",))),),
+    "conv1d": (("conv1d", memory_bound(("eager", "compiled"))),),
+    "fftconv": tuple((stem, memory_bound(("torch.fft eager", "torch.fft compiled"))) for stem in ("fftconv", "fftconv_fp32")),
+    "mamba2": (("mamba2", mamba2),),
+    "linear_attention": (("linear_attention", linear_attention),),
+    "overhead": (("overhead", overhead),),
+    "compile": (("compile", compile_),),
+    "training": (("training", training),),
+    "long_context": (("long_context", long_context),),
 }
 
 
 def render(name: str, summary: bool) -> str:
-    files, table = FAMILIES[name]
+    files = FAMILIES[name]
     parts = []
-    for stem in files[:1] if summary else files:  # the README summarises a family's main file
+    for stem, table in files[:1] if summary else files:  # the README summarises a family's main file
         document = json.loads((RESULTS / f"{stem}.json").read_text())
         label = f"`benchmarks/results/{stem}.json`"
         parts.append(f"{provenance(document, label)}\n\n{table(document, summary)}")
