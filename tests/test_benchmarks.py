@@ -17,8 +17,9 @@ import torch
 
 import tk_ops
 import tk_testing
-from benchmarks import (bench_attention, bench_conv1d, bench_fftconv, bench_gemm, bench_linear_attention, bench_mamba2,
-                        bench_norms, bench_overhead, bench_rope, common, compare_results, families, profile_kernels)
+from benchmarks import (bench_attention, bench_conv1d, bench_decode, bench_fftconv, bench_gemm, bench_linear_attention,
+                        bench_mamba2, bench_norms, bench_overhead, bench_rope, common, compare_results, families,
+                        profile_kernels)
 
 BENCHMARKS = pathlib.Path(families.__file__).parent
 RESULTS = common.RESULTS
@@ -292,6 +293,19 @@ def test_attention_dry_run(tmp_path, monkeypatch, capsys, fa4_lookup):
         else:
             assert row["error"].startswith("sdpa_cudnn: RuntimeError")
     assert {row["group"] for row in rows} == set(bench_attention.GROUPS)
+
+
+def test_decode_dry_run(tmp_path, monkeypatch, capsys, fa4_lookup):
+    """Without FlashAttention-4 the rows are SDPA's, on the dense cache (a paged one gathered) cut to the
+    longest sequence: equal to ours where every sequence has that length, not compared elsewhere."""
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)
+    rows = dry_run(bench_decode, tmp_path, "decode")
+    assert "FlashAttention-4 absent, no fa4 rows" in capsys.readouterr().out
+    tk_testing.assert_bench_rows(rows, bench_decode.DRY_RUN_CASES, ["fwd"], ["sdpa"])
+    assert all("error" not in row for row in rows)
+    compared = [row["rel_diff_vs_baseline"] for row in rows]
+    assert compared[:2] == [None, None] and compared[2] < 1e-2
+    assert rows[0]["hbm_bytes"] == bench_decode.DRY_RUN_CASES[0].hbm_bytes("fwd")
 
 
 def test_attention_dry_run_with_fa4(tmp_path, fake_peers, capsys, fa4_lookup):
