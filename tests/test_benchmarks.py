@@ -18,8 +18,8 @@ import torch
 import tk_ops
 import tk_testing
 from benchmarks import (bench_attention, bench_conv1d, bench_decode, bench_fftconv, bench_gemm, bench_linear_attention,
-                        bench_mamba2, bench_norms, bench_overhead, bench_rope, common, compare_results, families,
-                        profile_kernels)
+                        bench_linear_cross_entropy, bench_mamba2, bench_norms, bench_overhead, bench_rope, common,
+                        compare_results, families, profile_kernels)
 
 BENCHMARKS = pathlib.Path(families.__file__).parent
 RESULTS = common.RESULTS
@@ -306,6 +306,24 @@ def test_decode_dry_run(tmp_path, monkeypatch, capsys, fa4_lookup):
     compared = [row["rel_diff_vs_baseline"] for row in rows]
     assert compared[:2] == [None, None] and compared[2] < 1e-2
     assert rows[0]["hbm_bytes"] == bench_decode.DRY_RUN_CASES[0].hbm_bytes("fwd")
+
+
+def test_linear_cross_entropy_dry_run(tmp_path, monkeypatch):
+    """The loss and the gradients of x and weight equal the unfused form's, eager and compiled; Liger's rows
+    say it is absent (no liger-kernel on the CPU machine)."""
+    monkeypatch.setitem(sys.modules, "liger_kernel", None)
+    common.peer.cache_clear()
+    rows = dry_run(bench_linear_cross_entropy, tmp_path, "linear_cross_entropy")
+    common.peer.cache_clear()
+    tk_testing.assert_bench_rows(rows, bench_linear_cross_entropy.DRY_RUN_CASES, bench_linear_cross_entropy.PASSES,
+                                 ["eager", "compiled", "liger"])
+    for row in rows:
+        if row["baseline"] == "liger":
+            assert "liger-kernel not importable" in row["error"]
+        else:
+            assert "error" not in row and row["rel_diff_vs_baseline"] < 1e-2
+    case = bench_linear_cross_entropy.DRY_RUN_CASES[0]
+    assert rows[0]["flops"] == 2 * case.tokens * case.hidden * case.vocab
 
 
 def test_attention_dry_run_with_fa4(tmp_path, fake_peers, capsys, fa4_lookup):
