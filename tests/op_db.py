@@ -449,7 +449,7 @@ def _attention_options_graph(head_dim: int) -> GraphSample:
 
 def _attention_backward_with_options() -> FallbackSample:
     """Gradients with a window, a softcap and sinks on CUDA: the forward kernel takes the options, no backward
-    kernel does, so the backward's reference computes them (from q, k, v and the kernel's out)."""
+    kernel takes a softcap, so the backward's reference computes them (from q, k, v and the kernel's out)."""
     options = dict(causal=True, window=(20, -1), softcap=2.0)
 
     def make_inputs():

@@ -22,6 +22,17 @@
 //   recomputed (deterministic): dq_kernel, a block owning 128 query rows that streams K/V blocks
 //                       and recomputes S = Q K^T, dP = dO V^T;  dS = P (dP - delta);  dQ += dS K
 //                       in registers: no atomics, bitwise reproducible, ~40% more tensor work.
+//
+// The forward's window and sinks (attention.h) have their backward here; the windowed variants
+// (backward_features::windowed) differ from the plain ones, which compile to the code they had before
+// windows existed, in which tiles they visit and mask:
+//   window   a dK/dV block streams only the query tiles that see its keys (key_window's per-key
+//            range), a dQ block only the key blocks its queries see; tiles a window edge or the key
+//            tail cuts run masked
+//   sinks    P is recomputed from the forward's lse, which includes the sink, so dq, dk and dv need
+//            nothing more; the sink, one more key of value 0 in each row, gets
+//            d loss / d sink = -sum over its head's rows of p_sink * delta (sink_gradient_kernel)
+// A softcap's backward has no kernel: csrc/torch/attention.cpp hands such calls to the reference.
 #include <algorithm>
 #include <type_traits>
 #include <utility>
@@ -163,10 +174,22 @@ struct shuffled_column_pairs {
 // How the dK/dV kernel leaves dQ: to dq_kernel (recomputed) or summed itself (accumulated).
 enum class dq_method { recomputed, accumulated };
 
-template <typename T, int D, dq_method DQ>
+// Which masks a gradient kernel compiles in: the causal rule and the key tail (plain), or the
+// forward's window with causality folded in (windowed).
+enum class backward_features { plain, windowed };
+
+// A windowed kernel's parameters, a base of its params as the forward's options are (the plain
+// params keep their layout).
+struct window_params {
+  key_window window;
+};
+struct no_window {};
+
+template <typename T, int D, dq_method DQ, backward_features FEATURES>
 struct dkdv_kernel : dkdv_plan<D> {
   using plan = dkdv_plan<D>;
   static constexpr bool sums_dq = DQ == dq_method::accumulated;
+  static constexpr bool windowed = FEATURES == backward_features::windowed;
   static constexpr int stages = sums_dq ? plan::one_pass_stages : plan::stages;
   using kv_tile = shared_tile<T, plan::rows_per_consumer, D>;  // one consumer's keys, later its dK / dV
   using q_tile = shared_tile<T, plan::block_q, D>;
@@ -205,7 +228,7 @@ struct dkdv_kernel : dkdv_plan<D> {
   };
   static constexpr uint32_t stage_bytes[] = {2 * q_tile::bytes + 2 * statistics_vector::bytes};
 
-  struct params {
+  struct params : std::conditional_t<windowed, window_params, no_window> {
     CUtensorMap q, k, v, grad_out, grad_k, grad_v;
     CUtensorMap lse2, delta;  // (B * Hq, statistics_rows)
     float* dq_accumulator;  // accumulated: (B * Hq, statistics_rows, D) fp32 in partial order; else null
@@ -226,7 +249,8 @@ struct dkdv_kernel : dkdv_plan<D> {
   };
   static_assert(fits_named_barriers<barrier_id>());
 
-  // Query tiles: every tile of each of the group's query heads, from the first the keys can see.
+  // Query tiles: for each of the group's query heads, the tiles that see the block's keys (from the
+  // first the keys can see on; under a window, up to the last).
   struct schedule {
     int first_tile, tiles_per_head;
     __device__ int steps(int group) const { return group * tiles_per_head; }
@@ -234,9 +258,14 @@ struct dkdv_kernel : dkdv_plan<D> {
     __device__ int tile(int step) const { return first_tile + step % tiles_per_head; }
   };
 
-  __device__ static schedule schedule_for(const gradient_shape& g, pipeline::head_block task) {
-    const int first = g.vis().first_query_tile(task.block * plan::block_kv, plan::block_q);
-    return {first, max(0, ceil_div(g.q_rows, plan::block_q) - first)};
+  __device__ static schedule schedule_for(const params& p, pipeline::head_block task) {
+    const int k0 = task.block * plan::block_kv;
+    if constexpr (windowed) {
+      return {p.window.first_query_block(k0, plan::block_q), p.window.query_blocks(k0, plan::block_kv, plan::block_q)};
+    } else {
+      const int first = p.shape.vis().first_query_tile(k0, plan::block_q);
+      return {first, max(0, ceil_div(p.shape.q_rows, plan::block_q) - first)};
+    }
   }
 
   __host__ __device__ static pipeline::head_block_order tasks(const params& p) {
@@ -244,7 +273,7 @@ struct dkdv_kernel : dkdv_plan<D> {
   }
 
   __device__ static int iterations(const params& p, pipeline::head_block task) {
-    return schedule_for(p.shape, task).steps(p.shape.group);
+    return schedule_for(p, task).steps(p.shape.group);
   }
 
   __device__ static void prefetch(const params& p) {
@@ -262,7 +291,7 @@ struct dkdv_kernel : dkdv_plan<D> {
   }
 
   __device__ static void load(const params& p, pipeline::head_block task, int step, int, stage& s, mbarrier& full) {
-    const schedule sched = schedule_for(p.shape, task);
+    const schedule sched = schedule_for(p, task);
     const int head = q_head(p, task, sched, step);
     const int q0 = sched.tile(step) * plan::block_q;
     const int index[4] = {task.batch, head, q0, 0};
@@ -333,7 +362,7 @@ struct dkdv_kernel : dkdv_plan<D> {
     operand prob, grad_s;
     dq_partial dq;
 
-    const schedule sched = schedule_for(g, ctx.task);
+    const schedule sched = schedule_for(p, ctx.task);
     auto at = in.first();
     for (int step = 0; step < ctx.iterations; ++step, at.advance()) {
       const int q0 = sched.tile(step) * plan::block_q;
@@ -374,7 +403,18 @@ struct dkdv_kernel : dkdv_plan<D> {
         warp::sub_col(s, s, lse2);
         warp::exp2(s, s);
       }
-      if (vis.needs_mask(q0, key0, plan::rows_per_consumer)) {
+      if constexpr (windowed) {
+        // Per key the queries [query_floor, query_end) see it (4 integers a thread, as the plain
+        // D = 64 rule's 2); a key past Nk (zero-filled) is hidden from every query.
+        const key_window w = p.window;
+        if (!w.sees_whole(q0, plan::block_q, key0, plan::rows_per_consumer)) {
+          warp::mask(s, {key0 + warpgroup::warp_row(), q0},
+                     [&](int key, int query) {
+                       return key < w.k_rows && query >= w.query_floor(key) && query < w.query_end(key);
+                     },
+                     0.0f);
+        }
+      } else if (vis.needs_mask(q0, key0, plan::rows_per_consumer)) {
         if constexpr (plan::mask_by_query_floor) {
           warp::mask(s, {key0 + warpgroup::warp_row(), q0},
                      [&](int key, int query) { return query >= vis.query_floor(key); }, 0.0f);
@@ -485,9 +525,10 @@ __global__ void __launch_bounds__(WARPGROUP_THREADS) dq_convert_kernel(const dq_
 
 // ----------------------------------------------------------------------------------------- dQ
 
-template <typename T, int D>
+template <typename T, int D, backward_features FEATURES>
 struct dq_kernel : dq_plan<D> {
   using plan = dq_plan<D>;
+  static constexpr bool windowed = FEATURES == backward_features::windowed;
   using q_tile = shared_tile<T, plan::rows_per_consumer, D>;  // one consumer's rows of Q / dO, later its dQ
   using kv_tile = shared_tile<T, plan::block_kv, D>;
   using scores = warpgroup::accumulator<plan::block_kv>;  // S and dP: a warp's 16 queries x 128 keys
@@ -506,7 +547,7 @@ struct dq_kernel : dq_plan<D> {
   };
   static constexpr uint32_t stage_bytes[] = {2 * kv_tile::bytes};
 
-  struct params {
+  struct params : std::conditional_t<windowed, window_params, no_window> {
     CUtensorMap q, k, v, grad_out, grad_q;
     const float* lse2;
     const float* delta;
@@ -529,7 +570,20 @@ struct dq_kernel : dq_plan<D> {
   }
 
   __device__ static int iterations(const params& p, pipeline::head_block task) {
-    return p.shape.vis().key_blocks(task.block * plan::block_q, plan::block_q, plan::block_kv);
+    if constexpr (windowed) {
+      return p.window.key_blocks(task.block * plan::block_q, plan::block_q, plan::block_kv);
+    } else {
+      return p.shape.vis().key_blocks(task.block * plan::block_q, plan::block_q, plan::block_kv);
+    }
+  }
+
+  // The key block of iteration 0: under a window, the first block the task's queries see.
+  __device__ static int first_key_block(const params& p, pipeline::head_block task) {
+    if constexpr (windowed) {
+      return p.window.first_key_block(task.block * plan::block_q, plan::block_kv);
+    } else {
+      return 0;
+    }
   }
 
   __device__ static void prefetch(const params& p) {
@@ -543,7 +597,7 @@ struct dq_kernel : dq_plan<D> {
   }
 
   __device__ static void load(const params& p, pipeline::head_block task, int j, int, stage& s, mbarrier& full) {
-    const int index[4] = {task.batch, task.head / p.shape.group, j * plan::block_kv, 0};
+    const int index[4] = {task.batch, task.head / p.shape.group, (first_key_block(p, task) + j) * plan::block_kv, 0};
     tma::load(s.k, p.k, full, index);
     tma::load(s.v, p.v, full, index);
   }
@@ -567,9 +621,10 @@ struct dq_kernel : dq_plan<D> {
     scores s, grad_p;
     operand grad_s;
 
+    const int first_block = first_key_block(p, ctx.task);
     auto at = in.first();
     for (int j = 0; j < ctx.iterations; ++j, at.advance()) {
-      const int key0 = j * plan::block_kv;
+      const int key0 = (first_block + j) * plan::block_kv;
       const stage& st = in.wait(at);
       // S = Q K^T and dP = dO V^T
       warpgroup::fence();
@@ -583,7 +638,13 @@ struct dq_kernel : dq_plan<D> {
       warp::mul(s, s, g.scale_log2);
       warp::sub_row(s, s, lse2);
       warp::exp2(s, s);
-      if (vis.needs_mask(row0, key0, plan::block_kv)) {
+      if constexpr (windowed) {
+        const key_window w = p.window;
+        if (!w.sees_whole(row0, plan::rows_per_consumer, key0, plan::block_kv)) {
+          warp::mask(s, {row0 + warpgroup::warp_row(), key0},
+                     [&](int query, int key) { return key >= w.key_floor(query) && key < w.key_limit(query); }, 0.0f);
+        }
+      } else if (vis.needs_mask(row0, key0, plan::block_kv)) {
         warp::mask(s, {row0 + warpgroup::warp_row(), key0}, [&](int query, int key) { return vis.visible(query, key); },
                    0.0f);
       }
@@ -607,6 +668,43 @@ struct dq_kernel : dq_plan<D> {
                   staged(p.grad_q, ctx.resident.q[ctx.consumer], state.grad_q));
   }
 };
+
+// ----------------------------------------------------------------------------------- sinks
+
+// The sinks' gradient. A sink is one more key of value 0 in each row of its head, of probability
+// p = exp2(sink * log2(e) - lse2) there (lse2 includes it), so d loss / d sink = -sum over the head's
+// rows of p * delta, from the statistics the gradient kernels read (padding rows have lse2 = +inf,
+// p = 0, and delta = 0). One block per query head sums its rows in a fixed order (reproducible).
+constexpr int SINK_GRADIENT_THREADS = 256;
+
+struct sink_gradient_params {
+  const float* sinks;
+  const float* lse2;
+  const float* delta;
+  float* grad_sinks;
+  int batch, q_heads, statistics_rows;
+};
+
+__global__ void __launch_bounds__(SINK_GRADIENT_THREADS) sink_gradient_kernel(const sink_gradient_params p) {
+  constexpr int warps = SINK_GRADIENT_THREADS / WARP_THREADS;
+  __shared__ float warp_sums[warps];
+  const int head = int(blockIdx.x);
+  const float sink2 = p.sinks[head] * LOG2_E;
+  float sum = 0.0f;
+  for (int b = 0; b < p.batch; ++b) {
+    const int64_t rows = (int64_t(b) * p.q_heads + head) * p.statistics_rows;
+    for (int r = int(threadIdx.x); r < p.statistics_rows; r += SINK_GRADIENT_THREADS) {
+      sum += exp2f(sink2 - p.lse2[rows + r]) * p.delta[rows + r];
+    }
+  }
+  for (int lanes = WARP_THREADS / 2; lanes > 0; lanes /= 2) sum += __shfl_xor_sync(ALL_LANES, sum, lanes);
+  if (threadIdx.x % WARP_THREADS == 0) warp_sums[threadIdx.x / WARP_THREADS] = sum;
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  float total = 0.0f;
+  for (int w = 0; w < warps; ++w) total += warp_sums[w];
+  p.grad_sinks[head] = -total;
+}
 
 // ------------------------------------------------------------------------------------ host
 
@@ -660,10 +758,21 @@ heads_view output_view(void* data, const heads_view& like) {
   return contiguous_view(data, like.batch, like.heads, like.rows, like.dim);
 }
 
+// The window's and the sinks' rules: the edges as the forward takes them, and the lengths key_window's
+// int bounds take.
+std::string options_reason(const backward_problem& pr) {
+  if (pr.window_left < -1 || pr.window_right < -1) return "window edges must be >= -1 (-1 = unbounded)";
+  if ((pr.has_window() || pr.sinks != nullptr) && pr.q.rows + pr.k.rows > MAX_WINDOWED_ROWS) {
+    return "with a window or sinks, Nq + Nk must be at most 2^30";
+  }
+  return {};
+}
+
 template <typename T, int D>
 std::string reason_for(const backward_problem& pr) {
-  using KV = dkdv_kernel<T, D, dq_method::recomputed>;  // both methods' tiles are the same
-  using Q = dq_kernel<T, D>;
+  // both methods' and both variants' tiles are the same
+  using KV = dkdv_kernel<T, D, dq_method::recomputed, backward_features::plain>;
+  using Q = dq_kernel<T, D, backward_features::plain>;
   if (pr.out.batch != pr.q.batch || pr.out.heads != pr.q.heads || pr.out.rows != pr.q.rows || pr.out.dim != pr.q.dim ||
       pr.grad_out.batch != pr.q.batch || pr.grad_out.heads != pr.q.heads || pr.grad_out.rows != pr.q.rows ||
       pr.grad_out.dim != pr.q.dim) {
@@ -717,9 +826,14 @@ cudaError_t run_statistics(const backward_problem& pr, const workspace_view& w, 
   return pipeline::launch(statistics_kernel<T>, blocks, STATISTICS_THREADS, 0, stream, p);
 }
 
-template <typename T, int D, dq_method DQ>
+// The window with causality folded in, as the forward's options variant has it.
+key_window window_of(const backward_problem& pr) {
+  return key_window::of(pr.q.rows, pr.k.rows, pr.causal, pr.window_left, pr.window_right);
+}
+
+template <typename T, int D, dq_method DQ, backward_features FEATURES>
 cudaError_t run_dkdv(const backward_problem& pr, const workspace_view& w, cudaStream_t stream) {
-  using K = dkdv_kernel<T, D, DQ>;
+  using K = dkdv_kernel<T, D, DQ, FEATURES>;
   typename K::params p;
   p.q = make_tma_map<typename K::q_tile>(heads_layout<T>(pr.q));
   p.grad_out = make_tma_map<typename K::q_tile>(heads_layout<T>(pr.grad_out));
@@ -731,6 +845,7 @@ cudaError_t run_dkdv(const backward_problem& pr, const workspace_view& w, cudaSt
   p.delta = make_tma_map<typename K::statistics_vector>(statistics_layout(pr, w.delta));
   p.dq_accumulator = w.dq_accumulator;
   p.shape = shape_of(pr);
+  if constexpr (K::windowed) p.window = window_of(pr);
   return pipeline::launch<K>(p, K::tasks(p).count(), stream);
 }
 
@@ -750,9 +865,9 @@ cudaError_t run_dq_convert(const backward_problem& pr, const workspace_view& w, 
   return pipeline::launch(dq_convert_kernel<T, D>, blocks, WARPGROUP_THREADS, 0, stream, p);
 }
 
-template <typename T, int D>
+template <typename T, int D, backward_features FEATURES>
 cudaError_t run_dq(const backward_problem& pr, const workspace_view& w, cudaStream_t stream) {
-  using K = dq_kernel<T, D>;
+  using K = dq_kernel<T, D, FEATURES>;
   typename K::params p;
   p.q = make_tma_map<typename K::q_tile>(heads_layout<T>(pr.q));
   p.grad_out = make_tma_map<typename K::q_tile>(heads_layout<T>(pr.grad_out));
@@ -762,23 +877,41 @@ cudaError_t run_dq(const backward_problem& pr, const workspace_view& w, cudaStre
   p.lse2 = w.lse2;
   p.delta = w.delta;
   p.shape = shape_of(pr);
+  if constexpr (K::windowed) p.window = window_of(pr);
   return pipeline::launch<K>(p, K::tasks(p).count(), stream);
 }
 
-template <typename T, int D>
-cudaError_t run(const backward_problem& pr, cudaStream_t stream) {
-  const workspace_view w = split_workspace(pr);
-  if (const cudaError_t err = run_statistics<T>(pr, w, stream); err != cudaSuccess) return err;
+cudaError_t run_sink_gradient(const backward_problem& pr, const workspace_view& w, cudaStream_t stream) {
+  const sink_gradient_params p{pr.sinks, w.lse2, w.delta, pr.grad_sinks, int(pr.q.batch), int(pr.q.heads),
+                               int(padded_statistics_rows(pr.q.rows))};
+  return pipeline::launch(sink_gradient_kernel, unsigned(pr.q.heads), SINK_GRADIENT_THREADS, 0, stream, p);
+}
+
+// dq, dk and dv by the problem's method, from the statistics.
+template <typename T, int D, backward_features FEATURES>
+cudaError_t run_gradients(const backward_problem& pr, const workspace_view& w, cudaStream_t stream) {
   if (!one_pass(pr)) {
-    if (const cudaError_t err = run_dkdv<T, D, dq_method::recomputed>(pr, w, stream); err != cudaSuccess) return err;
-    return run_dq<T, D>(pr, w, stream);
+    if (const cudaError_t err = run_dkdv<T, D, dq_method::recomputed, FEATURES>(pr, w, stream); err != cudaSuccess) {
+      return err;
+    }
+    return run_dq<T, D, FEATURES>(pr, w, stream);
   }
   const size_t accumulator_bytes = size_t(dq_accumulator_floats(pr)) * sizeof(float);
   if (const cudaError_t err = cudaMemsetAsync(w.dq_accumulator, 0, accumulator_bytes, stream); err != cudaSuccess) {
     return err;
   }
-  if (const cudaError_t err = run_dkdv<T, D, dq_method::accumulated>(pr, w, stream); err != cudaSuccess) return err;
+  if (const cudaError_t err = run_dkdv<T, D, dq_method::accumulated, FEATURES>(pr, w, stream); err != cudaSuccess) {
+    return err;
+  }
   return run_dq_convert<T, D>(pr, w, stream);
+}
+
+template <typename T, int D, backward_features FEATURES>
+cudaError_t run(const backward_problem& pr, cudaStream_t stream) {
+  const workspace_view w = split_workspace(pr);
+  if (const cudaError_t err = run_statistics<T>(pr, w, stream); err != cudaSuccess) return err;
+  if (const cudaError_t err = run_gradients<T, D, FEATURES>(pr, w, stream); err != cudaSuccess) return err;
+  return pr.sinks != nullptr ? run_sink_gradient(pr, w, stream) : cudaSuccess;
 }
 
 }  // namespace
@@ -789,11 +922,15 @@ int64_t backward_workspace_floats(const backward_problem& p) {
 
 std::string unsupported_reason(const backward_problem& p) {
   if (std::string r = shape_reason(p.q, p.k, p.v); !r.empty()) return r;
+  if (std::string r = options_reason(p); !r.empty()) return r;
   return dispatch(p, [&]<typename T, int D>() { return reason_for<T, D>(p); });
 }
 
 cudaError_t launch(const backward_problem& p, cudaStream_t stream) {
-  return dispatch(p, [&]<typename T, int D>() { return run<T, D>(p, stream); });
+  return dispatch(p, [&]<typename T, int D>() {
+    return p.has_window() ? run<T, D, backward_features::windowed>(p, stream)
+                          : run<T, D, backward_features::plain>(p, stream);
+  });
 }
 
 }  // namespace tk::attention
