@@ -402,12 +402,13 @@ CHECK_SHAPES = [  # (B, Hq, Hkv, Nq, Nk, D, causal): tails, Nq != Nk, GQA, rows 
 
 
 # The kernels' options: (batch, Hq, Hkv, Nq, Nk, D, causal, window_left, window_right, softcap), each with
-# random sinks; without a softcap the backward kernels' gradients too. A causal sliding window that skips
-# key blocks; a two-sided window where rows past the keys see none (their out is 0, their lse the sink).
+# random sinks, forward and backward. A causal sliding window that skips key blocks; a two-sided window where
+# rows past the keys see none (their out is 0, their lse the sink).
 CHECK_OPTION_SHAPES = [
     (1, 2, 1, 300, 700, 128, True, 150, -1, 2.0),
     (2, 4, 2, 333, 200, 64, False, 40, 90, 0.0),
     (1, 2, 2, 260, 300, 128, True, 100, -1, 0.0),
+    (1, 2, 1, 200, 260, 64, True, -1, -1, 3.0),
 ]
 
 
@@ -441,21 +442,20 @@ def check_options() -> None:
         expected_out, expected_lse = options_expected(q, k, v, causal, scale, left, right, softcap, sinks)
         err = max(common.relative_difference(out.double(), expected_out),
                   common.relative_difference(lse.double(), expected_lse))
-        if not softcap:  # the backward kernels take the window and the sinks (a softcap runs the reference)
-            err = max(err, options_backward_error(q, k, v, causal, scale, left, right, sinks, out, lse))
+        err = max(err, options_backward_error(q, k, v, causal, scale, left, right, softcap, sinks, out, lse))
         status = "ok" if err < 1e-2 else "WRONG"
         print(f"attention {batch}x{q_heads}/{kv_heads}x{q_len}x{k_len}x{head_dim} causal={causal} "
-              f"window=({left}, {right}) softcap={softcap} sinks: rel err {err:.2e}"
-              f"{'' if softcap else ' (with the backward, both methods)'} {status}")
+              f"window=({left}, {right}) softcap={softcap} sinks: rel err {err:.2e} (forward, and backward by both "
+              f"methods) {status}")
         if status != "ok":
             raise SystemExit("attention check: wrong result")
 
 
-def options_backward_error(q, k, v, causal, scale, left, right, sinks, out, lse) -> float:
+def options_backward_error(q, k, v, causal, scale, left, right, softcap, sinks, out, lse) -> float:
     """The largest relative difference of the backward kernels' dq, dk, dv and dsinks (one-pass and
-    deterministic) from float64 autograd of options_expected, for random dO and dlse."""
+    recompute) from float64 autograd of options_expected, for random dO and dlse."""
     leaves64 = [t.double().requires_grad_() for t in (q, k, v, sinks)]
-    expected_out, expected_lse = options_expected(*leaves64[:3], causal, scale, left, right, 0.0, leaves64[3])
+    expected_out, expected_lse = options_expected(*leaves64[:3], causal, scale, left, right, softcap, leaves64[3])
     grad_out, grad_lse = torch.randn_like(out), torch.randn_like(lse)
     expected = torch.autograd.grad((expected_out * grad_out.double()).sum() + (expected_lse * grad_lse.double()).sum(),
                                    leaves64)
@@ -464,7 +464,7 @@ def options_backward_error(q, k, v, causal, scale, left, right, sinks, out, lse)
         os.environ["TK_OPS_ATTENTION_BACKWARD"] = "recompute" if deterministic else "one_pass"
         try:
             grads = torch.ops.tk.attention_bwd(grad_out, grad_lse, q, k, v, out, lse, causal, scale, deterministic,
-                                               left, right, 0.0, sinks)
+                                               left, right, softcap, sinks)
         finally:
             os.environ.pop("TK_OPS_ATTENTION_BACKWARD", None)
         err = max(err, *(common.relative_difference(g.double(), e) for g, e in zip(grads, expected)))
@@ -473,7 +473,7 @@ def options_backward_error(q, k, v, causal, scale, left, right, sinks, out, lse)
 
 def check() -> None:
     """The forward against float64 SDPA (rows that see no key left out) and finite gradients, on tails,
-    Nq != Nk and GQA, then the forward with window, softcap and sinks against float64; exits non-zero
+    Nq != Nk and GQA, then the forward and backward with window, softcap and sinks against float64; exits non-zero
     on a wrong result."""
     for batch, q_heads, kv_heads, q_len, k_len, head_dim, causal in CHECK_SHAPES:
         q = torch.randn(batch, q_heads, q_len, head_dim, device="cuda", dtype=torch.bfloat16)

@@ -461,9 +461,8 @@ def test_varlen_deterministic_follows_torch_switch(monkeypatch):
 
 # ---------------------------------------------------------------------------------------- CUDA
 #
-# The forward kernel takes window, softcap and sinks (csrc/kernels/attention/attention_fwd.cu, its options
-# variant); the backward kernels take the window and the sinks (attention_bwd.cu), a softcap's backward and
-# the varlen op run the references. Each kernel case runs under tk_testing.runs_the_kernels, so a kernel
+# The forward and backward kernels take window, softcap and sinks (csrc/kernels/attention/attention_fwd.cu,
+# attention_bwd.cu: their options variants); the varlen op runs the references. Each kernel case runs under tk_testing.runs_the_kernels, so a kernel
 # that fell back to the reference (whose warning raises there) fails instead of passing on the
 # reference's numbers.
 
@@ -545,22 +544,24 @@ def check_kernel_backward(shape, head_dim, dtype, method, sinks=None, **options)
 @pytest.mark.parametrize("method", BACKWARD_METHODS)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @tk_testing.parametrize_with_ids("shape", KERNEL_SHAPES)
-@pytest.mark.parametrize("with_sinks", [False, True], ids=["plain", "sinks"])
+@pytest.mark.parametrize("softcap, with_sinks", KERNEL_SCORES, ids=["plain", "softcap", "sinks", "softcap-sinks"])
 @pytest.mark.parametrize("causal, window", KERNEL_MASKS, ids=[mask_id(mask) for mask in KERNEL_MASKS])
-def test_kernel_backward_window_and_sinks_against_float64(causal, window, with_sinks, shape, head_dim, method):
+def test_kernel_backward_options_against_float64(causal, window, softcap, with_sinks, shape, head_dim, method):
     """The backward kernels with a window (the dK/dV pass visits only the query tiles that see its keys, dQ only
-    the key blocks its queries see) and sinks (their gradient from the rows' statistics), by both dq methods:
-    every gradient against float64, rows that see no key included (Nq > Nk, windows)."""
+    the key blocks its queries see), a softcap (the slope 1 - t^2 of each capped score) and sinks (their
+    gradient from the rows' statistics), by both dq methods: every gradient against float64, rows that see no
+    key included (Nq > Nk, windows)."""
     sinks = kernel_sinks(shape[1]) if with_sinks else None
-    check_kernel_backward(shape, head_dim, torch.bfloat16, method, sinks=sinks, causal=causal, window=window)
+    check_kernel_backward(shape, head_dim, torch.bfloat16, method, sinks=sinks, causal=causal, window=window,
+                          softcap=softcap)
 
 
 @tk_testing.requires_kernel("attention_bwd")
 @pytest.mark.parametrize("method", BACKWARD_METHODS)
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_kernel_backward_window_and_sinks_in_fp16(head_dim, method):
+def test_kernel_backward_options_in_fp16(head_dim, method):
     check_kernel_backward((2, 4, 2, 333, 333), head_dim, torch.float16, method, sinks=kernel_sinks(4), causal=True,
-                          window=(150, -1))
+                          window=(150, -1), softcap=3.0)
 
 
 @tk_testing.requires_kernel("attention_bwd")
@@ -583,29 +584,6 @@ def test_kernel_backward_never_reads_query_tiles_outside_the_window(head_dim):
     torch.testing.assert_close(grads_nan[0][:, :, :128], grads[0][:, :, :128], rtol=0, atol=0)
     for name, i in (("dk", 1), ("dv", 2)):
         torch.testing.assert_close(grads_nan[i][:, :, :128], grads[i][:, :, :128], rtol=0, atol=0, msg=name)
-
-
-@tk_testing.requires_kernel("attention")
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_kernel_forward_options_then_the_reference_backward(head_dim):
-    """With a softcap the backward runs the reference (which warns), from q, k, v and the kernel's out; the
-    gradients of q, k, v and the sinks, through out and lse, match float64."""
-    q, k, v = make_qkv(2, 4, 2, 300, 333, head_dim, dtype=torch.bfloat16, device="cuda")
-    sinks = make_sinks(4, device="cuda")
-    options = dict(causal=True, window=(150, -1), softcap=3.0)
-    leaves = [q, k, v, sinks]
-    with tk_testing.runs_the_kernels("attention"):
-        out, lse = tk_ops.attention(q, k, v, sinks=sinks, return_lse=True, **options)
-    leaves64 = [t.detach().double().requires_grad_() for t in leaves]
-    ref_out, ref_lse = naive_attention(*leaves64[:3], sinks=leaves64[3], **options)
-    tol = tk_testing.TOLERANCE[torch.bfloat16]
-    tk_testing.assert_rel_close(out, ref_out, tol, "out")
-    out_weight, lse_weight = torch.randn_like(ref_out), lse_loss_weights(ref_lse)
-    with tk_testing.runs_the_references("attention_bwd"):
-        grads = torch.autograd.grad(weighted_loss(out, lse, out_weight, lse_weight), leaves)
-    ref_grads = torch.autograd.grad(weighted_loss(ref_out, ref_lse, out_weight, lse_weight), leaves64)
-    for name, grad, ref_grad in zip(("dq", "dk", "dv", "dsinks"), grads, ref_grads):
-        tk_testing.assert_rel_close(grad, ref_grad, 2 * tol, name)
 
 
 @tk_testing.requires_kernel("attention")

@@ -5,10 +5,7 @@
 // launches on the current stream. What the kernels cannot take (fp32/fp64, head dims other than
 // 64/128 or differing between q, k and v, another GPU, strides TMA cannot describe) goes to the
 // op's reference twin tk::<op>_ref, which warns once. The options window, softcap and sinks (the last
-// four arguments of both ops, tk_ops/ops/attention.py) run on the forward kernel; the backward kernels
-// take the window and the sinks, and a backward call with a softcap goes to the reference (no backward
-// kernel computes it yet), which recomputes the probabilities from q, k and v and reads only `out` of
-// the forward's results.
+// four arguments of both ops, tk_ops/ops/attention.py) run on the forward and the backward kernels.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -140,8 +137,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
   std::optional<attn::backward_problem> plan;
   const bool statistics_fp32 =
       lse.scalar_type() == at::kFloat && (!grad_lse.has_value() || grad_lse->scalar_type() == at::kFloat);
-  // softcap: 0 = off; no backward kernel takes another.
-  if (softcap == 0.0 && kernel_device(q) && q.numel() > 0 && k.numel() > 0 && statistics_fp32 &&
+  if (kernel_device(q) && q.numel() > 0 && k.numel() > 0 && statistics_fp32 &&
       grad_out.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type() &&
       (!sinks.has_value() || kernel_sinks(*sinks, q))) {
     const auto qv = view_of(q), kv = view_of(k), vv = view_of(v), ov = view_of(out), gv = view_of(grad_out);
@@ -150,6 +146,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
                                nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, backward_method(deterministic)};
       p.window_left = window_left;
       p.window_right = window_right;
+      p.softcap = softcap;
       p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
       if (attn::unsupported_reason(p).empty()) plan = p;
     }

@@ -25,8 +25,7 @@ device SDPA keeps it.
 
 A softcap (``c * tanh(s / c)`` between q k^T and the softmax) is not rewritten: SDPA has no softcap,
 so a softcapped attention is hand-written matmuls, tanh and softmax, and this pass matches only
-the fused SDPA nodes (matching the decomposed math and its backward is a separate rewrite, and tk
-would also run the softcap's backward on its reference today).
+the fused SDPA nodes (matching the decomposed math and its backward is a separate rewrite).
 
 K and V expanded from fewer heads by Hugging Face's ``repeat_kv`` (unsqueeze, expand, copy,
 reshape) are read from the unexpanded tensors, as GQA, so the copies disappear. Their gradients

@@ -263,6 +263,38 @@ struct key_window {
 // stay in int.
 constexpr int64_t MAX_WINDOWED_ROWS = int64_t(1) << 30;
 
+// ------------------------------------------------------------------------------------ softcap
+
+// The softcapped score before its factor: tanh(tanh_scale * s), tanh_scale = scale / softcap. MUFU's
+// tanh (tanh.approx, one instruction a score, as FlashAttention-3's softcap) is off by about 2^-11
+// on t (|t| <= 1), so the capped score softcap * t by about softcap * 2^-11 (natural-log units).
+// The kernels take softcap * log2(e) as the factor of t: the capped score in log2 units.
+struct capped_score {
+  __device__ static float apply(float s, float tanh_scale) {
+    float t;
+    asm("tanh.approx.f32 %0, %1;\n" : "=f"(t) : "f"(s * tanh_scale));
+    return t;
+  }
+};
+
+// The backward's slope of the capped score, 1 - t^2 (d softcap tanh(u) / du = softcap (1 - t^2)),
+// with t recovered from the probability p = exp2(c t - lse2) rather than kept beside it (the dK/dV
+// step has no registers for a second tile): t = (log2 p + lse2) / c. Clamped to [-1, 1], so that
+// p = 0 (a hidden key, an underflow, a padding row with lse2 = +inf, where log2 p + lse2 is -inf or
+// NaN) gives slope 0, finite, and dS = p (...) stays 0.
+struct softcap_slope {
+  __device__ static float apply(float p, float lse2, float inverse_c) {
+    const float t = fminf(fmaxf((__log2f(p) + lse2) * inverse_c, -1.0f), 1.0f);
+    return fmaf(-t, t, 1.0f);
+  }
+};
+// What dS = P (dP - delta) takes of P under a softcap: P times the slope.
+struct probability_times_slope {
+  __device__ static float apply(float p, float lse2, float inverse_c) {
+    return p * softcap_slope::apply(p, lse2, inverse_c);
+  }
+};
+
 // -------------------------------------------------------------- resident tiles and epilogues
 
 // Each consumer's rows of the task's (batch, head) sequence, from row0 on, into its own tile: the

@@ -23,17 +23,20 @@
 //                       and recomputes S = Q K^T, dP = dO V^T;  dS = P (dP - delta);  dQ += dS K
 //                       in registers: no atomics, bitwise reproducible, ~40% more tensor work.
 //
-// The forward's window and sinks (attention.h) have their backward here; the windowed variants
-// (backward_features::windowed) differ from the plain ones, which compile to the code they had before
-// windows existed, in which tiles they visit and mask:
+// The forward's options (attention.h) have their backward here. The window takes the gradient kernels'
+// windowed variants, a softcap their softcapped ones (window and softcap; backward_features), and the
+// plain variants compile to the code they had before the options existed:
 //   window   a dK/dV block streams only the query tiles that see its keys (key_window's per-key
 //            range), a dQ block only the key blocks its queries see; tiles a window edge or the key
 //            tail cuts run masked
+//   softcap  the score is recomputed as the forward has it, t = tanh(scale / softcap * q.k) times
+//            softcap * log2(e), and dS takes the slope 1 - t^2 (softcap_slope, t recovered from P)
 //   sinks    P is recomputed from the forward's lse, which includes the sink, so dq, dk and dv need
-//            nothing more; the sink, one more key of value 0 in each row, gets
+//            nothing more (either variant); the sink, one more key of value 0 in each row, gets
 //            d loss / d sink = -sum over its head's rows of p_sink * delta (sink_gradient_kernel)
-// A softcap's backward has no kernel: csrc/torch/attention.cpp hands such calls to the reference.
 #include <algorithm>
+#include <cfloat>
+#include <cmath>
 #include <type_traits>
 #include <utility>
 
@@ -124,25 +127,35 @@ struct shuffled_column_pairs {
     }
   }
 
-  // f(br, bc, q, v) for each packed pair [br][bc][q] of an fp32 row-layout Tile, v the statistics of
-  // the pair's two columns (each shuffled once and used by every row block at once).
-  template <typename Tile, typename F>
-  __device__ __forceinline__ void for_each_pair(F&& f) const {
+  // f(br, bc, q, v, w...) for each packed pair [br][bc][q] of an fp32 row-layout Tile, v (each w) the
+  // statistics of the pair's two columns in this vector (in each of `others`), each shuffled once and
+  // used by every row block at once.
+  template <typename Tile, typename F, typename... Others>
+  __device__ __forceinline__ void for_each_pair(F&& f, const Others&... others) const {
     static_assert(Tile::layout == register_layout::row && std::is_same_v<typename Tile::element, float>);
     static_assert(Tile::col_blocks == fragment::GROUPS, "one base tile of columns per group of lanes");
     [&]<int... BC>(std::integer_sequence<int, BC...>) {
-      ([&] {
-#pragma unroll
-        for (int h = 0; h < fragment::HALVES; ++h) {
-          const float2 v = from_group<BC>(h);
-#pragma unroll
-          for (int br = 0; br < Tile::row_blocks; ++br) {
-#pragma unroll
-            for (int r = 0; r < fragment::HALVES; ++r) f(br, BC, fragment::quadrant(r, h), v);
-          }
-        }
-      }(), ...);
+      (pairs_of_group<BC, Tile>(f, others...), ...);
     }(std::make_integer_sequence<int, Tile::col_blocks>{});
+  }
+
+  // for_each_pair's pairs of base tile column BC.
+  template <int BC, typename Tile, typename F, typename... Others>
+  __device__ __forceinline__ void pairs_of_group(F& f, const Others&... others) const {
+#pragma unroll
+    for (int h = 0; h < fragment::HALVES; ++h) {
+      const float2 v = from_group<BC>(h);
+      pair_rows<Tile>(f, BC, h, v, others.template from_group<BC>(h)...);
+    }
+  }
+
+  template <typename Tile, typename F, typename... Others>
+  __device__ __forceinline__ static void pair_rows(F& f, int bc, int h, float2 v, Others... w) {
+#pragma unroll
+    for (int br = 0; br < Tile::row_blocks; ++br) {
+#pragma unroll
+      for (int r = 0; r < fragment::HALVES; ++r) f(br, bc, fragment::quadrant(r, h), v, w...);
+    }
   }
 
   // dst = f(pair, v) for each packed pair of dst, v the statistics of the pair's two columns.
@@ -169,27 +182,50 @@ struct shuffled_column_pairs {
       ds16.pairs[br][bc][q] = convert_pair<pair16>(g);
     });
   }
+
+  // grad_scores under a softcap: dS^T also times each score's slope 1 - t^2 (softcap_slope, from P^T
+  // and the query's lse2, whose pairs `lse2` holds spread as this vector holds delta's).
+  template <typename Scores, typename Operand>
+  __device__ __forceinline__ void capped_grad_scores(const Scores& p, Scores& dp, Operand& p16, Operand& ds16,
+                                                     const shuffled_column_pairs& lse2, float inverse_c) const {
+    using pair16 = typename Operand::pair_type;
+    for_each_pair<Scores>(
+        [&](int br, int bc, int q, float2 d, float2 l) {
+          const float2 pp = p.pairs[br][bc][q];
+          float2& g = dp.pairs[br][bc][q];
+          g = float2{pp.x * (g.x - d.x) * softcap_slope::apply(pp.x, l.x, inverse_c),
+                     pp.y * (g.y - d.y) * softcap_slope::apply(pp.y, l.y, inverse_c)};
+          p16.pairs[br][bc][q] = convert_pair<pair16>(pp);
+          ds16.pairs[br][bc][q] = convert_pair<pair16>(g);
+        },
+        lse2);
+  }
 };
 
 // How the dK/dV kernel leaves dQ: to dq_kernel (recomputed) or summed itself (accumulated).
 enum class dq_method { recomputed, accumulated };
 
-// Which masks a gradient kernel compiles in: the causal rule and the key tail (plain), or the
-// forward's window with causality folded in (windowed).
-enum class backward_features { plain, windowed };
+// What a gradient kernel compiles in: the causal rule and the key tail (plain); the forward's window
+// with causality folded in (unbounded edges reach every key); or that and its softcap. The softcap is
+// a variant of its own rather than a switch: its code beside the window's pushed the D = 128 dK/dV step
+// past its 240 registers, and the windowed models (Mistral, GPT-OSS) have no softcap.
+enum class backward_features { plain, windowed, softcapped };
 
-// A windowed kernel's parameters, a base of its params as the forward's options are (the plain
-// params keep their layout).
-struct window_params {
+// The options' parameters, a base of the params of the windowed and softcapped variants, as the
+// forward's options are (the plain params keep their layout).
+struct options_params {
   key_window window;
+  float tanh_scale = 0.0f;  // scale / softcap (softcapped; shape.scale_log2 is then softcap * log2(e))
+  float inverse_c = 0.0f;   // 1 / (softcap * log2(e)), for softcap_slope
 };
-struct no_window {};
+struct no_options {};
 
 template <typename T, int D, dq_method DQ, backward_features FEATURES>
 struct dkdv_kernel : dkdv_plan<D> {
   using plan = dkdv_plan<D>;
   static constexpr bool sums_dq = DQ == dq_method::accumulated;
-  static constexpr bool windowed = FEATURES == backward_features::windowed;
+  static constexpr bool with_options = FEATURES != backward_features::plain;
+  static constexpr bool with_softcap = FEATURES == backward_features::softcapped;
   static constexpr int stages = sums_dq ? plan::one_pass_stages : plan::stages;
   using kv_tile = shared_tile<T, plan::rows_per_consumer, D>;  // one consumer's keys, later its dK / dV
   using q_tile = shared_tile<T, plan::block_q, D>;
@@ -228,7 +264,7 @@ struct dkdv_kernel : dkdv_plan<D> {
   };
   static constexpr uint32_t stage_bytes[] = {2 * q_tile::bytes + 2 * statistics_vector::bytes};
 
-  struct params : std::conditional_t<windowed, window_params, no_window> {
+  struct params : std::conditional_t<with_options, options_params, no_options> {
     CUtensorMap q, k, v, grad_out, grad_k, grad_v;
     CUtensorMap lse2, delta;  // (B * Hq, statistics_rows)
     float* dq_accumulator;  // accumulated: (B * Hq, statistics_rows, D) fp32 in partial order; else null
@@ -260,7 +296,7 @@ struct dkdv_kernel : dkdv_plan<D> {
 
   __device__ static schedule schedule_for(const params& p, pipeline::head_block task) {
     const int k0 = task.block * plan::block_kv;
-    if constexpr (windowed) {
+    if constexpr (with_options) {
       return {p.window.first_query_block(k0, plan::block_q), p.window.query_blocks(k0, plan::block_kv, plan::block_q)};
     } else {
       const int first = p.shape.vis().first_query_tile(k0, plan::block_q);
@@ -392,7 +428,9 @@ struct dkdv_kernel : dkdv_plan<D> {
       }
       warpgroup::wait<1>(s);
 
-      // P^T = exp2(s2 - lse2[query]), 0 where the key is hidden from the query.
+      // P^T = exp2(s2 - lse2[query]), 0 where the key is hidden from the query; under a softcap s2 is
+      // the forward's, softcap * log2(e) * tanh(scale / softcap * q.k).
+      if constexpr (with_softcap) warp::map<capped_score>(s, s, p.tanh_scale);
       if constexpr (plan::statistics_from_shared) {
         const float c = g.scale_log2;
         lse2_spread.map(s, [c](float2 x, float2 l) {
@@ -403,7 +441,7 @@ struct dkdv_kernel : dkdv_plan<D> {
         warp::sub_col(s, s, lse2);
         warp::exp2(s, s);
       }
-      if constexpr (windowed) {
+      if constexpr (with_options) {
         // Per key the queries [query_floor, query_end) see it (4 integers a thread, as the plain
         // D = 64 rule's 2); a key past Nk (zero-filled) is hidden from every query.
         const key_window w = p.window;
@@ -425,12 +463,17 @@ struct dkdv_kernel : dkdv_plan<D> {
       }
       if constexpr (!plan::dv_after_scores) {
         warp::copy(prob, s);
+        if constexpr (with_softcap) {
+          // s becomes what dS^T takes of it, P^T times the slope, while lse2 is at hand (kept until
+          // dS^T, lse2 pushed the step past 240 registers).
+          warp::map<probability_times_slope>(s, s, broadcast<tile_axis::cols, query_vector>{lse2}, p.inverse_c);
+        }
         // dV += P^T dO runs while dS^T is formed.
         warpgroup::fence();
         warpgroup::mma<operand_major::mn>(state.grad_v, prob, st.grad_out, 0, true);
         warpgroup::commit();
         warpgroup::wait<1>(grad_p);  // dP^T has landed; dV may still run
-        // dS^T = P^T (dP^T - delta[query])
+        // dS^T = P^T (dP^T - delta[query]) (under a softcap s holds P^T times the slope)
         warp::sub_col(grad_p, grad_p, delta);
         warp::mul(grad_p, grad_p, s);
         warp::copy(grad_s, grad_p);
@@ -438,7 +481,11 @@ struct dkdv_kernel : dkdv_plan<D> {
         // dS^T with P^T and dS^T packed as it is formed (FA3's order: dV is issued first of the
         // step's products, once both operands exist).
         warpgroup::wait<0>(grad_p);
-        delta_spread.grad_scores(s, grad_p, prob, grad_s);
+        if constexpr (with_softcap) {
+          delta_spread.capped_grad_scores(s, grad_p, prob, grad_s, lse2_spread, p.inverse_c);
+        } else {
+          delta_spread.grad_scores(s, grad_p, prob, grad_s);
+        }
         warpgroup::fence();
         warpgroup::mma<operand_major::mn>(state.grad_v, prob, st.grad_out, 0, true);
         warpgroup::commit();
@@ -528,7 +575,8 @@ __global__ void __launch_bounds__(WARPGROUP_THREADS) dq_convert_kernel(const dq_
 template <typename T, int D, backward_features FEATURES>
 struct dq_kernel : dq_plan<D> {
   using plan = dq_plan<D>;
-  static constexpr bool windowed = FEATURES == backward_features::windowed;
+  static constexpr bool with_options = FEATURES != backward_features::plain;
+  static constexpr bool with_softcap = FEATURES == backward_features::softcapped;
   using q_tile = shared_tile<T, plan::rows_per_consumer, D>;  // one consumer's rows of Q / dO, later its dQ
   using kv_tile = shared_tile<T, plan::block_kv, D>;
   using scores = warpgroup::accumulator<plan::block_kv>;  // S and dP: a warp's 16 queries x 128 keys
@@ -547,7 +595,7 @@ struct dq_kernel : dq_plan<D> {
   };
   static constexpr uint32_t stage_bytes[] = {2 * kv_tile::bytes};
 
-  struct params : std::conditional_t<windowed, window_params, no_window> {
+  struct params : std::conditional_t<with_options, options_params, no_options> {
     CUtensorMap q, k, v, grad_out, grad_q;
     const float* lse2;
     const float* delta;
@@ -570,7 +618,7 @@ struct dq_kernel : dq_plan<D> {
   }
 
   __device__ static int iterations(const params& p, pipeline::head_block task) {
-    if constexpr (windowed) {
+    if constexpr (with_options) {
       return p.window.key_blocks(task.block * plan::block_q, plan::block_q, plan::block_kv);
     } else {
       return p.shape.vis().key_blocks(task.block * plan::block_q, plan::block_q, plan::block_kv);
@@ -579,7 +627,7 @@ struct dq_kernel : dq_plan<D> {
 
   // The key block of iteration 0: under a window, the first block the task's queries see.
   __device__ static int first_key_block(const params& p, pipeline::head_block task) {
-    if constexpr (windowed) {
+    if constexpr (with_options) {
       return p.window.first_key_block(task.block * plan::block_q, plan::block_kv);
     } else {
       return 0;
@@ -634,11 +682,13 @@ struct dq_kernel : dq_plan<D> {
       warpgroup::wait<0>(s, grad_p);
 
       // dS = P (dP - delta) with P = exp2(s2 - lse2), 0 where hidden (keys >= Nk included: their
-      // zero-filled K would give P = exp2(-lse2), which may overflow).
+      // zero-filled K would give P = exp2(-lse2), which may overflow); under a softcap s2 is the
+      // forward's capped score and dS takes its slope.
+      if constexpr (with_softcap) warp::map<capped_score>(s, s, p.tanh_scale);
       warp::mul(s, s, g.scale_log2);
       warp::sub_row(s, s, lse2);
       warp::exp2(s, s);
-      if constexpr (windowed) {
+      if constexpr (with_options) {
         const key_window w = p.window;
         if (!w.sees_whole(row0, plan::rows_per_consumer, key0, plan::block_kv)) {
           warp::mask(s, {row0 + warpgroup::warp_row(), key0},
@@ -647,6 +697,9 @@ struct dq_kernel : dq_plan<D> {
       } else if (vis.needs_mask(row0, key0, plan::block_kv)) {
         warp::mask(s, {row0 + warpgroup::warp_row(), key0}, [&](int query, int key) { return vis.visible(query, key); },
                    0.0f);
+      }
+      if constexpr (with_softcap) {
+        warp::map<probability_times_slope>(s, s, broadcast<tile_axis::rows, row_vector>{lse2}, p.inverse_c);
       }
       warp::sub_row(grad_p, grad_p, delta);
       warp::mul(grad_p, grad_p, s);
@@ -758,12 +811,15 @@ heads_view output_view(void* data, const heads_view& like) {
   return contiguous_view(data, like.batch, like.heads, like.rows, like.dim);
 }
 
-// The window's and the sinks' rules: the edges as the forward takes them, and the lengths key_window's
+// The options' rules, as the forward's: the edges and the softcap it takes, and the lengths key_window's
 // int bounds take.
 std::string options_reason(const backward_problem& pr) {
   if (pr.window_left < -1 || pr.window_right < -1) return "window edges must be >= -1 (-1 = unbounded)";
-  if ((pr.has_window() || pr.sinks != nullptr) && pr.q.rows + pr.k.rows > MAX_WINDOWED_ROWS) {
-    return "with a window or sinks, Nq + Nk must be at most 2^30";
+  if (!(std::isfinite(pr.softcap) && pr.softcap >= 0.0 && pr.softcap * LOG2_E <= FLT_MAX)) {
+    return "softcap must be 0 (off) or a finite number > 0 below FLT_MAX / log2(e)";
+  }
+  if ((pr.has_options() || pr.sinks != nullptr) && pr.q.rows + pr.k.rows > MAX_WINDOWED_ROWS) {
+    return "with a window, softcap or sinks, Nq + Nk must be at most 2^30";
   }
   return {};
 }
@@ -826,9 +882,18 @@ cudaError_t run_statistics(const backward_problem& pr, const workspace_view& w, 
   return pipeline::launch(statistics_kernel<T>, blocks, STATISTICS_THREADS, 0, stream, p);
 }
 
-// The window with causality folded in, as the forward's options variant has it.
-key_window window_of(const backward_problem& pr) {
-  return key_window::of(pr.q.rows, pr.k.rows, pr.causal, pr.window_left, pr.window_right);
+// The options variant's parameters, as the forward's options variant has them: the window with causality
+// folded in, and under a softcap its tanh's scale and the factor c = softcap * log2(e) of the capped score
+// in place of scale * log2(e) (shape_of's; lifted to FLT_MIN below it, as the forward lifts it).
+template <typename Params>
+void set_options(const backward_problem& pr, Params& p) {
+  p.window = key_window::of(pr.q.rows, pr.k.rows, pr.causal, pr.window_left, pr.window_right);
+  if (pr.softcap > 0.0) {
+    p.tanh_scale = float(std::clamp(double(pr.scale) / pr.softcap, double(-FLT_MAX), double(FLT_MAX)));
+    const float c = std::max(float(pr.softcap * LOG2_E), FLT_MIN);
+    p.shape.scale_log2 = c;
+    p.inverse_c = 1.0f / c;
+  }
 }
 
 template <typename T, int D, dq_method DQ, backward_features FEATURES>
@@ -845,7 +910,7 @@ cudaError_t run_dkdv(const backward_problem& pr, const workspace_view& w, cudaSt
   p.delta = make_tma_map<typename K::statistics_vector>(statistics_layout(pr, w.delta));
   p.dq_accumulator = w.dq_accumulator;
   p.shape = shape_of(pr);
-  if constexpr (K::windowed) p.window = window_of(pr);
+  if constexpr (K::with_options) set_options(pr, p);
   return pipeline::launch<K>(p, K::tasks(p).count(), stream);
 }
 
@@ -877,7 +942,7 @@ cudaError_t run_dq(const backward_problem& pr, const workspace_view& w, cudaStre
   p.lse2 = w.lse2;
   p.delta = w.delta;
   p.shape = shape_of(pr);
-  if constexpr (K::windowed) p.window = window_of(pr);
+  if constexpr (K::with_options) set_options(pr, p);
   return pipeline::launch<K>(p, K::tasks(p).count(), stream);
 }
 
@@ -928,8 +993,9 @@ std::string unsupported_reason(const backward_problem& p) {
 
 cudaError_t launch(const backward_problem& p, cudaStream_t stream) {
   return dispatch(p, [&]<typename T, int D>() {
-    return p.has_window() ? run<T, D, backward_features::windowed>(p, stream)
-                          : run<T, D, backward_features::plain>(p, stream);
+    if (p.softcap > 0.0) return run<T, D, backward_features::softcapped>(p, stream);
+    return p.has_options() ? run<T, D, backward_features::windowed>(p, stream)
+                           : run<T, D, backward_features::plain>(p, stream);
   });
 }
 
