@@ -421,7 +421,9 @@ struct dkdv_kernel : dkdv_plan<D> {
       shuffled_column_pairs lse2_spread, delta_spread;  // the same, spread over the warp (block_q = 128)
       if constexpr (!plan::statistics_from_shared) {
         warp::load(lse2, st.lse2.data);
-        warp::load(delta, st.delta.data);
+        // Under a softcap delta is read where it is used (below): 16 registers fewer through the
+        // scores' softcap and exponentials, which kept the step within 240 registers.
+        if constexpr (!with_softcap) warp::load(delta, st.delta.data);
       } else {
         lse2_spread.load(st.lse2.data);
         delta_spread.load(st.delta.data);
@@ -474,6 +476,7 @@ struct dkdv_kernel : dkdv_plan<D> {
         warpgroup::commit();
         warpgroup::wait<1>(grad_p);  // dP^T has landed; dV may still run
         // dS^T = P^T (dP^T - delta[query]) (under a softcap s holds P^T times the slope)
+        if constexpr (with_softcap) warp::load(delta, st.delta.data);
         warp::sub_col(grad_p, grad_p, delta);
         warp::mul(grad_p, grad_p, s);
         warp::copy(grad_s, grad_p);
