@@ -245,7 +245,7 @@ def with_fa4(bench: common.Bench) -> tuple[common.Bench, str]:
 
 @dataclasses.dataclass(frozen=True)
 class FeatureCase(Case):
-    """A forward with the kernel's mask options (window, softcap, sinks), Nq = Nk = n. TFLOP/s count the
+    """Attention with the kernels' mask options (window, softcap, sinks), Nq = Nk = n. TFLOP/s count the
     (query, key) pairs the mask lets through, as FlashAttention counts a sliding window."""
     window: tuple[int, int] = (-1, -1)
     softcap: float = 0.0
