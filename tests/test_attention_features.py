@@ -570,14 +570,14 @@ def test_kernel_backward_never_reads_query_tiles_outside_the_window(head_dim):
     """2048 queries against 2048 keys with a causal window of 100: the gradients of the first 128 keys come from
     queries 0..227 only. q, dO and the statistics of every later query set to NaN change nothing there, and
     the first 128 rows of dq (keys 0..127 only) nothing either."""
-    q, k, v = make_qkv(1, 2, 2, 2048, 2048, head_dim, dtype=torch.bfloat16, device="cuda")
+    q, k, v = make_qkv(1, 2, 2, 2048, 2048, head_dim, dtype=torch.bfloat16, device="cuda", requires_grad=False)
     grad_out = torch.randn_like(q)
     options = dict(causal=True, window=(100, -1))
     with tk_testing.runs_the_kernels("attention", "attention_bwd"):
         out, lse = tk_ops.attention(q, k, v, return_lse=True, **options)
         grads = torch.ops.tk.attention_bwd(grad_out, None, q, k, v, out, lse, True, head_dim**-0.5, False, 100, -1, 0.0,
                                            None)
-        q_nan, grad_out_nan = q.detach().clone(), grad_out.clone()
+        q_nan, grad_out_nan = q.clone(), grad_out.clone()
         q_nan[:, :, 256:], grad_out_nan[:, :, 256:] = float("nan"), float("nan")
         grads_nan = torch.ops.tk.attention_bwd(grad_out_nan, None, q_nan, k, v, out, lse, True, head_dim**-0.5, False,
                                                100, -1, 0.0, None)
