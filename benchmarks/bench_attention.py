@@ -21,8 +21,9 @@ kernel configuration on its first call, which every provider makes before it is 
 
 Run from the repository root: python3 -m benchmarks.bench_attention [--out DIR] [--only grid gqa odd]
     [--pass fwd --pass bwd ...]
-The forward with the mask options (sliding window, softcap, sinks; FEATURE_CASES) against compiled
-FlexAttention, into attention_features.json: python3 -m benchmarks.bench_attention --features [--out DIR]
+The mask options (sliding window, softcap, sinks; FEATURE_CASES), forward and backward (the backward op
+alone, as above), against compiled FlexAttention, into attention_features.json:
+    python3 -m benchmarks.bench_attention --features [--out DIR] [--pass fwd --pass bwd]
 A small correctness pass (what compute-sanitizer runs): python3 -m benchmarks.bench_attention --check
 On the CPU, tiny cases, nothing timed: python3 -m benchmarks.bench_attention --dry-run [--out DIR]
 """
@@ -244,7 +245,7 @@ def with_fa4(bench: common.Bench) -> tuple[common.Bench, str]:
 
 @dataclasses.dataclass(frozen=True)
 class FeatureCase(Case):
-    """A forward with the kernel's mask options (window, softcap, sinks), Nq = Nk = n. TFLOP/s count the
+    """Attention with the kernels' mask options (window, softcap, sinks), Nq = Nk = n. TFLOP/s count the
     (query, key) pairs the mask lets through, as FlashAttention counts a sliding window."""
     window: tuple[int, int] = (-1, -1)
     softcap: float = 0.0
@@ -258,7 +259,8 @@ class FeatureCase(Case):
         return int((last - first + 1).clamp(min=0).sum())
 
     def flops(self, pass_: str) -> float:
-        return 4.0 * self.batch * self.q_heads * self.visible_pairs() * self.head_dim
+        forward = 4.0 * self.batch * self.q_heads * self.visible_pairs() * self.head_dim
+        return forward if pass_ == "fwd" else 2.5 * forward
 
     @property
     def label(self) -> str:
@@ -293,14 +295,26 @@ def feature_sinks(case: FeatureCase, device) -> torch.Tensor | None:
     return torch.randn(case.q_heads, generator=torch.Generator().manual_seed(0)).to(device)
 
 
-def ours_with_options(case: FeatureCase, pass_: str):
-    scale, (left, right) = case.head_dim**-0.5, case.window
-    sinks = feature_sinks(case, "cuda" if torch.cuda.is_available() else "cpu")
+def options_arguments(case: FeatureCase, device) -> tuple:
+    """tk::attention's trailing arguments for the case: causal, scale, deterministic, window, softcap, sinks."""
+    return (case.causal, case.head_dim**-0.5, False, *case.window, case.softcap, feature_sinks(case, device))
 
-    def run(q, k, v, grad_out):
-        return torch.ops.tk.attention(q, k, v, case.causal, scale, False, left, right, case.softcap,
-                                      None if sinks is None else sinks.to(q.device))
-    return run
+
+def ours_with_options(case: FeatureCase, pass_: str):
+    if pass_ != "fwd":
+        return call
+    return lambda q, k, v, grad_out: torch.ops.tk.attention(q, k, v, *options_arguments(case, q.device))
+
+
+def ours_options_backward(case: FeatureCase, pass_: str, inputs: tuple) -> tuple:
+    """bwd: the backward op alone on the forward's out and lse (the forward runs here, outside the timing);
+    it returns the sinks' gradient too, which the check leaves out (Flex's gradients are of q, k, v)."""
+    if pass_ == "fwd":
+        return inputs
+    q, k, v, grad_out = inputs
+    arguments = options_arguments(case, q.device)
+    out, lse = torch.ops.tk.attention(q, k, v, *arguments)
+    return (lambda: torch.ops.tk.attention_bwd(grad_out, None, q, k, v, out, lse, *arguments),)
 
 
 def flex_with_options(case: FeatureCase, pass_: str):
@@ -329,21 +343,39 @@ def flex_with_options(case: FeatureCase, pass_: str):
     attend = torch.compile(flex_attention, dynamic=False)
     sinks = feature_sinks(case, device)
 
-    def run(q, k, v, grad_out):
+    def forward(q, k, v):
         result = attend(q, k, v, score_mod=capped if case.softcap else None, block_mask=block_mask,
                         scale=case.head_dim**-0.5, enable_gqa=case.q_heads != case.kv_heads, return_lse=sinks is not None)
         if sinks is None:
             return result
         out, lse = result
         return out * torch.sigmoid(lse - sinks.view(1, -1, 1)).unsqueeze(-1).to(out.dtype)
-    return run
+
+    if pass_ == "fwd":
+        return lambda q, k, v, grad_out: forward(q, k, v)
+    FLEX_FORWARDS[case] = forward
+    return call
+
+
+# Each case's compiled FlexAttention forward (flex_with_options), for flex_backward's prepare.
+FLEX_FORWARDS: dict = {}
+
+
+def flex_backward(case: FeatureCase, pass_: str, inputs: tuple) -> tuple:
+    """bwd: autograd's backward of FlexAttention alone, on its forward's out (run here, outside the timing)."""
+    if pass_ == "fwd":
+        return inputs
+    q, k, v, grad_out = inputs
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = FLEX_FORWARDS[case](q, k, v)
+    return (lambda: torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True),)
 
 
 FEATURES_BENCH = common.Bench(
-    "attention_features", "Attention forward with window / softcap / sinks: tk_ops vs FlexAttention (bf16)",
-    ours=common.Provider("tk_ops", ours_with_options),
-    baselines=(common.Provider("flex", flex_with_options),),
-    inputs=lambda case, pass_, device: make_inputs(case, device),
+    "attention_features", "Attention with window / softcap / sinks: tk_ops vs FlexAttention (bf16)",
+    ours=common.Provider("tk_ops", ours_with_options, prepare=ours_options_backward),
+    baselines=(common.Provider("flex", flex_with_options, prepare=flex_backward),),
+    inputs=lambda case, pass_, device: make_inputs(case, device), passes=("fwd", "bwd"),
     set_bytes=lambda case, pass_, inputs: 2 * common.tensor_bytes(inputs), max_sets=4,
     timer=functools.partial(common.time_ms, warmup=3, rounds=10, batch=5),
     panel=lambda row: row["group"],
@@ -360,12 +392,14 @@ CHECK_SHAPES = [  # (B, Hq, Hkv, Nq, Nk, D, causal): tails, Nq != Nk, GQA, rows 
 ]
 
 
-# The forward kernel's options: (batch, Hq, Hkv, Nq, Nk, D, causal, window_left, window_right, softcap), each
-# with random sinks. A causal sliding window that skips key blocks; a two-sided window where rows past the
-# keys see none (their out is 0, their lse the sink).
+# The kernels' options: (batch, Hq, Hkv, Nq, Nk, D, causal, window_left, window_right, softcap), each with
+# random sinks, forward and backward. A causal sliding window that skips key blocks; a two-sided window where
+# rows past the keys see none (their out is 0, their lse the sink).
 CHECK_OPTION_SHAPES = [
     (1, 2, 1, 300, 700, 128, True, 150, -1, 2.0),
     (2, 4, 2, 333, 200, 64, False, 40, 90, 0.0),
+    (1, 2, 2, 260, 300, 128, True, 100, -1, 0.0),
+    (1, 2, 1, 200, 260, 64, True, -1, -1, 3.0),
 ]
 
 
@@ -399,16 +433,38 @@ def check_options() -> None:
         expected_out, expected_lse = options_expected(q, k, v, causal, scale, left, right, softcap, sinks)
         err = max(common.relative_difference(out.double(), expected_out),
                   common.relative_difference(lse.double(), expected_lse))
+        err = max(err, options_backward_error(q, k, v, causal, scale, left, right, softcap, sinks, out, lse))
         status = "ok" if err < 1e-2 else "WRONG"
         print(f"attention {batch}x{q_heads}/{kv_heads}x{q_len}x{k_len}x{head_dim} causal={causal} "
-              f"window=({left}, {right}) softcap={softcap} sinks: rel err {err:.2e} {status}")
+              f"window=({left}, {right}) softcap={softcap} sinks: rel err {err:.2e} (forward, and backward by both "
+              f"methods) {status}")
         if status != "ok":
             raise SystemExit("attention check: wrong result")
 
 
+def options_backward_error(q, k, v, causal, scale, left, right, softcap, sinks, out, lse) -> float:
+    """The largest relative difference of the backward kernels' dq, dk, dv and dsinks (one-pass and
+    recompute) from float64 autograd of options_expected, for random dO and dlse."""
+    leaves64 = [t.double().requires_grad_() for t in (q, k, v, sinks)]
+    expected_out, expected_lse = options_expected(*leaves64[:3], causal, scale, left, right, softcap, leaves64[3])
+    grad_out, grad_lse = torch.randn_like(out), torch.randn_like(lse)
+    expected = torch.autograd.grad((expected_out * grad_out.double()).sum() + (expected_lse * grad_lse.double()).sum(),
+                                   leaves64)
+    err = 0.0
+    for deterministic in (False, True):
+        os.environ["TK_OPS_ATTENTION_BACKWARD"] = "recompute" if deterministic else "one_pass"
+        try:
+            grads = torch.ops.tk.attention_bwd(grad_out, grad_lse, q, k, v, out, lse, causal, scale, deterministic,
+                                               left, right, softcap, sinks)
+        finally:
+            os.environ.pop("TK_OPS_ATTENTION_BACKWARD", None)
+        err = max(err, *(common.relative_difference(g.double(), e) for g, e in zip(grads, expected)))
+    return err
+
+
 def check() -> None:
     """The forward against float64 SDPA (rows that see no key left out) and finite gradients, on tails,
-    Nq != Nk and GQA, then the forward with window, softcap and sinks against float64; exits non-zero
+    Nq != Nk and GQA, then the forward and backward with window, softcap and sinks against float64; exits non-zero
     on a wrong result."""
     for batch, q_heads, kv_heads, q_len, k_len, head_dim, causal in CHECK_SHAPES:
         q = torch.randn(batch, q_heads, q_len, head_dim, device="cuda", dtype=torch.bfloat16)
@@ -441,13 +497,15 @@ def main(argv=None) -> None:
     parser = common.arguments(__doc__, passes=PASSES)
     parser.add_argument("--only", nargs="*", choices=GROUPS, default=list(GROUPS))
     parser.add_argument("--features", action="store_true",
-                        help="instead: the forward with window, softcap and sinks against FlexAttention (attention_features.json)")
+                        help="instead: window, softcap and sinks against FlexAttention (attention_features.json)")
     args = parser.parse_args(argv)
     if args.features:
         if common.without_gpu(args, FEATURES_BENCH, DRY_RUN_FEATURE_CASES):
             return
-        common.run(FEATURES_BENCH, FEATURE_CASES, out=args.out,
-                   flops="fwd 4 B H D x the (query, key) pairs the causal mask and the window let through; bf16")
+        passes = [p for p in args.passes or FEATURES_BENCH.passes if p in FEATURES_BENCH.passes]
+        common.run(FEATURES_BENCH, FEATURE_CASES, out=args.out, passes=passes,
+                   flops="fwd 4 B H D x the (query, key) pairs the causal mask and the window let through, bwd 2.5x "
+                         "fwd; bf16")
         return
     if args.plot_from:
         return common.without_gpu(args, BENCH, [])

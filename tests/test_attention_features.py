@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import tk_ops
 import tk_testing
-from inputs.attention import make_qkv, make_varlen
+from inputs.attention import BACKWARD_METHODS, backward_method, make_qkv, make_varlen
 from tk_ops.ops import attention as attention_module
 
 NEG_INF = float("-inf")
@@ -461,10 +461,10 @@ def test_varlen_deterministic_follows_torch_switch(monkeypatch):
 
 # ---------------------------------------------------------------------------------------- CUDA
 #
-# The forward kernel takes window, softcap and sinks (csrc/kernels/attention/attention_fwd.cu, its options
-# variant); the backward and the varlen op run the references. Each kernel case runs under
-# tk_testing.runs_the_kernels, so a forward that fell back to the reference (whose warning raises there)
-# fails instead of passing on the reference's numbers.
+# The forward and backward kernels take window, softcap and sinks (csrc/kernels/attention/attention_fwd.cu,
+# attention_bwd.cu: their options variants); the varlen op runs the references. Each kernel case runs under tk_testing.runs_the_kernels, so a kernel
+# that fell back to the reference (whose warning raises there) fails instead of passing on the
+# reference's numbers.
 
 # (causal, window): the key-block range narrowed and masked at a left edge only, a right edge only, both,
 # the diagonal alone and a causal sliding window wider than one key block (128 keys); and no window.
@@ -519,27 +519,71 @@ def test_kernel_forward_options_against_float64(causal, window, softcap, with_si
     torch.testing.assert_close(lse[:, :, blind], ref_lse[:, :, blind].float(), rtol=1e-6, atol=1e-6)
 
 
-@tk_testing.requires_kernel("attention")
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_kernel_forward_options_then_the_reference_backward(head_dim):
-    """With options the backward runs the reference (which warns), from q, k, v and the kernel's out; the
-    gradients of q, k, v and the sinks, through out and lse, match float64."""
-    q, k, v = make_qkv(2, 4, 2, 300, 333, head_dim, dtype=torch.bfloat16, device="cuda")
-    sinks = make_sinks(4, device="cuda")
-    options = dict(causal=True, window=(150, -1), softcap=3.0)
-    leaves = [q, k, v, sinks]
-    with tk_testing.runs_the_kernels("attention"):
-        out, lse = tk_ops.attention(q, k, v, sinks=sinks, return_lse=True, **options)
+def check_kernel_backward(shape, head_dim, dtype, method, sinks=None, **options):
+    """Forward and backward on the kernels (neither may fall back) with the backward ``method``: the gradients
+    of q, k, v (and the sinks), through out and lse, against float64."""
+    batch, q_heads, kv_heads, q_len, key_len = shape
+    leaves = make_qkv(batch, q_heads, kv_heads, q_len, key_len, head_dim, dtype=dtype, device="cuda")
+    if sinks is not None:
+        leaves.append(sinks.detach().clone().requires_grad_())
     leaves64 = [t.detach().double().requires_grad_() for t in leaves]
-    ref_out, ref_lse = naive_attention(*leaves64[:3], sinks=leaves64[3], **options)
-    tol = tk_testing.TOLERANCE[torch.bfloat16]
-    tk_testing.assert_rel_close(out, ref_out, tol, "out")
+    ref_out, ref_lse = naive_attention(*leaves64[:3], sinks=leaves64[3] if sinks is not None else None, **options)
     out_weight, lse_weight = torch.randn_like(ref_out), lse_loss_weights(ref_lse)
-    with tk_testing.runs_the_references("attention_bwd"):
+    with backward_method(method), tk_testing.runs_the_kernels("attention", "attention_bwd"):
+        out, lse = tk_ops.attention(*leaves[:3], sinks=leaves[3] if sinks is not None else None, return_lse=True,
+                                    deterministic=method == "deterministic", **options)
         grads = torch.autograd.grad(weighted_loss(out, lse, out_weight, lse_weight), leaves)
     ref_grads = torch.autograd.grad(weighted_loss(ref_out, ref_lse, out_weight, lse_weight), leaves64)
-    for name, grad, ref_grad in zip(("dq", "dk", "dv", "dsinks"), grads, ref_grads):
+    tol = tk_testing.TOLERANCE[dtype]
+    for name, grad, ref_grad, leaf in zip(("dq", "dk", "dv", "dsinks"), grads, ref_grads, leaves):
+        assert grad.dtype == leaf.dtype and grad.shape == leaf.shape, name
         tk_testing.assert_rel_close(grad, ref_grad, 2 * tol, name)
+
+
+@tk_testing.requires_kernel("attention_bwd")
+@pytest.mark.parametrize("method", BACKWARD_METHODS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@tk_testing.parametrize_with_ids("shape", KERNEL_SHAPES)
+@pytest.mark.parametrize("softcap, with_sinks", KERNEL_SCORES, ids=["plain", "softcap", "sinks", "softcap-sinks"])
+@pytest.mark.parametrize("causal, window", KERNEL_MASKS, ids=[mask_id(mask) for mask in KERNEL_MASKS])
+def test_kernel_backward_options_against_float64(causal, window, softcap, with_sinks, shape, head_dim, method):
+    """The backward kernels with a window (the dK/dV pass visits only the query tiles that see its keys, dQ only
+    the key blocks its queries see), a softcap (the slope 1 - t^2 of each capped score) and sinks (their
+    gradient from the rows' statistics), by both dq methods: every gradient against float64, rows that see no
+    key included (Nq > Nk, windows)."""
+    sinks = kernel_sinks(shape[1]) if with_sinks else None
+    check_kernel_backward(shape, head_dim, torch.bfloat16, method, sinks=sinks, causal=causal, window=window,
+                          softcap=softcap)
+
+
+@tk_testing.requires_kernel("attention_bwd")
+@pytest.mark.parametrize("method", BACKWARD_METHODS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_kernel_backward_options_in_fp16(head_dim, method):
+    check_kernel_backward((2, 4, 2, 333, 333), head_dim, torch.float16, method, sinks=kernel_sinks(4), causal=True,
+                          window=(150, -1), softcap=3.0)
+
+
+@tk_testing.requires_kernel("attention_bwd")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_kernel_backward_never_reads_query_tiles_outside_the_window(head_dim):
+    """2048 queries against 2048 keys with a causal window of 100: the gradients of the first 128 keys come from
+    queries 0..227 only. q, dO and the statistics of every later query set to NaN change nothing there, and
+    the first 128 rows of dq (keys 0..127 only) nothing either."""
+    q, k, v = make_qkv(1, 2, 2, 2048, 2048, head_dim, dtype=torch.bfloat16, device="cuda", requires_grad=False)
+    grad_out = torch.randn_like(q)
+    options = dict(causal=True, window=(100, -1))
+    with tk_testing.runs_the_kernels("attention", "attention_bwd"):
+        out, lse = tk_ops.attention(q, k, v, return_lse=True, **options)
+        grads = torch.ops.tk.attention_bwd(grad_out, None, q, k, v, out, lse, True, head_dim**-0.5, False, 100, -1, 0.0,
+                                           None)
+        q_nan, grad_out_nan = q.clone(), grad_out.clone()
+        q_nan[:, :, 256:], grad_out_nan[:, :, 256:] = float("nan"), float("nan")
+        grads_nan = torch.ops.tk.attention_bwd(grad_out_nan, None, q_nan, k, v, out, lse, True, head_dim**-0.5, False,
+                                               100, -1, 0.0, None)
+    torch.testing.assert_close(grads_nan[0][:, :, :128], grads[0][:, :, :128], rtol=0, atol=0)
+    for name, i in (("dk", 1), ("dv", 2)):
+        torch.testing.assert_close(grads_nan[i][:, :, :128], grads[i][:, :, :128], rtol=0, atol=0, msg=name)
 
 
 @tk_testing.requires_kernel("attention")

@@ -5,9 +5,7 @@
 // launches on the current stream. What the kernels cannot take (fp32/fp64, head dims other than
 // 64/128 or differing between q, k and v, another GPU, strides TMA cannot describe) goes to the
 // op's reference twin tk::<op>_ref, which warns once. The options window, softcap and sinks (the last
-// four arguments of both ops, tk_ops/ops/attention.py) run on the forward kernel; a backward call
-// with any of them switched on goes to the reference (no backward kernel computes them yet), which
-// recomputes the probabilities from q, k and v and reads only `out` of the forward's results.
+// four arguments of both ops, tk_ops/ops/attention.py) run on the forward and the backward kernels.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -85,12 +83,6 @@ std::optional<attn::forward_problem> plan_forward(const at::Tensor& q, const at:
   return p;
 }
 
-// Whether a call asks for an option no backward kernel computes: a window edge (-1 = unbounded; under
-// causal the public function passes window_right = -1), a softcap (0 = off) or sinks.
-bool options_on(int64_t window_left, int64_t window_right, double softcap, const std::optional<at::Tensor>& sinks) {
-  return window_left >= 0 || window_right >= 0 || softcap != 0.0 || sinks.has_value();
-}
-
 // `deterministic` only concerns the backward; the forward takes it so that autograd can hand it on.
 std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                   bool causal, double scale, bool deterministic, int64_t window_left,
@@ -124,7 +116,7 @@ attn::backward_method backward_method(bool deterministic) {
   return name == "one_pass" ? attn::backward_method::one_pass : attn::backward_method::recompute;
 }
 
-// grad_sinks, the fourth output, is an empty fp32 tensor when the call has no sinks (always, on the kernels).
+// grad_sinks, the fourth output, is an empty fp32 tensor when the call has no sinks.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q, const at::Tensor& k,
     const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool causal, double scale, bool deterministic,
@@ -145,13 +137,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
   std::optional<attn::backward_problem> plan;
   const bool statistics_fp32 =
       lse.scalar_type() == at::kFloat && (!grad_lse.has_value() || grad_lse->scalar_type() == at::kFloat);
-  if (!options_on(window_left, window_right, softcap, sinks) && kernel_device(q) && q.numel() > 0 &&
-      k.numel() > 0 && statistics_fp32 &&
-      grad_out.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type()) {
+  if (kernel_device(q) && q.numel() > 0 && k.numel() > 0 && statistics_fp32 &&
+      grad_out.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type() &&
+      (!sinks.has_value() || kernel_sinks(*sinks, q))) {
     const auto qv = view_of(q), kv = view_of(k), vv = view_of(v), ov = view_of(out), gv = view_of(grad_out);
     if (qv && kv && vv && ov && gv) {
       attn::backward_problem p{element_of(q), causal, float(scale), *qv, *kv, *vv, *ov, *gv,
                                nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, backward_method(deterministic)};
+      p.window_left = window_left;
+      p.window_right = window_right;
+      p.softcap = softcap;
+      p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
       if (attn::unsupported_reason(p).empty()) plan = p;
     }
   }
@@ -166,6 +162,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
   at::Tensor grad_q = at::empty(q.sizes(), q.options());
   at::Tensor grad_k = at::empty(k.sizes(), k.options());
   at::Tensor grad_v = at::empty(v.sizes(), v.options());
+  at::Tensor grad_sinks = at::empty({sinks.has_value() ? q.size(1) : 0}, q.options().dtype(at::kFloat));
   at::Tensor workspace = at::empty({attn::backward_workspace_floats(*plan)}, q.options().dtype(at::kFloat));
   plan->lse = lse_rows.data_ptr<float>();
   plan->grad_lse = grad_lse_rows.has_value() ? grad_lse_rows->data_ptr<float>() : nullptr;
@@ -173,8 +170,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
   plan->grad_k = grad_k.data_ptr();
   plan->grad_v = grad_v.data_ptr();
   plan->workspace = workspace.data_ptr<float>();
+  plan->grad_sinks = sinks.has_value() ? grad_sinks.data_ptr<float>() : nullptr;
   launch_on(q, [&](cudaStream_t stream) { return attn::launch(*plan, stream); });
-  return {grad_q, grad_k, grad_v, at::empty({0}, q.options().dtype(at::kFloat))};
+  return {grad_q, grad_k, grad_v, grad_sinks};
 }
 
 }  // namespace

@@ -18,14 +18,14 @@ extension declares it, ``_library.kernel_support``: 64 or 128 today), and either
     the mask's values, whatever ops built it (``(j <= i) & (j > i - W)`` on aranges, Hugging Face's
     sliding-window masks).
 
-A sliding window has no tk backward kernel yet (and its forward kernel is not measured): tk runs
-the backward on its reference, far slower than any SDPA backend. So a proven window is rewritten only with ``RewriteOptions.any_device`` (where the
-reference is what is asked for: the CPU tests); on a kernel device SDPA keeps it.
+A sliding window's backward kernel has not run on a GPU yet (its forward is 1.4x FlexAttention, and SDPA
+has no window but a dense mask): until it is measured, a proven window is rewritten only with
+``RewriteOptions.any_device`` (where the reference is what is asked for: the CPU tests); on a kernel
+device SDPA keeps it.
 
 A softcap (``c * tanh(s / c)`` between q k^T and the softmax) is not rewritten: SDPA has no softcap,
 so a softcapped attention is hand-written matmuls, tanh and softmax, and this pass matches only
-the fused SDPA nodes (matching the decomposed math and its backward is a separate rewrite, and tk
-would also run the softcap's backward on its reference today).
+the fused SDPA nodes (matching the decomposed math and its backward is a separate rewrite).
 
 K and V expanded from fewer heads by Hugging Face's ``repeat_kv`` (unsqueeze, expand, copy,
 reshape) are read from the unexpanded tensors, as GQA, so the copies disappear. Their gradients

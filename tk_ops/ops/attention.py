@@ -598,8 +598,8 @@ def attention(
     ``return_lse``: lse (B, Hq, Nq) fp32, the natural-log logsumexp of the masked, capped, scaled
     scores and the sink. A row that sees no key has out 0 and lse -inf (with sinks: lse = its sink).
     Inputs may be views with any strides and a unit last stride, e.g.
-    ``x.view(B, N, H, D).transpose(1, 2)``. On the kernels the forward takes window, softcap and
-    sinks; their backward runs the reference for now (on a GPU with a one-time warning).
+    ``x.view(B, N, H, D).transpose(1, 2)``. The kernels take window, softcap and sinks, forward
+    and backward.
 
     ``deterministic``: True makes the backward on the kernels bitwise reproducible (dq from a
     second kernel that recomputes the scores); False (the default, as in FlashAttention) lets it

@@ -202,7 +202,7 @@ struct visibility {
 // Causal is right = 0; an unbounded edge is stored as one that reaches every key (left = Nk,
 // right = Nq: the same keys for every query i < Nq). Both bounds rise by at most one per query, so
 // the keys a run of queries sees are one range, and the keys all of them see whole are another.
-// visibility (above) is the case left unbounded, which the backward and the plain forward keep.
+// visibility (above) is the case left unbounded, which the plain forward and backward keep.
 struct key_window {
   int q_rows;
   int k_rows;
@@ -237,10 +237,63 @@ struct key_window {
     const int last_query = max(q0, min(q0 + q_count, q_rows) - 1);
     return {ceil_div(key_floor(last_query), block_kv), max(0, key_limit(q0)) / block_kv};
   }
+  // Whether every query of [q0, q0 + q_count) below Nq sees every key of [k0, k0 + k_count): the tile
+  // needs no mask (the bounds rise with the query, so the last query's floor and the first's limit decide).
+  __device__ bool sees_whole(int q0, int q_count, int k0, int k_count) const {
+    const int last_query = max(q0, min(q0 + q_count, q_rows) - 1);
+    return key_floor(last_query) <= k0 && k0 + k_count <= key_limit(q0);
+  }
+
+  // The same rule per key (the backward's dK/dV rows): key j < Nk is seen by the queries
+  // [query_floor(j), query_end(j)); both rise by one per key, so the queries a run of keys is seen by
+  // are one range.
+  __device__ int query_floor(int key) const { return key - diagonal() - right; }
+  __device__ int query_end(int key) const { return key - diagonal() + left + 1; }
+  // The query blocks of `block_q` rows that see any key of [k0, k0 + k_count) (clipped to Nk and Nq):
+  // first_query_block(k0) and the query_blocks(...) after it (0 when no query sees them).
+  __device__ int first_query_block(int k0, int block_q) const { return max(0, query_floor(k0)) / block_q; }
+  __device__ int query_blocks(int k0, int k_count, int block_q) const {
+    const int begin = max(0, query_floor(k0));
+    const int end = min(q_rows, query_end(min(k0 + k_count, k_rows) - 1));
+    return end <= begin ? 0 : ceil_div(end, block_q) - begin / block_q;
+  }
 };
 
-// The most Nq + Nk the forward with options takes: key_window's bounds stay in int.
+// The most Nq + Nk the kernels with a window (or the forward's other options) take: key_window's bounds
+// stay in int.
 constexpr int64_t MAX_WINDOWED_ROWS = int64_t(1) << 30;
+
+// ------------------------------------------------------------------------------------ softcap
+
+// The softcapped score before its factor: tanh(tanh_scale * s), tanh_scale = scale / softcap. MUFU's
+// tanh (tanh.approx, one instruction a score, as FlashAttention-3's softcap) is off by about 2^-11
+// on t (|t| <= 1), so the capped score softcap * t by about softcap * 2^-11 (natural-log units).
+// The kernels take softcap * log2(e) as the factor of t: the capped score in log2 units.
+struct capped_score {
+  __device__ static float apply(float s, float tanh_scale) {
+    float t;
+    asm("tanh.approx.f32 %0, %1;\n" : "=f"(t) : "f"(s * tanh_scale));
+    return t;
+  }
+};
+
+// The backward's slope of the capped score, 1 - t^2 (d softcap tanh(u) / du = softcap (1 - t^2)),
+// with t recovered from the probability p = exp2(c t - lse2) rather than kept beside it (the dK/dV
+// step has no registers for a second tile): t = (log2 p + lse2) / c. Clamped to [-1, 1], so that
+// p = 0 (a hidden key, an underflow, a padding row with lse2 = +inf, where log2 p + lse2 is -inf or
+// NaN) gives slope 0, finite, and dS = p (...) stays 0.
+struct softcap_slope {
+  __device__ static float apply(float p, float lse2, float inverse_c) {
+    const float t = fminf(fmaxf((__log2f(p) + lse2) * inverse_c, -1.0f), 1.0f);
+    return fmaf(-t, t, 1.0f);
+  }
+};
+// What dS = P (dP - delta) takes of P under a softcap: P times the slope.
+struct probability_times_slope {
+  __device__ static float apply(float p, float lse2, float inverse_c) {
+    return p * softcap_slope::apply(p, lse2, inverse_c);
+  }
+};
 
 // -------------------------------------------------------------- resident tiles and epilogues
 

@@ -12,7 +12,7 @@
 //   sinks (Hq,) fp32      one logit per query head in each row's softmax denominator only:
 //                         out = sum_j p_j v_j / (sum_j p_j + exp(sink)), lse includes it, and a
 //                         row that sees no key gets out = 0 and lse = sink
-// The backward takes none of them yet.
+// The backward takes all three (a sink's gradient: it is one more key of value 0 in every row).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -71,6 +71,13 @@ struct backward_problem {
   // accumulator.
   float* workspace;
   backward_method method;
+  int64_t window_left = -1, window_right = -1;  // the forward's window; -1 = unbounded
+  double softcap = 0.0;                          // the forward's softcap; 0 = off
+  const float* sinks = nullptr;                  // the forward's (Hq,) sinks (its lse includes them), or none
+  float* grad_sinks = nullptr;                   // (Hq,) fp32, written when sinks are given
+
+  // The window and the softcap change the gradient kernels (their options variant); sinks do not.
+  bool has_options() const { return window_left >= 0 || window_right >= 0 || softcap != 0.0; }
 };
 
 // Floats of workspace the backward needs (every field but the pointers set).

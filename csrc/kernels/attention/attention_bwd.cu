@@ -22,7 +22,21 @@
 //   recomputed (deterministic): dq_kernel, a block owning 128 query rows that streams K/V blocks
 //                       and recomputes S = Q K^T, dP = dO V^T;  dS = P (dP - delta);  dQ += dS K
 //                       in registers: no atomics, bitwise reproducible, ~40% more tensor work.
+//
+// The forward's options (attention.h) have their backward here. The window takes the gradient kernels'
+// windowed variants, a softcap their softcapped ones (window and softcap; backward_features), and the
+// plain variants compile to the code they had before the options existed:
+//   window   a dK/dV block streams only the query tiles that see its keys (key_window's per-key
+//            range), a dQ block only the key blocks its queries see; tiles a window edge or the key
+//            tail cuts run masked
+//   softcap  the score is recomputed as the forward has it, t = tanh(scale / softcap * q.k) times
+//            softcap * log2(e), and dS takes the slope 1 - t^2 (softcap_slope, t recovered from P)
+//   sinks    P is recomputed from the forward's lse, which includes the sink, so dq, dk and dv need
+//            nothing more (either variant); the sink, one more key of value 0 in each row, gets
+//            d loss / d sink = -sum over its head's rows of p_sink * delta (sink_gradient_kernel)
 #include <algorithm>
+#include <cfloat>
+#include <cmath>
 #include <type_traits>
 #include <utility>
 
@@ -113,25 +127,35 @@ struct shuffled_column_pairs {
     }
   }
 
-  // f(br, bc, q, v) for each packed pair [br][bc][q] of an fp32 row-layout Tile, v the statistics of
-  // the pair's two columns (each shuffled once and used by every row block at once).
-  template <typename Tile, typename F>
-  __device__ __forceinline__ void for_each_pair(F&& f) const {
+  // f(br, bc, q, v, w...) for each packed pair [br][bc][q] of an fp32 row-layout Tile, v (each w) the
+  // statistics of the pair's two columns in this vector (in each of `others`), each shuffled once and
+  // used by every row block at once.
+  template <typename Tile, typename F, typename... Others>
+  __device__ __forceinline__ void for_each_pair(F&& f, const Others&... others) const {
     static_assert(Tile::layout == register_layout::row && std::is_same_v<typename Tile::element, float>);
     static_assert(Tile::col_blocks == fragment::GROUPS, "one base tile of columns per group of lanes");
     [&]<int... BC>(std::integer_sequence<int, BC...>) {
-      ([&] {
-#pragma unroll
-        for (int h = 0; h < fragment::HALVES; ++h) {
-          const float2 v = from_group<BC>(h);
-#pragma unroll
-          for (int br = 0; br < Tile::row_blocks; ++br) {
-#pragma unroll
-            for (int r = 0; r < fragment::HALVES; ++r) f(br, BC, fragment::quadrant(r, h), v);
-          }
-        }
-      }(), ...);
+      (pairs_of_group<BC, Tile>(f, others...), ...);
     }(std::make_integer_sequence<int, Tile::col_blocks>{});
+  }
+
+  // for_each_pair's pairs of base tile column BC.
+  template <int BC, typename Tile, typename F, typename... Others>
+  __device__ __forceinline__ void pairs_of_group(F& f, const Others&... others) const {
+#pragma unroll
+    for (int h = 0; h < fragment::HALVES; ++h) {
+      const float2 v = from_group<BC>(h);
+      pair_rows<Tile>(f, BC, h, v, others.template from_group<BC>(h)...);
+    }
+  }
+
+  template <typename Tile, typename F, typename... Others>
+  __device__ __forceinline__ static void pair_rows(F& f, int bc, int h, float2 v, Others... w) {
+#pragma unroll
+    for (int br = 0; br < Tile::row_blocks; ++br) {
+#pragma unroll
+      for (int r = 0; r < fragment::HALVES; ++r) f(br, bc, fragment::quadrant(r, h), v, w...);
+    }
   }
 
   // dst = f(pair, v) for each packed pair of dst, v the statistics of the pair's two columns.
@@ -158,15 +182,50 @@ struct shuffled_column_pairs {
       ds16.pairs[br][bc][q] = convert_pair<pair16>(g);
     });
   }
+
+  // grad_scores under a softcap: dS^T also times each score's slope 1 - t^2 (softcap_slope, from P^T
+  // and the query's lse2, whose pairs `lse2` holds spread as this vector holds delta's).
+  template <typename Scores, typename Operand>
+  __device__ __forceinline__ void capped_grad_scores(const Scores& p, Scores& dp, Operand& p16, Operand& ds16,
+                                                     const shuffled_column_pairs& lse2, float inverse_c) const {
+    using pair16 = typename Operand::pair_type;
+    for_each_pair<Scores>(
+        [&](int br, int bc, int q, float2 d, float2 l) {
+          const float2 pp = p.pairs[br][bc][q];
+          float2& g = dp.pairs[br][bc][q];
+          g = float2{pp.x * (g.x - d.x) * softcap_slope::apply(pp.x, l.x, inverse_c),
+                     pp.y * (g.y - d.y) * softcap_slope::apply(pp.y, l.y, inverse_c)};
+          p16.pairs[br][bc][q] = convert_pair<pair16>(pp);
+          ds16.pairs[br][bc][q] = convert_pair<pair16>(g);
+        },
+        lse2);
+  }
 };
 
 // How the dK/dV kernel leaves dQ: to dq_kernel (recomputed) or summed itself (accumulated).
 enum class dq_method { recomputed, accumulated };
 
-template <typename T, int D, dq_method DQ>
+// What a gradient kernel compiles in: the causal rule and the key tail (plain); the forward's window
+// with causality folded in (unbounded edges reach every key); or that and its softcap. The softcap is
+// a variant of its own rather than a switch: its code beside the window's pushed the D = 128 dK/dV step
+// past its 240 registers, and the windowed models (Mistral, GPT-OSS) have no softcap.
+enum class backward_features { plain, windowed, softcapped };
+
+// The options' parameters, a base of the params of the windowed and softcapped variants, as the
+// forward's options are (the plain params keep their layout).
+struct options_params {
+  key_window window;
+  float tanh_scale = 0.0f;  // scale / softcap (softcapped; shape.scale_log2 is then softcap * log2(e))
+  float inverse_c = 0.0f;   // 1 / (softcap * log2(e)), for softcap_slope
+};
+struct no_options {};
+
+template <typename T, int D, dq_method DQ, backward_features FEATURES>
 struct dkdv_kernel : dkdv_plan<D> {
   using plan = dkdv_plan<D>;
   static constexpr bool sums_dq = DQ == dq_method::accumulated;
+  static constexpr bool with_options = FEATURES != backward_features::plain;
+  static constexpr bool with_softcap = FEATURES == backward_features::softcapped;
   static constexpr int stages = sums_dq ? plan::one_pass_stages : plan::stages;
   using kv_tile = shared_tile<T, plan::rows_per_consumer, D>;  // one consumer's keys, later its dK / dV
   using q_tile = shared_tile<T, plan::block_q, D>;
@@ -205,7 +264,7 @@ struct dkdv_kernel : dkdv_plan<D> {
   };
   static constexpr uint32_t stage_bytes[] = {2 * q_tile::bytes + 2 * statistics_vector::bytes};
 
-  struct params {
+  struct params : std::conditional_t<with_options, options_params, no_options> {
     CUtensorMap q, k, v, grad_out, grad_k, grad_v;
     CUtensorMap lse2, delta;  // (B * Hq, statistics_rows)
     float* dq_accumulator;  // accumulated: (B * Hq, statistics_rows, D) fp32 in partial order; else null
@@ -226,7 +285,8 @@ struct dkdv_kernel : dkdv_plan<D> {
   };
   static_assert(fits_named_barriers<barrier_id>());
 
-  // Query tiles: every tile of each of the group's query heads, from the first the keys can see.
+  // Query tiles: for each of the group's query heads, the tiles that see the block's keys (from the
+  // first the keys can see on; under a window, up to the last).
   struct schedule {
     int first_tile, tiles_per_head;
     __device__ int steps(int group) const { return group * tiles_per_head; }
@@ -234,9 +294,14 @@ struct dkdv_kernel : dkdv_plan<D> {
     __device__ int tile(int step) const { return first_tile + step % tiles_per_head; }
   };
 
-  __device__ static schedule schedule_for(const gradient_shape& g, pipeline::head_block task) {
-    const int first = g.vis().first_query_tile(task.block * plan::block_kv, plan::block_q);
-    return {first, max(0, ceil_div(g.q_rows, plan::block_q) - first)};
+  __device__ static schedule schedule_for(const params& p, pipeline::head_block task) {
+    const int k0 = task.block * plan::block_kv;
+    if constexpr (with_options) {
+      return {p.window.first_query_block(k0, plan::block_q), p.window.query_blocks(k0, plan::block_kv, plan::block_q)};
+    } else {
+      const int first = p.shape.vis().first_query_tile(k0, plan::block_q);
+      return {first, max(0, ceil_div(p.shape.q_rows, plan::block_q) - first)};
+    }
   }
 
   __host__ __device__ static pipeline::head_block_order tasks(const params& p) {
@@ -244,7 +309,7 @@ struct dkdv_kernel : dkdv_plan<D> {
   }
 
   __device__ static int iterations(const params& p, pipeline::head_block task) {
-    return schedule_for(p.shape, task).steps(p.shape.group);
+    return schedule_for(p, task).steps(p.shape.group);
   }
 
   __device__ static void prefetch(const params& p) {
@@ -262,7 +327,7 @@ struct dkdv_kernel : dkdv_plan<D> {
   }
 
   __device__ static void load(const params& p, pipeline::head_block task, int step, int, stage& s, mbarrier& full) {
-    const schedule sched = schedule_for(p.shape, task);
+    const schedule sched = schedule_for(p, task);
     const int head = q_head(p, task, sched, step);
     const int q0 = sched.tile(step) * plan::block_q;
     const int index[4] = {task.batch, head, q0, 0};
@@ -333,7 +398,7 @@ struct dkdv_kernel : dkdv_plan<D> {
     operand prob, grad_s;
     dq_partial dq;
 
-    const schedule sched = schedule_for(g, ctx.task);
+    const schedule sched = schedule_for(p, ctx.task);
     auto at = in.first();
     for (int step = 0; step < ctx.iterations; ++step, at.advance()) {
       const int q0 = sched.tile(step) * plan::block_q;
@@ -356,14 +421,18 @@ struct dkdv_kernel : dkdv_plan<D> {
       shuffled_column_pairs lse2_spread, delta_spread;  // the same, spread over the warp (block_q = 128)
       if constexpr (!plan::statistics_from_shared) {
         warp::load(lse2, st.lse2.data);
-        warp::load(delta, st.delta.data);
+        // Under a softcap delta is read where it is used (below): 16 registers fewer through the
+        // scores' softcap and exponentials, which kept the step within 240 registers.
+        if constexpr (!with_softcap) warp::load(delta, st.delta.data);
       } else {
         lse2_spread.load(st.lse2.data);
         delta_spread.load(st.delta.data);
       }
       warpgroup::wait<1>(s);
 
-      // P^T = exp2(s2 - lse2[query]), 0 where the key is hidden from the query.
+      // P^T = exp2(s2 - lse2[query]), 0 where the key is hidden from the query; under a softcap s2 is
+      // the forward's, softcap * log2(e) * tanh(scale / softcap * q.k).
+      if constexpr (with_softcap) warp::map<capped_score>(s, s, p.tanh_scale);
       if constexpr (plan::statistics_from_shared) {
         const float c = g.scale_log2;
         lse2_spread.map(s, [c](float2 x, float2 l) {
@@ -374,7 +443,18 @@ struct dkdv_kernel : dkdv_plan<D> {
         warp::sub_col(s, s, lse2);
         warp::exp2(s, s);
       }
-      if (vis.needs_mask(q0, key0, plan::rows_per_consumer)) {
+      if constexpr (with_options) {
+        // Per key the queries [query_floor, query_end) see it (4 integers a thread, as the plain
+        // D = 64 rule's 2); a key past Nk (zero-filled) is hidden from every query.
+        const key_window w = p.window;
+        if (!w.sees_whole(q0, plan::block_q, key0, plan::rows_per_consumer)) {
+          warp::mask(s, {key0 + warpgroup::warp_row(), q0},
+                     [&](int key, int query) {
+                       return key < w.k_rows && query >= w.query_floor(key) && query < w.query_end(key);
+                     },
+                     0.0f);
+        }
+      } else if (vis.needs_mask(q0, key0, plan::rows_per_consumer)) {
         if constexpr (plan::mask_by_query_floor) {
           warp::mask(s, {key0 + warpgroup::warp_row(), q0},
                      [&](int key, int query) { return query >= vis.query_floor(key); }, 0.0f);
@@ -385,12 +465,18 @@ struct dkdv_kernel : dkdv_plan<D> {
       }
       if constexpr (!plan::dv_after_scores) {
         warp::copy(prob, s);
+        if constexpr (with_softcap) {
+          // s becomes what dS^T takes of it, P^T times the slope, while lse2 is at hand (kept until
+          // dS^T, lse2 pushed the step past 240 registers).
+          warp::map<probability_times_slope>(s, s, broadcast<tile_axis::cols, query_vector>{lse2}, p.inverse_c);
+        }
         // dV += P^T dO runs while dS^T is formed.
         warpgroup::fence();
         warpgroup::mma<operand_major::mn>(state.grad_v, prob, st.grad_out, 0, true);
         warpgroup::commit();
         warpgroup::wait<1>(grad_p);  // dP^T has landed; dV may still run
-        // dS^T = P^T (dP^T - delta[query])
+        // dS^T = P^T (dP^T - delta[query]) (under a softcap s holds P^T times the slope)
+        if constexpr (with_softcap) warp::load(delta, st.delta.data);
         warp::sub_col(grad_p, grad_p, delta);
         warp::mul(grad_p, grad_p, s);
         warp::copy(grad_s, grad_p);
@@ -398,7 +484,11 @@ struct dkdv_kernel : dkdv_plan<D> {
         // dS^T with P^T and dS^T packed as it is formed (FA3's order: dV is issued first of the
         // step's products, once both operands exist).
         warpgroup::wait<0>(grad_p);
-        delta_spread.grad_scores(s, grad_p, prob, grad_s);
+        if constexpr (with_softcap) {
+          delta_spread.capped_grad_scores(s, grad_p, prob, grad_s, lse2_spread, p.inverse_c);
+        } else {
+          delta_spread.grad_scores(s, grad_p, prob, grad_s);
+        }
         warpgroup::fence();
         warpgroup::mma<operand_major::mn>(state.grad_v, prob, st.grad_out, 0, true);
         warpgroup::commit();
@@ -485,9 +575,11 @@ __global__ void __launch_bounds__(WARPGROUP_THREADS) dq_convert_kernel(const dq_
 
 // ----------------------------------------------------------------------------------------- dQ
 
-template <typename T, int D>
+template <typename T, int D, backward_features FEATURES>
 struct dq_kernel : dq_plan<D> {
   using plan = dq_plan<D>;
+  static constexpr bool with_options = FEATURES != backward_features::plain;
+  static constexpr bool with_softcap = FEATURES == backward_features::softcapped;
   using q_tile = shared_tile<T, plan::rows_per_consumer, D>;  // one consumer's rows of Q / dO, later its dQ
   using kv_tile = shared_tile<T, plan::block_kv, D>;
   using scores = warpgroup::accumulator<plan::block_kv>;  // S and dP: a warp's 16 queries x 128 keys
@@ -506,7 +598,7 @@ struct dq_kernel : dq_plan<D> {
   };
   static constexpr uint32_t stage_bytes[] = {2 * kv_tile::bytes};
 
-  struct params {
+  struct params : std::conditional_t<with_options, options_params, no_options> {
     CUtensorMap q, k, v, grad_out, grad_q;
     const float* lse2;
     const float* delta;
@@ -529,7 +621,20 @@ struct dq_kernel : dq_plan<D> {
   }
 
   __device__ static int iterations(const params& p, pipeline::head_block task) {
-    return p.shape.vis().key_blocks(task.block * plan::block_q, plan::block_q, plan::block_kv);
+    if constexpr (with_options) {
+      return p.window.key_blocks(task.block * plan::block_q, plan::block_q, plan::block_kv);
+    } else {
+      return p.shape.vis().key_blocks(task.block * plan::block_q, plan::block_q, plan::block_kv);
+    }
+  }
+
+  // The key block of iteration 0: under a window, the first block the task's queries see.
+  __device__ static int first_key_block(const params& p, pipeline::head_block task) {
+    if constexpr (with_options) {
+      return p.window.first_key_block(task.block * plan::block_q, plan::block_kv);
+    } else {
+      return 0;
+    }
   }
 
   __device__ static void prefetch(const params& p) {
@@ -543,7 +648,7 @@ struct dq_kernel : dq_plan<D> {
   }
 
   __device__ static void load(const params& p, pipeline::head_block task, int j, int, stage& s, mbarrier& full) {
-    const int index[4] = {task.batch, task.head / p.shape.group, j * plan::block_kv, 0};
+    const int index[4] = {task.batch, task.head / p.shape.group, (first_key_block(p, task) + j) * plan::block_kv, 0};
     tma::load(s.k, p.k, full, index);
     tma::load(s.v, p.v, full, index);
   }
@@ -567,9 +672,10 @@ struct dq_kernel : dq_plan<D> {
     scores s, grad_p;
     operand grad_s;
 
+    const int first_block = first_key_block(p, ctx.task);
     auto at = in.first();
     for (int j = 0; j < ctx.iterations; ++j, at.advance()) {
-      const int key0 = j * plan::block_kv;
+      const int key0 = (first_block + j) * plan::block_kv;
       const stage& st = in.wait(at);
       // S = Q K^T and dP = dO V^T
       warpgroup::fence();
@@ -579,13 +685,24 @@ struct dq_kernel : dq_plan<D> {
       warpgroup::wait<0>(s, grad_p);
 
       // dS = P (dP - delta) with P = exp2(s2 - lse2), 0 where hidden (keys >= Nk included: their
-      // zero-filled K would give P = exp2(-lse2), which may overflow).
+      // zero-filled K would give P = exp2(-lse2), which may overflow); under a softcap s2 is the
+      // forward's capped score and dS takes its slope.
+      if constexpr (with_softcap) warp::map<capped_score>(s, s, p.tanh_scale);
       warp::mul(s, s, g.scale_log2);
       warp::sub_row(s, s, lse2);
       warp::exp2(s, s);
-      if (vis.needs_mask(row0, key0, plan::block_kv)) {
+      if constexpr (with_options) {
+        const key_window w = p.window;
+        if (!w.sees_whole(row0, plan::rows_per_consumer, key0, plan::block_kv)) {
+          warp::mask(s, {row0 + warpgroup::warp_row(), key0},
+                     [&](int query, int key) { return key >= w.key_floor(query) && key < w.key_limit(query); }, 0.0f);
+        }
+      } else if (vis.needs_mask(row0, key0, plan::block_kv)) {
         warp::mask(s, {row0 + warpgroup::warp_row(), key0}, [&](int query, int key) { return vis.visible(query, key); },
                    0.0f);
+      }
+      if constexpr (with_softcap) {
+        warp::map<probability_times_slope>(s, s, broadcast<tile_axis::rows, row_vector>{lse2}, p.inverse_c);
       }
       warp::sub_row(grad_p, grad_p, delta);
       warp::mul(grad_p, grad_p, s);
@@ -607,6 +724,43 @@ struct dq_kernel : dq_plan<D> {
                   staged(p.grad_q, ctx.resident.q[ctx.consumer], state.grad_q));
   }
 };
+
+// ----------------------------------------------------------------------------------- sinks
+
+// The sinks' gradient. A sink is one more key of value 0 in each row of its head, of probability
+// p = exp2(sink * log2(e) - lse2) there (lse2 includes it), so d loss / d sink = -sum over the head's
+// rows of p * delta, from the statistics the gradient kernels read (padding rows have lse2 = +inf,
+// p = 0, and delta = 0). One block per query head sums its rows in a fixed order (reproducible).
+constexpr int SINK_GRADIENT_THREADS = 256;
+
+struct sink_gradient_params {
+  const float* sinks;
+  const float* lse2;
+  const float* delta;
+  float* grad_sinks;
+  int batch, q_heads, statistics_rows;
+};
+
+__global__ void __launch_bounds__(SINK_GRADIENT_THREADS) sink_gradient_kernel(const sink_gradient_params p) {
+  constexpr int warps = SINK_GRADIENT_THREADS / WARP_THREADS;
+  __shared__ float warp_sums[warps];
+  const int head = int(blockIdx.x);
+  const float sink2 = p.sinks[head] * LOG2_E;
+  float sum = 0.0f;
+  for (int b = 0; b < p.batch; ++b) {
+    const int64_t rows = (int64_t(b) * p.q_heads + head) * p.statistics_rows;
+    for (int r = int(threadIdx.x); r < p.statistics_rows; r += SINK_GRADIENT_THREADS) {
+      sum += exp2f(sink2 - p.lse2[rows + r]) * p.delta[rows + r];
+    }
+  }
+  for (int lanes = WARP_THREADS / 2; lanes > 0; lanes /= 2) sum += __shfl_xor_sync(ALL_LANES, sum, lanes);
+  if (threadIdx.x % WARP_THREADS == 0) warp_sums[threadIdx.x / WARP_THREADS] = sum;
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  float total = 0.0f;
+  for (int w = 0; w < warps; ++w) total += warp_sums[w];
+  p.grad_sinks[head] = -total;
+}
 
 // ------------------------------------------------------------------------------------ host
 
@@ -660,10 +814,24 @@ heads_view output_view(void* data, const heads_view& like) {
   return contiguous_view(data, like.batch, like.heads, like.rows, like.dim);
 }
 
+// The options' rules, as the forward's: the edges and the softcap it takes, and the lengths key_window's
+// int bounds take.
+std::string options_reason(const backward_problem& pr) {
+  if (pr.window_left < -1 || pr.window_right < -1) return "window edges must be >= -1 (-1 = unbounded)";
+  if (!(std::isfinite(pr.softcap) && pr.softcap >= 0.0 && pr.softcap * LOG2_E <= FLT_MAX)) {
+    return "softcap must be 0 (off) or a finite number > 0 below FLT_MAX / log2(e)";
+  }
+  if ((pr.has_options() || pr.sinks != nullptr) && pr.q.rows + pr.k.rows > MAX_WINDOWED_ROWS) {
+    return "with a window, softcap or sinks, Nq + Nk must be at most 2^30";
+  }
+  return {};
+}
+
 template <typename T, int D>
 std::string reason_for(const backward_problem& pr) {
-  using KV = dkdv_kernel<T, D, dq_method::recomputed>;  // both methods' tiles are the same
-  using Q = dq_kernel<T, D>;
+  // both methods' and both variants' tiles are the same
+  using KV = dkdv_kernel<T, D, dq_method::recomputed, backward_features::plain>;
+  using Q = dq_kernel<T, D, backward_features::plain>;
   if (pr.out.batch != pr.q.batch || pr.out.heads != pr.q.heads || pr.out.rows != pr.q.rows || pr.out.dim != pr.q.dim ||
       pr.grad_out.batch != pr.q.batch || pr.grad_out.heads != pr.q.heads || pr.grad_out.rows != pr.q.rows ||
       pr.grad_out.dim != pr.q.dim) {
@@ -717,9 +885,23 @@ cudaError_t run_statistics(const backward_problem& pr, const workspace_view& w, 
   return pipeline::launch(statistics_kernel<T>, blocks, STATISTICS_THREADS, 0, stream, p);
 }
 
-template <typename T, int D, dq_method DQ>
+// The options variant's parameters, as the forward's options variant has them: the window with causality
+// folded in, and under a softcap its tanh's scale and the factor c = softcap * log2(e) of the capped score
+// in place of scale * log2(e) (shape_of's; lifted to FLT_MIN below it, as the forward lifts it).
+template <typename Params>
+void set_options(const backward_problem& pr, Params& p) {
+  p.window = key_window::of(pr.q.rows, pr.k.rows, pr.causal, pr.window_left, pr.window_right);
+  if (pr.softcap > 0.0) {
+    p.tanh_scale = float(std::clamp(double(pr.scale) / pr.softcap, double(-FLT_MAX), double(FLT_MAX)));
+    const float c = std::max(float(pr.softcap * LOG2_E), FLT_MIN);
+    p.shape.scale_log2 = c;
+    p.inverse_c = 1.0f / c;
+  }
+}
+
+template <typename T, int D, dq_method DQ, backward_features FEATURES>
 cudaError_t run_dkdv(const backward_problem& pr, const workspace_view& w, cudaStream_t stream) {
-  using K = dkdv_kernel<T, D, DQ>;
+  using K = dkdv_kernel<T, D, DQ, FEATURES>;
   typename K::params p;
   p.q = make_tma_map<typename K::q_tile>(heads_layout<T>(pr.q));
   p.grad_out = make_tma_map<typename K::q_tile>(heads_layout<T>(pr.grad_out));
@@ -731,6 +913,7 @@ cudaError_t run_dkdv(const backward_problem& pr, const workspace_view& w, cudaSt
   p.delta = make_tma_map<typename K::statistics_vector>(statistics_layout(pr, w.delta));
   p.dq_accumulator = w.dq_accumulator;
   p.shape = shape_of(pr);
+  if constexpr (K::with_options) set_options(pr, p);
   return pipeline::launch<K>(p, K::tasks(p).count(), stream);
 }
 
@@ -750,9 +933,9 @@ cudaError_t run_dq_convert(const backward_problem& pr, const workspace_view& w, 
   return pipeline::launch(dq_convert_kernel<T, D>, blocks, WARPGROUP_THREADS, 0, stream, p);
 }
 
-template <typename T, int D>
+template <typename T, int D, backward_features FEATURES>
 cudaError_t run_dq(const backward_problem& pr, const workspace_view& w, cudaStream_t stream) {
-  using K = dq_kernel<T, D>;
+  using K = dq_kernel<T, D, FEATURES>;
   typename K::params p;
   p.q = make_tma_map<typename K::q_tile>(heads_layout<T>(pr.q));
   p.grad_out = make_tma_map<typename K::q_tile>(heads_layout<T>(pr.grad_out));
@@ -762,23 +945,41 @@ cudaError_t run_dq(const backward_problem& pr, const workspace_view& w, cudaStre
   p.lse2 = w.lse2;
   p.delta = w.delta;
   p.shape = shape_of(pr);
+  if constexpr (K::with_options) set_options(pr, p);
   return pipeline::launch<K>(p, K::tasks(p).count(), stream);
 }
 
-template <typename T, int D>
-cudaError_t run(const backward_problem& pr, cudaStream_t stream) {
-  const workspace_view w = split_workspace(pr);
-  if (const cudaError_t err = run_statistics<T>(pr, w, stream); err != cudaSuccess) return err;
+cudaError_t run_sink_gradient(const backward_problem& pr, const workspace_view& w, cudaStream_t stream) {
+  const sink_gradient_params p{pr.sinks, w.lse2, w.delta, pr.grad_sinks, int(pr.q.batch), int(pr.q.heads),
+                               int(padded_statistics_rows(pr.q.rows))};
+  return pipeline::launch(sink_gradient_kernel, unsigned(pr.q.heads), SINK_GRADIENT_THREADS, 0, stream, p);
+}
+
+// dq, dk and dv by the problem's method, from the statistics.
+template <typename T, int D, backward_features FEATURES>
+cudaError_t run_gradients(const backward_problem& pr, const workspace_view& w, cudaStream_t stream) {
   if (!one_pass(pr)) {
-    if (const cudaError_t err = run_dkdv<T, D, dq_method::recomputed>(pr, w, stream); err != cudaSuccess) return err;
-    return run_dq<T, D>(pr, w, stream);
+    if (const cudaError_t err = run_dkdv<T, D, dq_method::recomputed, FEATURES>(pr, w, stream); err != cudaSuccess) {
+      return err;
+    }
+    return run_dq<T, D, FEATURES>(pr, w, stream);
   }
   const size_t accumulator_bytes = size_t(dq_accumulator_floats(pr)) * sizeof(float);
   if (const cudaError_t err = cudaMemsetAsync(w.dq_accumulator, 0, accumulator_bytes, stream); err != cudaSuccess) {
     return err;
   }
-  if (const cudaError_t err = run_dkdv<T, D, dq_method::accumulated>(pr, w, stream); err != cudaSuccess) return err;
+  if (const cudaError_t err = run_dkdv<T, D, dq_method::accumulated, FEATURES>(pr, w, stream); err != cudaSuccess) {
+    return err;
+  }
   return run_dq_convert<T, D>(pr, w, stream);
+}
+
+template <typename T, int D, backward_features FEATURES>
+cudaError_t run(const backward_problem& pr, cudaStream_t stream) {
+  const workspace_view w = split_workspace(pr);
+  if (const cudaError_t err = run_statistics<T>(pr, w, stream); err != cudaSuccess) return err;
+  if (const cudaError_t err = run_gradients<T, D, FEATURES>(pr, w, stream); err != cudaSuccess) return err;
+  return pr.sinks != nullptr ? run_sink_gradient(pr, w, stream) : cudaSuccess;
 }
 
 }  // namespace
@@ -789,11 +990,16 @@ int64_t backward_workspace_floats(const backward_problem& p) {
 
 std::string unsupported_reason(const backward_problem& p) {
   if (std::string r = shape_reason(p.q, p.k, p.v); !r.empty()) return r;
+  if (std::string r = options_reason(p); !r.empty()) return r;
   return dispatch(p, [&]<typename T, int D>() { return reason_for<T, D>(p); });
 }
 
 cudaError_t launch(const backward_problem& p, cudaStream_t stream) {
-  return dispatch(p, [&]<typename T, int D>() { return run<T, D>(p, stream); });
+  return dispatch(p, [&]<typename T, int D>() {
+    if (p.softcap > 0.0) return run<T, D, backward_features::softcapped>(p, stream);
+    return p.has_options() ? run<T, D, backward_features::windowed>(p, stream)
+                           : run<T, D, backward_features::plain>(p, stream);
+  });
 }
 
 }  // namespace tk::attention

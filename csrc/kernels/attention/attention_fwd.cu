@@ -78,16 +78,6 @@ struct scale_minus_offset {
 struct natural_lse {
   __device__ static float apply(float max2, float sum) { return sum > 0.0f ? (max2 + __log2f(sum)) * LN_2 : NEG_INF; }
 };
-// The softcapped score before its factor: tanh(tanh_scale * s), tanh_scale = scale / softcap. MUFU's
-// tanh (tanh.approx, one instruction a score, as FlashAttention-3's softcap) is off by about 2^-11
-// on t (|t| <= 1), so the capped score softcap * t by about softcap * 2^-11 (natural-log units).
-struct capped_score {
-  __device__ static float apply(float s, float tanh_scale) {
-    float t;
-    asm("tanh.approx.f32 %0, %1;\n" : "=f"(t) : "f"(s * tanh_scale));
-    return t;
-  }
-};
 
 // Which of FlashAttention's options an instantiation compiles in: none, or window, softcap and sinks
 // together, each off unless its parameter switches it on (one variant rather than one per
