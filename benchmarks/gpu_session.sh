@@ -7,8 +7,9 @@
 #   build          cold in-place build of tk_ops._C with every core (prints the time)
 #   build:warm     incremental build (after an edit, on a machine that is still warm)
 #   build:baseline cold in-place build of the baseline tree .ab/baseline (made by benchmarks/ab_prepare.sh)
-#   tests[=ARGS]   pytest -m gpu over tests/ (or over ARGS, e.g. tests=tests/test_matmul.py); stopped
-#                  after TESTS_TIMEOUT seconds (default 420)
+#   tests[=ARGS]   pytest -m gpu over tests/ (or over ARGS, e.g. tests=tests/test_matmul.py, or
+#                  tests=@ids.txt: the test ids in a file) in TESTS_WORKERS xdist processes (default 8;
+#                  0: one); stopped after TESTS_TIMEOUT seconds (default 420); every outcome in tests.log
 #   sanitize[=F,..] memcheck, racecheck and synccheck over each kernel family's `bench_* --check` run
 #                  (benchmarks/families.py): those with kernels in this build, or those named
 #   profile[=F,..] Nsight Compute sections of each family's profile cases (benchmarks/profile_kernels.py);
@@ -175,11 +176,23 @@ for part in "${parts[@]}"; do
     tests*)
       selection=tests
       [[ "$part" == tests=* ]] && selection=${part#tests=}
-      # Verbose, so the log names the test that was running if a kernel hangs; TESTS_TIMEOUT (seconds,
-      # default 420) stops a hang before it takes the whole device call.
-      { section "pytest -m gpu $selection"
-        timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest $selection -m gpu -v --maxfail=10 -p no:cacheprovider |
-          grep -v " PASSED" ; } 2>&1 | tee -a "$OUT/tests.log" || status=1
+      # TESTS_WORKERS pytest-xdist processes (default 8; 0: one process). With 8 on the H200
+      # (2026-11-29) the 2660 GPU tests took about 11 minutes (1004 of them in 325 s): more than one
+      # call, so a call cut short is continued by ids (benchmarks/unfinished_tests.py).
+      workers=(-n "${TESTS_WORKERS:-8}")
+      [ "${TESTS_WORKERS:-8}" = 0 ] && workers=()
+      # Verbose, every outcome into tests.log (a run cut short says which tests finished); only the
+      # failures and the summary on the console. TESTS_TIMEOUT (seconds, default 420) stops a hang before it takes the whole call.
+      part_log=$(mktemp)
+      section "pytest -m gpu ${workers[*]} $selection" > "$part_log"
+      timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest $selection "${workers[@]}" -m gpu -v --maxfail=30 \
+        --durations=15 -p no:cacheprovider >> "$part_log" 2>&1
+      code=$?
+      echo "pytest exit $code (124: stopped after TESTS_TIMEOUT)" >> "$part_log"
+      cat "$part_log" >> "$OUT/tests.log"
+      grep -E "FAILED|ERROR|passed|failed|pytest exit" "$part_log" | tail -40
+      rm -f "$part_log"
+      [ "$code" = 0 ] || status=1
       ;;
     sanitize | sanitize=*)
       # Each family's correctness run (its results against float64) under each tool.
