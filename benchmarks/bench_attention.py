@@ -90,7 +90,7 @@ def cases(groups: set[str]) -> list[Case]:
 DRY_RUN_CASES = [Case("grid", 2, 2, 2, 64, 64, False), Case("gqa", 1, 4, 2, 48, 64, True), Case("odd", 1, 2, 2, 33, 128, True)]
 
 
-def make_inputs(case: Case | FeatureCase, device="cuda") -> tuple:
+def make_inputs(case: Case, device="cuda") -> tuple:
     def heads(count):
         return torch.randn(case.batch, count, case.n, case.head_dim, device=device, dtype=torch.bfloat16)
 
@@ -243,20 +243,12 @@ def with_fa4(bench: common.Bench) -> tuple[common.Bench, str]:
 # ---------------------------------------------------------------------------- the mask options
 
 @dataclasses.dataclass(frozen=True)
-class FeatureCase:
+class FeatureCase(Case):
     """A forward with the kernel's mask options (window, softcap, sinks), Nq = Nk = n. TFLOP/s count the
     (query, key) pairs the mask lets through, as FlashAttention counts a sliding window."""
-    group: str
-    batch: int
-    q_heads: int
-    kv_heads: int
-    n: int
-    head_dim: int
-    causal: bool
     window: tuple[int, int] = (-1, -1)
     softcap: float = 0.0
     sinks: bool = False
-    dtype: str = "bf16"
 
     def visible_pairs(self) -> int:
         rows = torch.arange(self.n, dtype=torch.int64)
@@ -270,10 +262,9 @@ class FeatureCase:
 
     @property
     def label(self) -> str:
-        heads = f"H={self.q_heads}" if self.q_heads == self.kv_heads else f"Hq={self.q_heads} Hkv={self.kv_heads}"
         options = [f"window={self.window}"] * (self.window != (-1, -1)) + [f"softcap={self.softcap:g}"] * bool(self.softcap)
         options += ["sinks"] * self.sinks
-        return f"B={self.batch} {heads} N={self.n} D={self.head_dim}" + " causal" * self.causal + "".join(f" {o}" for o in options)
+        return super().label + "".join(f" {o}" for o in options)
 
 
 FEATURE_CASES = [

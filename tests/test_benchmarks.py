@@ -17,8 +17,9 @@ import torch
 
 import tk_ops
 import tk_testing
-from benchmarks import (bench_attention, bench_conv1d, bench_fftconv, bench_gemm, bench_linear_attention, bench_mamba2,
-                        bench_norms, bench_overhead, bench_rope, common, compare_results, families, profile_kernels)
+from benchmarks import (bench_attention, bench_conv1d, bench_decode, bench_fftconv, bench_gated_delta_rule, bench_gemm,
+                        bench_linear_attention, bench_linear_cross_entropy, bench_mamba2, bench_norms, bench_overhead,
+                        bench_rope, common, compare_results, families, profile_kernels)
 
 BENCHMARKS = pathlib.Path(families.__file__).parent
 RESULTS = common.RESULTS
@@ -292,6 +293,52 @@ def test_attention_dry_run(tmp_path, monkeypatch, capsys, fa4_lookup):
         else:
             assert row["error"].startswith("sdpa_cudnn: RuntimeError")
     assert {row["group"] for row in rows} == set(bench_attention.GROUPS)
+
+
+def test_decode_dry_run(tmp_path, monkeypatch, capsys, fa4_lookup):
+    """Without FlashAttention-4 the rows are SDPA's, on the dense cache (a paged one gathered) cut to the
+    longest sequence: equal to ours where every sequence has that length, not compared elsewhere."""
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)
+    rows = dry_run(bench_decode, tmp_path, "decode")
+    assert "FlashAttention-4 absent, no fa4 rows" in capsys.readouterr().out
+    tk_testing.assert_bench_rows(rows, bench_decode.DRY_RUN_CASES, ["fwd"], ["sdpa"])
+    assert all("error" not in row for row in rows)
+    compared = [row["rel_diff_vs_baseline"] for row in rows]
+    assert compared[:2] == [None, None] and compared[2] < 1e-2
+    assert rows[0]["hbm_bytes"] == bench_decode.DRY_RUN_CASES[0].hbm_bytes("fwd")
+
+
+def test_linear_cross_entropy_dry_run(tmp_path, monkeypatch):
+    """The loss and the gradients of x and weight equal the unfused form's, eager and compiled; Liger's rows
+    say it is absent (no liger-kernel on the CPU machine)."""
+    monkeypatch.setitem(sys.modules, "liger_kernel", None)
+    common.peer.cache_clear()
+    rows = dry_run(bench_linear_cross_entropy, tmp_path, "linear_cross_entropy")
+    common.peer.cache_clear()
+    tk_testing.assert_bench_rows(rows, bench_linear_cross_entropy.DRY_RUN_CASES, bench_linear_cross_entropy.PASSES,
+                                 ["eager", "compiled", "liger"])
+    for row in rows:
+        if row["baseline"] == "liger":
+            assert "liger-kernel not importable" in row["error"]
+        else:
+            assert "error" not in row and row["rel_diff_vs_baseline"] < 1e-2
+    case = bench_linear_cross_entropy.DRY_RUN_CASES[0]
+    assert rows[0]["flops"] == 2 * case.tokens * case.hidden * case.vocab
+
+
+def test_gated_delta_rule_dry_run(tmp_path, monkeypatch):
+    """Ours runs forward and backward (the final state's gradient included); fla's rows say it is absent."""
+    monkeypatch.setitem(sys.modules, "fla", None)
+    common.peer.cache_clear()
+    rows = dry_run(bench_gated_delta_rule, tmp_path, "gated_delta_rule")
+    common.peer.cache_clear()
+    tk_testing.assert_bench_rows(rows, bench_gated_delta_rule.DRY_RUN_CASES, bench_gated_delta_rule.PASSES, ["fla"])
+    assert all("fla-core not importable" in row["error"] for row in rows)
+    case = bench_gated_delta_rule.DRY_RUN_CASES[0]
+    outputs = bench_gated_delta_rule.stepped(bench_gated_delta_rule.ours)(case, "fwd+bwd")(
+        *bench_gated_delta_rule.make_inputs(case, "cpu"))
+    assert [tuple(t.shape) for t in outputs[2:]] == [(2, 70, 2, 16), (2, 70, 2, 16), (2, 70, 4, 16), (2, 70, 4),
+                                                      (2, 70, 4)]
 
 
 def test_attention_dry_run_with_fa4(tmp_path, fake_peers, capsys, fa4_lookup):
