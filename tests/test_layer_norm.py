@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import pathlib
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -376,3 +380,31 @@ def test_kernel_cuda_graph_draws_fresh_masks_per_replay():
     for mask in masks:
         assert abs(mask.float().mean().item() - (1 - p)) < 0.01
     assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[1], masks[2])
+
+
+# A fresh process's order of backward calls: first with only the bias's gradient (one array of column
+# sums in the kernel's shared memory), then with the weight's and the bias's (two). The limit the first
+# launch set must not hold the second to it (it failed with "CUDA error: invalid argument" when
+# tk::pipeline::allow_shared_bytes kept the first limit for good).
+GROWING_SHARED_MEMORY = """
+import torch, tk_ops
+x = torch.randn(15, 48, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+frozen = torch.randn(48, dtype=torch.bfloat16, device="cuda")
+weight, bias = (torch.randn(48, dtype=torch.bfloat16, device="cuda", requires_grad=True) for _ in range(2))
+for w in (frozen, weight):
+    grads = torch.autograd.grad(tk_ops.layer_norm(x, w, bias).float().square().sum(), [x, bias] + [w] * w.requires_grad)
+    x64, w64, b64 = (t.detach().double().requires_grad_(t.requires_grad) for t in (x, w, bias))
+    expected = torch.autograd.grad(torch.nn.functional.layer_norm(x64, (48,), w64, b64, 1e-5).square().sum(),
+                                   [x64, b64] + [w64] * w.requires_grad)
+    for got, want in zip(grads, expected):
+        error = ((got.double() - want).norm() / want.norm()).item()
+        assert error < 2e-2, error
+print("ok")
+"""
+
+
+@requires_kernel("layer_norm_bwd")
+def test_kernel_backward_after_a_smaller_one_in_a_fresh_process():
+    child = subprocess.run([sys.executable, "-c", GROWING_SHARED_MEMORY], capture_output=True, text=True,
+                           cwd=pathlib.Path(__file__).resolve().parents[1], timeout=300)
+    assert child.returncode == 0 and child.stdout.strip() == "ok", child.stdout + child.stderr

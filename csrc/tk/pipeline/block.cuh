@@ -9,7 +9,8 @@
 //                                       its threads runs producer(); every other warpgroup takes
 //                                       them and runs consumer(index)
 //   launch(kernel, grid, block, shared bytes, stream, args...)
-//                                       on a stream, the shared-memory limit raised once per kernel
+//                                       on a stream, the kernel's shared-memory limit raised when a
+//                                       launch needs more than it allows so far
 //   resident_blocks_per_sm(&blocks, kernel, threads, shared bytes)
 //                                       the occupancy query, answered once per kernel and device
 //
@@ -22,7 +23,6 @@
 #include <cstddef>
 #include <map>
 #include <mutex>
-#include <set>
 #include <tuple>
 #include <utility>
 
@@ -88,17 +88,21 @@ __device__ __forceinline__ void warp_specialized(Producer&& producer, Consumer&&
   }
 }
 
-// Raise `kernel`'s dynamic shared-memory limit on the current device, once per (kernel, device).
-// Keyed by the kernel's address, so extensions built from the same headers never share an entry.
+// Raise `kernel`'s dynamic shared-memory limit on the current device to at least `bytes`. The limit set
+// is kept per (kernel, device) and set again only when a launch needs more: a kernel whose shared memory
+// depends on the call (the norms' backward sums one or two parameter gradients) must not be held to
+// what its first call asked for, since setting the attribute also lowers the limit to it. Keyed by the
+// kernel's address, so extensions built from the same headers never share an entry.
 inline cudaError_t allow_shared_bytes(const void* kernel, size_t bytes) {
   static std::mutex mutex;
-  static std::set<std::pair<const void*, int>> configured;
+  static std::map<std::pair<const void*, int>, size_t> limits;
   int device = 0;
   if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
   const std::lock_guard<std::mutex> lock(mutex);
-  if (configured.count({kernel, device}) != 0) return cudaSuccess;
+  const auto found = limits.find({kernel, device});
+  if (found != limits.end() && found->second >= bytes) return cudaSuccess;
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
-  if (err == cudaSuccess) configured.insert({kernel, device});
+  if (err == cudaSuccess) limits[{kernel, device}] = bytes;
   return err;
 }
 
