@@ -23,6 +23,8 @@ Run from the repository root: python3 -m benchmarks.bench_attention [--out DIR] 
     [--pass fwd --pass bwd ...]
 The forward with the mask options (sliding window, softcap, sinks; FEATURE_CASES) against compiled
 FlexAttention, into attention_features.json: python3 -m benchmarks.bench_attention --features [--out DIR]
+Packed documents (attention_varlen; VARLEN_CASES), forward and forward + backward, against compiled
+FlexAttention with a document mask, into attention_varlen.json: python3 -m benchmarks.bench_attention --varlen
 A small correctness pass (what compute-sanitizer runs): python3 -m benchmarks.bench_attention --check
 On the CPU, tiny cases, nothing timed: python3 -m benchmarks.bench_attention --dry-run [--out DIR]
 """
