@@ -24,6 +24,8 @@ Run from the repository root: python3 -m benchmarks.bench_attention [--out DIR] 
 The mask options (sliding window, softcap, sinks; FEATURE_CASES), forward and backward (the backward op
 alone, as above), against compiled FlexAttention, into attention_features.json:
     python3 -m benchmarks.bench_attention --features [--out DIR] [--pass fwd --pass bwd]
+Packed documents (attention_varlen; VARLEN_CASES), forward and forward + backward, against compiled
+FlexAttention with a document mask, into attention_varlen.json: python3 -m benchmarks.bench_attention --varlen
 A small correctness pass (what compute-sanitizer runs): python3 -m benchmarks.bench_attention --check
 On the CPU, tiny cases, nothing timed: python3 -m benchmarks.bench_attention --dry-run [--out DIR]
 """
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import os
 
 import torch
@@ -382,6 +385,87 @@ FEATURES_BENCH = common.Bench(
 )
 
 
+# ---------------------------------------------------------------------------- packed sequences
+
+@dataclasses.dataclass(frozen=True)
+class VarlenCase:
+    """Causal attention over documents packed into one (total, H, D) batch (attention_varlen), H = 16."""
+    group: str
+    lengths: tuple[int, ...]
+    heads: int = 16
+    head_dim: int = 128
+    dtype: str = "bf16"
+
+    def flops(self, pass_: str) -> float:
+        forward = sum(4.0 * self.heads * self.head_dim * length * (length + 1) / 2 for length in self.lengths)
+        return forward if pass_ == "fwd" else 3.5 * forward  # fwd+bwd: the forward and its 2.5x backward
+
+    @property
+    def label(self) -> str:
+        return (f"{len(self.lengths)} docs of {min(self.lengths)}-{max(self.lengths)} ({sum(self.lengths)} tokens) "
+                f"H={self.heads} D={self.head_dim} causal")
+
+
+# The issue's packed batch (13 documents of 128-4096 tokens; FA4 454 TFLOP/s forward there, another run) and
+# 64 short documents (a Bible chapter's size: where a launch per sequence costs most).
+VARLEN_CASES = [
+    VarlenCase("packed", (4096, 3584, 3072, 2816, 2560, 2304, 2048, 1792, 1536, 1280, 1024, 512, 128)),
+    VarlenCase("packed", tuple(64 + (37 * i) % 961 for i in range(64))),
+]
+DRY_RUN_VARLEN_CASES = [VarlenCase("packed", (5, 17, 1), heads=2, head_dim=16)]
+
+
+def varlen_inputs(case: VarlenCase, pass_: str, device) -> tuple:
+    total = sum(case.lengths)
+    shape = (total, case.heads, case.head_dim)
+    q, k, v, grad_out = (torch.randn(shape, device=device, dtype=torch.bfloat16) for _ in range(4))
+    return (*(t.requires_grad_() for t in (q, k, v)), grad_out)
+
+
+def cu_seqlens(case: VarlenCase, device) -> torch.Tensor:
+    return torch.tensor([0, *itertools.accumulate(case.lengths)], dtype=torch.int32, device=device)
+
+
+def ours_varlen(case: VarlenCase, pass_: str):
+    cu = cu_seqlens(case, "cuda" if torch.cuda.is_available() else "cpu")
+    longest = max(case.lengths)
+
+    def attend(q, k, v):
+        return tk_ops.attention_varlen(q, k, v, cu.to(q.device), cu.to(q.device), longest, longest, causal=True)
+    return common.step(attend, pass_ != "fwd")
+
+
+def flex_varlen(case: VarlenCase, pass_: str):
+    """Compiled FlexAttention on the packed batch as one (1, H, total, D) sequence with a document mask (the
+    block mask made once, outside the timing)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    document = torch.repeat_interleave(torch.arange(len(case.lengths), device=device),
+                                       torch.tensor(case.lengths, device=device))
+
+    def same_document_causal(b, h, q_idx, kv_idx):
+        return (document[q_idx] == document[kv_idx]) & (kv_idx <= q_idx)
+
+    total = sum(case.lengths)
+    block_mask = create_block_mask(same_document_causal, None, None, total, total, device=device)
+    attend = torch.compile(flex_attention, dynamic=False)
+
+    def packed(q, k, v):
+        return attend(*(t.transpose(0, 1)[None] for t in (q, k, v)), block_mask=block_mask)[0].transpose(0, 1)
+    return common.step(packed, pass_ != "fwd")
+
+
+VARLEN_BENCH = common.Bench(
+    "attention_varlen", "Packed documents (attention_varlen): tk_ops vs FlexAttention with a document mask (bf16)",
+    ours=common.Provider("tk_ops", ours_varlen),
+    baselines=(common.Provider("flex", flex_varlen),),
+    inputs=varlen_inputs, passes=("fwd", "fwd+bwd"),
+    set_bytes=lambda case, pass_, inputs: 2 * common.tensor_bytes(inputs), max_sets=4,
+    timer=functools.partial(common.time_ms, warmup=3, rounds=10, batch=5),
+)
+
+
 # ---------------------------------------------------------------------------- correctness
 
 CHECK_SHAPES = [  # (B, Hq, Hkv, Nq, Nk, D, causal): tails, Nq != Nk, GQA, rows that see no key
@@ -498,7 +582,15 @@ def main(argv=None) -> None:
     parser.add_argument("--only", nargs="*", choices=GROUPS, default=list(GROUPS))
     parser.add_argument("--features", action="store_true",
                         help="instead: window, softcap and sinks against FlexAttention (attention_features.json)")
+    parser.add_argument("--varlen", action="store_true",
+                        help="instead: packed documents (attention_varlen) against FlexAttention (attention_varlen.json)")
     args = parser.parse_args(argv)
+    if args.varlen:
+        if common.without_gpu(args, VARLEN_BENCH, DRY_RUN_VARLEN_CASES):
+            return
+        common.run(VARLEN_BENCH, VARLEN_CASES, out=args.out,
+                   flops="fwd 4 H D sum L(L+1)/2 (causal per document), fwd+bwd 3.5x that; bf16")
+        return
     if args.features:
         if common.without_gpu(args, FEATURES_BENCH, DRY_RUN_FEATURE_CASES):
             return

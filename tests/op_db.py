@@ -615,23 +615,25 @@ VARLEN_OPTIONS = (
 )
 
 
-def _varlen_forward(row, dtype=torch.float64) -> Sample:
+def _varlen_forward(row, dtype=torch.float64, device="cpu", head_dim=16) -> Sample:
     name, causal, window_left, window_right, softcap, sinks = row
 
     def make():
-        q, k, v, cu_q, cu_k, max_q, max_k = _varlen_inputs(dtype=dtype)
-        sink_logits = torch.randn(4, requires_grad=True) if sinks else None
+        q, k, v, cu_q, cu_k, max_q, max_k = _varlen_inputs(dtype=dtype, device=device, head_dim=head_dim)
+        sink_logits = torch.randn(4, device=device, requires_grad=True) if sinks else None
         return (q, k, v, cu_q, cu_k, max_q, max_k, causal, 0.3, window_left, window_right, softcap, sink_logits, False)
 
     return Sample(f"{name}-{str(dtype).removeprefix('torch.')}", "attention_varlen", make)
 
 
-def _varlen_backward(row, with_grad_lse) -> Sample:
+def _varlen_backward(row, with_grad_lse, dtype=torch.float64, device="cpu", head_dim=16) -> Sample:
     name, causal, window_left, window_right, softcap, sinks = row
 
     def make():
-        q, k, v, cu_q, cu_k, max_q, max_k = _varlen_inputs(requires_grad=False)
-        options = (causal, 0.3, window_left, window_right, softcap, torch.randn(4) if sinks else None, False)
+        q, k, v, cu_q, cu_k, max_q, max_k = _varlen_inputs(requires_grad=False, dtype=dtype, device=device,
+                                                           head_dim=head_dim)
+        options = (causal, 0.3, window_left, window_right, softcap, torch.randn(4, device=device) if sinks else None,
+                   False)
         out, lse = torch.ops.tk.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *options)
         grad_lse = torch.randn_like(lse) if with_grad_lse else None
         return (torch.randn_like(out), grad_lse, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *options)
@@ -679,8 +681,13 @@ ATTENTION_VARLEN = OpInfo(
         _varlen_forward(VARLEN_OPTIONS[1], torch.float32),
         *(_varlen_backward(row, with_grad_lse) for row in VARLEN_OPTIONS for with_grad_lse in (False, True)),
     ),
-    kernel_dtypes=(),  # no kernel yet: the reference serves every device
-    kernel_samples=lambda dtype: (),
+    # On the GPU each sequence runs the attention kernels (csrc/torch/attention.cpp), at D = 64 here.
+    kernel_dtypes=KERNEL_16_BIT,
+    kernel_samples=lambda dtype: (
+        *(_varlen_forward(row, dtype, "cuda", 64) for row in VARLEN_OPTIONS),
+        *(_varlen_backward(row, with_grad_lse, dtype, "cuda", 64) for row in VARLEN_OPTIONS
+          for with_grad_lse in (False, True)),
+    ),
     compile=(
         CompileSample("causal-window-softcap-sinks-lse", _attend_varlen_with_lse,
                       lambda: [*_varlen_inputs(dtype=torch.float32)[:3], torch.randn(4, requires_grad=True)],
@@ -737,9 +744,11 @@ ATTENTION_VARLEN = OpInfo(
         "q", ("k", "cu_seqlens_q", "cu_seqlens_k", "sinks"),
     ),
     graphs=(),
-    no_graph=_without_sample(NO_KERNEL, "attention_varlen", "attention_varlen_bwd"),
+    no_graph=_without_sample("reads cu_seqlens on the host (a device sync): not capturable", "attention_varlen",
+                             "attention_varlen_bwd"),
     fallbacks=(),
-    no_fallback=_without_sample(NO_KERNEL, "attention_varlen", "attention_varlen_bwd"),
+    no_fallback=_without_sample("falls back per sequence through tk.attention / tk.attention_bwd (their samples)",
+                                "attention_varlen", "attention_varlen_bwd"),
 )
 
 

@@ -623,13 +623,73 @@ def test_kernel_forward_never_reads_key_blocks_left_of_the_window(head_dim):
     tk_testing.assert_rel_close(out, ref_out, tk_testing.TOLERANCE[torch.bfloat16], "out")
 
 
-@tk_testing.requires_cuda
-def test_varlen_options_on_cuda_run_the_reference():
-    """attention_varlen has no kernel: on CUDA tensors with every option it runs the reference (warning once)."""
+# Packed sequences on the kernels: csrc/torch/attention.cpp runs each sequence's (1, H, N, D) view of the packed
+# tensors through the dense kernels (forward, and backward without options on main's backward kernel).
+# (q lengths, k lengths): odd lengths across key-block edges, an empty query sequence, Nq != Nk.
+KERNEL_VARLEN_LENGTHS = [("mixed", [129, 0, 300, 1], [200, 5, 300, 130]), ("one", [513], [513])]
+
+
+@tk_testing.requires_kernel("attention_varlen")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@tk_testing.parametrize_with_ids("q_lengths, k_lengths", KERNEL_VARLEN_LENGTHS)
+def test_kernel_varlen_against_float64(q_lengths, k_lengths, causal, head_dim, dtype):
+    """Forward and backward (through out and lse) of packed GQA sequences on the kernels, none falling back,
+    against float64 sequence by sequence."""
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen(q_lengths, k_lengths, q_heads=4, kv_heads=2, head_dim=head_dim,
+                                                   dtype=dtype, device="cuda")
+    with tk_testing.runs_the_kernels("attention_varlen", "attention_varlen_bwd", "attention", "attention_bwd"):
+        check_against_naive(varlen_call(cu_q, cu_k, max_q, max_k, causal=causal),
+                            varlen_naive(cu_q.cpu(), cu_k.cpu(), causal=causal), [q, k, v], tk_testing.TOLERANCE[dtype])
+
+
+@tk_testing.requires_kernel("attention_varlen")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_kernel_varlen_is_the_dense_kernel_on_each_sequence(head_dim):
+    """Each sequence's rows of out and lse are bitwise what tk_ops.attention gives on that sequence alone."""
+    q_lengths, k_lengths = [129, 0, 300], [200, 5, 300]
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen(q_lengths, k_lengths, head_dim=head_dim, dtype=torch.bfloat16,
+                                                   device="cuda", requires_grad=False)
+    out, lse = tk_ops.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, return_lse=True)
+    for b, (q_start, k_start) in enumerate(zip(cu_q.tolist()[:-1], cu_k.tolist()[:-1])):
+        if q_lengths[b] == 0:
+            continue
+        rows = slice(q_start, q_start + q_lengths[b])
+        keys = slice(k_start, k_start + k_lengths[b])
+        dense_out, dense_lse = tk_ops.attention(*(t.transpose(0, 1)[None] for t in (q[rows], k[keys], v[keys])),
+                                                causal=True, return_lse=True)
+        torch.testing.assert_close(out[rows], dense_out[0].transpose(0, 1), rtol=0, atol=0)
+        torch.testing.assert_close(lse[:, rows], dense_lse[0], rtol=0, atol=0)
+
+
+@tk_testing.requires_kernel("attention_varlen")
+def test_varlen_options_on_cuda():
+    """Every option on CUDA: the kernels take them per sequence, forward and backward (no fallback); with a
+    sequence that has no key (the reference's, per sequence) every output and gradient is float64's."""
     options = dict(causal=True, window=(9, -1), softcap=3.0)
     sinks = make_sinks(4, device="cuda")
-    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen([5, 0, 17], [9, 3, 17], dtype=torch.bfloat16, device="cuda")
-    with tk_testing.runs_the_references("attention_varlen"):
-        check_against_naive(varlen_call(cu_q, cu_k, max_q, max_k, **options),
-                            varlen_naive(cu_q.cpu(), cu_k.cpu(), **options), [q, k, v, sinks],
-                            tk_testing.TOLERANCE[torch.bfloat16])
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen([5, 0, 17, 3], [9, 3, 17, 0], dtype=torch.bfloat16,
+                                                   device="cuda")
+    check_against_naive(varlen_call(cu_q, cu_k, max_q, max_k, **options),
+                        varlen_naive(cu_q.cpu(), cu_k.cpu(), **options), [q, k, v, sinks],
+                        tk_testing.TOLERANCE[torch.bfloat16])
+    full_q, full_k = [5, 17], [9, 17]
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen(full_q, full_k, dtype=torch.bfloat16, device="cuda",
+                                                   requires_grad=False)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    with tk_testing.runs_the_kernels("attention_varlen", "attention_varlen_bwd", "attention", "attention_bwd"):
+        out = tk_ops.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, sinks=sinks.detach(), **options)
+        torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+
+
+@tk_testing.requires_kernel("attention_varlen")
+def test_kernel_varlen_checks_the_lengths_as_the_reference():
+    """The CUDA entry reads cu_seqlens on the host and rejects what the reference rejects, with its message."""
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen([5, 3], [5, 3], dtype=torch.bfloat16, device="cuda",
+                                                   requires_grad=False)
+    bad = torch.tensor([0, 6, 5], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="cu_seqlens_k must be non-decreasing, got 6 then 5"):
+        torch.ops.tk.attention_varlen(q, k, v, cu_q, bad, max_q, max_k, False, 0.3, -1, -1, 0.0, None, False)
+    with pytest.raises(ValueError, match=r"max_seqlen_q \(4\) must be at least the longest sequence"):
+        torch.ops.tk.attention_varlen(q, k, v, cu_q, cu_k, 4, max_k, False, 0.3, -1, -1, 0.0, None, False)

@@ -64,7 +64,7 @@ Varlen ops (packed sequences, FlashAttention's ``flash_attn_varlen_func`` layout
   tk::attention_varlen_bwd(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v,
                            Tensor out, Tensor lse, <the forward's arguments from cu_seqlens_q on>)
       -> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_sinks), the formulas above.
-  No CUDA kernel serves these ops yet: the reference runs on every device (warning once on a GPU).
+  On CUDA (csrc/torch/attention.cpp) each sequence runs the dense kernels on a (1, H, N, D) view of its rows.
 
 The kernels serve bf16/fp16 with D = Dv in {64, 128}: the forward with or without window, softcap and
 sinks, the backward without them (its CUDA entry hands a call with any of the four options switched
