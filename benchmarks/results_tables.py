@@ -219,7 +219,7 @@ def long_context(document: dict, summary: bool) -> str:
 
 
 # name -> its JSON files, each with its table; the record is benchmarks/results/<name>.md (the README
-# summarises the first file)
+# summarises the first file, or those README_FILES lists)
 FAMILIES: dict[str, tuple[tuple[str, Callable[[dict, bool], str]], ...]] = {
     "gemm": (("gemm", gemm),),
     "attention": (("attention", attention), ("attention_features", attention_features)),
@@ -237,10 +237,17 @@ FAMILIES: dict[str, tuple[tuple[str, Callable[[dict, bool], str]], ...]] = {
 }
 
 
+# The files the README shows of a family (its first alone unless listed here).
+README_FILES = {"attention": ("attention", "attention_features")}
+
+
 def render(name: str, summary: bool) -> str:
     files = FAMILIES[name]
+    if summary:
+        shown = README_FILES.get(name, (files[0][0],))
+        files = tuple(file for file in files if file[0] in shown)
     parts = []
-    for stem, table in files[:1] if summary else files:  # the README summarises a family's main file
+    for stem, table in files:
         document = json.loads((RESULTS / f"{stem}.json").read_text())
         label = f"`benchmarks/results/{stem}.json`"
         parts.append(f"{provenance(document, label)}\n\n{table(document, summary)}")

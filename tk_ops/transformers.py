@@ -74,6 +74,7 @@ from typing import Optional
 import torch
 
 import tk_ops
+from tk_ops import _checks
 from tk_ops.nn.gated_deltanet import SILU_NAMES, gated_deltanet_forward
 from tk_ops.nn.mamba2 import mamba2_mixer_forward
 
@@ -122,7 +123,7 @@ def _sinks_for(query: torch.Tensor, sinks):
     beside fp64 activations (exact in the fp64 reference). The cast is differentiable."""
     if sinks is None:
         return None
-    return sinks.to(torch.float64 if query.dtype == torch.float64 else torch.float32)
+    return sinks.to(_checks.compute_dtype(query.dtype))
 
 
 def _to_int(value) -> int:
