@@ -176,9 +176,9 @@ for part in "${parts[@]}"; do
     tests*)
       selection=tests
       [[ "$part" == tests=* ]] && selection=${part#tests=}
-      # TESTS_WORKERS pytest-xdist processes (default 8; 0: one process). With 8 on the H200
-      # (2026-11-29) the 2660 GPU tests took about 11 minutes (1004 of them in 325 s): more than one
-      # call, so a call cut short is continued by ids (benchmarks/unfinished_tests.py).
+      # TESTS_WORKERS pytest-xdist processes (default 8; 0: one process). The whole GPU suite takes
+      # longer than one call even so (CONTRIBUTING.md): a call cut short is continued by test ids
+      # (benchmarks/unfinished_tests.py).
       workers=(-n "${TESTS_WORKERS:-8}")
       [ "${TESTS_WORKERS:-8}" = 0 ] && workers=()
       # Verbose, every outcome into tests.log (a run cut short says which tests finished); only the

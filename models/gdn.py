@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 import tk_ops
+from tk_ops.nn.hf_mixer import config_arguments
 from models.layers import (
     CausalLM,
     ResidualRMSNorm,
@@ -168,16 +169,7 @@ class GatedDeltaNetMixer(tk_ops.nn.GatedDeltaNet):
     parameters, what its module docstring lists."""
 
     def __init__(self, config: GDNConfig, layer_idx: int) -> None:
-        super().__init__(
-            config.hidden_size,
-            linear_num_key_heads=config.linear_num_key_heads,
-            linear_num_value_heads=config.linear_num_value_heads,
-            linear_key_head_dim=config.linear_key_head_dim,
-            linear_value_head_dim=config.linear_value_head_dim,
-            linear_conv_kernel_dim=config.linear_conv_kernel_dim,
-            rms_norm_eps=config.rms_norm_eps,
-            layer_idx=layer_idx,
-        )
+        super().__init__(**config_arguments(tk_ops.nn.GatedDeltaNet, config), layer_idx=layer_idx)
         self.reference = config.reference
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -292,20 +292,26 @@ def check_tk_calls(record) -> None:
         assert len(record.calls.get(op, ())) == len(LINEAR_LAYERS), op  # one per linear-attention layer
 
 
-@pytest.mark.parametrize("scope", ["class", "model"])
-def test_switch_matches_unpatched_model(unpatched, scope):
-    model = tiny_model()
-    input_ids = torch.randint(0, 64, (3, 21))
-    mask = left_padding_mask(3, 21)
+def check_switch_against_unpatched(model, batch, length, switched_model, logits_tol, grads_tol):
+    """Logits and parameter gradients of ``model`` on a left-padded batch, before and after
+    apply_tk_kernels_to_qwen3_next(switched_model) (the switched run on the tk ops)."""
+    input_ids = torch.randint(0, 64, (batch, length))
+    mask = left_padding_mask(batch, length)
     expected_logits, expected_grads = logits_and_grads(model, input_ids, mask)
-    tk_transformers.apply_tk_kernels_to_qwen3_next(model if scope == "model" else None)
+    tk_transformers.apply_tk_kernels_to_qwen3_next(switched_model)
     with RecordTkCalls() as record:
         logits, grads = logits_and_grads(model, input_ids, mask)
     check_tk_calls(record)
-    assert_rel_close(logits, expected_logits, 1e-5, "logits")
+    assert_rel_close(logits, expected_logits, logits_tol, "logits")
     assert set(grads) == set(expected_grads)
     for name, grad in grads.items():
-        assert_rel_close(grad, expected_grads[name], 1e-4, f"grad of {name}")
+        assert_rel_close(grad, expected_grads[name], grads_tol, f"grad of {name}")
+
+
+@pytest.mark.parametrize("scope", ["class", "model"])
+def test_switch_matches_unpatched_model(unpatched, scope):
+    model = tiny_model()
+    check_switch_against_unpatched(model, 3, 21, model if scope == "model" else None, 1e-5, 1e-4)
 
 
 def test_switch_matches_unpatched_model_float64(unpatched, monkeypatch):
@@ -313,17 +319,7 @@ def test_switch_matches_unpatched_model_float64(unpatched, monkeypatch):
     in float64 (exact_hf) against the switched ones."""
     model = tiny_model(torch.float64)
     exact_hf(monkeypatch)
-    input_ids = torch.randint(0, 64, (2, 19))
-    mask = left_padding_mask(2, 19)
-    expected_logits, expected_grads = logits_and_grads(model, input_ids, mask)
-    tk_transformers.apply_tk_kernels_to_qwen3_next()
-    with RecordTkCalls() as record:
-        logits, grads = logits_and_grads(model, input_ids, mask)
-    check_tk_calls(record)
-    assert_rel_close(logits, expected_logits, 1e-10, "logits")
-    assert set(grads) == set(expected_grads)
-    for name, grad in grads.items():
-        assert_rel_close(grad, expected_grads[name], 1e-9, f"grad of {name}")
+    check_switch_against_unpatched(model, 2, 19, None, 1e-10, 1e-9)
 
 
 def test_switch_matches_hf_torch_path_float64(unpatched):

@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from tk_ops._checks import compute_dtype
+from tk_ops.nn.hf_mixer import from_hf_config, refuse_cache
 from tk_ops.nn.linear import Linear
 from tk_ops.ops.causal_conv1d import causal_conv1d
 from tk_ops.ops.gated_delta_rule import gated_delta_rule
@@ -205,19 +206,7 @@ class GatedDeltaNet(torch.nn.Module):
     @classmethod
     def from_config(cls, config, layer_idx: Optional[int] = None, device=None, dtype=None) -> "GatedDeltaNet":
         """From a transformers ``Qwen3NextConfig`` (or any object with its fields)."""
-        return cls(
-            hidden_size=config.hidden_size,
-            linear_num_key_heads=config.linear_num_key_heads,
-            linear_num_value_heads=config.linear_num_value_heads,
-            linear_key_head_dim=config.linear_key_head_dim,
-            linear_value_head_dim=config.linear_value_head_dim,
-            linear_conv_kernel_dim=config.linear_conv_kernel_dim,
-            hidden_act=config.hidden_act,
-            rms_norm_eps=config.rms_norm_eps,
-            layer_idx=layer_idx,
-            device=device,
-            dtype=dtype,
-        )
+        return from_hf_config(cls, config, layer_idx, device, dtype)
 
     def forward(
         self,
@@ -230,12 +219,7 @@ class GatedDeltaNet(torch.nn.Module):
         """hidden_states (B, L, hidden_size) -> (B, L, hidden_size). attention_mask: (B, L), 1 keeps and 0 pads,
         or None. A cache, under either of HF's names, and packed sequences (``cu_seq_lens_q``) are refused;
         other keyword arguments are ignored, as HF's torch path ignores them."""
-        if cache_params is not None or cache is not None:
-            raise NotImplementedError(
-                "tk_ops.nn.GatedDeltaNet computes full sequences only (no cache prefill, no single-step decode); "
-                "pass use_cache=False, or keep HF's Qwen3NextGatedDeltaNet and call "
-                "tk_ops.transformers.apply_tk_kernels_to_qwen3_next(), which handles caches"
-            )
+        refuse_cache(self, cache_params, cache, "Qwen3NextGatedDeltaNet", "apply_tk_kernels_to_qwen3_next")
         if kwargs.get("cu_seq_lens_q") is not None:
             raise NotImplementedError(
                 "tk_ops.nn.GatedDeltaNet does not take packed sequences (cu_seq_lens_q): its short convolution "

@@ -61,6 +61,7 @@ import torch
 import torch.nn.functional as F
 
 from tk_ops._checks import compute_dtype
+from tk_ops.nn.hf_mixer import from_hf_config, refuse_cache
 from tk_ops.nn.linear import Linear
 from tk_ops.ops.causal_conv1d import causal_conv1d
 from tk_ops.ops.mamba2_ssd import mamba2_ssd
@@ -277,27 +278,7 @@ class Mamba2Mixer(torch.nn.Module):
     @classmethod
     def from_config(cls, config, layer_idx: Optional[int] = None, device=None, dtype=None) -> "Mamba2Mixer":
         """From a transformers ``Mamba2Config`` (or any object with its fields)."""
-        return cls(
-            hidden_size=config.hidden_size,
-            num_heads=config.num_heads,
-            head_dim=config.head_dim,
-            state_size=config.state_size,
-            n_groups=config.n_groups,
-            conv_kernel=config.conv_kernel,
-            expand=config.expand,
-            chunk_size=config.chunk_size,
-            use_bias=config.use_bias,
-            use_conv_bias=config.use_conv_bias,
-            hidden_act=config.hidden_act,
-            layer_norm_epsilon=config.layer_norm_epsilon,
-            time_step_limit=config.time_step_limit,
-            time_step_min=config.time_step_min,
-            time_step_max=config.time_step_max,
-            time_step_floor=config.time_step_floor,
-            layer_idx=layer_idx,
-            device=device,
-            dtype=dtype,
-        )
+        return from_hf_config(cls, config, layer_idx, device, dtype)
 
     def forward(
         self,
@@ -310,12 +291,7 @@ class Mamba2Mixer(torch.nn.Module):
         """hidden_states (B, L, hidden_size) -> (B, L, hidden_size). attention_mask: (B, L), 1 keeps and 0
         pads, or None. A cache, under either of HF's names (``cache_params``; ``cache`` from transformers
         5.24), is refused. Other keyword arguments are ignored, as HF's torch path ignores them."""
-        if cache_params is not None or cache is not None:
-            raise NotImplementedError(
-                "tk_ops.nn.Mamba2Mixer computes full sequences only (no cache prefill, no single-step "
-                "decode); pass cache_params=None (use_cache=False), or keep HF's Mamba2Mixer and call "
-                "tk_ops.transformers.apply_tk_kernels_to_mamba2(), which handles caches"
-            )
+        refuse_cache(self, cache_params, cache, "Mamba2Mixer", "apply_tk_kernels_to_mamba2")
         return mamba2_mixer_forward(self, hidden_states, attention_mask)
 
     def extra_repr(self) -> str:
