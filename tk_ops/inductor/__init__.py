@@ -6,7 +6,7 @@
 
 Rewritten, in inference and training graphs, only where exact (dtypes, shapes, masks, scales):
   * ``F.scaled_dot_product_attention`` (no mask, causal with Nq == Nk, or a constant mask proven
-    all-true, causal, or, with ``any_device`` only until tk has a window kernel, a causal sliding
+    all-true, causal, or, with ``any_device`` only until the window kernels are measured against SDPA's masked call, a causal sliding
     window; dropout 0; bf16/fp16; head dim 64/128; GQA via ``enable_gqa`` or
     ``repeat_kv``-expanded K/V, read unexpanded) -> ``tk.attention`` / ``tk.attention_bwd``, and
     only where tk measured at least as fast as the SDPA backend the node lowered to (the table in
