@@ -526,6 +526,61 @@ def check_options() -> None:
             raise SystemExit("attention check: wrong result")
 
 
+# Packed sequences for check_packed: an empty one, one with queries but no key, tails across block edges.
+CHECK_PACKED_LENGTHS = ([129, 0, 300, 7], [200, 5, 300, 0])
+
+
+def check_packed() -> None:
+    """attention_varlen's packed kernels against the dense kernels (checked above) sequence by sequence,
+    forward and backward by both methods, with a window, a softcap and sinks; then lengths that break every
+    rule (decreasing, out of range), which the kernels must clamp: no access outside the tensors (what
+    memcheck watches)."""
+    q_lengths, k_lengths = CHECK_PACKED_LENGTHS
+    q = torch.randn(sum(q_lengths), 4, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(sum(k_lengths), 2, 64, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    sinks = torch.randn(4, device="cuda")
+    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32, device="cuda")
+                  for n in (q_lengths, k_lengths))
+    options = (True, 0.125, 50, -1, 2.0, sinks)
+    sizes = (max(q_lengths), max(k_lengths))
+    out, lse = torch.ops.tk.attention_varlen(q, k, v, cu_q, cu_k, *sizes, *options, False)
+    grad_out = torch.randn_like(out)
+    err = 0.0
+    for deterministic in (False, True):
+        grads = torch.ops.tk.attention_varlen_bwd(grad_out, None, q, k, v, out, lse, cu_q, cu_k, *sizes, *options,
+                                                  deterministic)
+        grad_sinks = torch.zeros_like(sinks)
+        for b in range(len(q_lengths)):
+            rows = slice(cu_q[b].item(), cu_q[b + 1].item())
+            keys = slice(cu_k[b].item(), cu_k[b + 1].item())
+            if q_lengths[b] == 0 or k_lengths[b] == 0:
+                err = max(err, out[rows].abs().max().item() if q_lengths[b] else 0.0)
+                continue
+            dense = [t[part].transpose(0, 1)[None] for t, part in ((q, rows), (k, keys), (v, keys))]
+            dense_out, dense_lse = torch.ops.tk.attention(*dense, *options[:2], deterministic, *options[2:])
+            dense_grads = torch.ops.tk.attention_bwd(grad_out[rows].transpose(0, 1)[None], None, *dense, dense_out,
+                                                     dense_lse, *options[:2], deterministic, *options[2:])
+            pairs = [(out[rows], dense_out[0].transpose(0, 1)), (lse[:, rows], dense_lse[0])]
+            pairs += [(g[part], d[0].transpose(0, 1)) for g, d, part in zip(grads, dense_grads, (rows, keys, keys))]
+            err = max(err, *(common.relative_difference(a.double(), b.double()) for a, b in pairs))
+            grad_sinks += dense_grads[3]
+        err = max(err, common.relative_difference(grads[3].double(), grad_sinks.double()))
+    status = "ok" if err < 1e-2 else "WRONG"
+    print(f"attention_varlen {q_lengths}x{k_lengths} causal window=(50, -1) softcap=2.0 sinks: rel diff {err:.2e} "
+          f"from the dense kernels per sequence (forward, and backward by both methods) {status}")
+    if status != "ok":
+        raise SystemExit("attention check: wrong result")
+    bad_q, bad_k = (torch.tensor(n, dtype=torch.int32, device="cuda") for n in ([7, -100, 1 << 30, 2, 5],
+                                                                                  [0, 1 << 30, 3, -7, 900]))
+    for deterministic in (False, True):
+        out, lse = torch.ops.tk.attention_varlen(q, k, v, bad_q, bad_k, *sizes, *options, deterministic)
+        torch.ops.tk.attention_varlen_bwd(grad_out, None, q, k, v, out, lse, bad_q, bad_k, *sizes, *options,
+                                          deterministic)
+    torch.cuda.synchronize()
+    print("attention_varlen with lengths that break every rule: no fault")
+
+
 def options_backward_error(q, k, v, causal, scale, left, right, softcap, sinks, out, lse) -> float:
     """The largest relative difference of the backward kernels' dq, dk, dv and dsinks (one-pass and
     recompute) from float64 autograd of options_expected, for random dO and dlse."""
@@ -574,6 +629,7 @@ def check() -> None:
         if status != "ok":
             raise SystemExit("attention check: wrong result")
     check_options()
+    check_packed()
     torch.cuda.synchronize()
 
 

@@ -662,73 +662,127 @@ def test_kernel_forward_never_reads_key_blocks_left_of_the_window(head_dim):
     tk_testing.assert_rel_close(out, ref_out, tk_testing.TOLERANCE[torch.bfloat16], "out")
 
 
-# Packed sequences on the kernels: csrc/torch/attention.cpp runs each sequence's (1, H, N, D) view of the packed
-# tensors through the dense kernels (forward, and backward without options on main's backward kernel).
-# (q lengths, k lengths): odd lengths across key-block edges, an empty query sequence, Nq != Nk.
-KERNEL_VARLEN_LENGTHS = [("mixed", [129, 0, 300, 1], [200, 5, 300, 130]), ("one", [513], [513])]
+# Packed sequences on the kernels: one launch of the kernels' packed variant walks every (sequence, head,
+# block), reading cu_seqlens on the device. (q lengths, k lengths): odd lengths across block edges, an empty
+# query sequence, a sequence with queries but no key, Nq != Nk, a last sequence ending at the tensor's end.
+KERNEL_VARLEN_LENGTHS = [
+    ("mixed", [129, 0, 300, 1], [200, 5, 300, 130]),
+    ("no-keys", [70, 200, 3], [0, 150, 261]),
+    ("one", [513], [513]),
+]
+# (causal, window, softcap, sinks)
+KERNEL_VARLEN_OPTIONS = [
+    ("plain", False, None, 0.0, False),
+    ("causal", True, None, 0.0, False),
+    ("causal-window-sinks", True, (60, -1), 0.0, True),
+    ("window-softcap", False, (40, 90), 3.0, False),
+]
 
 
 @tk_testing.requires_kernel("attention_varlen")
+@pytest.mark.parametrize("method", BACKWARD_METHODS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("causal, window, softcap, with_sinks", [row[1:] for row in KERNEL_VARLEN_OPTIONS],
+                         ids=[row[0] for row in KERNEL_VARLEN_OPTIONS])
 @tk_testing.parametrize_with_ids("q_lengths, k_lengths", KERNEL_VARLEN_LENGTHS)
-def test_kernel_varlen_against_float64(q_lengths, k_lengths, causal, head_dim, dtype):
-    """Forward and backward (through out and lse) of packed GQA sequences on the kernels, none falling back,
-    against float64 sequence by sequence."""
+def test_kernel_varlen_against_float64(q_lengths, k_lengths, causal, window, softcap, with_sinks, head_dim, dtype,
+                                       method):
+    """Forward and backward (through out and lse, by both dq methods) of packed GQA sequences with every
+    option on the packed kernels, none falling back, against float64 sequence by sequence."""
     q, k, v, cu_q, cu_k, max_q, max_k = make_varlen(q_lengths, k_lengths, q_heads=4, kv_heads=2, head_dim=head_dim,
                                                    dtype=dtype, device="cuda")
-    with tk_testing.runs_the_kernels("attention_varlen", "attention_varlen_bwd", "attention", "attention_bwd"):
-        check_against_naive(varlen_call(cu_q, cu_k, max_q, max_k, causal=causal),
-                            varlen_naive(cu_q.cpu(), cu_k.cpu(), causal=causal), [q, k, v], tk_testing.TOLERANCE[dtype])
+    leaves = [q, k, v] + ([make_sinks(4, device="cuda")] if with_sinks else [])
+    options = dict(causal=causal, window=window, softcap=softcap)
+    with backward_method(method), tk_testing.runs_the_kernels("attention_varlen", "attention_varlen_bwd"):
+        check_against_naive(varlen_call(cu_q, cu_k, max_q, max_k, deterministic=method == "deterministic", **options),
+                            varlen_naive(cu_q.cpu(), cu_k.cpu(), **options), leaves, tk_testing.TOLERANCE[dtype])
 
 
 @tk_testing.requires_kernel("attention_varlen")
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_kernel_varlen_is_the_dense_kernel_on_each_sequence(head_dim):
-    """Each sequence's rows of out and lse are bitwise what tk_ops.attention gives on that sequence alone."""
+    """Each sequence's rows of out and lse are bitwise what tk_ops.attention gives on that sequence alone
+    (with a window, so that both run the kernels' options variant)."""
     q_lengths, k_lengths = [129, 0, 300], [200, 5, 300]
     q, k, v, cu_q, cu_k, max_q, max_k = make_varlen(q_lengths, k_lengths, head_dim=head_dim, dtype=torch.bfloat16,
                                                    device="cuda", requires_grad=False)
-    out, lse = tk_ops.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, return_lse=True)
+    options = dict(causal=True, window=(150, -1), return_lse=True)
+    out, lse = tk_ops.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **options)
     for b, (q_start, k_start) in enumerate(zip(cu_q.tolist()[:-1], cu_k.tolist()[:-1])):
         if q_lengths[b] == 0:
             continue
         rows = slice(q_start, q_start + q_lengths[b])
         keys = slice(k_start, k_start + k_lengths[b])
         dense_out, dense_lse = tk_ops.attention(*(t.transpose(0, 1)[None] for t in (q[rows], k[keys], v[keys])),
-                                                causal=True, return_lse=True)
+                                                **options)
         torch.testing.assert_close(out[rows], dense_out[0].transpose(0, 1), rtol=0, atol=0)
         torch.testing.assert_close(lse[:, rows], dense_lse[0], rtol=0, atol=0)
 
 
 @tk_testing.requires_kernel("attention_varlen")
-def test_varlen_options_on_cuda():
-    """Every option on CUDA: the kernels take them per sequence, forward and backward (no fallback); with a
-    sequence that has no key (the reference's, per sequence) every output and gradient is float64's."""
-    options = dict(causal=True, window=(9, -1), softcap=3.0)
-    sinks = make_sinks(4, device="cuda")
-    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen([5, 0, 17, 3], [9, 3, 17, 0], head_dim=64, dtype=torch.bfloat16,
-                                                   device="cuda")
-    check_against_naive(varlen_call(cu_q, cu_k, max_q, max_k, **options),
-                        varlen_naive(cu_q.cpu(), cu_k.cpu(), **options), [q, k, v, sinks],
-                        tk_testing.TOLERANCE[torch.bfloat16])
-    full_q, full_k = [5, 17], [9, 17]
-    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen(full_q, full_k, head_dim=64, dtype=torch.bfloat16,
-                                                   device="cuda", requires_grad=False)
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    with tk_testing.runs_the_kernels("attention_varlen", "attention_varlen_bwd", "attention", "attention_bwd"):
-        out = tk_ops.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, sinks=sinks.detach(), **options)
-        torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+def test_kernel_varlen_reads_strided_views():
+    """q, k, v as column slices of one packed qkv projection (row stride 8 heads, not 4) run in place, and
+    give what their contiguous copies give, bitwise."""
+    qkv = torch.randn(260, 8, 64, dtype=torch.bfloat16, device="cuda")
+    q, k, v = qkv[:, :4], qkv[:, 4:6], qkv[:, 6:]
+    cu = torch.tensor([0, 100, 101, 260], dtype=torch.int32, device="cuda")
+    with tk_testing.runs_the_kernels("attention_varlen"):
+        out = tk_ops.attention_varlen(q, k, v, cu, cu, 159, 159, causal=True)
+        out_copies = tk_ops.attention_varlen(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, 159, 159,
+                                             causal=True)
+    torch.testing.assert_close(out, out_copies, rtol=0, atol=0)
 
 
 @tk_testing.requires_kernel("attention_varlen")
-def test_kernel_varlen_checks_the_lengths_as_the_reference():
-    """The CUDA entry reads cu_seqlens on the host and rejects what the reference rejects, with its message."""
-    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen([5, 3], [5, 3], dtype=torch.bfloat16, device="cuda",
-                                                   requires_grad=False)
-    bad = torch.tensor([0, 6, 5], dtype=torch.int32, device="cuda")
-    with pytest.raises(ValueError, match="cu_seqlens_k must be non-decreasing, got 6 then 5"):
-        torch.ops.tk.attention_varlen(q, k, v, cu_q, bad, max_q, max_k, False, 0.3, -1, -1, 0.0, None, False)
-    with pytest.raises(ValueError, match=r"max_seqlen_q \(4\) must be at least the longest sequence"):
-        torch.ops.tk.attention_varlen(q, k, v, cu_q, cu_k, 4, max_k, False, 0.3, -1, -1, 0.0, None, False)
+def test_kernel_varlen_replays_in_a_cuda_graph():
+    """A captured forward and backward reads cu_seqlens on the device at each replay: new lengths of the same
+    count, copied into the captured tensor, give what an eager call gives on them, bitwise; lengths that
+    break every rule (out of range, decreasing) make a replay neither fault nor touch a canary (their outputs
+    are then unspecified)."""
+    def lengths(values):
+        return torch.tensor(values, dtype=torch.int32, device="cuda")
+
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen([100, 30, 250], [120, 30, 250], head_dim=64,
+                                                   dtype=torch.bfloat16, device="cuda", requires_grad=False)
+    grad = torch.randn(q.shape[0], 4, 64, dtype=torch.bfloat16, device="cuda")
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+
+    def step():
+        out = tk_ops.attention_varlen(*leaves, cu_q, cu_k, max_q, max_k, causal=True, window=(64, -1))
+        return (out, *torch.autograd.grad(out, leaves, grad))
+
+    for _ in range(2):  # warm up on a side stream, as torch.cuda.graphs asks
+        step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    cu_q.copy_(lengths([0, 250, 300, 380]))
+    cu_k.copy_(lengths([0, 250, 280, 400]))
+    graph.replay()
+    expected = step()
+    for got, want in zip(captured, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    canary = torch.full((1 << 20,), 7.0, device="cuda")
+    cu_q.copy_(lengths([5, -100, 1 << 30, 2]))
+    cu_k.copy_(lengths([0, 1 << 30, 3, -7]))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.all(canary == 7.0)
+
+
+@tk_testing.requires_kernel("attention_varlen")
+def test_kernel_varlen_bad_lengths_neither_raise_nor_fault():
+    """The CUDA op never reads cu_seqlens on the host (no sync), so it does not reject bad contents as the
+    reference does: they are the caller's contract, as with FlashAttention (tk_ops.attention_varlen checks
+    CPU tensors). Out-of-range, decreasing and too-long lengths, forward and backward, must not fault: the
+    kernels clamp what they read (compute-sanitizer's memcheck runs such a case: bench_attention --check)."""
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen([5, 3, 200], [5, 3, 200], head_dim=64, dtype=torch.bfloat16,
+                                                   device="cuda")
+    for bad_q, bad_k in (([0, 6, 5, 208], [0, 5, 8, 208]), ([7, -100, 1 << 30, 2], [0, 1 << 30, 3, -7])):
+        bad_q, bad_k = (torch.tensor(b, dtype=torch.int32, device="cuda") for b in (bad_q, bad_k))
+        with tk_testing.runs_the_kernels("attention_varlen", "attention_varlen_bwd"):
+            out = torch.ops.tk.attention_varlen(q, k, v, bad_q, bad_k, 4, max_k, True, 0.3, -1, -1, 0.0, None,
+                                                False)[0]
+            torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+        torch.cuda.synchronize()

@@ -1,5 +1,5 @@
 // CUDA kernels of tk::attention and tk::attention_bwd on the Hopper attention kernels, and of
-// tk::attention_varlen and its backward on the same kernels, sequence by sequence (at the end).
+// tk::attention_varlen and its backward on their packed variant (at the end).
 //
 // Each entry re-checks its arguments, describes q, k, v (and the gradients' inputs) to the kernels
 // as they are stored (any strides with a unit last stride, so (B, N, H, D) views need no copy) and
@@ -181,64 +181,42 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
 
 // ------------------------------------------------------------------------ packed sequences (varlen)
 //
-// tk::attention_varlen and its backward on the same kernels, sequence by sequence: each sequence's rows
-// of the packed (total, H, D) tensors seen as a (1, H, N, D) view (no copy), attention_cuda or
-// attention_bwd_cuda on them (the kernels, or the reference for what they do not take, as for any dense
-// call), and the results copied into the packed outputs. The lengths are read on the host: one device sync
-// a call, so a call cannot be captured in a CUDA graph; and each sequence is a launch of its own, which
-// leaves SMs idle on short sequences: a stopgap until the kernels' task orders walk cu_seqlens themselves.
+// tk::attention_varlen and its backward on the kernels' packed variant: one launch walks every
+// (sequence, head, block) task, the kernels reading cu_seqlens on the device. The contents of cu_seqlens
+// are not read on the host (a device sync on every call, and no CUDA-graph capture); as with
+// FlashAttention they are the caller's contract (tk_ops.attention_varlen checks them where that is free:
+// CPU tensors in eager mode), and the kernels clamp what they read to the packed tensors, so that no
+// content makes them read or write outside them.
 
-// (start, stop) of each sequence of cu_seqlens, checked as tk_ops/ops/attention.py's sequence_bounds
-// checks them (the same ValueErrors, so the reference and this entry reject the same contents).
-std::vector<std::pair<int64_t, int64_t>> sequence_bounds(const std::string& name, const at::Tensor& cu_seqlens,
-                                                         int64_t total, int64_t max_seqlen) {
-  const at::Tensor host = cu_seqlens.to(at::kCPU, at::kLong).contiguous();
-  const int64_t* values = host.data_ptr<int64_t>();
-  const int64_t count = host.numel();
-  TORCH_CHECK_VALUE(values[0] == 0, name, " must start at 0, got ", values[0]);
-  std::vector<std::pair<int64_t, int64_t>> bounds;
-  int64_t longest = 0;
-  for (int64_t i = 0; i + 1 < count; ++i) {
-    TORCH_CHECK_VALUE(values[i + 1] >= values[i], name, " must be non-decreasing, got ", values[i], " then ",
-                      values[i + 1]);
-    bounds.emplace_back(values[i], values[i + 1]);
-    longest = std::max(longest, values[i + 1] - values[i]);
-  }
-  TORCH_CHECK_VALUE(values[count - 1] == total, name, " must end at the packed length ", total,
-                    " (the first dimension), got ", values[count - 1]);
-  const std::string max_name = "max_seqlen" + name.substr(std::string("cu_seqlens").size());
-  TORCH_CHECK_VALUE(longest <= max_seqlen, max_name, " (", max_seqlen, ") must be at least the longest sequence of ",
-                    name, " (", longest, ")");
-  return bounds;
-}
-
-// Sequence b's rows [start, stop) of a packed (total, H, X) tensor as a (1, H, stop - start, X) view.
-at::Tensor sequence_view(const at::Tensor& packed, std::pair<int64_t, int64_t> rows) {
-  return packed.slice(0, rows.first, rows.second).transpose(0, 1).unsqueeze(0);
-}
-
-struct varlen_sequence {
-  std::pair<int64_t, int64_t> q_rows, k_rows;
-};
-
-// The sequences with at least one query row (the others have no output and give no gradient).
-std::vector<varlen_sequence> varlen_sequences(const char* op, const at::Tensor& q, const at::Tensor& k,
-                                              const at::Tensor& v, const at::Tensor& cu_seqlens_q,
-                                              const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
-                                              int64_t max_seqlen_k) {
+void check_packed_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                         int64_t max_seqlen_k) {
   TORCH_CHECK_VALUE(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, op,
                     ": q, k and v must be packed (total, H, D), got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
   TORCH_CHECK_VALUE(cu_seqlens_q.dim() == 1 && cu_seqlens_k.dim() == 1 && cu_seqlens_q.numel() >= 2 &&
                         cu_seqlens_q.numel() == cu_seqlens_k.numel(),
                     op, ": cu_seqlens_q and cu_seqlens_k must be (B + 1,) alike, got ", cu_seqlens_q.sizes(), " and ",
                     cu_seqlens_k.sizes());
-  const auto queries = sequence_bounds("cu_seqlens_q", cu_seqlens_q, q.size(0), max_seqlen_q);
-  const auto keys = sequence_bounds("cu_seqlens_k", cu_seqlens_k, k.size(0), max_seqlen_k);
-  std::vector<varlen_sequence> sequences;
-  for (size_t b = 0; b < queries.size(); ++b) {
-    if (queries[b].second > queries[b].first) sequences.push_back({queries[b], keys[b]});
-  }
-  return sequences;
+  TORCH_CHECK_VALUE(max_seqlen_q >= 1 && max_seqlen_k >= 1, op, ": max_seqlen_q and max_seqlen_k must be at least 1");
+}
+
+// The kernels' view of a packed (total, H, X) tensor: (1, H, total, X), or nothing if its last stride is
+// not unit.
+std::optional<attn::heads_view> packed_view_of(const at::Tensor& t) {
+  if (t.stride(2) != 1 && t.size(2) > 1) return std::nullopt;
+  return attn::heads_view{t.data_ptr(), 1, t.size(1), t.size(0), t.size(2), t.size(0) * t.stride(0), t.stride(1),
+                          t.stride(0)};
+}
+
+// cu_seqlens as the kernels read them: int32, contiguous, on q's device (copied if they are not).
+at::Tensor device_seqlens(const at::Tensor& cu_seqlens, const at::Tensor& q) {
+  return cu_seqlens.to(q.device(), at::kInt).contiguous();
+}
+
+attn::packed_sequences packed_of(const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                                 int64_t max_seqlen_k) {
+  return {cu_seqlens_q.data_ptr<int>(), cu_seqlens_k.data_ptr<int>(), cu_seqlens_q.numel() - 1, max_seqlen_q,
+          max_seqlen_k};
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_varlen_cuda(
@@ -246,17 +224,31 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_cuda(
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal, double scale,
     int64_t window_left, int64_t window_right, double softcap, const std::optional<at::Tensor>& sinks,
     bool deterministic) {
-  const auto sequences = varlen_sequences("tk::attention_varlen", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                          max_seqlen_k);
-  at::Tensor out = at::zeros({q.size(0), q.size(1), v.size(2)}, q.options());
-  at::Tensor lse = at::full({q.size(1), q.size(0)}, -INFINITY, q.options().dtype(at::kFloat));
-  for (const varlen_sequence& s : sequences) {
-    auto [sequence_out, sequence_lse] =
-        attention_cuda(sequence_view(q, s.q_rows), sequence_view(k, s.k_rows), sequence_view(v, s.k_rows), causal,
-                       scale, deterministic, window_left, window_right, softcap, sinks);
-    out.slice(0, s.q_rows.first, s.q_rows.second).copy_(sequence_out[0].transpose(0, 1));
-    lse.slice(1, s.q_rows.first, s.q_rows.second).copy_(sequence_lse[0]);
+  check_packed_inputs("tk::attention_varlen", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  const at::Tensor cu_q = device_seqlens(cu_seqlens_q, q), cu_k = device_seqlens(cu_seqlens_k, q);
+  std::optional<attn::forward_problem> plan;
+  if (kernel_device(q) && q.size(0) > 0 && k.size(0) > 0 && (!sinks.has_value() || kernel_sinks(*sinks, q))) {
+    const auto qv = packed_view_of(q), kv = packed_view_of(k), vv = packed_view_of(v);
+    if (qv && kv && vv) {
+      attn::forward_problem p{element_of(q), causal, float(scale), *qv, *kv, *vv, nullptr, nullptr};
+      p.window_left = window_left;
+      p.window_right = window_right;
+      p.softcap = softcap;
+      p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
+      p.packed = packed_of(cu_q, cu_k, max_seqlen_q, max_seqlen_k);
+      if (attn::unsupported_reason(p).empty()) plan = p;
+    }
   }
+  if (!plan) {
+    return fallback<&attention_varlen_cuda>("tk::attention_varlen_ref", q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                            max_seqlen_q, max_seqlen_k, causal, scale, window_left, window_right,
+                                            softcap, sinks, deterministic);
+  }
+  at::Tensor out = at::empty({q.size(0), q.size(1), v.size(2)}, q.options());
+  at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
+  plan->out = out.data_ptr();
+  plan->lse = lse.data_ptr<float>();
+  launch_on(q, [&](cudaStream_t stream) { return attn::launch(*plan, stream); });
   return {out, lse};
 }
 
@@ -266,25 +258,55 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd_
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal, double scale,
     int64_t window_left, int64_t window_right, double softcap, const std::optional<at::Tensor>& sinks,
     bool deterministic) {
-  const auto sequences = varlen_sequences("tk::attention_varlen_bwd", q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                          max_seqlen_q, max_seqlen_k);
-  at::Tensor grad_q = at::zeros_like(q), grad_k = at::zeros_like(k), grad_v = at::zeros_like(v);
-  at::Tensor grad_sinks = sinks.has_value() ? at::zeros_like(*sinks) : at::empty({0}, q.options().dtype(at::kFloat));
-  for (const varlen_sequence& s : sequences) {
-    const auto rows = [&](const at::Tensor& statistic) {  // (Hq, total) -> (1, Hq, N)
-      return statistic.slice(1, s.q_rows.first, s.q_rows.second).unsqueeze(0);
-    };
-    const std::optional<at::Tensor> sequence_grad_lse =
-        grad_lse.has_value() ? std::optional<at::Tensor>(rows(*grad_lse)) : std::nullopt;
-    auto [dq, dk, dv, dsinks] = attention_bwd_cuda(
-        sequence_view(grad_out, s.q_rows), sequence_grad_lse, sequence_view(q, s.q_rows), sequence_view(k, s.k_rows),
-        sequence_view(v, s.k_rows), sequence_view(out, s.q_rows), rows(lse), causal, scale, deterministic, window_left,
-        window_right, softcap, sinks);
-    grad_q.slice(0, s.q_rows.first, s.q_rows.second).copy_(dq[0].transpose(0, 1));
-    grad_k.slice(0, s.k_rows.first, s.k_rows.second).copy_(dk[0].transpose(0, 1));
-    grad_v.slice(0, s.k_rows.first, s.k_rows.second).copy_(dv[0].transpose(0, 1));
-    if (sinks.has_value()) grad_sinks.add_(dsinks);
+  check_packed_inputs("tk::attention_varlen_bwd", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  const std::vector<int64_t> out_shape{q.size(0), q.size(1), v.size(2)};
+  TORCH_CHECK_VALUE(out.sizes() == out_shape && grad_out.sizes() == out_shape, "tk::attention_varlen_bwd: out and ",
+                    "grad_out must be ", out_shape, ", got ", out.sizes(), " and ", grad_out.sizes());
+  const std::vector<int64_t> lse_shape{q.size(1), q.size(0)};
+  TORCH_CHECK_VALUE(lse.sizes() == lse_shape && (!grad_lse.has_value() || grad_lse->sizes() == lse_shape),
+                    "tk::attention_varlen_bwd: lse and grad_lse must be ", lse_shape);
+  const at::Tensor cu_q = device_seqlens(cu_seqlens_q, q), cu_k = device_seqlens(cu_seqlens_k, q);
+  std::optional<attn::backward_problem> plan;
+  const bool statistics_fp32 =
+      lse.scalar_type() == at::kFloat && (!grad_lse.has_value() || grad_lse->scalar_type() == at::kFloat);
+  if (kernel_device(q) && q.size(0) > 0 && k.size(0) > 0 && statistics_fp32 &&
+      grad_out.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type() &&
+      grad_out.device() == q.device() && out.device() == q.device() && lse.device() == q.device() &&
+      (!sinks.has_value() || kernel_sinks(*sinks, q))) {
+    const auto qv = packed_view_of(q), kv = packed_view_of(k), vv = packed_view_of(v), ov = packed_view_of(out),
+               gv = packed_view_of(grad_out);
+    if (qv && kv && vv && ov && gv) {
+      attn::backward_problem p{element_of(q), causal, float(scale), *qv, *kv, *vv, *ov, *gv,
+                               nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, backward_method(deterministic)};
+      p.window_left = window_left;
+      p.window_right = window_right;
+      p.softcap = softcap;
+      p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
+      p.packed = packed_of(cu_q, cu_k, max_seqlen_q, max_seqlen_k);
+      if (attn::unsupported_reason(p).empty()) plan = p;
+    }
   }
+  if (!plan) {
+    return fallback<&attention_varlen_bwd_cuda>("tk::attention_varlen_bwd_ref", grad_out, grad_lse, q, k, v, out, lse,
+                                                cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+                                                window_left, window_right, softcap, sinks, deterministic);
+  }
+  const at::Tensor lse_rows = lse.contiguous();
+  const std::optional<at::Tensor> grad_lse_rows =
+      grad_lse.has_value() ? std::optional<at::Tensor>(grad_lse->contiguous()) : std::nullopt;
+  at::Tensor grad_q = at::empty(q.sizes(), q.options());
+  at::Tensor grad_k = at::empty(k.sizes(), k.options());
+  at::Tensor grad_v = at::empty(v.sizes(), v.options());
+  at::Tensor grad_sinks = at::empty({sinks.has_value() ? q.size(1) : 0}, q.options().dtype(at::kFloat));
+  at::Tensor workspace = at::empty({attn::backward_workspace_floats(*plan)}, q.options().dtype(at::kFloat));
+  plan->lse = lse_rows.data_ptr<float>();
+  plan->grad_lse = grad_lse_rows.has_value() ? grad_lse_rows->data_ptr<float>() : nullptr;
+  plan->grad_q = grad_q.data_ptr();
+  plan->grad_k = grad_k.data_ptr();
+  plan->grad_v = grad_v.data_ptr();
+  plan->workspace = workspace.data_ptr<float>();
+  plan->grad_sinks = sinks.has_value() ? grad_sinks.data_ptr<float>() : nullptr;
+  launch_on(q, [&](cudaStream_t stream) { return attn::launch(*plan, stream); });
   return {grad_q, grad_k, grad_v, grad_sinks};
 }
 

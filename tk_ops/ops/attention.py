@@ -697,13 +697,16 @@ def attention_varlen(
     contents of cu_seqlens (starting at 0, non-decreasing, ending at total_q / total_k, no sequence
     longer than max_seqlen) are checked here only in eager mode on CPU tensors: reading them from a
     GPU would cost a device sync on every call, and under torch.compile/export it would be a graph
-    break. The reference, which runs the op today on every device, reads the lengths anyway (to loop
-    over the sequences, inside the op where Dynamo does not trace) and raises the same ValueError,
-    at no extra cost; so a bad cu_seqlens never gives wrong numbers. (A CUDA kernel, later, will
-    not read them on the host: like FlashAttention's, its contract is that they are valid.)
+    break. On a GPU they are the caller's contract, as with FlashAttention: the CUDA kernels read them
+    on the device (a call can be captured in a CUDA graph and replayed with new lengths) and clamp
+    what they read to the packed tensors, so bad contents give unspecified numbers but never an
+    access outside the tensors. The reference (CPU, and what the kernels do not take) reads the
+    lengths anyway and raises the same ValueErrors as the checks here.
 
-    Runs the reference on every device for now (on a GPU with a one-time warning): a loop over the
-    sequences, each the dense reference, exact in fp32 (fp64 for fp64 inputs).
+    On Hopper with bf16/fp16 and D = Dv in {64, 128}: one launch of the attention kernels' packed
+    variant (forward, and the backward's kernels), tasks of (sequence, head, 128-row block) up to
+    max_seqlen. Elsewhere the reference: a loop over the sequences, each the dense reference, exact in
+    fp32 (fp64 for fp64 inputs).
     """
     q, k, v = autocast_inputs(q, k, v)
     _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)

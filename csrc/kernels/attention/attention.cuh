@@ -211,9 +211,10 @@ struct key_window {
 
   // Clamps the edges as above; query + Nk - Nq +- edge stays in int when Nq + Nk <= MAX_WINDOWED_ROWS
   // (unsupported_reason), for the padded rows past Nq of a last query block too.
-  static key_window of(int64_t q_rows, int64_t k_rows, bool causal, int64_t left, int64_t right) {
-    const int64_t reach_left = left < 0 ? k_rows : std::min(left, k_rows);
-    const int64_t reach_right = causal ? 0 : right < 0 ? q_rows : std::min(right, q_rows);
+  // (On the device too: a packed sequence's window is made from its lengths in the kernel.)
+  __host__ __device__ static key_window of(int64_t q_rows, int64_t k_rows, bool causal, int64_t left, int64_t right) {
+    const int64_t reach_left = left < 0 || left > k_rows ? k_rows : left;
+    const int64_t reach_right = causal ? 0 : right < 0 || right > q_rows ? q_rows : right;
     return {int(q_rows), int(k_rows), int(reach_left), int(reach_right)};
   }
 
@@ -263,6 +264,61 @@ struct key_window {
 // stay in int.
 constexpr int64_t MAX_WINDOWED_ROWS = int64_t(1) << 30;
 
+// ------------------------------------------------------------------------ sequences, dense or packed
+
+// Where a call's sequences lie in the kernels' (B, H, N, D) tensor maps. Dense: sequence b is batch b,
+// rows [0, N). Packed (attention_varlen): the maps are (1, H, total, D) views of the packed tensors,
+// and sequence b is rows [cu_seqlens[b], cu_seqlens[b + 1]) of their batch 0. The kernels read
+// cu_seqlens themselves (no host sync, CUDA-graph capturable) and clamp what they read to the packed
+// rows and the longest length the grid was sized for, so no content of cu_seqlens makes them read or
+// write outside the tensors.
+struct sequence_rows {
+  int map_batch;         // the maps' batch coordinate
+  int q_start, k_start;  // the sequence's first row in the maps' row coordinate
+  int q_rows, k_rows;    // its lengths
+};
+
+struct sequence_layout {
+  const int* cu_seqlens_q = nullptr;  // (sequences + 1,) int32, or none: dense
+  const int* cu_seqlens_k = nullptr;
+  int q_rows = 0, k_rows = 0;          // dense: each sequence's lengths; packed: the packed tensors' rows
+  int max_q_rows = 0, max_k_rows = 0;  // the longest sequence's lengths (the grid's blocks per sequence)
+
+  __host__ __device__ bool packed() const { return cu_seqlens_q != nullptr; }
+
+  __device__ sequence_rows of(int sequence) const {
+    if (!packed()) return {sequence, 0, 0, q_rows, k_rows};
+    const auto bounds = [sequence](const int* cu_seqlens, int total, int longest, int& start) {
+      start = min(max(__ldg(cu_seqlens + sequence), 0), total);
+      const int stop = min(max(__ldg(cu_seqlens + sequence + 1), start), total);
+      return min(stop - start, longest);
+    };
+    sequence_rows r{0, 0, 0, 0, 0};
+    r.q_rows = bounds(cu_seqlens_q, q_rows, max_q_rows, r.q_start);
+    r.k_rows = bounds(cu_seqlens_k, k_rows, max_k_rows, r.k_start);
+    return r;
+  }
+};
+
+// A task of the kernels with options: a block of one head of one sequence (batch: the sequence), and
+// where that sequence lies, read once per task by the task order.
+struct sequence_block : pipeline::head_block {
+  sequence_rows rows;
+};
+
+// head_block_order over every sequence's blocks up to the longest's; a block past its own sequence's
+// end is a task with no work.
+struct sequence_block_order {
+  pipeline::head_block_order blocks;
+  sequence_layout sequences;
+
+  __host__ __device__ int count() const { return blocks.count(); }
+  __device__ sequence_block at(int index) const {
+    const pipeline::head_block task = blocks.at(index);
+    return {task, sequences.of(task.batch)};
+  }
+};
+
 // ------------------------------------------------------------------------------------ softcap
 
 // The softcapped score before its factor: tanh(tanh_scale * s), tanh_scale = scale / softcap. MUFU's
@@ -297,13 +353,13 @@ struct probability_times_slope {
 
 // -------------------------------------------------------------- resident tiles and epilogues
 
-// Each consumer's rows of the task's (batch, head) sequence, from row0 on, into its own tile: the
-// resident tiles of every attention kernel (Q; K and V; Q and dO).
+// Each consumer's rows of a (batch, head) of the map, from row0 on, into its own tile: the resident
+// tiles of every attention kernel (Q; K and V; Q and dO).
 template <typename Tile, int CONSUMERS>
 __device__ __forceinline__ void load_consumer_rows(Tile (&tiles)[CONSUMERS], const CUtensorMap& map, mbarrier& full,
-                                                   pipeline::head_block task, int row0) {
+                                                   int batch, int head, int row0) {
   for (int c = 0; c < CONSUMERS; ++c) {
-    const int index[4] = {task.batch, task.head, row0 + c * Tile::rows, 0};
+    const int index[4] = {batch, head, row0 + c * Tile::rows, 0};
     tma::load(tiles[c], map, full, index);
   }
 }
@@ -355,6 +411,32 @@ inline std::string shape_reason(const heads_view& q, const heads_view& k, const 
   if (q.rows > MAX_SEQUENCE || k.rows > MAX_SEQUENCE) return "sequence lengths must fit TMA coordinates";
   const int64_t blocks = ceil_div<int64_t>(std::max(q.rows, k.rows), dq_plan<128>::block_q);
   if (q.batch * q.heads * blocks > MAX_GRID_TASKS) return "B * Hq * (row blocks) must fit one grid";
+  return {};
+}
+
+// The kernels' sequence layout of a problem whose q and k views have q_rows and k_rows rows.
+inline sequence_layout sequence_layout_of(const packed_sequences& packed, int64_t q_rows, int64_t k_rows) {
+  if (!packed.given()) return {nullptr, nullptr, int(q_rows), int(k_rows), int(q_rows), int(k_rows)};
+  return {packed.cu_seqlens_q, packed.cu_seqlens_k, int(q_rows), int(k_rows),
+          int(std::min(packed.max_seqlen_q, q_rows)), int(std::min(packed.max_seqlen_k, k_rows))};
+}
+
+// The kernels' view of an output or gradient of `like`'s shape: (B, H, N, X) contiguous, or packed
+// (total, H, X) contiguous as a (1, H, total, X) view.
+inline heads_view output_view(const void* data, const heads_view& like, bool packed) {
+  if (!packed) return contiguous_view(data, like.batch, like.heads, like.rows, like.dim);
+  return {data, 1, like.heads, like.rows, like.dim, like.rows * like.heads * like.dim, like.dim, like.heads * like.dim};
+}
+
+// Packed sequences' own rules: the grid of (sequence, head, block) tasks fits, and the longest lengths
+// are at least 1.
+inline std::string packed_reason(const packed_sequences& packed, int64_t q_heads, int64_t block_q) {
+  if (!packed.given()) return {};
+  if (packed.cu_seqlens_k == nullptr || packed.count < 1) return "packed sequences need both cu_seqlens";
+  if (packed.max_seqlen_q < 1 || packed.max_seqlen_k < 1) return "max_seqlen must be at least 1";
+  if (packed.count * q_heads * ceil_div<int64_t>(packed.max_seqlen_q, block_q) > MAX_GRID_TASKS) {
+    return "sequences * Hq * (row blocks) must fit one grid";
+  }
   return {};
 }
 

@@ -34,18 +34,35 @@ using kernel_head_dims = one_of<64, 128>;
 
 using tk::heads_view;
 
+// Packed sequences (attention_varlen), or none (a dense batch). Packed: q, k, v (and the backward's
+// out and grad_out) are (1, H, total, D) views of the packed (total, H, D) tensors, the outputs are packed
+// and contiguous ((total, H, D), lse (Hq, total)), and sequence b is rows [cu_seqlens_q[b],
+// cu_seqlens_q[b + 1]) of q (cu_seqlens_k: of k and v), at most max_seqlen_q (max_seqlen_k) long. The
+// kernels read cu_seqlens on the device (int32, (count + 1,)), clamped to the packed rows.
+struct packed_sequences {
+  const int* cu_seqlens_q = nullptr;
+  const int* cu_seqlens_k = nullptr;
+  int64_t count = 0;
+  int64_t max_seqlen_q = 0, max_seqlen_k = 0;
+
+  bool given() const { return cu_seqlens_q != nullptr; }
+};
+
 struct forward_problem {
   element_type dtype;
   bool causal;
   float scale;
   heads_view q, k, v;
-  void* out;   // (B, Hq, Nq, D) contiguous
-  float* lse;  // (B, Hq, Nq) contiguous, natural log
+  void* out;   // (B, Hq, Nq, D) contiguous (packed: (total, Hq, D))
+  float* lse;  // (B, Hq, Nq) contiguous, natural log (packed: (Hq, total))
   int64_t window_left = -1, window_right = -1;  // -1 = unbounded
   double softcap = 0.0;                          // 0 = off
   const float* sinks = nullptr;                  // (Hq,) contiguous, or none
+  packed_sequences packed;
 
-  bool has_options() const { return window_left >= 0 || window_right >= 0 || softcap != 0.0 || sinks != nullptr; }
+  bool has_options() const {
+    return window_left >= 0 || window_right >= 0 || softcap != 0.0 || sinks != nullptr || packed.given();
+  }
 };
 
 // How the backward forms dq:
@@ -61,10 +78,10 @@ struct backward_problem {
   bool causal;
   float scale;
   heads_view q, k, v, out, grad_out;
-  const float* lse;       // (B, Hq, Nq) contiguous
-  const float* grad_lse;  // (B, Hq, Nq) contiguous, or nullptr
-  void* grad_q;           // (B, Hq, Nq, D) contiguous
-  void* grad_k;           // (B, Hkv, Nk, D) contiguous
+  const float* lse;       // (B, Hq, Nq) contiguous (packed: (Hq, total))
+  const float* grad_lse;  // lse's shape, contiguous, or nullptr
+  void* grad_q;           // (B, Hq, Nq, D) contiguous (packed: (total, Hq, D))
+  void* grad_k;           // (B, Hkv, Nk, D) contiguous (packed: (total_k, Hkv, D))
   void* grad_v;
   // Workspace of backward_workspace_floats(*this) floats: the per-row statistics the gradient
   // kernels read (lse in base 2, rowsum(dO * O) - dlse) and, for the one-pass method, the fp32 dq
@@ -75,9 +92,11 @@ struct backward_problem {
   double softcap = 0.0;                          // the forward's softcap; 0 = off
   const float* sinks = nullptr;                  // the forward's (Hq,) sinks (its lse includes them), or none
   float* grad_sinks = nullptr;                   // (Hq,) fp32, written when sinks are given
+  packed_sequences packed;                       // the forward's; the gradients are then packed too
 
-  // The window and the softcap change the gradient kernels (their options variant); sinks do not.
-  bool has_options() const { return window_left >= 0 || window_right >= 0 || softcap != 0.0; }
+  // The window, the softcap and packed sequences change the gradient kernels (their options
+  // variants); sinks do not.
+  bool has_options() const { return window_left >= 0 || window_right >= 0 || softcap != 0.0 || packed.given(); }
 };
 
 // Floats of workspace the backward needs (every field but the pointers set).

@@ -65,27 +65,35 @@ struct gradient_shape {
 constexpr int STATISTICS_LANES_PER_ROW = 8;
 constexpr int STATISTICS_THREADS = 256;
 
+// Per sequence (batch, or packed sequence) and query head: statistics_rows rows, those past the
+// sequence's length padding.
 template <typename T>
 struct statistics_params {
   const T* out;
   const T* grad_out;
   int64_t out_strides[3];  // batch, head, row (elements)
   int64_t grad_out_strides[3];
-  const float* lse;
+  const float* lse;       // (B, Hq, Nq), or (Hq, total) packed
   const float* grad_lse;  // or nullptr
-  float* lse2;            // (B * Hq, statistics_rows)
+  float* lse2;            // (sequences * Hq, statistics_rows)
   float* delta;
-  int q_rows, q_heads, dim, statistics_rows;
-  int64_t total_rows;  // B * Hq * statistics_rows
+  sequence_layout sequences;
+  int q_heads, dim, statistics_rows;
+  int64_t total_rows;  // sequences * Hq * statistics_rows
 };
 
 template <typename T>
 __global__ void __launch_bounds__(STATISTICS_THREADS) statistics_kernel(const statistics_params<T> p) {
   const statistics_row r = statistics_row_dot<STATISTICS_LANES_PER_ROW, STATISTICS_THREADS>(
-      p.out, p.out_strides, p.grad_out, p.grad_out_strides, p.q_heads, p.q_rows, p.statistics_rows, p.total_rows, p.dim);
+      p.out, p.out_strides, p.grad_out, p.grad_out_strides, p.q_heads, p.statistics_rows, p.total_rows, p.dim,
+      [&](int64_t sequence) {
+        const sequence_rows rows = p.sequences.of(int(sequence));
+        return row_span{rows.map_batch, rows.q_start, rows.q_rows};
+      });
   if (r.lane_in_row != 0 || r.row >= p.total_rows) return;
   if (r.real) {
-    const int64_t source = r.head_row * p.q_rows + r.i;
+    // lse as the forward stores it: (map batch, head, row) of the maps' rows
+    const int64_t source = (r.span.batch * p.q_heads + r.head) * p.sequences.q_rows + r.span.first + r.i;
     const float lse = p.lse[source];
     p.lse2[r.row] = lse == NEG_INF ? INFINITY : lse * LOG2_E;
     p.delta[r.row] = r.dot - (p.grad_lse != nullptr ? p.grad_lse[source] : 0.0f);
@@ -214,10 +222,36 @@ enum class backward_features { plain, windowed, softcapped };
 // The options' parameters, a base of the params of the windowed and softcapped variants, as the
 // forward's options are (the plain params keep their layout).
 struct options_params {
-  key_window window;
+  sequence_layout sequences;                // dense, or packed (attention_varlen)
+  int window_left = -1, window_right = -1;  // the edges as given: each task's key_window is made from
+                                            // them and its sequence's lengths (as the forward's)
   float tanh_scale = 0.0f;  // scale / softcap (softcapped; shape.scale_log2 is then softcap * log2(e))
   float inverse_c = 0.0f;   // 1 / (softcap * log2(e)), for softcap_slope
+  // Packed: the gradients (total, H, D), stored row by row (a TMA store would clip only at the packed
+  // tensor's end, and a sequence's last block reaches into the next); dense: none.
+  void* packed_grad_q = nullptr;
+  void* packed_grad_k = nullptr;
+  void* packed_grad_v = nullptr;
+  bool causal = false;
+
+  __device__ key_window window_of(const sequence_block& t) const {
+    return key_window::of(t.rows.q_rows, t.rows.k_rows, causal, window_left, window_right);
+  }
 };
+
+// A packed sequence's rows of a gradient, from `row` on: each warp stores its own rows below the
+// sequence's end from registers.
+template <typename T, typename Accumulator>
+__device__ __forceinline__ void store_packed_rows(void* packed, const sequence_rows& rows, bool keys, int heads, int head,
+                                                  int row, const Accumulator& acc) {
+  constexpr int D = Accumulator::cols;
+  const int row_stride = heads * D;
+  const int warp_row = row + warpgroup::warp_row();
+  const int start = keys ? rows.k_start : rows.q_start;
+  const int length = keys ? rows.k_rows : rows.q_rows;
+  warp::store(static_cast<T*>(packed) + int64_t(start + warp_row) * row_stride + head * D, row_stride, acc,
+              length - warp_row);
+}
 struct no_options {};
 
 template <typename T, int D, dq_method DQ, backward_features FEATURES>
@@ -271,6 +305,17 @@ struct dkdv_kernel : dkdv_plan<D> {
     gradient_shape shape;
   };
   using context = pipeline::task_context<dkdv_kernel>;
+  // The windowed and softcapped variants' tasks carry their sequence's rows (dense or packed).
+  using task_order = std::conditional_t<with_options, sequence_block_order, pipeline::head_block_order>;
+  using task = std::conditional_t<with_options, sequence_block, pipeline::head_block>;
+
+  __device__ static sequence_rows rows_of(const params& p, const task& t) {
+    if constexpr (with_options) {
+      return t.rows;
+    } else {
+      return {t.batch, 0, 0, p.shape.q_rows, p.shape.k_rows};
+    }
+  }
 
   struct consumer_state {
     gradient grad_k, grad_v;
@@ -294,46 +339,56 @@ struct dkdv_kernel : dkdv_plan<D> {
     __device__ int tile(int step) const { return first_tile + step % tiles_per_head; }
   };
 
-  __device__ static schedule schedule_for(const params& p, pipeline::head_block task) {
-    const int k0 = task.block * plan::block_kv;
+  // A packed sequence's key blocks past its end have no query tiles.
+  __device__ static schedule schedule_for(const params& p, const task& t) {
+    const int k0 = t.block * plan::block_kv;
     if constexpr (with_options) {
-      return {p.window.first_query_block(k0, plan::block_q), p.window.query_blocks(k0, plan::block_kv, plan::block_q)};
+      if (k0 >= t.rows.k_rows) return {0, 0};
+      const key_window w = p.window_of(t);
+      return {w.first_query_block(k0, plan::block_q), w.query_blocks(k0, plan::block_kv, plan::block_q)};
     } else {
       const int first = p.shape.vis().first_query_tile(k0, plan::block_q);
       return {first, max(0, ceil_div(p.shape.q_rows, plan::block_q) - first)};
     }
   }
 
-  __host__ __device__ static pipeline::head_block_order tasks(const params& p) {
-    return {ceil_div(p.shape.k_rows, plan::block_kv), p.shape.q_heads / p.shape.group, p.shape.batch, false};
+  __host__ __device__ static task_order tasks(const params& p) {
+    if constexpr (with_options) {
+      return {{ceil_div(p.sequences.max_k_rows, plan::block_kv), p.shape.q_heads / p.shape.group, p.shape.batch, false},
+              p.sequences};
+    } else {
+      return {ceil_div(p.shape.k_rows, plan::block_kv), p.shape.q_heads / p.shape.group, p.shape.batch, false};
+    }
   }
 
-  __device__ static int iterations(const params& p, pipeline::head_block task) {
-    return schedule_for(p, task).steps(p.shape.group);
-  }
+  __device__ static int iterations(const params& p, const task& t) { return schedule_for(p, t).steps(p.shape.group); }
 
   __device__ static void prefetch(const params& p) {
     tma::prefetch_descriptor(p.q);
     tma::prefetch_descriptor(p.grad_out);
   }
 
-  __device__ static void load_resident(const params& p, pipeline::head_block task, resident& r, mbarrier& full) {
-    load_consumer_rows(r.k, p.k, full, task, task.block * plan::block_kv);
-    load_consumer_rows(r.v, p.v, full, task, task.block * plan::block_kv);
+  __device__ static void load_resident(const params& p, const task& t, resident& r, mbarrier& full) {
+    const sequence_rows rows = rows_of(p, t);
+    load_consumer_rows(r.k, p.k, full, rows.map_batch, t.head, rows.k_start + t.block * plan::block_kv);
+    load_consumer_rows(r.v, p.v, full, rows.map_batch, t.head, rows.k_start + t.block * plan::block_kv);
   }
 
-  __device__ static int q_head(const params& p, pipeline::head_block task, const schedule& sched, int step) {
-    return task.head * p.shape.group + sched.head_in_group(step);
+  __device__ static int q_head(const params& p, const task& t, const schedule& sched, int step) {
+    return t.head * p.shape.group + sched.head_in_group(step);
   }
 
-  __device__ static void load(const params& p, pipeline::head_block task, int step, int, stage& s, mbarrier& full) {
-    const schedule sched = schedule_for(p, task);
-    const int head = q_head(p, task, sched, step);
+  // A packed sequence's query rows past its end (the next sequence's) read its padding statistics
+  // (lse2 = +inf: P = 0), as a dense batch's rows past Nq do.
+  __device__ static void load(const params& p, const task& t, int step, int, stage& s, mbarrier& full) {
+    const schedule sched = schedule_for(p, t);
+    const sequence_rows rows = rows_of(p, t);
+    const int head = q_head(p, t, sched, step);
     const int q0 = sched.tile(step) * plan::block_q;
-    const int index[4] = {task.batch, head, q0, 0};
+    const int index[4] = {rows.map_batch, head, rows.q_start + q0, 0};
     tma::load(s.q, p.q, full, index);
     tma::load(s.grad_out, p.grad_out, full, index);
-    const int statistics_index[2] = {task.batch * p.shape.q_heads + head, q0};
+    const int statistics_index[2] = {t.batch * p.shape.q_heads + head, q0};
     tma::load(s.lse2, p.lse2, full, statistics_index);
     tma::load(s.delta, p.delta, full, statistics_index);
   }
@@ -446,7 +501,7 @@ struct dkdv_kernel : dkdv_plan<D> {
       if constexpr (with_options) {
         // Per key the queries [query_floor, query_end) see it (4 integers a thread, as the plain
         // D = 64 rule's 2); a key past Nk (zero-filled) is hidden from every query.
-        const key_window w = p.window;
+        const key_window w = p.window_of(ctx.task);
         if (!w.sees_whole(q0, plan::block_q, key0, plan::rows_per_consumer)) {
           warp::mask(s, {key0 + warpgroup::warp_row(), q0},
                      [&](int key, int query) {
@@ -525,8 +580,17 @@ struct dkdv_kernel : dkdv_plan<D> {
       barrier_sync(barrier_id::keys_read, plan::consumer_warpgroups * WARPGROUP_THREADS);
     }
     warp::mul(state.grad_k, state.grad_k, p.shape.scale);
-    const int index[4] = {ctx.task.batch, ctx.task.head,
-                          ctx.task.block * plan::block_kv + ctx.consumer * plan::rows_per_consumer, 0};
+    const sequence_rows rows = rows_of(p, ctx.task);
+    const int key0 = ctx.task.block * plan::block_kv + ctx.consumer * plan::rows_per_consumer;
+    if constexpr (with_options) {
+      if (p.packed_grad_k != nullptr) {
+        const int kv_heads = p.shape.q_heads / p.shape.group;
+        store_packed_rows<T>(p.packed_grad_k, rows, true, kv_heads, ctx.task.head, key0, state.grad_k);
+        store_packed_rows<T>(p.packed_grad_v, rows, true, kv_heads, ctx.task.head, key0, state.grad_v);
+        return;
+      }
+    }
+    const int index[4] = {rows.map_batch, ctx.task.head, key0, 0};
     store_outputs(barrier_after(barrier_id::consumer_epilogue, ctx.consumer), index,
                   staged(p.grad_k, ctx.resident.k[ctx.consumer], state.grad_k),
                   staged(p.grad_v, ctx.resident.v[ctx.consumer], state.grad_v));
@@ -546,10 +610,11 @@ struct dkdv_kernel : dkdv_plan<D> {
 template <typename T>
 struct dq_convert_params {
   const float* dq_accumulator;
-  T* grad_q;  // (B, Hq, Nq, D) contiguous
-  int q_rows, statistics_rows;
+  T* grad_q;  // (B, Hq, Nq, D) contiguous, or packed (total, Hq, D)
+  sequence_layout sequences;
+  int q_heads, statistics_rows;
   float scale;
-  int64_t tiles;  // B * Hq * statistics_rows / dq_partial_plan<D>::rows
+  int64_t tiles;  // sequences * Hq * statistics_rows / dq_partial_plan<D>::rows
 };
 
 template <typename T, int D>
@@ -559,16 +624,22 @@ __global__ void __launch_bounds__(WARPGROUP_THREADS) dq_convert_kernel(const dq_
   constexpr int partial_floats = block_q * partials::part_cols;
   const int tiles_per_head = p.statistics_rows / block_q;
   for (int64_t tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
-    const int64_t head_row = tile / tiles_per_head;  // batch * Hq + head
+    const int64_t head_row = tile / tiles_per_head;  // sequence * Hq + head
+    const sequence_rows sequence = p.sequences.of(int(head_row / p.q_heads));
+    const int64_t head = head_row % p.q_heads;
     const int row0 = int(tile % tiles_per_head) * block_q + warpgroup::warp_row();
-    const int rows = min(BASE_TILE, p.q_rows - row0);
+    const int rows = min(BASE_TILE, sequence.q_rows - row0);
     if (rows <= 0) continue;  // padding rows: the whole warp skips them
+    // dQ as q is laid out in the maps: (B, Hq, Nq, D), or (total, Hq, D) packed
+    const int row_stride = p.sequences.packed() ? p.q_heads * D : D;
+    T* grad_q = p.sequences.packed() ? p.grad_q + (int64_t(sequence.q_start + row0) * p.q_heads + head) * D
+                                     : p.grad_q + (head_row * p.sequences.q_rows + row0) * D;
     for (int part = 0; part < partials::column_parts; ++part) {
       warpgroup::accumulator<partials::part_cols> dq;
       warp::load_fragments(dq, p.dq_accumulator + tile * block_q * D + part * partial_floats,
                            partials::part_cols / BASE_TILE, warp_in_warpgroup());
       warp::mul(dq, dq, p.scale);
-      warp::store(p.grad_q + (head_row * p.q_rows + row0) * D + part * partials::part_cols, D, dq, rows);
+      warp::store(grad_q + part * partials::part_cols, row_stride, dq, rows);
     }
   }
 }
@@ -605,6 +676,16 @@ struct dq_kernel : dq_plan<D> {
     gradient_shape shape;
   };
   using context = pipeline::task_context<dq_kernel>;
+  using task_order = std::conditional_t<with_options, sequence_block_order, pipeline::head_block_order>;
+  using task = std::conditional_t<with_options, sequence_block, pipeline::head_block>;
+
+  __device__ static sequence_rows rows_of(const params& p, const task& t) {
+    if constexpr (with_options) {
+      return t.rows;
+    } else {
+      return {t.batch, 0, 0, p.shape.q_rows, p.shape.k_rows};
+    }
+  }
 
   struct consumer_state {
     gradient grad_q;
@@ -616,22 +697,29 @@ struct dq_kernel : dq_plan<D> {
   };
   static_assert(fits_named_barriers<barrier_id>());
 
-  __host__ __device__ static pipeline::head_block_order tasks(const params& p) {
-    return {ceil_div(p.shape.q_rows, plan::block_q), p.shape.q_heads, p.shape.batch, p.shape.causal};
+  __host__ __device__ static task_order tasks(const params& p) {
+    if constexpr (with_options) {
+      return {{ceil_div(p.sequences.max_q_rows, plan::block_q), p.shape.q_heads, p.shape.batch, p.shape.causal},
+              p.sequences};
+    } else {
+      return {ceil_div(p.shape.q_rows, plan::block_q), p.shape.q_heads, p.shape.batch, p.shape.causal};
+    }
   }
 
-  __device__ static int iterations(const params& p, pipeline::head_block task) {
+  // A packed sequence's blocks past its end are tasks with no work (and nothing to store).
+  __device__ static int iterations(const params& p, const task& t) {
     if constexpr (with_options) {
-      return p.window.key_blocks(task.block * plan::block_q, plan::block_q, plan::block_kv);
+      const int q0 = t.block * plan::block_q;
+      return q0 < t.rows.q_rows ? p.window_of(t).key_blocks(q0, plan::block_q, plan::block_kv) : 0;
     } else {
-      return p.shape.vis().key_blocks(task.block * plan::block_q, plan::block_q, plan::block_kv);
+      return p.shape.vis().key_blocks(t.block * plan::block_q, plan::block_q, plan::block_kv);
     }
   }
 
   // The key block of iteration 0: under a window, the first block the task's queries see.
-  __device__ static int first_key_block(const params& p, pipeline::head_block task) {
+  __device__ static int first_key_block(const params& p, const task& t) {
     if constexpr (with_options) {
-      return p.window.first_key_block(task.block * plan::block_q, plan::block_kv);
+      return p.window_of(t).first_key_block(t.block * plan::block_q, plan::block_kv);
     } else {
       return 0;
     }
@@ -642,13 +730,17 @@ struct dq_kernel : dq_plan<D> {
     tma::prefetch_descriptor(p.v);
   }
 
-  __device__ static void load_resident(const params& p, pipeline::head_block task, resident& r, mbarrier& full) {
-    load_consumer_rows(r.q, p.q, full, task, task.block * plan::block_q);
-    load_consumer_rows(r.grad_out, p.grad_out, full, task, task.block * plan::block_q);
+  __device__ static void load_resident(const params& p, const task& t, resident& r, mbarrier& full) {
+    const sequence_rows rows = rows_of(p, t);
+    const int row0 = rows.q_start + t.block * plan::block_q;
+    load_consumer_rows(r.q, p.q, full, rows.map_batch, t.head, row0);
+    load_consumer_rows(r.grad_out, p.grad_out, full, rows.map_batch, t.head, row0);
   }
 
-  __device__ static void load(const params& p, pipeline::head_block task, int j, int, stage& s, mbarrier& full) {
-    const int index[4] = {task.batch, task.head / p.shape.group, (first_key_block(p, task) + j) * plan::block_kv, 0};
+  __device__ static void load(const params& p, const task& t, int j, int, stage& s, mbarrier& full) {
+    const sequence_rows rows = rows_of(p, t);
+    const int index[4] = {rows.map_batch, t.head / p.shape.group,
+                          rows.k_start + (first_key_block(p, t) + j) * plan::block_kv, 0};
     tma::load(s.k, p.k, full, index);
     tma::load(s.v, p.v, full, index);
   }
@@ -692,7 +784,7 @@ struct dq_kernel : dq_plan<D> {
       warp::sub_row(s, s, lse2);
       warp::exp2(s, s);
       if constexpr (with_options) {
-        const key_window w = p.window;
+        const key_window w = p.window_of(ctx.task);
         if (!w.sees_whole(row0, plan::rows_per_consumer, key0, plan::block_kv)) {
           warp::mask(s, {row0 + warpgroup::warp_row(), key0},
                      [&](int query, int key) { return key >= w.key_floor(query) && key < w.key_limit(query); }, 0.0f);
@@ -719,7 +811,14 @@ struct dq_kernel : dq_plan<D> {
   __device__ static void store(const context& ctx, consumer_state& state) {
     const params& p = ctx.params;
     warp::mul(state.grad_q, state.grad_q, p.shape.scale);
-    const int index[4] = {ctx.task.batch, ctx.task.head, first_row(ctx), 0};
+    const sequence_rows rows = rows_of(p, ctx.task);
+    if constexpr (with_options) {
+      if (p.packed_grad_q != nullptr) {
+        store_packed_rows<T>(p.packed_grad_q, rows, false, p.shape.q_heads, ctx.task.head, first_row(ctx), state.grad_q);
+        return;
+      }
+    }
+    const int index[4] = {rows.map_batch, ctx.task.head, first_row(ctx), 0};
     store_outputs(barrier_after(barrier_id::consumer_epilogue, ctx.consumer), index,
                   staged(p.grad_q, ctx.resident.q[ctx.consumer], state.grad_q));
   }
@@ -772,9 +871,15 @@ struct workspace_view {
   float* dq_accumulator;  // null for the recomputed method
 };
 
-int64_t statistics_floats(const backward_problem& pr) {
-  return pr.q.batch * pr.q.heads * padded_statistics_rows(pr.q.rows);
+// The problem's sequences: its batch, or its packed sequences.
+int64_t sequence_count(const backward_problem& pr) { return pr.packed.given() ? pr.packed.count : pr.q.batch; }
+
+// Statistics rows per (sequence, query head): the longest sequence's rows, padded.
+int64_t statistics_rows(const backward_problem& pr) {
+  return padded_statistics_rows(sequence_layout_of(pr.packed, pr.q.rows, pr.k.rows).max_q_rows);
 }
+
+int64_t statistics_floats(const backward_problem& pr) { return sequence_count(pr) * pr.q.heads * statistics_rows(pr); }
 
 // The one-pass method's fixed cost (zeroing, then converting, an fp32 copy of dq) pays off only
 // against enough score work per query row. One-pass / recompute time measured on the H100
@@ -804,14 +909,10 @@ workspace_view split_workspace(const backward_problem& pr) {
   return {pr.workspace, pr.workspace + rows, one_pass(pr) ? pr.workspace + 2 * rows : nullptr};
 }
 
-// lse2 or delta as a (B * Hq, statistics_rows) matrix, for tensor maps.
+// lse2 or delta as a (sequences * Hq, statistics_rows) matrix, for tensor maps.
 global_layout<float, 2> statistics_layout(const backward_problem& pr, float* data) {
-  const int64_t rows = padded_statistics_rows(pr.q.rows);
-  return {data, {pr.q.batch * pr.q.heads, rows}, {rows}};
-}
-
-heads_view output_view(void* data, const heads_view& like) {
-  return contiguous_view(data, like.batch, like.heads, like.rows, like.dim);
+  const int64_t rows = statistics_rows(pr);
+  return {data, {sequence_count(pr) * pr.q.heads, rows}, {rows}};
 }
 
 // The options' rules, as the forward's: the edges and the softcap it takes, and the lengths key_window's
@@ -824,7 +925,7 @@ std::string options_reason(const backward_problem& pr) {
   if ((pr.has_options() || pr.sinks != nullptr) && pr.q.rows + pr.k.rows > MAX_WINDOWED_ROWS) {
     return "with a window, softcap or sinks, Nq + Nk must be at most 2^30";
   }
-  return {};
+  return packed_reason(pr.packed, pr.q.heads, dq_plan<128>::block_q);
 }
 
 template <typename T, int D>
@@ -838,13 +939,13 @@ std::string reason_for(const backward_problem& pr) {
     return "out and grad_out must have q's shape";
   }
   const std::pair<const char*, heads_view> query_like[] = {
-      {"q", pr.q}, {"out", pr.out}, {"grad_out", pr.grad_out}, {"grad_q", output_view(pr.grad_q, pr.q)}};
+      {"q", pr.q}, {"out", pr.out}, {"grad_out", pr.grad_out}, {"grad_q", output_view(pr.grad_q, pr.q, pr.packed.given())}};
   for (const auto& [name, view] : query_like) {
     if (std::string r = layout_reason<typename KV::q_tile, T>(name, view); !r.empty()) return r;
     if (std::string r = layout_reason<typename Q::q_tile, T>(name, view); !r.empty()) return r;
   }
   const std::pair<const char*, heads_view> key_like[] = {
-      {"k", pr.k}, {"v", pr.v}, {"grad_k", output_view(pr.grad_k, pr.k)}, {"grad_v", output_view(pr.grad_v, pr.v)}};
+      {"k", pr.k}, {"v", pr.v}, {"grad_k", output_view(pr.grad_k, pr.k, pr.packed.given())}, {"grad_v", output_view(pr.grad_v, pr.v, pr.packed.given())}};
   for (const auto& [name, view] : key_like) {
     if (std::string r = layout_reason<typename KV::kv_tile, T>(name, view); !r.empty()) return r;
     if (std::string r = layout_reason<typename Q::kv_tile, T>(name, view); !r.empty()) return r;
@@ -856,9 +957,9 @@ gradient_shape shape_of(const backward_problem& pr) {
   return {int(pr.q.rows),
           int(pr.k.rows),
           int(pr.q.heads),
-          int(pr.q.batch),
+          int(sequence_count(pr)),
           int(pr.q.heads / pr.k.heads),
-          int(padded_statistics_rows(pr.q.rows)),
+          int(statistics_rows(pr)),
           pr.scale,
           pr.scale * LOG2_E,
           pr.causal};
@@ -875,11 +976,11 @@ cudaError_t run_statistics(const backward_problem& pr, const workspace_view& w, 
   p.grad_lse = pr.grad_lse;
   p.lse2 = w.lse2;
   p.delta = w.delta;
-  p.q_rows = int(pr.q.rows);
+  p.sequences = sequence_layout_of(pr.packed, pr.q.rows, pr.k.rows);
   p.q_heads = int(pr.q.heads);
   p.dim = int(pr.q.dim);
-  p.statistics_rows = int(padded_statistics_rows(pr.q.rows));
-  p.total_rows = pr.q.batch * pr.q.heads * p.statistics_rows;
+  p.statistics_rows = int(statistics_rows(pr));
+  p.total_rows = statistics_floats(pr);
   constexpr int64_t rows_per_block = STATISTICS_THREADS / STATISTICS_LANES_PER_ROW;
   const unsigned blocks = unsigned(ceil_div(p.total_rows, rows_per_block));
   return pipeline::launch(statistics_kernel<T>, blocks, STATISTICS_THREADS, 0, stream, p);
@@ -890,7 +991,16 @@ cudaError_t run_statistics(const backward_problem& pr, const workspace_view& w, 
 // in place of scale * log2(e) (shape_of's; lifted to FLT_MIN below it, as the forward lifts it).
 template <typename Params>
 void set_options(const backward_problem& pr, Params& p) {
-  p.window = key_window::of(pr.q.rows, pr.k.rows, pr.causal, pr.window_left, pr.window_right);
+  p.sequences = sequence_layout_of(pr.packed, pr.q.rows, pr.k.rows);
+  // Edges past every key and query reach as far as unbounded ones (key_window::of clamps them).
+  p.window_left = int(std::min(pr.window_left, MAX_WINDOWED_ROWS));
+  p.window_right = int(std::min(pr.window_right, MAX_WINDOWED_ROWS));
+  p.causal = pr.causal;
+  if (pr.packed.given()) {
+    p.packed_grad_q = pr.grad_q;
+    p.packed_grad_k = pr.grad_k;
+    p.packed_grad_v = pr.grad_v;
+  }
   if (pr.softcap > 0.0) {
     p.tanh_scale = float(std::clamp(double(pr.scale) / pr.softcap, double(-FLT_MAX), double(FLT_MAX)));
     const float c = std::max(float(pr.softcap * LOG2_E), FLT_MIN);
@@ -907,8 +1017,8 @@ cudaError_t run_dkdv(const backward_problem& pr, const workspace_view& w, cudaSt
   p.grad_out = make_tma_map<typename K::q_tile>(heads_layout<T>(pr.grad_out));
   p.k = make_tma_map<typename K::kv_tile>(heads_layout<T>(pr.k));
   p.v = make_tma_map<typename K::kv_tile>(heads_layout<T>(pr.v));
-  p.grad_k = make_tma_map<typename K::kv_tile>(heads_layout<T>(output_view(pr.grad_k, pr.k)));
-  p.grad_v = make_tma_map<typename K::kv_tile>(heads_layout<T>(output_view(pr.grad_v, pr.v)));
+  p.grad_k = make_tma_map<typename K::kv_tile>(heads_layout<T>(output_view(pr.grad_k, pr.k, pr.packed.given())));
+  p.grad_v = make_tma_map<typename K::kv_tile>(heads_layout<T>(output_view(pr.grad_v, pr.v, pr.packed.given())));
   p.lse2 = make_tma_map<typename K::statistics_vector>(statistics_layout(pr, w.lse2));
   p.delta = make_tma_map<typename K::statistics_vector>(statistics_layout(pr, w.delta));
   p.dq_accumulator = w.dq_accumulator;
@@ -925,8 +1035,9 @@ cudaError_t run_dq_convert(const backward_problem& pr, const workspace_view& w, 
   dq_convert_params<T> p;
   p.dq_accumulator = w.dq_accumulator;
   p.grad_q = static_cast<T*>(pr.grad_q);
-  p.q_rows = int(pr.q.rows);
-  p.statistics_rows = int(padded_statistics_rows(pr.q.rows));
+  p.sequences = sequence_layout_of(pr.packed, pr.q.rows, pr.k.rows);
+  p.q_heads = int(pr.q.heads);
+  p.statistics_rows = int(statistics_rows(pr));
   p.scale = pr.scale;
   p.tiles = statistics_floats(pr) / dq_partial_plan<D>::rows;
   const unsigned blocks = unsigned(std::min(p.tiles, MAX_CONVERT_BLOCKS));
@@ -939,7 +1050,7 @@ cudaError_t run_dq(const backward_problem& pr, const workspace_view& w, cudaStre
   typename K::params p;
   p.q = make_tma_map<typename K::q_tile>(heads_layout<T>(pr.q));
   p.grad_out = make_tma_map<typename K::q_tile>(heads_layout<T>(pr.grad_out));
-  p.grad_q = make_tma_map<typename K::q_tile>(heads_layout<T>(output_view(pr.grad_q, pr.q)));
+  p.grad_q = make_tma_map<typename K::q_tile>(heads_layout<T>(output_view(pr.grad_q, pr.q, pr.packed.given())));
   p.k = make_tma_map<typename K::kv_tile>(heads_layout<T>(pr.k));
   p.v = make_tma_map<typename K::kv_tile>(heads_layout<T>(pr.v));
   p.lse2 = w.lse2;
@@ -950,8 +1061,8 @@ cudaError_t run_dq(const backward_problem& pr, const workspace_view& w, cudaStre
 }
 
 cudaError_t run_sink_gradient(const backward_problem& pr, const workspace_view& w, cudaStream_t stream) {
-  const sink_gradient_params p{pr.sinks, w.lse2, w.delta, pr.grad_sinks, int(pr.q.batch), int(pr.q.heads),
-                               int(padded_statistics_rows(pr.q.rows))};
+  const sink_gradient_params p{pr.sinks, w.lse2, w.delta, pr.grad_sinks, int(sequence_count(pr)), int(pr.q.heads),
+                               int(statistics_rows(pr))};
   return pipeline::launch(sink_gradient_kernel, unsigned(pr.q.heads), SINK_GRADIENT_THREADS, 0, stream, p);
 }
 

@@ -86,10 +86,13 @@ enum class forward_features { plain, options };
 
 // The options' parameters (run() sets them from the problem); the plain variant has none.
 struct options_params {
-  key_window window;  // with causal folded in: right = 0
+  sequence_layout sequences;                // dense, or packed (attention_varlen)
+  int window_left = -1, window_right = -1;  // the edges as given (-1 = unbounded): each task's key_window
+                                            // is made from them and its sequence's lengths
   bool softcapped = false;
   float tanh_scale = 0.0f;        // scale / softcap, if softcapped
   const float* sinks = nullptr;  // (Hq,), or none
+  void* packed_out = nullptr;    // packed: out (total, Hq, D), stored row by row (below); dense: none
 };
 struct no_options {};
 
@@ -131,6 +134,10 @@ struct forward_kernel : forward_plan<D> {
   };
   using context = pipeline::task_context<forward_kernel>;
   using inputs = pipeline::stage_inputs<forward_kernel>;
+  // The options variant's tasks carry their sequence's rows (dense or packed); the plain variant's are
+  // the dense batch's.
+  using task_order = std::conditional_t<with_options, sequence_block_order, pipeline::head_block_order>;
+  using task = std::conditional_t<with_options, sequence_block, pipeline::head_block>;
 
   // Per row: the max O and the sum are scaled to (the running max of the scaled log2 scores, or up
   // to RESCALE_THRESHOLD below it; log2 units) and this lane's share of sum exp2(c s - max).
@@ -148,22 +155,43 @@ struct forward_kernel : forward_plan<D> {
 
   // ------------------------------------------------------------------------------ producer
 
-  __host__ __device__ static pipeline::head_block_order tasks(const params& p) {
-    return {ceil_div(p.q_rows, plan::block_q), p.q_heads, p.batch, p.causal};
+  __host__ __device__ static task_order tasks(const params& p) {
+    if constexpr (with_options) {
+      const sequence_layout& seq = p.sequences;
+      return {{ceil_div(seq.max_q_rows, plan::block_q), p.q_heads, p.batch, p.causal}, seq};
+    } else {
+      return {ceil_div(p.q_rows, plan::block_q), p.q_heads, p.batch, p.causal};
+    }
   }
 
-  __device__ static int iterations(const params& p, pipeline::head_block task) {
+  // Where the task's sequence lies in the maps.
+  __device__ static sequence_rows rows_of(const params& p, const task& t) {
     if constexpr (with_options) {
-      return p.window.key_blocks(task.block * plan::block_q, plan::block_q, plan::block_kv);
+      return t.rows;
     } else {
-      return p.vis().key_blocks(task.block * plan::block_q, plan::block_q, plan::block_kv);
+      return {t.batch, 0, 0, p.q_rows, p.k_rows};
+    }
+  }
+
+  // The options' mask of the task's sequence (causal folded in).
+  __device__ static key_window window_of(const params& p, const task& t) {
+    return key_window::of(t.rows.q_rows, t.rows.k_rows, p.causal, p.window_left, p.window_right);
+  }
+
+  // A packed sequence's blocks past its end are tasks with no work (and nothing to store).
+  __device__ static int iterations(const params& p, const task& t) {
+    if constexpr (with_options) {
+      const int q0 = t.block * plan::block_q;
+      return q0 < t.rows.q_rows ? window_of(p, t).key_blocks(q0, plan::block_q, plan::block_kv) : 0;
+    } else {
+      return p.vis().key_blocks(t.block * plan::block_q, plan::block_q, plan::block_kv);
     }
   }
 
   // The key block of iteration 0: under a window, the first block the task's queries see.
-  __device__ static int first_key_block(const params& p, pipeline::head_block task) {
+  __device__ static int first_key_block(const params& p, const task& t) {
     if constexpr (with_options) {
-      return p.window.first_key_block(task.block * plan::block_q, plan::block_kv);
+      return window_of(p, t).first_key_block(t.block * plan::block_q, plan::block_kv);
     } else {
       return 0;
     }
@@ -176,12 +204,17 @@ struct forward_kernel : forward_plan<D> {
     tma::prefetch_descriptor(p.out);
   }
 
-  __device__ static void load_resident(const params& p, pipeline::head_block task, resident& r, mbarrier& full) {
-    load_consumer_rows(r.q, p.q, full, task, task.block * plan::block_q);
+  __device__ static void load_resident(const params& p, const task& t, resident& r, mbarrier& full) {
+    const sequence_rows rows = rows_of(p, t);
+    load_consumer_rows(r.q, p.q, full, rows.map_batch, t.head, rows.q_start + t.block * plan::block_q);
   }
 
-  __device__ static void load(const params& p, pipeline::head_block task, int j, int part, stage& s, mbarrier& full) {
-    const int index[4] = {task.batch, task.head / p.group, (first_key_block(p, task) + j) * plan::block_kv, 0};
+  // Keys past the sequence's end (zero-filled past the tensor, or the next packed sequence's) are
+  // masked as the key tail.
+  __device__ static void load(const params& p, const task& t, int j, int part, stage& s, mbarrier& full) {
+    const sequence_rows rows = rows_of(p, t);
+    const int index[4] = {rows.map_batch, t.head / p.group, rows.k_start + (first_key_block(p, t) + j) * plan::block_kv,
+                          0};
     tma::load(part == key_part ? s.k : s.v, part == key_part ? p.k : p.v, full, index);
   }
 
@@ -204,7 +237,7 @@ struct forward_kernel : forward_plan<D> {
     const int blocks = ctx.iterations;
     if constexpr (with_options) {
       const key_window::block_range whole =
-          ctx.params.window.whole_key_blocks(first_row(ctx), plan::rows_per_consumer, plan::block_kv);
+          window_of(ctx.params, ctx.task).whole_key_blocks(first_row(ctx), plan::rows_per_consumer, plan::block_kv);
       const int first_block = first_key_block(ctx.params, ctx.task);
       const int first = min(blocks, max(0, whole.first - first_block));
       return {first, max(first, min(blocks, whole.end - first_block))};
@@ -218,9 +251,9 @@ struct forward_kernel : forward_plan<D> {
   // The per-element rule (vis.visible) let ptxas evaluate its 64 predicates ahead of the S wgmma and
   // pack them into bit fields: ~300-470 instructions between taking the issue turn and issuing
   // (benchmarks/results/attention.md).
-  __device__ static auto visible_keys(const params& p) {
+  __device__ static auto visible_keys(const params& p, const task& t) {
     if constexpr (with_options) {
-      return [window = p.window](int query, int key) {
+      return [window = window_of(p, t)](int query, int key) {
         return key >= window.key_floor(query) && key < window.key_limit(query);
       };
     } else {
@@ -243,7 +276,7 @@ struct forward_kernel : forward_plan<D> {
       if (p.softcapped) warp::map<capped_score>(s, s, p.tanh_scale);  // before the mask hides keys
     }
     if constexpr (MASKED) {
-      const auto sees = visible_keys(p);
+      const auto sees = visible_keys(p, ctx.task);
       const fragment::coord origin{first_row(ctx) + warpgroup::warp_row(),
                                    (first_key_block(p, ctx.task) + j) * plan::block_kv};
       const float hidden = p.negative ? INFINITY : NEG_INF;
@@ -378,11 +411,23 @@ struct forward_kernel : forward_plan<D> {
     warp::map<natural_lse>(lse, state.max, sum);
     warp::mul_row(state.o, state.o, inverse);
 
+    // lse is (B, Hq, Nq), or (Hq, total) packed: both (map batch, head, row) of the maps' rows.
+    const sequence_rows rows = rows_of(p, ctx.task);
     const int row0 = first_row(ctx);
     const int warp_row0 = row0 + warpgroup::warp_row();
-    warp::store(p.lse + (int64_t(ctx.task.batch) * p.q_heads + ctx.task.head) * p.q_rows + warp_row0, lse,
-                p.q_rows - warp_row0);
-    const int index[4] = {ctx.task.batch, ctx.task.head, row0, 0};
+    warp::store(p.lse + (int64_t(rows.map_batch) * p.q_heads + ctx.task.head) * p.q_rows + rows.q_start + warp_row0,
+                lse, rows.q_rows - warp_row0);
+    if constexpr (with_options) {
+      // A packed sequence's rows past its end are the next sequence's, and a TMA store would clip only
+      // at the packed tensor's end: each warp stores its own rows below the end from registers.
+      if (p.packed_out != nullptr) {
+        const int row_stride = p.q_heads * D;
+        T* out = static_cast<T*>(p.packed_out) + int64_t(rows.q_start + warp_row0) * row_stride + ctx.task.head * D;
+        warp::store(out, row_stride, state.o, rows.q_rows - warp_row0);
+        return;
+      }
+    }
+    const int index[4] = {rows.map_batch, ctx.task.head, row0, 0};
     store_outputs(barrier_after(barrier_id::consumer_epilogue, ctx.consumer), index,
                   staged(p.out, ctx.resident.q[ctx.consumer], state.o));
   }
@@ -397,14 +442,14 @@ std::string options_reason(const forward_problem& pr) {
     return "softcap must be 0 (off) or a finite number > 0 below FLT_MAX / log2(e)";
   }
   if (pr.q.rows + pr.k.rows > MAX_WINDOWED_ROWS) return "with a window, softcap or sinks, Nq + Nk must be at most 2^30";
-  return {};
+  return packed_reason(pr.packed, pr.q.heads, std::min(forward_plan<64>::block_q, forward_plan<128>::block_q));
 }
 
 // Layout rules (shape rules: shape_reason, checked before); the same for both variants.
 template <typename T, int D>
 std::string reason_for(const forward_problem& pr) {
   using K = forward_kernel<T, D, forward_features::plain>;
-  const heads_view out = contiguous_view(pr.out, pr.q.batch, pr.q.heads, pr.q.rows, pr.q.dim);
+  const heads_view out = output_view(pr.out, pr.q, pr.packed.given());
   for (const auto& [name, view] : {std::pair{"q", pr.q}, std::pair{"out", out}}) {
     if (std::string r = layout_reason<typename K::q_tile, T>(name, view); !r.empty()) return r;
   }
@@ -421,17 +466,20 @@ cudaError_t run(const forward_problem& pr, cudaStream_t stream) {
   p.q = make_tma_map<typename K::q_tile>(heads_layout<T>(pr.q));
   p.k = make_tma_map<typename K::kv_tile>(heads_layout<T>(pr.k));
   p.v = make_tma_map<typename K::kv_tile>(heads_layout<T>(pr.v));
-  p.out = make_tma_map<typename K::q_tile>(
-      heads_layout<T>(contiguous_view(pr.out, pr.q.batch, pr.q.heads, pr.q.rows, pr.q.dim)));
+  p.out = make_tma_map<typename K::q_tile>(heads_layout<T>(output_view(pr.out, pr.q, pr.packed.given())));
   p.lse = pr.lse;
   p.q_rows = int(pr.q.rows);
   p.k_rows = int(pr.k.rows);
   p.q_heads = int(pr.q.heads);
-  p.batch = int(pr.q.batch);
+  p.batch = int(pr.packed.given() ? pr.packed.count : pr.q.batch);  // the sequences
   p.group = int(pr.q.heads / pr.k.heads);
   float c = pr.scale * LOG2_E;
   if constexpr (K::with_options) {
-    p.window = key_window::of(pr.q.rows, pr.k.rows, pr.causal, pr.window_left, pr.window_right);
+    p.sequences = sequence_layout_of(pr.packed, pr.q.rows, pr.k.rows);
+    // Edges past every key and query reach as far as unbounded ones (key_window::of clamps them).
+    p.window_left = int(std::min(pr.window_left, MAX_WINDOWED_ROWS));
+    p.window_right = int(std::min(pr.window_right, MAX_WINDOWED_ROWS));
+    p.packed_out = pr.packed.given() ? pr.out : nullptr;
     p.softcapped = pr.softcap > 0.0;
     p.sinks = pr.sinks;
     if (p.softcapped) {

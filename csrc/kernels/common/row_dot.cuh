@@ -45,37 +45,61 @@ __device__ __forceinline__ float sum_row_lanes(float dot) {
   return dot;
 }
 
+// Where a (batch, head)'s rows lie: the tensors' batch coordinate, its first row and its length
+// (a dense batch: batch b from row 0, every sequence as long; packed sequences: batch 0, each its own).
+struct row_span {
+  int64_t batch;
+  int first;
+  int rows;
+};
+
 // A statistics thread's row: LANES lanes a row, THREADS a block, over B * H heads of `padded`
-// rows each (whole chunks; rows at or past `rows` are padding), and the row's g . o on every lane.
+// rows each (whole chunks; rows at or past the span's length are padding), and the row's g . o on
+// every lane.
 struct statistics_row {
   int64_t row;       // the padded row: (batch * H + head) * padded + i
   int64_t head_row;  // batch * H + head
+  row_span span;     // where batch's rows lie (span_of(batch))
+  int64_t head;
   int i;             // the position in the sequence
   int lane_in_row;
   bool real;         // a position of the sequence (not padding, not past the last head)
   float dot;         // out_i . grad_out_i (0 when not real)
 };
 
+// span_of(batch) -> row_span.
+template <int LANES, int THREADS, typename T, typename SpanOf>
+__device__ __forceinline__ statistics_row statistics_row_dot(const T* out, const int64_t (&out_strides)[3],
+                                                             const T* grad_out, const int64_t (&grad_out_strides)[3],
+                                                             int heads, int padded, int64_t total_rows, int dim,
+                                                             SpanOf&& span_of) {
+  statistics_row r;
+  r.row = int64_t(blockIdx.x) * (THREADS / LANES) + threadIdx.x / LANES;
+  r.lane_in_row = threadIdx.x % LANES;
+  r.head_row = r.row / padded;
+  r.head = r.head_row % heads;
+  r.i = int(r.row % padded);
+  r.span = r.row < total_rows ? span_of(r.head_row / heads) : row_span{0, 0, 0};
+  r.real = r.row < total_rows && r.i < r.span.rows;
+  float dot = 0.0f;
+  if (r.real) {
+    const int64_t at = r.span.first + r.i;
+    const T* o = out + r.span.batch * out_strides[0] + r.head * out_strides[1] + at * out_strides[2];
+    const T* g = grad_out + r.span.batch * grad_out_strides[0] + r.head * grad_out_strides[1] + at * grad_out_strides[2];
+    dot = lane_dot<LANES>(o, g, dim, r.lane_in_row);
+  }
+  r.dot = sum_row_lanes<LANES>(dot);
+  return r;
+}
+
+// A dense batch of `rows` rows a sequence.
 template <int LANES, int THREADS, typename T>
 __device__ __forceinline__ statistics_row statistics_row_dot(const T* out, const int64_t (&out_strides)[3],
                                                              const T* grad_out, const int64_t (&grad_out_strides)[3],
                                                              int heads, int rows, int padded, int64_t total_rows,
                                                              int dim) {
-  statistics_row r;
-  r.row = int64_t(blockIdx.x) * (THREADS / LANES) + threadIdx.x / LANES;
-  r.lane_in_row = threadIdx.x % LANES;
-  r.head_row = r.row / padded;
-  r.i = int(r.row % padded);
-  r.real = r.row < total_rows && r.i < rows;
-  float dot = 0.0f;
-  if (r.real) {
-    const int64_t batch = r.head_row / heads, head = r.head_row % heads;
-    const T* o = out + batch * out_strides[0] + head * out_strides[1] + r.i * out_strides[2];
-    const T* g = grad_out + batch * grad_out_strides[0] + head * grad_out_strides[1] + r.i * grad_out_strides[2];
-    dot = lane_dot<LANES>(o, g, dim, r.lane_in_row);
-  }
-  r.dot = sum_row_lanes<LANES>(dot);
-  return r;
+  return statistics_row_dot<LANES, THREADS>(out, out_strides, grad_out, grad_out_strides, heads, padded, total_rows, dim,
+                                            [rows](int64_t batch) { return row_span{batch, 0, rows}; });
 }
 
 }  // namespace tk
