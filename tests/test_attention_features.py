@@ -51,7 +51,7 @@ def naive_attention(q, k, v, causal=False, scale=None, window=None, softcap=None
     sink = None if sinks is None else sinks.double().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
     everything = scores if sink is None else torch.cat([scores, sink], dim=-1)
     if everything.shape[-1] == 0:  # no key and no sink
-        everything = torch.full((*everything.shape[:-1], 1), NEG_INF, dtype=everything.dtype)
+        everything = torch.full((*everything.shape[:-1], 1), NEG_INF, dtype=everything.dtype, device=everything.device)
     row_max = everything.detach().amax(-1, keepdim=True)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     weights = torch.exp(scores - row_max)
