@@ -129,9 +129,9 @@ def attention(document: dict, summary: bool) -> str:
     return markdown(header, body)
 
 
-def attention_features(document: dict, summary: bool) -> str:
-    """The mask options per pass: TFLOP/s (over the pairs the mask lets through) of ours and of compiled
-    FlexAttention, and the ratio."""
+def against_flex(document: dict, summary: bool) -> str:
+    """The mask options, or packed documents, per pass: TFLOP/s (over the pairs the mask lets through) of
+    ours and of compiled FlexAttention, and the ratio."""
     header = ["shape", "pass", "ours TFLOP/s", "FlexAttention", "x Flex"]
     body = [[r["shape"], r["pass"], fmt(r["ours_tflops"], 0), fmt(r["baseline_tflops"], 0), fmt(r["ratio"])]
             for r in document["rows"]]
@@ -222,7 +222,7 @@ def long_context(document: dict, summary: bool) -> str:
 # summarises the first file, or those README_FILES lists)
 FAMILIES: dict[str, tuple[tuple[str, Callable[[dict, bool], str]], ...]] = {
     "gemm": (("gemm", gemm),),
-    "attention": (("attention", attention), ("attention_features", attention_features)),
+    "attention": (("attention", attention), ("attention_features", against_flex), ("attention_varlen", against_flex)),
     "norms": (("norms", memory_bound(("eager", "compiled", "liger"), ("shape",), graph=True,
                                      in_summary=lambda row: row["hidden"] in (1024, 4096, 8192))),),
     "rope": (("rope", memory_bound(("eager", "compiled", "liger"), ("name",))),),
@@ -238,7 +238,7 @@ FAMILIES: dict[str, tuple[tuple[str, Callable[[dict, bool], str]], ...]] = {
 
 
 # The files the README shows of a family (its first alone unless listed here).
-README_FILES = {"attention": ("attention", "attention_features")}
+README_FILES = {"attention": ("attention", "attention_features", "attention_varlen")}
 
 
 def render(name: str, summary: bool) -> str:
