@@ -64,12 +64,10 @@ Varlen ops (packed sequences, FlashAttention's ``flash_attn_varlen_func`` layout
   tk::attention_varlen_bwd(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v,
                            Tensor out, Tensor lse, <the forward's arguments from cu_seqlens_q on>)
       -> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_sinks), the formulas above.
-  On CUDA (csrc/torch/attention.cpp) each sequence runs the dense kernels on a (1, H, N, D) view of its rows.
+  On CUDA (csrc/torch/attention.cpp) one launch of the kernels' packed variant runs every sequence.
 
-The kernels serve bf16/fp16 with D = Dv in {64, 128}: the forward with or without window, softcap and
-sinks, the backward without them (its CUDA entry hands a call with any of the four options switched
-on to tk::attention_bwd_ref, which recomputes the probabilities from q, k and v, reads the forward's
-out and not its lse). Everything else runs the reference, which computes an exact softmax in fp32
+The kernels serve bf16/fp16 with D = Dv in {64, 128}, forward and backward, with or without window,
+softcap and sinks, dense or packed. Everything else runs the reference, which computes an exact softmax in fp32
 (fp64 for fp64 inputs) over blocks of query rows, each against the keys its rows can see (a sliding
 window reads W + rows keys, not Nk), so that long sequences never hold more than
 ``_REFERENCE_BLOCK_BYTES`` of scores per block.
