@@ -447,13 +447,14 @@ def _attention_options_graph(head_dim: int) -> GraphSample:
     return GraphSample(f"forward-options-D{head_dim}", ("attention",), make_inputs, step)
 
 
-def _attention_options_at_an_unkernelled_head_dim() -> FallbackSample:
-    """Gradients with a window, a softcap and sinks on CUDA at D = 96, which no kernel takes: forward and
-    backward run the references (the backward's recomputes the probabilities from q, k, v and the sinks)."""
+def _attention_options_beyond_the_kernels(head_dim: int, ops: tuple[str, ...]) -> FallbackSample:
+    """Gradients with a window, a softcap and sinks on CUDA at a head dim the kernels of ``ops`` do not take
+    (D = 80: neither direction; D = 256: the backward, whose dK/dV do not fit its plan): those ops run their
+    references (the backward's recomputes the probabilities from q, k, v and the sinks)."""
     options = dict(causal=True, window=(20, -1), softcap=2.0)
 
     def make_inputs():
-        q, k, v = attention_inputs.make_qkv(1, 4, 2, 65, 77, 96, dtype=torch.bfloat16, device="cuda")
+        q, k, v = attention_inputs.make_qkv(1, 4, 2, 65, 77, head_dim, dtype=torch.bfloat16, device="cuda")
         return q, k, v, torch.randn(4, device="cuda", requires_grad=True), torch.randn_like(q)
 
     def gradients(q, k, v, sinks, grad_out):
@@ -464,8 +465,8 @@ def _attention_options_at_an_unkernelled_head_dim() -> FallbackSample:
         out = tk_ops.attention(*leaves[:3], sinks=leaves[3], **options)
         return torch.autograd.grad(out, leaves, grad_out.cpu().double())
 
-    return FallbackSample("options-at-D96", ("attention", "attention_bwd"), make_inputs, gradients,
-                          float64_gradients, 2 * TOLERANCE[torch.bfloat16])
+    return FallbackSample(f"options-at-D{head_dim}", ops, make_inputs, gradients, float64_gradients,
+                          2 * TOLERANCE[torch.bfloat16])
 
 
 class _CausalAttention(torch.nn.Module):
@@ -594,7 +595,8 @@ ATTENTION = OpInfo(
               for method in attention_inputs.BACKWARD_METHODS),
             *(_attention_options_graph(head_dim) for head_dim in (64, 128))),
     no_graph={},
-    fallbacks=(_attention_options_at_an_unkernelled_head_dim(),),
+    fallbacks=(_attention_options_beyond_the_kernels(80, ("attention", "attention_bwd")),
+               _attention_options_beyond_the_kernels(256, ("attention_bwd",))),
     no_fallback={},
 )
 

@@ -258,6 +258,25 @@ def test_kernel_head_groups(monkeypatch, q_heads, kv_heads, head_dim, method):
     check_against_naive(*inputs, True, deterministic=deterministic)
 
 
+# The head dims of the forward kernel; the backward kernels take 64 and 128 (the others' gradients run the
+# reference: test_kernel_backward_beyond_its_head_dims).
+FORWARD_HEAD_DIMS = [64, 96, 128, 192, 256]
+FORWARD_ONLY_HEAD_DIMS = [96, 192, 256]
+
+
+@tk_testing.requires_kernel("attention")
+@pytest.mark.parametrize("head_dim", FORWARD_ONLY_HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_kernel_backward_beyond_its_head_dims(head_dim, causal):
+    """At head dims only the forward kernel takes, the forward runs it (no warning) and the gradients run
+    the backward's reference (which warns), together matching float64 (GQA, Nq != Nk, tails)."""
+    q, k, v = make_qkv(2, 4, 2, 300, 333, head_dim, dtype=torch.bfloat16, device="cuda")
+    with tk_testing.runs_the_kernels("attention"):
+        tk_ops.attention(q.detach(), k.detach(), v.detach(), causal=causal)
+    with tk_testing.runs_the_references("attention_bwd"):
+        check_against_naive(q, k, v, causal)
+
+
 def scores_along_keys(profile: str, q_len: int, key_len: int, head_dim: int, dtype):
     """q, k, v (1 batch, 2 heads) whose scores at scale 1 are a[i] * t[j] plus noise of about one unit:
     t a profile along the keys (natural-log units), a[i] in [-1, 1] shuffled over the rows, so the rows
@@ -291,7 +310,7 @@ LSE_ABSOLUTE_TOLERANCE = 5e-2
 
 @tk_testing.requires_kernel("attention")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", FORWARD_HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("profile", ["rising", "late", "jumps"])
 def test_kernel_row_maxima_that_move_across_key_blocks(dtype, head_dim, causal, profile):
@@ -316,7 +335,7 @@ QUERY_BLOCK_SHAPES = [(64, 64), (65, 65), (129, 129), (191, 191), (192, 192), (1
 
 @tk_testing.requires_kernel("attention")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", FORWARD_HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("q_len, key_len", QUERY_BLOCK_SHAPES)
 def test_kernel_forward_query_block_edges(dtype, head_dim, causal, q_len, key_len):

@@ -528,7 +528,7 @@ def mask_id(mask):
 
 @tk_testing.requires_kernel("attention")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 @tk_testing.parametrize_with_ids("shape", KERNEL_SHAPES)
 @pytest.mark.parametrize("softcap, with_sinks", KERNEL_SCORES, ids=["plain", "softcap", "sinks", "softcap-sinks"])
 @pytest.mark.parametrize("causal, window", KERNEL_MASKS, ids=[mask_id(mask) for mask in KERNEL_MASKS])

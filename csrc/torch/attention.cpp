@@ -31,9 +31,9 @@ using tk::registration::launch_on;
 
 namespace attn = tk::attention;
 
-const tk::registration::kernel_support forward_head_dims("attention", "head_dims", attn::kernel_head_dims::integers());
+const tk::registration::kernel_support forward_head_dims("attention", "head_dims", attn::forward_head_dims::integers());
 const tk::registration::kernel_support backward_head_dims("attention_bwd", "head_dims",
-                                                          attn::kernel_head_dims::integers());
+                                                          attn::backward_head_dims::integers());
 
 void check_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   TORCH_CHECK_VALUE(q.dim() == 4, op, ": q must be 4-D (B, Hq, Nq, D), got ", q.sizes());

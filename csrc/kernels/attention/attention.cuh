@@ -40,8 +40,8 @@ namespace tk::attention {
 
 using warpgroup::operand_major;
 
-// What the kernels are instantiated for (with kernel_head_dims, attention.h); unsupported_reason
-// rejects everything else first.
+// What the kernels are instantiated for (with forward_head_dims and backward_head_dims, attention.h);
+// unsupported_reason rejects everything else first.
 using kernel_dtypes = one_of<element_type::bf16, element_type::fp16>;
 
 constexpr float LOG2_E = 1.4426950408889634f;
@@ -82,11 +82,16 @@ using attention_plan = two_consumer_split;
 template <int D>
 using forward_split = std::conditional_t<D == 64, three_consumer_split, two_consumer_split>;
 
+// Key blocks: 128 keys up to D = 128. Beyond, the output accumulator (64 x D fp32: 96 or 128
+// registers a consumer thread at D = 192 or 256) leaves room for the scores and probabilities of 64
+// keys (32 + 16 registers, against 64 + 32 for 128 keys), and a stage of 64 keys' K and V (48 or 64 KB)
+// lets two stages fit beside Q (192 KB at D = 256). Stages: 2 where a third would not fit (D = 128:
+// 3 x 64 KB + 32 KB of Q is over 227 KB), 3 at D = 64 and 96.
 template <int D>
 struct forward_plan : forward_split<D> {
   static constexpr int block_q = forward_split<D>::consumer_warpgroups * forward_split<D>::rows_per_consumer;
-  static constexpr int block_kv = 128;
-  static constexpr int stages = D == 128 ? 2 : 3;
+  static constexpr int block_kv = D <= 128 ? 128 : 64;
+  static constexpr int stages = D >= 128 ? 2 : 3;
 };
 
 // The dK/dV kernel's step: block_q queries against the block's 128 keys (64 per consumer). D = 128:
@@ -402,8 +407,9 @@ constexpr int64_t MAX_GRID_TASKS = (int64_t(1) << 31) - 1;
 constexpr int64_t MAX_SEQUENCE = int64_t(1) << 30;
 
 // Shape rules shared by both directions; layout rules are checked per kernel with its tiles.
-inline std::string shape_reason(const heads_view& q, const heads_view& k, const heads_view& v) {
-  if (!kernel_head_dims::contains(q.dim)) return "the head dim must be one of " + kernel_head_dims::names();
+template <typename HeadDims>
+std::string shape_reason(const heads_view& q, const heads_view& k, const heads_view& v) {
+  if (!HeadDims::contains(q.dim)) return "the head dim must be one of " + HeadDims::names();
   if (k.dim != q.dim || v.dim != q.dim) return "q, k and v must share the head dim";
   if (q.batch != k.batch || v.batch != k.batch || v.heads != k.heads || v.rows != k.rows) return "k and v must match";
   if (k.heads < 1 || q.heads % k.heads != 0) return "Hq must be a multiple of Hkv";
@@ -441,10 +447,14 @@ inline std::string packed_reason(const packed_sequences& packed, int64_t q_heads
 }
 
 
+// The head dims a direction's kernels are instantiated for.
+template <typename Problem>
+using head_dims_of = std::conditional_t<std::is_same_v<Problem, forward_problem>, forward_head_dims, backward_head_dims>;
+
 // Runs f.template operator()<T, D>() for the problem's element type and head dim.
 template <typename Problem, typename F>
 auto dispatch(const Problem& p, F&& f) {
-  return tk::dispatch<kernel_dtypes, kernel_head_dims>(
+  return tk::dispatch<kernel_dtypes, head_dims_of<Problem>>(
       [&]<element_type E, int D>() { return f.template operator()<element_t<E>, D>(); }, p.dtype, int(p.q.dim));
 }
 

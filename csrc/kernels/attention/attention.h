@@ -30,7 +30,10 @@ using tk::element_type;
 
 // The head dims the kernels are instantiated for (D = Dv); unsupported_reason rejects the others. Here
 // rather than in attention.cuh so that the registration declares them to Python (kernel_support.h).
-using kernel_head_dims = one_of<64, 128>;
+// The backward's plans hold dK and dV of 64 keys x D in a consumer's registers, which fits up to
+// D = 128; beyond, its gradients run the reference (attention_bwd_ref).
+using forward_head_dims = one_of<64, 96, 128, 192, 256>;
+using backward_head_dims = one_of<64, 128>;
 
 using tk::heads_view;
 

@@ -1100,7 +1100,7 @@ int64_t backward_workspace_floats(const backward_problem& p) {
 }
 
 std::string unsupported_reason(const backward_problem& p) {
-  if (std::string r = shape_reason(p.q, p.k, p.v); !r.empty()) return r;
+  if (std::string r = shape_reason<backward_head_dims>(p.q, p.k, p.v); !r.empty()) return r;
   if (std::string r = options_reason(p); !r.empty()) return r;
   return dispatch(p, [&]<typename T, int D>() { return reason_for<T, D>(p); });
 }

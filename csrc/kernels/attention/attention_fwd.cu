@@ -501,7 +501,7 @@ cudaError_t run(const forward_problem& pr, cudaStream_t stream) {
 }  // namespace
 
 std::string unsupported_reason(const forward_problem& p) {
-  if (std::string r = shape_reason(p.q, p.k, p.v); !r.empty()) return r;
+  if (std::string r = shape_reason<forward_head_dims>(p.q, p.k, p.v); !r.empty()) return r;
   if (std::string r = options_reason(p); !r.empty()) return r;
   return dispatch(p, [&]<typename T, int D>() { return reason_for<T, D>(p); });
 }

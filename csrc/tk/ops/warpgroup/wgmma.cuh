@@ -57,9 +57,13 @@ __device__ __forceinline__ float& accumulator_register(accumulator<N>& acc) {
 #define TK_DECADE(NEXT, t) NEXT(t##0) NEXT(t##1) NEXT(t##2) NEXT(t##3) NEXT(t##4) NEXT(t##5) NEXT(t##6) NEXT(t##7) NEXT(t##8) NEXT(t##9)
 #define TK_FIRST_DECADE(FIRST, NEXT) FIRST(0) NEXT(1) NEXT(2) NEXT(3) NEXT(4) NEXT(5) NEXT(6) NEXT(7) NEXT(8) NEXT(9)
 #define TK_SEQ_4(FIRST, NEXT) FIRST(0) NEXT(1) NEXT(2) NEXT(3)
+// TK_OCTET(NEXT, t): t0..t7 (the last 8 of a 48-register list).
+#define TK_OCTET(NEXT, t) NEXT(t##0) NEXT(t##1) NEXT(t##2) NEXT(t##3) NEXT(t##4) NEXT(t##5) NEXT(t##6) NEXT(t##7)
 #define TK_SEQ_8(FIRST, NEXT) TK_SEQ_4(FIRST, NEXT) NEXT(4) NEXT(5) NEXT(6) NEXT(7)
 #define TK_SEQ_16(FIRST, NEXT) TK_FIRST_DECADE(FIRST, NEXT) NEXT(10) NEXT(11) NEXT(12) NEXT(13) NEXT(14) NEXT(15)
 #define TK_SEQ_32(FIRST, NEXT) TK_FIRST_DECADE(FIRST, NEXT) TK_DECADE(NEXT, 1) TK_DECADE(NEXT, 2) NEXT(30) NEXT(31)
+#define TK_SEQ_48(FIRST, NEXT) \
+  TK_FIRST_DECADE(FIRST, NEXT) TK_DECADE(NEXT, 1) TK_DECADE(NEXT, 2) TK_DECADE(NEXT, 3) TK_OCTET(NEXT, 4)
 #define TK_SEQ_64(FIRST, NEXT)                                                                                  \
   TK_FIRST_DECADE(FIRST, NEXT) TK_DECADE(NEXT, 1) TK_DECADE(NEXT, 2) TK_DECADE(NEXT, 3) TK_DECADE(NEXT, 4)     \
   TK_DECADE(NEXT, 5) NEXT(60) NEXT(61) NEXT(62) NEXT(63)
@@ -143,6 +147,7 @@ TK_DEFINE_WGMMA(8, TK_SEQ_4, "4", "5", "6", "7", "8", "9", "10")
 TK_DEFINE_WGMMA(16, TK_SEQ_8, "8", "9", "10", "11", "12", "13", "14")
 TK_DEFINE_WGMMA(32, TK_SEQ_16, "16", "17", "18", "19", "20", "21", "22")
 TK_DEFINE_WGMMA(64, TK_SEQ_32, "32", "33", "34", "35", "36", "37", "38")
+TK_DEFINE_WGMMA(96, TK_SEQ_48, "48", "49", "50", "51", "52", "53", "54")
 TK_DEFINE_WGMMA(128, TK_SEQ_64, "64", "65", "66", "67", "68", "69", "70")
 TK_DEFINE_WGMMA(192, TK_SEQ_96, "96", "97", "98", "99", "100", "101", "102")
 TK_DEFINE_WGMMA(256, TK_SEQ_128, "128", "129", "130", "131", "132", "133", "134")
@@ -158,6 +163,8 @@ TK_DEFINE_WGMMA(256, TK_SEQ_128, "128", "129", "130", "131", "132", "133", "134"
 #undef TK_REG_NEXT
 #undef TK_REG_FIRST
 #undef TK_SEQ_128
+#undef TK_SEQ_48
+#undef TK_OCTET
 #undef TK_SEQ_96
 #undef TK_SEQ_64
 #undef TK_SEQ_32
