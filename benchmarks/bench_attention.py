@@ -57,7 +57,7 @@ GRAPH_BELOW_MS = 0.35
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    group: str  # grid, gqa, odd
+    group: str  # grid, gqa, odd, head_dims
     batch: int
     q_heads: int
     kv_heads: int
@@ -242,6 +242,20 @@ def with_fa4(bench: common.Bench) -> tuple[common.Bench, str]:
     print(f"FlashAttention-4 baseline (fa4): {description}, flash_attn.cute.flash_attn_func", flush=True)
     return dataclasses.replace(bench, title=bench.title.replace(" (bf16)", " / FA4 (bf16)"),
                                baselines=(*bench.baselines, FA4_PROVIDER)), description
+
+
+# ---------------------------------------------------------------------- the forward's other head dims
+
+# The forward kernel's head dims beyond 64 and 128 (its backward runs the reference there), against
+# cuDNN (and FA4 where it is installed): 16384 tokens, GQA 16/2 at D = 256 (Gemma's and Qwen3-Next's
+# attention, the anchor's shape), MHA at 96 and 192.
+HEAD_DIM_BENCH = dataclasses.replace(BENCH, name="attention_head_dims",
+                                     title="Attention forward at D = 96, 192, 256: tk_ops vs SDPA cuDNN / flash (bf16)",
+                                     passes=("fwd",))
+HEAD_DIM_CASES = [Case("head_dims", 2, q_heads, kv_heads, 8192, head_dim, causal)
+                  for head_dim, q_heads, kv_heads in ((96, 16, 16), (192, 16, 16), (256, 16, 2))
+                  for causal in (False, True)]
+DRY_RUN_HEAD_DIM_CASES = [Case("head_dims", 1, 4, 2, 40, 96, True), Case("head_dims", 1, 2, 2, 33, 256, False)]
 
 
 # ---------------------------------------------------------------------------- the mask options
@@ -640,7 +654,16 @@ def main(argv=None) -> None:
                         help="instead: window, softcap and sinks against FlexAttention (attention_features.json)")
     parser.add_argument("--varlen", action="store_true",
                         help="instead: packed documents (attention_varlen) against FlexAttention (attention_varlen.json)")
+    parser.add_argument("--head-dims", action="store_true",
+                        help="instead: the forward at D = 96, 192, 256 against cuDNN and FA4 (attention_head_dims.json)")
     args = parser.parse_args(argv)
+    if args.head_dims:
+        bench, fa4 = with_fa4(HEAD_DIM_BENCH)
+        if common.without_gpu(args, bench, DRY_RUN_HEAD_DIM_CASES):
+            return
+        common.run(bench, HEAD_DIM_CASES, out=args.out, passes=["fwd"], fa4=fa4,
+                   flops="fwd 4 B H Nq Nk D (halved when causal); bf16")
+        return
     if args.varlen:
         if common.without_gpu(args, VARLEN_BENCH, DRY_RUN_VARLEN_CASES):
             return

@@ -295,6 +295,25 @@ def test_attention_dry_run(tmp_path, monkeypatch, capsys, fa4_lookup):
     assert {row["group"] for row in rows} == set(bench_attention.GROUPS)
 
 
+@pytest.mark.parametrize("flag, name, cases", [
+    ("--features", "attention_features", "DRY_RUN_FEATURE_CASES"),
+    ("--varlen", "attention_varlen", "DRY_RUN_VARLEN_CASES"),
+    ("--head-dims", "attention_head_dims", "DRY_RUN_HEAD_DIM_CASES"),
+])
+def test_attention_other_benches_dry_run(tmp_path, monkeypatch, flag, name, cases):
+    """bench_attention's other modes write their own results file (not attention.json), a row per case, pass and
+    baseline; on the CPU the baselines agree with ours, or say why they cannot run (cuDNN; FlexAttention's
+    backward and its lse, which a CPU compiles for inference only)."""
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)
+    rows = dry_run(bench_attention, tmp_path, name, flag)
+    assert not (tmp_path / "attention.json").exists()
+    assert {row["shape"] for row in rows} == {case.label for case in getattr(bench_attention, cases)}
+    for row in rows:
+        assert ("error" not in row and row["rel_diff_vs_baseline"] < 1e-2) or any(
+            reason in row["error"] for reason in ("sdpa_cudnn: RuntimeError", "on CPU only supports inference",
+                                                  "does not support backward on CPU"))
+
+
 def test_decode_dry_run(tmp_path, monkeypatch, capsys, fa4_lookup):
     """Without FlashAttention-4 the rows are SDPA's, on the dense cache (a paged one gathered) cut to the
     longest sequence: equal to ours where every sequence has that length, not compared elsewhere."""
