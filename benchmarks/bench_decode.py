@@ -18,8 +18,9 @@ Baselines:
   sdpa   F.scaled_dot_product_attention on a dense cache cut to the longest sequence (a paged cache
          gathered into one outside the timing), with enable_gqa and no length mask: it reads the whole
          rectangle, the best SDPA does without a mask (a mask sends it to the math path)
-Ours is whatever serves tk.attention_with_kvcache on the device: the PyTorch reference until its decode
-kernel exists (tk_ops.backends() says which; the results header records it). No append is timed (k = v
+Ours is whatever serves tk.attention_with_kvcache on the device: on dense caches the attention forward
+kernel's packed variant (not yet a decode kernel: no GQA row packing, no split-KV), on paged caches the
+PyTorch reference (tk_ops.backends() says which op has a kernel; the results header records it). No append is timed (k = v
 = None): the cache is what a decode step reads.
 
   python3 -m benchmarks.bench_decode [--out DIR]

@@ -759,10 +759,48 @@ ATTENTION_VARLEN = OpInfo(
 KVCACHE_LENGTHS = [3, 0, 6]  # cached tokens of the three sequences (one empty) of the samples below
 
 
-def _kvcache_case(block_size=4, new_len=2, dtype=torch.float32, device="cpu", reserve=0):
+def _kvcache_case(block_size=4, new_len=2, dtype=torch.float32, device="cpu", reserve=0, head_dim=16):
     """Three sequences, 2 queries, caches of 9 positions, NaN in every unused slot (inputs/attention_with_kvcache)."""
     return kvcache_inputs.make_case(KVCACHE_LENGTHS, 2, new_len, capacity=9, block_size=block_size, dtype=dtype,
-                                    device=device, reserve=reserve)
+                                    device=device, reserve=reserve, head_dim=head_dim)
+
+
+def _kvcache_kernel_sample(dtype) -> Sample:
+    """A dense cache on the GPU at a kernel head dim: the attention kernel's packed variant serves it."""
+    def make():
+        case = _kvcache_case(None, 2, dtype, "cuda", head_dim=64)
+        return case.op_arguments(True, 0.125, 3, -1, 1.5, sinks=torch.randn(case.q.shape[2], device="cuda"))
+
+    return Sample(f"dense-window-softcap-sinks-{_dtype_name(dtype)}", "attention_with_kvcache", make)
+
+
+def _kvcache_graph() -> GraphSample:
+    """A decode step on a dense cache, captured: the append (the same tokens at the same positions, so an
+    eager call after the replay writes what it wrote) and the attention, for new q, k, v and caches."""
+    def make_inputs():
+        case = _kvcache_case(None, 1, torch.bfloat16, "cuda", head_dim=128)
+        return [case.q, case.k_cache, case.v_cache, case.k, case.v, case.cache_seqlens]
+
+    def step(q, k_cache, v_cache, k, v, cache_seqlens):
+        return tk_ops.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, window=(4, -1),
+                                             return_lse=True)
+
+    return GraphSample("dense-decode-step", ("attention_with_kvcache",), make_inputs, step)
+
+
+def _kvcache_paged_fallback() -> FallbackSample:
+    """A paged cache on the GPU: the reference serves it (the kernel takes dense caches)."""
+    def make_inputs():
+        return _kvcache_case(4, 2, torch.bfloat16, "cuda", head_dim=64).op_arguments()
+
+    def expected(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, *options):
+        cpu = [t.cpu().double() for t in (q, k_cache, v_cache, k, v)]
+        case = kvcache_inputs.KVCacheCase(*cpu, cache_seqlens.cpu(), block_table.cpu())
+        return kvcache_inputs.float64_definition(case, causal=causal, scale=scale)
+
+    return FallbackSample("paged-bf16", ("attention_with_kvcache",), make_inputs,
+                          lambda *arguments: torch.ops.tk.attention_with_kvcache(*arguments), expected,
+                          TOLERANCE[torch.bfloat16])
 
 
 def _kvcache_sample(id, block_size, new_len=2, options=(), with_sinks=False, q_requires_grad=False,
@@ -865,8 +903,8 @@ ATTENTION_WITH_KVCACHE = OpInfo(
         _kvcache_sample("paged-not-causal-window-q-requires-grad", 2, options=(False, 0.3, 2, 1, 0.0),
                         q_requires_grad=True),
     ),
-    kernel_dtypes=(),  # no kernel yet: the reference serves every device
-    kernel_samples=lambda dtype: (),
+    kernel_dtypes=(torch.bfloat16, torch.float16),
+    kernel_samples=lambda dtype: (_kvcache_kernel_sample(dtype),),
     compile=(
         CompileSample("paged-window-softcap-sinks-lse", _attend_to_cache_copies, _kvcache_compile_inputs,
                       ("attention_with_kvcache",)),
@@ -942,10 +980,10 @@ ATTENTION_WITH_KVCACHE = OpInfo(
         lambda: dict(_kvcache_case(device="cuda").arguments(), sinks=torch.randn(4, device="cuda")),
         "q", ("k_cache", "v_cache", "k", "v", "cache_seqlens", "block_table", "sinks"),
     ),
-    graphs=(),
-    no_graph=_without_sample(NO_KERNEL, "attention_with_kvcache"),
-    fallbacks=(),
-    no_fallback=_without_sample(NO_KERNEL, "attention_with_kvcache"),
+    graphs=(_kvcache_graph(),),
+    no_graph={},
+    fallbacks=(_kvcache_paged_fallback(),),
+    no_fallback={},
 )
 
 

@@ -13,7 +13,7 @@ from torch._inductor.utils import run_and_get_code
 
 import tk_ops
 import tk_testing
-from inputs.attention_with_kvcache import expected_caches, float64_definition, make_case
+from inputs.attention_with_kvcache import KVCacheCase, expected_caches, float64_definition, make_case
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -202,3 +202,103 @@ def test_compiled_calls_write_the_caches_as_eager_calls_do(layout):
         eager.cache_seqlens += 2
         compiled_case.cache_seqlens += 2
     assert counter.frame_count == 1
+
+
+# ------------------------------------------------------------------------------------ the CUDA kernel
+# Dense caches run the attention forward kernel's packed variant (csrc/torch/attention.cpp): sequence b is
+# its Nq query rows against the first cache_seqlens[b] + Nnew slots of cache row b. Paged caches run the
+# reference.
+
+
+def on_cpu(case: KVCacheCase) -> KVCacheCase:
+    return KVCacheCase(*(None if t is None else t.cpu() for t in (
+        case.q, case.k_cache, case.v_cache, case.k, case.v, case.cache_seqlens, case.block_table)))
+
+
+def check_kernel_call(case: KVCacheCase, with_sinks=False, **options):
+    """One call on the kernel (no fallback) against the float64 definition, the caches after it bit for bit,
+    and no NaN canary (every unused slot) in the output."""
+    sinks = torch.randn(case.q.shape[2], device="cuda") if with_sinks else None
+    before = on_cpu(case)
+    with tk_testing.runs_the_kernels("attention_with_kvcache"):
+        out, lse = tk_ops.attention_with_kvcache(**case.arguments(), **options, sinks=sinks, return_lse=True)
+    want_out, want_lse = float64_definition(before, **options, sinks=None if sinks is None else sinks.cpu())
+    assert out.dtype == case.q.dtype and out.is_contiguous() and lse.dtype == torch.float32 and lse.is_contiguous()
+    assert torch.isfinite(out).all(), "a NaN canary reached the output"
+    tol = tk_testing.TOLERANCE[case.q.dtype]
+    tk_testing.assert_rel_close(out, want_out, tol)
+    torch.testing.assert_close(lse.cpu(), want_lse, rtol=tol, atol=tol)
+    want_k_cache, want_v_cache = expected_caches(before)
+    torch.testing.assert_close(case.k_cache.cpu(), want_k_cache, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(case.v_cache.cpu(), want_v_cache, rtol=0, atol=0, equal_nan=True)
+
+
+@tk_testing.requires_kernel("attention_with_kvcache")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("q_heads, kv_heads", [(4, 4), (8, 2), (16, 1)], ids=["mha", "gqa4", "mqa16"])
+@tk_testing.parametrize_with_ids("lengths, q_len, new_len, capacity", SHAPES)
+def test_kernel_dense_cache_against_float64(lengths, q_len, new_len, capacity, q_heads, kv_heads, head_dim, dtype):
+    case = make_case(lengths, q_len, new_len, capacity=capacity, q_heads=q_heads, kv_heads=kv_heads,
+                     head_dim=head_dim, dtype=dtype, device="cuda")
+    check_kernel_call(case)
+
+
+@tk_testing.requires_kernel("attention_with_kvcache")
+@tk_testing.parametrize_with_ids("options, with_sinks", OPTIONS)
+@tk_testing.parametrize_with_ids("lengths, q_len, new_len, capacity", [SHAPES[0], SHAPES[2], SHAPES[5]])
+def test_kernel_options(lengths, q_len, new_len, capacity, options, with_sinks):
+    case = make_case(lengths, q_len, new_len, capacity=capacity, q_heads=8, kv_heads=2, head_dim=64,
+                     dtype=torch.bfloat16, device="cuda")
+    check_kernel_call(case, with_sinks=with_sinks, **options)
+
+
+@tk_testing.requires_kernel("attention_with_kvcache")
+def test_kernel_long_caches_across_key_blocks():
+    """Cache lengths around the kernel's 128-key blocks (one key into a block, a block exactly full), a
+    thousand-token cache, GQA 4."""
+    case = make_case([1, 127, 128, 129, 1000, 0], 1, 1, capacity=1100, q_heads=16, kv_heads=4, head_dim=128,
+                     dtype=torch.bfloat16, device="cuda")
+    check_kernel_call(case, causal=True)
+
+
+@tk_testing.requires_kernel("attention_with_kvcache")
+def test_kernel_leaves_paged_caches_to_the_reference():
+    case = make_case([3, 9, 0], 4, 4, capacity=13, block_size=4, head_dim=64, dtype=torch.bfloat16, device="cuda")
+    with tk_testing.runs_the_references("attention_with_kvcache"):
+        tk_ops.attention_with_kvcache(**case.arguments())
+
+
+@tk_testing.requires_kernel("attention_with_kvcache")
+def test_kernel_decode_steps_replay_in_a_cuda_graph():
+    """A captured decode step (append one token, attend) replayed with new q, k, v and cache_seqlens moved on
+    the device gives, step after step, the outputs and caches of eager calls (no host read of
+    cache_seqlens: the step captures)."""
+    case = make_case([5, 0, 30], 1, 1, capacity=40, q_heads=8, kv_heads=2, head_dim=128, dtype=torch.bfloat16,
+                     device="cuda")
+    eager = case.clone()
+    tk_ops.attention_with_kvcache(**case.clone().arguments())  # warm up (launch setup) on copies
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = tk_ops.attention_with_kvcache(**case.arguments())
+    for _ in range(4):
+        for live, mirror in ((case.q, eager.q), (case.k, eager.k), (case.v, eager.v)):
+            mirror.copy_(torch.randn_like(mirror))
+            live.copy_(mirror)
+        graph.replay()
+        want = tk_ops.attention_with_kvcache(**eager.arguments())
+        torch.testing.assert_close(captured, want, rtol=0, atol=0)
+        torch.testing.assert_close(case.k_cache, eager.k_cache, rtol=0, atol=0, equal_nan=True)
+        case.cache_seqlens += 1
+        eager.cache_seqlens += 1
+
+
+@tk_testing.requires_kernel("attention_with_kvcache")
+def test_kernel_bad_lengths_stay_in_their_rows():
+    """cache_seqlens past the capacity or negative (the caller's contract on a GPU, unchecked there) neither
+    fault nor write outside the sequences' own cache rows: the spare rows keep their NaN."""
+    case = make_case([3, 6, 2], 1, 2, capacity=8, head_dim=64, dtype=torch.bfloat16, device="cuda")
+    case.cache_seqlens.copy_(torch.tensor([-5, 1000, 7], dtype=torch.int32))
+    torch.ops.tk.attention_with_kvcache(*case.op_arguments())
+    torch.cuda.synchronize()
+    assert case.k_cache[3:].isnan().all() and case.v_cache[3:].isnan().all()

@@ -310,6 +310,86 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd_
   return {grad_q, grad_k, grad_v, grad_sinks};
 }
 
+// ------------------------------------------------------------------------------ KV cache (decoding)
+//
+// tk::attention_with_kvcache on the forward kernel's packed variant, for dense caches: the B x Nq query
+// rows as B sequences of Nq rows, the cache (B_cache, Nmax, Hkv, D) as packed rows in which sequence b's
+// span is the Nmax slots of its row and its keys the first cache_seqlens[b] + Nnew of them (seqused_k).
+// The append is an indexed copy into the cache on the device. Nothing is read on the host (no sync: a
+// decode step can be captured in a CUDA graph). The contents of cache_seqlens are the caller's contract,
+// as with FlashAttention: appended positions are clamped into the sequence's own row and the kernel's
+// reads to the cache, so no content makes a call touch memory outside the caches. Paged caches
+// (block_table) run the reference.
+
+// A dense cache (B_cache, Nmax, H, X) as packed rows (B_cache * Nmax, H, X), or nothing if its rows are
+// not one stride apart.
+std::optional<at::Tensor> cache_rows(const at::Tensor& cache) {
+  if (cache.size(0) > 1 && cache.stride(0) != cache.size(1) * cache.stride(1)) return std::nullopt;
+  return cache.as_strided({cache.size(0) * cache.size(1), cache.size(2), cache.size(3)},
+                          {cache.stride(1), cache.stride(2), cache.stride(3)});
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_cuda(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const std::optional<at::Tensor>& k,
+    const std::optional<at::Tensor>& v, const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& block_table,
+    bool causal, double scale, int64_t window_left, int64_t window_right, double softcap,
+    const std::optional<at::Tensor>& sinks) {
+  std::optional<at::Tensor> k_rows, v_rows;
+  const bool dense_kernel_case = !block_table.has_value() && q.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4 &&
+                                 kernel_device(q) && q.numel() > 0 && k_cache.size(1) > 0 &&
+                                 k_cache.size(0) >= q.size(0) && k_cache.device() == q.device() &&
+                                 v_cache.device() == q.device() && k_cache.scalar_type() == q.scalar_type() &&
+                                 v_cache.scalar_type() == q.scalar_type() && cache_seqlens.scalar_type() == at::kInt &&
+                                 cache_seqlens.dim() == 1 && cache_seqlens.size(0) == q.size(0) &&
+                                 cache_seqlens.device() == q.device() && (!sinks.has_value() || kernel_sinks(*sinks, q));
+  if (dense_kernel_case) {
+    k_rows = cache_rows(k_cache);
+    v_rows = cache_rows(v_cache);
+  }
+  std::optional<attn::forward_problem> plan;
+  const int64_t batch = q.size(0), q_len = q.size(1), capacity = k_cache.size(1);
+  const int64_t new_len = k.has_value() ? k->size(1) : 0;
+  // The B sequences' rows: query rows b * Nq.., cache rows b * Nmax.., of which the first
+  // cache_seqlens[b] + Nnew are keys.
+  at::Tensor q_rows, cu_q, cu_k, used;
+  if (k_rows && v_rows) {
+    q_rows = q.reshape({batch * q_len, q.size(2), q.size(3)});
+    const at::TensorOptions index_options = q.options().dtype(at::kInt);
+    cu_q = at::arange(0, (batch + 1) * q_len, q_len, index_options);
+    cu_k = at::arange(0, (batch + 1) * capacity, capacity, index_options);
+    used = cache_seqlens + int(new_len);
+    const auto qv = packed_view_of(q_rows), kv = packed_view_of(*k_rows), vv = packed_view_of(*v_rows);
+    if (qv && kv && vv) {
+      attn::forward_problem p{element_of(q), causal, float(scale), *qv, *kv, *vv, nullptr, nullptr};
+      p.window_left = window_left;
+      p.window_right = window_right;
+      p.softcap = softcap;
+      p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
+      p.packed = {cu_q.data_ptr<int>(), cu_k.data_ptr<int>(), batch, q_len, capacity, used.data_ptr<int>()};
+      if (attn::unsupported_reason(p).empty()) plan = p;
+    }
+  }
+  if (!plan) {
+    return fallback<&attention_with_kvcache_cuda>("tk::attention_with_kvcache_ref", q, k_cache, v_cache, k, v,
+                                                  cache_seqlens, block_table, causal, scale, window_left,
+                                                  window_right, softcap, sinks);
+  }
+  const at::TensorOptions rows_options = q.options().dtype(at::kLong);
+  if (new_len > 0) {
+    const at::Tensor positions =
+        (cache_seqlens.to(at::kLong).unsqueeze(1) + at::arange(new_len, rows_options)).clamp(0, capacity - 1);
+    const at::Tensor rows = (at::arange(batch, rows_options).unsqueeze(1) * capacity + positions).reshape({-1});
+    k_rows->index_copy_(0, rows, k->reshape({batch * new_len, k->size(2), k->size(3)}));
+    v_rows->index_copy_(0, rows, v->reshape({batch * new_len, v->size(2), v->size(3)}));
+  }
+  at::Tensor out = at::empty({batch, q_len, q.size(2), v_cache.size(3)}, q.options());
+  at::Tensor lse = at::empty({q.size(2), batch * q_len}, q.options().dtype(at::kFloat));
+  plan->out = out.data_ptr();
+  plan->lse = lse.data_ptr<float>();
+  launch_on(q, [&](cudaStream_t stream) { return attn::launch(*plan, stream); });
+  return {out, lse.view({q.size(2), batch, q_len}).permute({1, 0, 2}).contiguous()};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(tk, CUDA, m) {
@@ -317,4 +397,5 @@ TORCH_LIBRARY_IMPL(tk, CUDA, m) {
   m.impl("attention_bwd", &attention_bwd_cuda);
   m.impl("attention_varlen", &attention_varlen_cuda);
   m.impl("attention_varlen_bwd", &attention_varlen_bwd_cuda);
+  m.impl("attention_with_kvcache", &attention_with_kvcache_cuda);
 }

@@ -36,14 +36,17 @@ Op
   may write them in place. The op has no gradient (an inference op, like FlashAttention's): its
   outputs never require grad (``_library.register_forward_only``).
 
-No CUDA kernel serves the op yet: the reference runs on every device (on a GPU with the one-time
-warning). It reads cache_seqlens and block_table on the host first (a device sync on a GPU) and raises
-a ValueError for contents that would read or write outside the caches, then appends with an indexed
-write, gathers each sequence's keys and values into (B, L, Hkv, D) tensors, right-aligned (L the longest
-L_b; the left padding is hidden from every row and zeroed, so that a NaN in an unused slot cannot
-reach the output), and runs tk.attention's forward on them in fp32 (fp64 for fp64 inputs). Right
-alignment puts every sequence's last key at index L - 1, where tk.attention's bottom-right aligned
-mask puts it, so one batched call serves sequences of different lengths.
+On a GPU, dense caches in bf16/fp16 (the attention forward kernel's head dims, D = Dv) run that kernel's
+packed variant (csrc/torch/attention.cpp; written, not yet run on a GPU): the B x Nq query rows as B
+sequences, each against the first cache_seqlens[b] + Nnew slots of its cache row, after an indexed copy
+appends k and v; nothing is read on the host, so a decode step can be captured in a CUDA graph. Paged
+caches, and every other case, run the reference. It reads cache_seqlens and block_table on the host
+first (a device sync on a GPU) and raises a ValueError for contents that would read or write outside the
+caches, then appends with an indexed write, gathers each sequence's keys and values into (B, L, Hkv, D)
+tensors, right-aligned (L the longest L_b; the left padding is hidden from every row and zeroed, so that
+a NaN in an unused slot cannot reach the output), and runs tk.attention's forward on them in fp32 (fp64
+for fp64 inputs). Right alignment puts every sequence's last key at index L - 1, where tk.attention's
+bottom-right aligned mask puts it, so one batched call serves sequences of different lengths.
 """
 
 from __future__ import annotations
@@ -252,8 +255,9 @@ def attention_with_kvcache(
     every block_table entry a sequence uses in [0, num_blocks)) are checked here only where that costs no
     device sync and no graph break: an int cache_seqlens always (capacity only), tensors in eager mode on
     the CPU. The reference, which serves every device today, reads them anyway and raises the same
-    ValueError before it writes anything. (A CUDA kernel will not read them on the host: as in
-    FlashAttention, valid contents are the caller's promise there.) Under torch.compile pass a tensor:
+    ValueError before it writes anything. The CUDA kernel (dense caches) does not read them on the host: as
+    in FlashAttention, valid contents are the caller's promise there (bad ones give unspecified numbers,
+    clamped so that nothing outside the caches is touched). Under torch.compile pass a tensor:
     an int is specialised, one graph per value.
     """
     _check_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale)

@@ -288,6 +288,7 @@ struct sequence_layout {
   const int* cu_seqlens_k = nullptr;
   int q_rows = 0, k_rows = 0;          // dense: each sequence's lengths; packed: the packed tensors' rows
   int max_q_rows = 0, max_k_rows = 0;  // the longest sequence's lengths (the grid's blocks per sequence)
+  const int* seqused_k = nullptr;      // packed: the keys each sequence uses of its span, or none (all)
 
   __host__ __device__ bool packed() const { return cu_seqlens_q != nullptr; }
 
@@ -301,6 +302,7 @@ struct sequence_layout {
     sequence_rows r{0, 0, 0, 0, 0};
     r.q_rows = bounds(cu_seqlens_q, q_rows, max_q_rows, r.q_start);
     r.k_rows = bounds(cu_seqlens_k, k_rows, max_k_rows, r.k_start);
+    if (seqused_k != nullptr) r.k_rows = min(r.k_rows, max(__ldg(seqused_k + sequence), 0));
     return r;
   }
 };
@@ -424,7 +426,7 @@ std::string shape_reason(const heads_view& q, const heads_view& k, const heads_v
 inline sequence_layout sequence_layout_of(const packed_sequences& packed, int64_t q_rows, int64_t k_rows) {
   if (!packed.given()) return {nullptr, nullptr, int(q_rows), int(k_rows), int(q_rows), int(k_rows)};
   return {packed.cu_seqlens_q, packed.cu_seqlens_k, int(q_rows), int(k_rows),
-          int(std::min(packed.max_seqlen_q, q_rows)), int(std::min(packed.max_seqlen_k, k_rows))};
+          int(std::min(packed.max_seqlen_q, q_rows)), int(std::min(packed.max_seqlen_k, k_rows)), packed.seqused_k};
 }
 
 // The kernels' view of an output or gradient of `like`'s shape: (B, H, N, X) contiguous, or packed

@@ -40,13 +40,16 @@ using tk::heads_view;
 // Packed sequences (attention_varlen), or none (a dense batch). Packed: q, k, v (and the backward's
 // out and grad_out) are (1, H, total, D) views of the packed (total, H, D) tensors, the outputs are packed
 // and contiguous ((total, H, D), lse (Hq, total)), and sequence b is rows [cu_seqlens_q[b],
-// cu_seqlens_q[b + 1]) of q (cu_seqlens_k: of k and v), at most max_seqlen_q (max_seqlen_k) long. The
-// kernels read cu_seqlens on the device (int32, (count + 1,)), clamped to the packed rows.
+// cu_seqlens_q[b + 1]) of q (cu_seqlens_k: of k and v), at most max_seqlen_q (max_seqlen_k) long;
+// with seqused_k (FlashAttention's), sequence b's keys are the first seqused_k[b] rows of its span (a
+// KV cache: each sequence's span is its capacity, seqused_k its length). The kernels read cu_seqlens
+// and seqused_k on the device (int32, (count + 1,) and (count,)), clamped to the packed rows.
 struct packed_sequences {
   const int* cu_seqlens_q = nullptr;
   const int* cu_seqlens_k = nullptr;
   int64_t count = 0;
   int64_t max_seqlen_q = 0, max_seqlen_k = 0;
+  const int* seqused_k = nullptr;
 
   bool given() const { return cu_seqlens_q != nullptr; }
 };

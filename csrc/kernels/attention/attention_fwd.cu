@@ -149,7 +149,8 @@ struct forward_kernel : forward_plan<D> {
   enum class barrier_id : int {
     consumer_epilogue = FIRST_NAMED_BARRIER,  // one per consumer: its output tile is written
     issue_turn = consumer_epilogue + plan::consumer_warpgroups,  // one per consumer: its turn to issue
-    count = issue_turn + plan::consumer_warpgroups,
+    tail_values_zeroed = issue_turn + plan::consumer_warpgroups,  // packed: the last V tile's rows past the keys
+    count,
   };
   static_assert(fits_named_barriers<barrier_id>());
 
@@ -372,6 +373,9 @@ struct forward_kernel : forward_plan<D> {
     // O += P_{n-1} V_{n-1}
     const pipeline::ring_position<plan::stages> last = at.previous();
     const kv_tile& v = in.wait(last, value_part).v;
+    if constexpr (with_options) {
+      if (ctx.params.sequences.packed()) zero_values_past_the_keys(ctx, in.stages[last.stage].v, blocks - 1);
+    }
     turns.wait();
     warpgroup::fence();
     warpgroup::mma<operand_major::mn>(state.o, prob, v, 0, true);
@@ -379,6 +383,29 @@ struct forward_kernel : forward_plan<D> {
     turns.pass(/*last_turn=*/true);
     warpgroup::wait<0>(state.o, prob);
     in.release(last, value_part);
+  }
+
+  // A packed sequence's last key block may hold rows past its keys: the next sequence's, or a KV cache's
+  // slots past its length, which may hold anything (NaN included). Their probabilities are 0, but
+  // 0 * NaN is NaN in P V, so their values are zeroed first (a dense batch's rows past Nk are TMA's
+  // zero fill). Consumer 0 writes the zeros; every consumer waits for them before its P V (all reach
+  // here after their last step's issue turn, so the rotation cannot hold one of them back).
+  __device__ static void zero_values_past_the_keys(const context& ctx, kv_tile& v, int j) {
+    const int key0 = (first_key_block(ctx.params, ctx.task) + j) * plan::block_kv;
+    const int first_row = max(0, ctx.task.rows.k_rows - key0);
+    if (first_row >= plan::block_kv) return;  // the same answer on every consumer
+    if (ctx.consumer == 0) {
+      constexpr int chunks_per_row = kv_tile::swizzle_bytes / int(sizeof(uint4));
+      constexpr int chunks_per_panel = plan::block_kv * chunks_per_row;
+      const int zeroed = (plan::block_kv - first_row) * chunks_per_row;
+      for (int i = threadIdx.x % WARPGROUP_THREADS; i < zeroed * kv_tile::panels; i += WARPGROUP_THREADS) {
+        const int panel = i / zeroed, chunk = first_row * chunks_per_row + i % zeroed;
+        reinterpret_cast<uint4*>(v.panel(panel))[chunk] = uint4{0, 0, 0, 0};
+      }
+      static_assert(chunks_per_panel * int(sizeof(uint4)) == kv_tile::panel_bytes);
+    }
+    // the zeros must be visible to wgmma (the async proxy) on every consumer
+    publish(barrier_id::tail_values_zeroed, plan::consumer_warpgroups * WARPGROUP_THREADS);
   }
 
   // A sink joins the row as one more key whose value is 0: O and the sum are rescaled to
