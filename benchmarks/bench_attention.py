@@ -599,6 +599,39 @@ def check_packed() -> None:
     print("attention_varlen with lengths that break every rule: no fault")
 
 
+def check_kvcache() -> None:
+    """attention_with_kvcache on a dense cache (the packed forward kernel) against the float64 reference on
+    the CPU: NaN in every unused slot, lengths around the 128-key blocks (an empty cache, one key into a
+    block, a block exactly full), an append, GQA 4, a window and a softcap; then lengths past the capacity
+    and negative ones, which must stay in their rows (no fault, the spare rows untouched)."""
+    lengths, q_len, new_len, capacity = [0, 5, 127, 128, 129, 300], 2, 1, 320
+    q = torch.randn(len(lengths), q_len, 8, 128, device="cuda", dtype=torch.bfloat16)
+    k_cache = torch.full((len(lengths) + 1, capacity, 2, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+    for b, length in enumerate(lengths):
+        k_cache[b, :length] = torch.randn(length, 2, 128, device="cuda", dtype=torch.bfloat16)
+    v_cache = k_cache.clone()
+    k, v = (torch.randn(len(lengths), new_len, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    options = (True, 0.1, 200, -1, 2.0, None)
+    cpu = [t.cpu().double() for t in (q, k_cache, v_cache, k, v)]
+    out, lse = torch.ops.tk.attention_with_kvcache(q, k_cache, v_cache, k, v, seqlens, None, *options)
+    want_out, want_lse = torch.ops.tk.attention_with_kvcache(*cpu, seqlens.cpu(), None, *options)
+    err = max(common.relative_difference(out.double().cpu(), want_out),
+              common.relative_difference(lse.double().cpu(), want_lse.double()),
+              common.relative_difference(k_cache.double().cpu().nan_to_num(), cpu[1].nan_to_num()))
+    status = "ok" if err < 1e-2 and torch.isfinite(out).all() else "WRONG"
+    print(f"attention_with_kvcache dense {lengths} + {new_len}, Nq={q_len}, GQA 8/2, D=128, window 200, softcap 2: "
+          f"rel err {err:.2e} {status}")
+    if status != "ok":
+        raise SystemExit("attention check: wrong result")
+    seqlens.copy_(torch.tensor([-9, 1000, 318, 319, 5, 0], dtype=torch.int32))
+    torch.ops.tk.attention_with_kvcache(q, k_cache, v_cache, k, v, seqlens, None, *options)
+    torch.cuda.synchronize()
+    if not k_cache[len(lengths):].isnan().all():
+        raise SystemExit("attention check: an append left its sequence's cache row")
+    print("attention_with_kvcache with lengths past the capacity: no fault, every write in its own row")
+
+
 def options_backward_error(q, k, v, causal, scale, left, right, softcap, sinks, out, lse) -> float:
     """The largest relative difference of the backward kernels' dq, dk, dv and dsinks (one-pass and
     recompute) from float64 autograd of options_expected, for random dO and dlse."""
@@ -648,6 +681,7 @@ def check() -> None:
             raise SystemExit("attention check: wrong result")
     check_options()
     check_packed()
+    check_kvcache()
     torch.cuda.synchronize()
 
 
