@@ -19,7 +19,8 @@ Baselines:
          gathered into one outside the timing), with enable_gqa and no length mask: it reads the whole
          rectangle, the best SDPA does without a mask (a mask sends it to the math path)
 Ours is whatever serves tk.attention_with_kvcache on the device: on dense caches the attention forward
-kernel's packed variant (not yet a decode kernel: no GQA row packing, no split-KV), on paged caches the
+kernel's packed variant (Nq = 1: a KV head's query heads as a task's rows, split-KV; not a dedicated
+decode kernel), on paged caches the
 PyTorch reference (tk_ops.backends() says which op has a kernel; the results header records it). No append is timed (k = v
 = None): the cache is what a decode step reads.
 

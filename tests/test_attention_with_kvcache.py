@@ -302,3 +302,19 @@ def test_kernel_bad_lengths_stay_in_their_rows():
     torch.ops.tk.attention_with_kvcache(*case.op_arguments())
     torch.cuda.synchronize()
     assert case.k_cache[3:].isnan().all() and case.v_cache[3:].isnan().all()
+
+
+@tk_testing.requires_kernel("attention_with_kvcache")
+@pytest.mark.parametrize("batch, capacity", [(1, 5000), (2, 700), (40, 300)], ids=["split-many", "split-few", "no-split"])
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["plain", "sinks"])
+def test_kernel_decode_form_splits_and_combines(batch, capacity, with_sinks):
+    """Nq = 1 without a window takes the decode form: the query heads of a KV head as one task's rows and,
+    when B x Hkv tasks are few, each cache row cut into chunks whose outputs are combined by their lse (the
+    sinks joined there), against float64; ragged lengths, an empty cache and one full after the append,
+    softcap, GQA 8."""
+    generator = torch.Generator().manual_seed(batch)
+    lengths = torch.randint(0, capacity, (batch,), generator=generator).tolist()
+    lengths[0], lengths[-1] = 0, capacity - 1
+    case = make_case(lengths, 1, 1, capacity=capacity, q_heads=16, kv_heads=2, head_dim=128, dtype=torch.bfloat16,
+                     device="cuda")
+    check_kernel_call(case, with_sinks=with_sinks, softcap=5.0)

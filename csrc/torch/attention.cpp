@@ -8,6 +8,7 @@
 // op's reference twin tk::<op>_ref, which warns once. The options window, softcap and sinks (the last
 // four arguments of both ops, tk_ops/ops/attention.py) run on the forward and the backward kernels.
 #include <ATen/ATen.h>
+#include <cuda_runtime.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -312,9 +313,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd_
 
 // ------------------------------------------------------------------------------ KV cache (decoding)
 //
-// tk::attention_with_kvcache on the forward kernel's packed variant, for dense caches: the B x Nq query
-// rows as B sequences of Nq rows, the cache (B_cache, Nmax, Hkv, D) as packed rows in which sequence b's
-// span is the Nmax slots of its row and its keys the first cache_seqlens[b] + Nnew of them (seqused_k).
+// tk::attention_with_kvcache on the forward kernel's packed variant, for dense caches: the cache
+// (B_cache, Nmax, Hkv, D) as packed rows, each sequence's span a row's Nmax slots (or a chunk of them) and
+// its keys the first cache_seqlens[b] + Nnew of them (FlashAttention's seqused_k); the queries as below
+// (kvcache_rows).
 // The append is an indexed copy into the cache on the device. Nothing is read on the host (no sync: a
 // decode step can be captured in a CUDA graph). The contents of cache_seqlens are the caller's contract,
 // as with FlashAttention: appended positions are clamped into the sequence's own row and the kernel's
@@ -327,6 +329,88 @@ std::optional<at::Tensor> cache_rows(const at::Tensor& cache) {
   if (cache.size(0) > 1 && cache.stride(0) != cache.size(1) * cache.stride(1)) return std::nullopt;
   return cache.as_strided({cache.size(0) * cache.size(1), cache.size(2), cache.size(3)},
                           {cache.stride(1), cache.stride(2), cache.stride(3)});
+}
+
+// How a call's queries meet the cache in the kernel: packed query rows, the sequences' spans (cu_seqlens)
+// and keys (seqused_k). Two forms:
+//   per query head  sequence b is its Nq query rows (every query head) against the first
+//                   cache_seqlens[b] + Nnew slots of cache row b;
+//   decode          (Nq = 1 and no window: the query sees every key, so its rows need no mask) sequence
+//                   (b, s) is the G = Hq / Hkv query heads of each KV head as G rows against that KV head
+//                   alone (each K/V block is read once per KV head, and G rows of a tile are used instead
+//                   of one), over chunk s of cache row b's keys: the row is cut into S chunks (split-KV)
+//                   when B x Hkv tasks would leave SMs idle. The chunks' outputs are combined by their lse,
+//                   and the sinks (one per query head) join there.
+struct kvcache_rows {
+  at::Tensor q, cu_q, cu_k, used;
+  int64_t sequences = 0, max_q = 0, splits = 1, group = 1;
+  bool decode = false;
+};
+
+// Split-KV: about two tasks per SM, chunks of whole 128-key blocks and at least 256 keys.
+constexpr int64_t DECODE_TASKS_PER_SM = 2;
+constexpr int64_t DECODE_CHUNK_MULTIPLE = 128;
+constexpr int64_t DECODE_MIN_CHUNK = 256;
+
+kvcache_rows rows_for(const at::Tensor& q, int64_t kv_heads, int64_t capacity, const at::Tensor& used_keys,
+                      bool decode) {
+  const int64_t batch = q.size(0), q_len = q.size(1), q_heads = q.size(2), dim = q.size(3);
+  const at::TensorOptions index_options = q.options().dtype(at::kInt);
+  kvcache_rows r;
+  r.decode = decode;
+  if (!decode) {
+    r.q = q.reshape({batch * q_len, q_heads, dim});
+    r.cu_q = at::arange(0, (batch + 1) * q_len, q_len, index_options);
+    r.cu_k = at::arange(0, (batch + 1) * capacity, capacity, index_options);
+    r.used = used_keys;
+    r.sequences = batch;
+    r.max_q = q_len;
+    return r;
+  }
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q.get_device()));
+  const int64_t wanted = (DECODE_TASKS_PER_SM * sms + batch * kv_heads - 1) / (batch * kv_heads);
+  const int64_t splits = std::clamp<int64_t>(wanted, 1, std::max<int64_t>(1, capacity / DECODE_MIN_CHUNK));
+  const int64_t chunk_keys = (capacity + splits - 1) / splits;
+  const int64_t chunk = (chunk_keys + DECODE_CHUNK_MULTIPLE - 1) / DECODE_CHUNK_MULTIPLE * DECODE_CHUNK_MULTIPLE;
+  r.splits = (capacity + chunk - 1) / chunk;
+  r.group = q_heads / kv_heads;
+  r.sequences = batch * r.splits;
+  r.max_q = r.group;
+  // rows (b, s, g) x heads kv: q[b, 0, kv * G + g]
+  r.q = q.view({batch, 1, kv_heads, r.group, dim})
+            .expand({batch, r.splits, kv_heads, r.group, dim})
+            .permute({0, 1, 3, 2, 4})
+            .reshape({r.sequences * r.group, kv_heads, dim});
+  r.cu_q = at::arange(0, (r.sequences + 1) * r.group, r.group, index_options);
+  const at::TensorOptions long_options = q.options().dtype(at::kLong);
+  const at::Tensor starts = at::arange(batch, long_options).unsqueeze(1) * capacity + at::arange(r.splits, long_options) * chunk;
+  r.cu_k = at::cat({starts.reshape({-1}), at::full({1}, batch * capacity, long_options)}).to(at::kInt);
+  r.used = (used_keys.to(at::kLong).unsqueeze(1) - at::arange(r.splits, long_options) * chunk)
+               .clamp_min(0)
+               .reshape({-1})
+               .to(at::kInt);
+  return r;
+}
+
+// The decode form's out (B, 1, Hq, Dv) and lse (B, Hq, 1) from its chunks' (rows (b, s, g), Hkv, Dv) outputs
+// and (Hkv, rows) lse: lse = log(sum over chunks of exp(lse_s) + exp(sink)), out = sum of exp(lse_s - lse) out_s
+// (0 where nothing was seen).
+std::tuple<at::Tensor, at::Tensor> combine_chunks(const kvcache_rows& r, const at::Tensor& out_rows,
+                                                  const at::Tensor& lse_rows, const std::optional<at::Tensor>& sinks,
+                                                  int64_t batch) {
+  const int64_t kv_heads = out_rows.size(1), dim = out_rows.size(2), q_heads = kv_heads * r.group;
+  const at::Tensor chunk_lse =
+      lse_rows.view({kv_heads, batch, r.splits, r.group}).permute({1, 0, 3, 2}).reshape({batch, q_heads, r.splits});
+  const at::Tensor chunk_out = out_rows.view({batch, r.splits, r.group, kv_heads, dim})
+                                   .permute({0, 3, 2, 1, 4})
+                                   .reshape({batch, q_heads, r.splits, dim});
+  const at::Tensor terms =
+      sinks.has_value() ? at::cat({chunk_lse, sinks->view({1, q_heads, 1}).expand({batch, q_heads, 1})}, 2) : chunk_lse;
+  const at::Tensor lse = at::logsumexp(terms, 2, /*keepdim=*/true);
+  const at::Tensor weights = at::where(at::isneginf(lse), at::zeros_like(chunk_lse), at::exp(chunk_lse - lse));
+  const at::Tensor out = (weights.unsqueeze(-1) * chunk_out.to(at::kFloat)).sum(2);
+  return {out.to(out_rows.scalar_type()).view({batch, 1, q_heads, dim}), lse};
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_cuda(
@@ -349,23 +433,19 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_cuda(
   std::optional<attn::forward_problem> plan;
   const int64_t batch = q.size(0), q_len = q.size(1), capacity = k_cache.size(1);
   const int64_t new_len = k.has_value() ? k->size(1) : 0;
-  // The B sequences' rows: query rows b * Nq.., cache rows b * Nmax.., of which the first
-  // cache_seqlens[b] + Nnew are keys.
-  at::Tensor q_rows, cu_q, cu_k, used;
+  kvcache_rows rows;
   if (k_rows && v_rows) {
-    q_rows = q.reshape({batch * q_len, q.size(2), q.size(3)});
-    const at::TensorOptions index_options = q.options().dtype(at::kInt);
-    cu_q = at::arange(0, (batch + 1) * q_len, q_len, index_options);
-    cu_k = at::arange(0, (batch + 1) * capacity, capacity, index_options);
-    used = cache_seqlens + int(new_len);
-    const auto qv = packed_view_of(q_rows), kv = packed_view_of(*k_rows), vv = packed_view_of(*v_rows);
+    const bool decode = q_len == 1 && window_left < 0 && window_right < 0;
+    rows = rows_for(q, k_cache.size(2), capacity, cache_seqlens + int(new_len), decode);
+    const auto qv = packed_view_of(rows.q), kv = packed_view_of(*k_rows), vv = packed_view_of(*v_rows);
     if (qv && kv && vv) {
-      attn::forward_problem p{element_of(q), causal, float(scale), *qv, *kv, *vv, nullptr, nullptr};
+      attn::forward_problem p{element_of(q), causal && !decode, float(scale), *qv, *kv, *vv, nullptr, nullptr};
       p.window_left = window_left;
       p.window_right = window_right;
       p.softcap = softcap;
-      p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
-      p.packed = {cu_q.data_ptr<int>(), cu_k.data_ptr<int>(), batch, q_len, capacity, used.data_ptr<int>()};
+      p.sinks = sinks.has_value() && !decode ? sinks->data_ptr<float>() : nullptr;
+      p.packed = {rows.cu_q.data_ptr<int>(), rows.cu_k.data_ptr<int>(), rows.sequences, rows.max_q, capacity,
+                  rows.used.data_ptr<int>()};
       if (attn::unsupported_reason(p).empty()) plan = p;
     }
   }
@@ -378,16 +458,18 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_cuda(
   if (new_len > 0) {
     const at::Tensor positions =
         (cache_seqlens.to(at::kLong).unsqueeze(1) + at::arange(new_len, rows_options)).clamp(0, capacity - 1);
-    const at::Tensor rows = (at::arange(batch, rows_options).unsqueeze(1) * capacity + positions).reshape({-1});
-    k_rows->index_copy_(0, rows, k->reshape({batch * new_len, k->size(2), k->size(3)}));
-    v_rows->index_copy_(0, rows, v->reshape({batch * new_len, v->size(2), v->size(3)}));
+    const at::Tensor slots = (at::arange(batch, rows_options).unsqueeze(1) * capacity + positions).reshape({-1});
+    k_rows->index_copy_(0, slots, k->reshape({batch * new_len, k->size(2), k->size(3)}));
+    v_rows->index_copy_(0, slots, v->reshape({batch * new_len, v->size(2), v->size(3)}));
   }
-  at::Tensor out = at::empty({batch, q_len, q.size(2), v_cache.size(3)}, q.options());
-  at::Tensor lse = at::empty({q.size(2), batch * q_len}, q.options().dtype(at::kFloat));
+  const int64_t heads = rows.q.size(1), total = rows.q.size(0);
+  at::Tensor out = at::empty({total, heads, v_cache.size(3)}, q.options());
+  at::Tensor lse = at::empty({heads, total}, q.options().dtype(at::kFloat));
   plan->out = out.data_ptr();
   plan->lse = lse.data_ptr<float>();
   launch_on(q, [&](cudaStream_t stream) { return attn::launch(*plan, stream); });
-  return {out, lse.view({q.size(2), batch, q_len}).permute({1, 0, 2}).contiguous()};
+  if (rows.decode) return combine_chunks(rows, out, lse, sinks, batch);
+  return {out.view({batch, q_len, heads, v_cache.size(3)}), lse.view({heads, batch, q_len}).permute({1, 0, 2}).contiguous()};
 }
 
 }  // namespace
