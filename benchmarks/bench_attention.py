@@ -388,10 +388,52 @@ def flex_backward(case: FeatureCase, pass_: str, inputs: tuple) -> tuple:
     return (lambda: torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True),)
 
 
+def sdpa_with_mask(case: FeatureCase, pass_: str):
+    """SDPA as a model calls it for the case: a window as a dense boolean mask (made once, outside the timing;
+    the call the Inductor rewrite would replace, tk_ops/inductor/attention.py), causality alone as is_causal.
+    No row for a softcap or sinks, which SDPA does not take."""
+    if case.softcap or case.sinks:
+        return None
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    mask = None
+    if case.window != (-1, -1):
+        left, right = case.window[0], 0 if case.causal else case.window[1]
+        key_minus_query = torch.arange(case.n, device=device)[None, :] - torch.arange(case.n, device=device)[:, None]
+        mask = torch.ones(case.n, case.n, dtype=torch.bool, device=device)
+        if left >= 0:
+            mask &= key_minus_query >= -left
+        if right >= 0:
+            mask &= key_minus_query <= right
+
+    def forward(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=case.causal and mask is None,
+                                              scale=case.head_dim**-0.5, enable_gqa=case.q_heads != case.kv_heads)
+
+    if pass_ == "fwd":
+        return lambda q, k, v, grad_out: forward(q, k, v)
+    SDPA_FORWARDS[case] = forward
+    return call
+
+
+# Each case's SDPA forward (sdpa_with_mask), for sdpa_backward's prepare.
+SDPA_FORWARDS: dict = {}
+
+
+def sdpa_backward(case: FeatureCase, pass_: str, inputs: tuple) -> tuple:
+    """bwd: autograd's backward of the masked SDPA call alone, on its forward's out (run outside the timing)."""
+    if pass_ == "fwd":
+        return inputs
+    q, k, v, grad_out = inputs
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = SDPA_FORWARDS[case](q, k, v)
+    return (lambda: torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True),)
+
+
 FEATURES_BENCH = common.Bench(
-    "attention_features", "Attention with window / softcap / sinks: tk_ops vs FlexAttention (bf16)",
+    "attention_features", "Attention with window / softcap / sinks: tk_ops vs FlexAttention / masked SDPA (bf16)",
     ours=common.Provider("tk_ops", ours_with_options, prepare=ours_options_backward),
-    baselines=(common.Provider("flex", flex_with_options, prepare=flex_backward),),
+    baselines=(common.Provider("flex", flex_with_options, prepare=flex_backward),
+               common.Provider("sdpa_masked", sdpa_with_mask, prepare=sdpa_backward)),
     inputs=lambda case, pass_, device: make_inputs(case, device), passes=("fwd", "bwd"),
     set_bytes=lambda case, pass_, inputs: 2 * common.tensor_bytes(inputs), max_sets=4,
     timer=functools.partial(common.time_ms, warmup=3, rounds=10, batch=5),
