@@ -129,12 +129,23 @@ def attention(document: dict, summary: bool) -> str:
     return markdown(header, body)
 
 
+# Baselines of the mask options and packed documents: compiled FlexAttention always; SDPA with the window as a
+# dense mask where a file has it (no softcap, no sinks).
+AGAINST_FLEX_BASELINES = (("flex", "FlexAttention", "x Flex"), ("sdpa_masked", "masked SDPA", "x SDPA"))
+
+
 def against_flex(document: dict, summary: bool) -> str:
     """The mask options, or packed documents, per pass: TFLOP/s (over the pairs the mask lets through) of
-    ours and of compiled FlexAttention, and the ratio."""
-    header = ["shape", "pass", "ours TFLOP/s", "FlexAttention", "x Flex"]
-    body = [[r["shape"], r["pass"], fmt(r["ours_tflops"], 0), fmt(r["baseline_tflops"], 0), fmt(r["ratio"])]
-            for r in document["rows"]]
+    ours and of compiled FlexAttention (and of masked SDPA where the file has it), and the ratios."""
+    present = [b for b in AGAINST_FLEX_BASELINES if any(r.get("baseline") == b[0] for r in document["rows"])]
+    header = ["shape", "pass", "ours TFLOP/s"] + [name for b in present for name in b[1:]]
+    body = []
+    for (shape, pass_), rows in by(document["rows"], "shape", "pass").items():
+        line = [shape, pass_, fmt(rows[0]["ours_tflops"], 0)]
+        for baseline, *_ in present:
+            row = baseline_row(rows, baseline)
+            line += [fmt(row.get("baseline_tflops"), 0), fmt(row.get("ratio"))] if row else ["-", "-"]
+        body.append(line)
     return markdown(header, body)
 
 

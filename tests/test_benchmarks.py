@@ -507,3 +507,22 @@ def test_profile_training_runs_on_the_cpu(tmp_path):
                            "--preset", "nano", "--device", "cpu", "--data", str(tmp_path / "data")])  # fmt: skip
     document = json.loads((tmp_path / "profile_training_llama_nano_tk_ops.json").read_text())
     assert document["kernel_ms_per_step"] > 0 and document["top_kernels_ms"]
+
+
+def test_against_flex_table_shows_masked_sdpa_where_measured():
+    """The options table: a column pair per baseline the file has, '-' for a case one of them does not take."""
+    from benchmarks import results_tables
+
+    def row(shape, baseline, ratio):
+        return dict(shape=shape, baseline=baseline, ratio=ratio, ours_tflops=500.0, baseline_tflops=500.0 / ratio,
+                    **{"pass": "fwd"})
+
+    window, softcap = "N=8192 window=(255, -1)", "N=8192 softcap=50"
+    table = results_tables.against_flex({"rows": [row(window, "flex", 1.5), row(window, "sdpa_masked", 4.0),
+                                                  row(softcap, "flex", 2.5)]}, summary=True)
+    lines = table.strip().splitlines()
+    assert lines[0] == "| shape | pass | ours TFLOP/s | FlexAttention | x Flex | masked SDPA | x SDPA |"
+    assert lines[2] == f"| {window} | fwd | 500 | 333 | 1.50 | 125 | 4.00 |"
+    assert lines[3] == f"| {softcap} | fwd | 500 | 200 | 2.50 | - | - |"
+    only_flex = results_tables.against_flex({"rows": [row(softcap, "flex", 2.5)]}, summary=True)
+    assert "SDPA" not in only_flex
