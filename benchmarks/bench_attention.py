@@ -388,7 +388,7 @@ def flex_backward(case: FeatureCase, pass_: str, inputs: tuple) -> tuple:
     return (lambda: torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True),)
 
 
-def sdpa_with_mask(case: FeatureCase, pass_: str):
+def masked_sdpa(case: FeatureCase, pass_: str):
     """SDPA as a model calls it for the case: a window as a dense boolean mask (made once, outside the timing;
     the call the Inductor rewrite would replace, tk_ops/inductor/attention.py), causality alone as is_causal.
     No row for a softcap or sinks, which SDPA does not take."""
@@ -411,21 +411,21 @@ def sdpa_with_mask(case: FeatureCase, pass_: str):
 
     if pass_ == "fwd":
         return lambda q, k, v, grad_out: forward(q, k, v)
-    SDPA_FORWARDS[case] = forward
+    MASKED_SDPA_FORWARDS[case] = forward
     return call
 
 
-# Each case's SDPA forward (sdpa_with_mask), for sdpa_backward's prepare.
-SDPA_FORWARDS: dict = {}
+# Each case's SDPA forward (masked_sdpa), for masked_sdpa_backward's prepare.
+MASKED_SDPA_FORWARDS: dict = {}
 
 
-def sdpa_backward(case: FeatureCase, pass_: str, inputs: tuple) -> tuple:
+def masked_sdpa_backward(case: FeatureCase, pass_: str, inputs: tuple) -> tuple:
     """bwd: autograd's backward of the masked SDPA call alone, on its forward's out (run outside the timing)."""
     if pass_ == "fwd":
         return inputs
     q, k, v, grad_out = inputs
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    out = SDPA_FORWARDS[case](q, k, v)
+    out = MASKED_SDPA_FORWARDS[case](q, k, v)
     return (lambda: torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True),)
 
 
@@ -433,7 +433,7 @@ FEATURES_BENCH = common.Bench(
     "attention_features", "Attention with window / softcap / sinks: tk_ops vs FlexAttention / masked SDPA (bf16)",
     ours=common.Provider("tk_ops", ours_with_options, prepare=ours_options_backward),
     baselines=(common.Provider("flex", flex_with_options, prepare=flex_backward),
-               common.Provider("sdpa_masked", sdpa_with_mask, prepare=sdpa_backward)),
+               common.Provider("sdpa_masked", masked_sdpa, prepare=masked_sdpa_backward)),
     inputs=lambda case, pass_, device: make_inputs(case, device), passes=("fwd", "bwd"),
     set_bytes=lambda case, pass_, inputs: 2 * common.tensor_bytes(inputs), max_sets=4,
     timer=functools.partial(common.time_ms, warmup=3, rounds=10, batch=5),
@@ -512,10 +512,41 @@ def flex_varlen(case: VarlenCase, pass_: str):
     return common.step(packed, pass_ != "fwd")
 
 
+def padded(case: VarlenCase, packed: torch.Tensor) -> torch.Tensor:
+    """Packed (total, H, X) rows as a right-padded (B, H, longest, X) batch, zeros past each document."""
+    batch = packed.new_zeros(len(case.lengths), max(case.lengths), *packed.shape[1:])
+    for b, (start, length) in enumerate(zip(itertools.accumulate((0, *case.lengths)), case.lengths)):
+        batch[b, :length] = packed[start:start + length]
+    return batch.transpose(1, 2)
+
+
+def unpadded(case: VarlenCase, batch: torch.Tensor) -> torch.Tensor:
+    """padded's inverse: each document's rows of a (B, H, longest, X) batch, packed again."""
+    return torch.cat([batch[b, :, :length].transpose(0, 1) for b, length in enumerate(case.lengths)])
+
+
+def sdpa_padded(case: VarlenCase, pass_: str):
+    """SDPA's cuDNN backend on the batch padded to the longest document (what a padded batch costs: every
+    document as long as the longest; right padding under is_causal leaves the real rows exact)."""
+    def attend(q, k, v):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return common.step(attend, pass_ != "fwd")
+
+
+def pad_inputs(case: VarlenCase, pass_: str, inputs: tuple) -> tuple:
+    """The padded batch, made outside the timing (a padded batch is what such a model already holds)."""
+    q, k, v, grad_out = inputs
+    return (*(padded(case, t.detach()).requires_grad_() for t in (q, k, v)), padded(case, grad_out))
+
+
 VARLEN_BENCH = common.Bench(
-    "attention_varlen", "Packed documents (attention_varlen): tk_ops vs FlexAttention with a document mask (bf16)",
+    "attention_varlen", "Packed documents (attention_varlen): tk_ops vs FlexAttention with a document mask and "
+    "padded SDPA cuDNN (bf16)",
     ours=common.Provider("tk_ops", ours_varlen),
-    baselines=(common.Provider("flex", flex_varlen),),
+    baselines=(common.Provider("flex", flex_varlen),
+               common.Provider("sdpa_cudnn_padded", sdpa_padded, prepare=pad_inputs,
+                               as_ours=lambda case, pass_, outputs: [unpadded(case, t) for t in outputs])),
     inputs=varlen_inputs, passes=("fwd", "fwd+bwd"),
     set_bytes=lambda case, pass_, inputs: 2 * common.tensor_bytes(inputs), max_sets=4,
     timer=functools.partial(common.time_ms, warmup=3, rounds=10, batch=5),

@@ -129,9 +129,11 @@ def attention(document: dict, summary: bool) -> str:
     return markdown(header, body)
 
 
-# Baselines of the mask options and packed documents: compiled FlexAttention always; SDPA with the window as a
-# dense mask where a file has it (no softcap, no sinks).
-AGAINST_FLEX_BASELINES = (("flex", "FlexAttention", "x Flex"), ("sdpa_masked", "masked SDPA", "x SDPA"))
+# Baselines of the mask options and packed documents: compiled FlexAttention always; where a file has them,
+# SDPA with the window as a dense mask (no softcap, no sinks) and SDPA cuDNN on the batch padded to the longest
+# document.
+AGAINST_FLEX_BASELINES = (("flex", "FlexAttention", "x Flex"), ("sdpa_masked", "masked SDPA", "x SDPA"),
+                          ("sdpa_cudnn_padded", "padded cuDNN", "x cuDNN"))
 
 
 def against_flex(document: dict, summary: bool) -> str:

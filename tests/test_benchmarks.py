@@ -310,7 +310,8 @@ def test_attention_other_benches_dry_run(tmp_path, monkeypatch, flag, name, case
     assert {row["shape"] for row in rows} == {case.label for case in getattr(bench_attention, cases)}
     for row in rows:
         assert ("error" not in row and row["rel_diff_vs_baseline"] < 1e-2) or any(
-            reason in row["error"] for reason in ("sdpa_cudnn: RuntimeError", "on CPU only supports inference",
+            reason in row["error"] for reason in ("sdpa_cudnn: RuntimeError", "sdpa_cudnn_padded: RuntimeError",
+                                                  "on CPU only supports inference",
                                                   "does not support backward on CPU"))
 
 
@@ -526,3 +527,16 @@ def test_against_flex_table_shows_masked_sdpa_where_measured():
     assert lines[3] == f"| {softcap} | fwd | 500 | 200 | 2.50 | - | - |"
     only_flex = results_tables.against_flex({"rows": [row(softcap, "flex", 2.5)]}, summary=True)
     assert "SDPA" not in only_flex
+
+
+def test_varlen_padded_baseline_is_exact_on_the_real_rows():
+    """bench_attention's padded-batch baseline: padding is undone by unpadded, and right padding under is_causal
+    leaves each document's rows exactly what the packed call gives (here on the CPU's SDPA)."""
+    case = bench_attention.VarlenCase("packed", (5, 17, 1), heads=2, head_dim=16)
+    q, k, v = (torch.randn(sum(case.lengths), 2, 16, dtype=torch.float64) for _ in range(3))
+    assert torch.equal(bench_attention.unpadded(case, bench_attention.padded(case, q)), q)
+    batch = torch.nn.functional.scaled_dot_product_attention(*(bench_attention.padded(case, t) for t in (q, k, v)),
+                                                             is_causal=True)
+    cu = bench_attention.cu_seqlens(case, "cpu")
+    want = tk_ops.attention_varlen(q, k, v, cu, cu, 17, 17, causal=True)
+    torch.testing.assert_close(bench_attention.unpadded(case, batch), want)
