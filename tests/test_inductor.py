@@ -466,7 +466,8 @@ def test_a_window_stays_with_sdpa_on_a_kernel_device(backend, monkeypatch, decla
 @pytest.mark.parametrize("any_device", [False, True])
 def test_head_dims_are_the_ones_the_kernels_declare(monkeypatch, declared_head_dims, any_device):
     """The rewrite asks the extension which head dims its kernels take instead of restating them: a
-    head dim is rewritten iff it is declared; with nothing declared (no extension), only under any_device."""
+    head dim is rewritten iff both directions declare it; with nothing declared (no extension), only under
+    any_device."""
     from tk_ops.inductor.options import RewriteOptions
 
     monkeypatch.setattr(RewriteOptions, "serves", lambda self, device, op_name: True)
@@ -474,6 +475,9 @@ def test_head_dims_are_the_ones_the_kernels_declare(monkeypatch, declared_head_d
     for head_dim, expected in ((64, 1), (128, 0)):
         rewrites, _ = rewritten_backend_graph("flash", head_dim, training=False, any_device=any_device)
         assert rewrites == expected, head_dim
+    declared_head_dims["attention"]["head_dims"] = (64, 128, 256)  # a forward-only head dim: left alone
+    rewrites, _ = rewritten_backend_graph("flash", 256, training=False, any_device=any_device)
+    assert rewrites == 0
     declared_head_dims.clear()
     rewrites, _ = rewritten_backend_graph("flash", 128, training=False, any_device=any_device)
     assert rewrites == int(any_device)

@@ -230,7 +230,11 @@ def _masking_if_rewritable(arguments: dict, options: RewriteOptions) -> Optional
         return None
     if not (q.dtype == k.dtype == v.dtype and q.dtype in KERNEL_DTYPES):
         return None
-    if not (q.shape[-1] == k.shape[-1] == v.shape[-1] and options.kernel_takes("attention", "head_dims", q.shape[-1])):
+    # Both directions' kernels must take the head dim: the forward alone takes some (96, 192, 256) whose
+    # gradients would run the backward's reference in a training graph, and which SDPA was not measured against.
+    head_dim = q.shape[-1]
+    if not (head_dim == k.shape[-1] == v.shape[-1]
+            and all(options.kernel_takes(op, "head_dims", head_dim) for op in ("attention", "attention_bwd"))):
         return None
     if q.shape[1] % k.shape[1] != 0 or not options.serves(q.device, "attention"):
         return None
