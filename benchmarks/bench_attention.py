@@ -374,18 +374,22 @@ def flex_with_options(case: FeatureCase, pass_: str):
     return call
 
 
-# Each case's compiled FlexAttention forward (flex_with_options), for flex_backward's prepare.
+# Each case's compiled FlexAttention forward (flex_with_options), for its bwd prepare (stored_forward_backward).
 FLEX_FORWARDS: dict = {}
 
 
-def flex_backward(case: FeatureCase, pass_: str, inputs: tuple) -> tuple:
-    """bwd: autograd's backward of FlexAttention alone, on its forward's out (run here, outside the timing)."""
-    if pass_ == "fwd":
-        return inputs
-    q, k, v, grad_out = inputs
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    out = FLEX_FORWARDS[case](q, k, v)
-    return (lambda: torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True),)
+def stored_forward_backward(forwards: dict):
+    """A bwd prepare: autograd's backward alone of the case's forward that the provider's build stored in
+    ``forwards``, on that forward's out (run here, outside the timing)."""
+    def prepare(case: FeatureCase, pass_: str, inputs: tuple) -> tuple:
+        if pass_ == "fwd":
+            return inputs
+        q, k, v, grad_out = inputs
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        out = forwards[case](q, k, v)
+        return (lambda: torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True),)
+
+    return prepare
 
 
 def masked_sdpa(case: FeatureCase, pass_: str):
@@ -415,25 +419,15 @@ def masked_sdpa(case: FeatureCase, pass_: str):
     return call
 
 
-# Each case's SDPA forward (masked_sdpa), for masked_sdpa_backward's prepare.
+# Each case's masked SDPA forward (masked_sdpa), for its bwd prepare (stored_forward_backward).
 MASKED_SDPA_FORWARDS: dict = {}
-
-
-def masked_sdpa_backward(case: FeatureCase, pass_: str, inputs: tuple) -> tuple:
-    """bwd: autograd's backward of the masked SDPA call alone, on its forward's out (run outside the timing)."""
-    if pass_ == "fwd":
-        return inputs
-    q, k, v, grad_out = inputs
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    out = MASKED_SDPA_FORWARDS[case](q, k, v)
-    return (lambda: torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True),)
 
 
 FEATURES_BENCH = common.Bench(
     "attention_features", "Attention with window / softcap / sinks: tk_ops vs FlexAttention / masked SDPA (bf16)",
     ours=common.Provider("tk_ops", ours_with_options, prepare=ours_options_backward),
-    baselines=(common.Provider("flex", flex_with_options, prepare=flex_backward),
-               common.Provider("sdpa_masked", masked_sdpa, prepare=masked_sdpa_backward)),
+    baselines=(common.Provider("flex", flex_with_options, prepare=stored_forward_backward(FLEX_FORWARDS)),
+               common.Provider("sdpa_masked", masked_sdpa, prepare=stored_forward_backward(MASKED_SDPA_FORWARDS))),
     inputs=lambda case, pass_, device: make_inputs(case, device), passes=("fwd", "bwd"),
     set_bytes=lambda case, pass_, inputs: 2 * common.tensor_bytes(inputs), max_sets=4,
     timer=functools.partial(common.time_ms, warmup=3, rounds=10, batch=5),

@@ -121,7 +121,32 @@ attn::backward_method backward_method(bool deterministic) {
   return name == "one_pass" ? attn::backward_method::one_pass : attn::backward_method::recompute;
 }
 
-// grad_sinks, the fourth output, is an empty fp32 tensor when the call has no sinks.
+// The backward kernels on a plan: the gradients (in q's, k's and v's shapes, dense or packed) and the
+// workspace allocated, lse and grad_lse made contiguous. grad_sinks, the fourth output, is an empty fp32
+// tensor when the call has no sinks.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> launch_backward(
+    attn::backward_problem plan, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q, const at::Tensor& k,
+    const at::Tensor& v, const at::Tensor& lse, const std::optional<at::Tensor>& sinks) {
+  const at::Tensor lse_rows = lse.contiguous();
+  const std::optional<at::Tensor> grad_lse_rows =
+      grad_lse.has_value() ? std::optional<at::Tensor>(grad_lse->contiguous()) : std::nullopt;
+  at::Tensor grad_q = at::empty(q.sizes(), q.options());
+  at::Tensor grad_k = at::empty(k.sizes(), k.options());
+  at::Tensor grad_v = at::empty(v.sizes(), v.options());
+  at::Tensor grad_sinks = at::empty({sinks.has_value() ? q.size(1) : 0}, q.options().dtype(at::kFloat));
+  at::Tensor workspace = at::empty({attn::backward_workspace_floats(plan)}, q.options().dtype(at::kFloat));
+  plan.lse = lse_rows.data_ptr<float>();
+  plan.grad_lse = grad_lse_rows.has_value() ? grad_lse_rows->data_ptr<float>() : nullptr;
+  plan.grad_q = grad_q.data_ptr();
+  plan.grad_k = grad_k.data_ptr();
+  plan.grad_v = grad_v.data_ptr();
+  plan.workspace = workspace.data_ptr<float>();
+  plan.grad_sinks = sinks.has_value() ? grad_sinks.data_ptr<float>() : nullptr;
+  launch_on(q, [&](cudaStream_t stream) { return attn::launch(plan, stream); });
+  return {grad_q, grad_k, grad_v, grad_sinks};
+}
+
+// grad_sinks is an empty fp32 tensor when the call has no sinks (launch_backward).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q, const at::Tensor& k,
     const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool causal, double scale, bool deterministic,
@@ -161,23 +186,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
                                          deterministic, window_left, window_right, softcap, sinks);
   }
 
-  const at::Tensor lse_rows = lse.contiguous();
-  const std::optional<at::Tensor> grad_lse_rows =
-      grad_lse.has_value() ? std::optional<at::Tensor>(grad_lse->contiguous()) : std::nullopt;
-  at::Tensor grad_q = at::empty(q.sizes(), q.options());
-  at::Tensor grad_k = at::empty(k.sizes(), k.options());
-  at::Tensor grad_v = at::empty(v.sizes(), v.options());
-  at::Tensor grad_sinks = at::empty({sinks.has_value() ? q.size(1) : 0}, q.options().dtype(at::kFloat));
-  at::Tensor workspace = at::empty({attn::backward_workspace_floats(*plan)}, q.options().dtype(at::kFloat));
-  plan->lse = lse_rows.data_ptr<float>();
-  plan->grad_lse = grad_lse_rows.has_value() ? grad_lse_rows->data_ptr<float>() : nullptr;
-  plan->grad_q = grad_q.data_ptr();
-  plan->grad_k = grad_k.data_ptr();
-  plan->grad_v = grad_v.data_ptr();
-  plan->workspace = workspace.data_ptr<float>();
-  plan->grad_sinks = sinks.has_value() ? grad_sinks.data_ptr<float>() : nullptr;
-  launch_on(q, [&](cudaStream_t stream) { return attn::launch(*plan, stream); });
-  return {grad_q, grad_k, grad_v, grad_sinks};
+  return launch_backward(*plan, grad_lse, q, k, v, lse, sinks);
 }
 
 // ------------------------------------------------------------------------ packed sequences (varlen)
@@ -292,23 +301,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd_
                                                 cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
                                                 window_left, window_right, softcap, sinks, deterministic);
   }
-  const at::Tensor lse_rows = lse.contiguous();
-  const std::optional<at::Tensor> grad_lse_rows =
-      grad_lse.has_value() ? std::optional<at::Tensor>(grad_lse->contiguous()) : std::nullopt;
-  at::Tensor grad_q = at::empty(q.sizes(), q.options());
-  at::Tensor grad_k = at::empty(k.sizes(), k.options());
-  at::Tensor grad_v = at::empty(v.sizes(), v.options());
-  at::Tensor grad_sinks = at::empty({sinks.has_value() ? q.size(1) : 0}, q.options().dtype(at::kFloat));
-  at::Tensor workspace = at::empty({attn::backward_workspace_floats(*plan)}, q.options().dtype(at::kFloat));
-  plan->lse = lse_rows.data_ptr<float>();
-  plan->grad_lse = grad_lse_rows.has_value() ? grad_lse_rows->data_ptr<float>() : nullptr;
-  plan->grad_q = grad_q.data_ptr();
-  plan->grad_k = grad_k.data_ptr();
-  plan->grad_v = grad_v.data_ptr();
-  plan->workspace = workspace.data_ptr<float>();
-  plan->grad_sinks = sinks.has_value() ? grad_sinks.data_ptr<float>() : nullptr;
-  launch_on(q, [&](cudaStream_t stream) { return attn::launch(*plan, stream); });
-  return {grad_q, grad_k, grad_v, grad_sinks};
+  return launch_backward(*plan, grad_lse, q, k, v, lse, sinks);
 }
 
 // ------------------------------------------------------------------------------ KV cache (decoding)

@@ -326,6 +326,20 @@ struct sequence_block_order {
   }
 };
 
+// The tasks of a kernel variant: with the options, sequence_blocks (dense or packed); the plain variants
+// keep the dense batch's head_blocks.
+template <bool WITH_OPTIONS>
+using task_order_for = std::conditional_t<WITH_OPTIONS, sequence_block_order, pipeline::head_block_order>;
+template <bool WITH_OPTIONS>
+using task_for = std::conditional_t<WITH_OPTIONS, sequence_block, pipeline::head_block>;
+
+// Where a task's sequence lies in the maps: a sequence_block's own rows, or batch b of a dense batch whose
+// sequences are q_rows x k_rows each.
+__device__ __forceinline__ sequence_rows sequence_rows_of(const sequence_block& t, int, int) { return t.rows; }
+__device__ __forceinline__ sequence_rows sequence_rows_of(const pipeline::head_block& t, int q_rows, int k_rows) {
+  return {t.batch, 0, 0, q_rows, k_rows};
+}
+
 // ------------------------------------------------------------------------------------ softcap
 
 // The softcapped score before its factor: tanh(tanh_scale * s), tanh_scale = scale / softcap. MUFU's

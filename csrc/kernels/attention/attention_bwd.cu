@@ -306,15 +306,11 @@ struct dkdv_kernel : dkdv_plan<D> {
   };
   using context = pipeline::task_context<dkdv_kernel>;
   // The windowed and softcapped variants' tasks carry their sequence's rows (dense or packed).
-  using task_order = std::conditional_t<with_options, sequence_block_order, pipeline::head_block_order>;
-  using task = std::conditional_t<with_options, sequence_block, pipeline::head_block>;
+  using task_order = task_order_for<with_options>;
+  using task = task_for<with_options>;
 
   __device__ static sequence_rows rows_of(const params& p, const task& t) {
-    if constexpr (with_options) {
-      return t.rows;
-    } else {
-      return {t.batch, 0, 0, p.shape.q_rows, p.shape.k_rows};
-    }
+    return sequence_rows_of(t, p.shape.q_rows, p.shape.k_rows);
   }
 
   struct consumer_state {
@@ -676,15 +672,11 @@ struct dq_kernel : dq_plan<D> {
     gradient_shape shape;
   };
   using context = pipeline::task_context<dq_kernel>;
-  using task_order = std::conditional_t<with_options, sequence_block_order, pipeline::head_block_order>;
-  using task = std::conditional_t<with_options, sequence_block, pipeline::head_block>;
+  using task_order = task_order_for<with_options>;
+  using task = task_for<with_options>;
 
   __device__ static sequence_rows rows_of(const params& p, const task& t) {
-    if constexpr (with_options) {
-      return t.rows;
-    } else {
-      return {t.batch, 0, 0, p.shape.q_rows, p.shape.k_rows};
-    }
+    return sequence_rows_of(t, p.shape.q_rows, p.shape.k_rows);
   }
 
   struct consumer_state {
