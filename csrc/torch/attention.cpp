@@ -71,6 +71,16 @@ bool kernel_sinks(const at::Tensor& sinks, const at::Tensor& q) {
          sinks.device() == q.device() && sinks.is_contiguous();
 }
 
+// A problem's options as the op's arguments give them (sinks the caller has checked with kernel_sinks).
+template <typename Problem>
+void set_options(Problem& p, int64_t window_left, int64_t window_right, double softcap,
+                 const std::optional<at::Tensor>& sinks) {
+  p.window_left = window_left;
+  p.window_right = window_right;
+  p.softcap = softcap;
+  p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
+}
+
 std::optional<attn::forward_problem> plan_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                   bool causal, double scale, int64_t window_left,
                                                   int64_t window_right, double softcap,
@@ -80,10 +90,7 @@ std::optional<attn::forward_problem> plan_forward(const at::Tensor& q, const at:
   const auto qv = view_of(q), kv = view_of(k), vv = view_of(v);
   if (!qv || !kv || !vv) return std::nullopt;
   attn::forward_problem p{element_of(q), causal, float(scale), *qv, *kv, *vv, nullptr, nullptr};
-  p.window_left = window_left;
-  p.window_right = window_right;
-  p.softcap = softcap;
-  p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
+  set_options(p, window_left, window_right, softcap, sinks);
   if (!attn::unsupported_reason(p).empty()) return std::nullopt;
   return p;
 }
@@ -174,10 +181,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
     if (qv && kv && vv && ov && gv) {
       attn::backward_problem p{element_of(q), causal, float(scale), *qv, *kv, *vv, *ov, *gv,
                                nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, backward_method(deterministic)};
-      p.window_left = window_left;
-      p.window_right = window_right;
-      p.softcap = softcap;
-      p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
+      set_options(p, window_left, window_right, softcap, sinks);
       if (attn::unsupported_reason(p).empty()) plan = p;
     }
   }
@@ -241,10 +245,7 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_cuda(
     const auto qv = packed_view_of(q), kv = packed_view_of(k), vv = packed_view_of(v);
     if (qv && kv && vv) {
       attn::forward_problem p{element_of(q), causal, float(scale), *qv, *kv, *vv, nullptr, nullptr};
-      p.window_left = window_left;
-      p.window_right = window_right;
-      p.softcap = softcap;
-      p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
+      set_options(p, window_left, window_right, softcap, sinks);
       p.packed = packed_of(cu_q, cu_k, max_seqlen_q, max_seqlen_k);
       if (attn::unsupported_reason(p).empty()) plan = p;
     }
@@ -288,10 +289,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd_
     if (qv && kv && vv && ov && gv) {
       attn::backward_problem p{element_of(q), causal, float(scale), *qv, *kv, *vv, *ov, *gv,
                                nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, backward_method(deterministic)};
-      p.window_left = window_left;
-      p.window_right = window_right;
-      p.softcap = softcap;
-      p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
+      set_options(p, window_left, window_right, softcap, sinks);
       p.packed = packed_of(cu_q, cu_k, max_seqlen_q, max_seqlen_k);
       if (attn::unsupported_reason(p).empty()) plan = p;
     }
@@ -433,10 +431,8 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_cuda(
     const auto qv = packed_view_of(rows.q), kv = packed_view_of(*k_rows), vv = packed_view_of(*v_rows);
     if (qv && kv && vv) {
       attn::forward_problem p{element_of(q), causal && !decode, float(scale), *qv, *kv, *vv, nullptr, nullptr};
-      p.window_left = window_left;
-      p.window_right = window_right;
-      p.softcap = softcap;
-      p.sinks = sinks.has_value() && !decode ? sinks->data_ptr<float>() : nullptr;
+      // the decode form joins the sinks in its combine
+      set_options(p, window_left, window_right, softcap, decode ? std::nullopt : sinks);
       p.packed = {rows.cu_q.data_ptr<int>(), rows.cu_k.data_ptr<int>(), rows.sequences, rows.max_q, capacity,
                   rows.used.data_ptr<int>()};
       if (attn::unsupported_reason(p).empty()) plan = p;
