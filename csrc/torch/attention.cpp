@@ -263,6 +263,17 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_cuda(
   return {out, lse};
 }
 
+// packed_sequences::statistics_start on the device (no sync): the backward's statistics rows of all sequences
+// packed in each head, rather than every sequence given the longest's rows.
+at::Tensor statistics_starts(const at::Tensor& cu_seqlens_q, int64_t max_seqlen_q, int64_t total_q) {
+  const int64_t multiple = attn::STATISTICS_ROW_MULTIPLE;
+  const at::Tensor rows = (cu_seqlens_q.slice(0, 1) - cu_seqlens_q.slice(0, 0, -1))
+                              .to(at::kLong)
+                              .clamp(0, std::min(max_seqlen_q, total_q));
+  const at::Tensor padded = (rows + (multiple - 1)).div(multiple, "floor") * multiple;
+  return at::cat({at::zeros({1}, padded.options()), padded.cumsum(0)}).to(at::kInt);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd_cuda(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q, const at::Tensor& k,
     const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
@@ -277,6 +288,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd_
   TORCH_CHECK_VALUE(lse.sizes() == lse_shape && (!grad_lse.has_value() || grad_lse->sizes() == lse_shape),
                     "tk::attention_varlen_bwd: lse and grad_lse must be ", lse_shape);
   const at::Tensor cu_q = device_seqlens(cu_seqlens_q, q), cu_k = device_seqlens(cu_seqlens_k, q);
+  const at::Tensor statistics_start = statistics_starts(cu_q, max_seqlen_q, q.size(0));
   std::optional<attn::backward_problem> plan;
   const bool statistics_fp32 =
       lse.scalar_type() == at::kFloat && (!grad_lse.has_value() || grad_lse->scalar_type() == at::kFloat);
@@ -291,6 +303,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd_
                                nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, backward_method(deterministic)};
       set_options(p, window_left, window_right, softcap, sinks);
       p.packed = packed_of(cu_q, cu_k, max_seqlen_q, max_seqlen_k);
+      p.packed.statistics_start = statistics_start.data_ptr<int>();
       if (attn::unsupported_reason(p).empty()) plan = p;
     }
   }

@@ -152,10 +152,9 @@ struct dq_plan : attention_plan {
   static constexpr int stages = 2;
 };
 
-// The backward's per-row statistics are padded to whole query blocks of every backward kernel. The
-// forward's lse is not padded ((B, Hq, Nq), rows >= Nq never stored), so its block_q (192 at D = 64)
-// need not divide this.
-constexpr int STATISTICS_ROW_MULTIPLE = 128;
+// The backward's per-row statistics (STATISTICS_ROW_MULTIPLE, attention.h) are padded to whole query
+// blocks of every backward kernel. The forward's lse is not padded ((B, Hq, Nq), rows >= Nq never
+// stored), so its block_q (192 at D = 64) need not divide this.
 static_assert(STATISTICS_ROW_MULTIPLE % dq_plan<128>::block_q == 0 && STATISTICS_ROW_MULTIPLE % dq_plan<64>::block_q == 0 &&
               STATISTICS_ROW_MULTIPLE % dkdv_plan<128>::block_q == 0 && STATISTICS_ROW_MULTIPLE % dkdv_plan<64>::block_q == 0);
 
@@ -281,6 +280,7 @@ struct sequence_rows {
   int map_batch;         // the maps' batch coordinate
   int q_start, k_start;  // the sequence's first row in the maps' row coordinate
   int q_rows, k_rows;    // its lengths
+  int statistics_row0;   // packed backward: its first row in each head's statistics (else 0)
 };
 
 struct sequence_layout {
@@ -289,6 +289,10 @@ struct sequence_layout {
   int q_rows = 0, k_rows = 0;          // dense: each sequence's lengths; packed: the packed tensors' rows
   int max_q_rows = 0, max_k_rows = 0;  // the longest sequence's lengths (the grid's blocks per sequence)
   const int* seqused_k = nullptr;      // packed: the keys each sequence uses of its span, or none (all)
+  // Packed backward: the sequences' first rows in each head's statistics_rows rows of statistics (each
+  // sequence's rows rounded up to STATISTICS_ROW_MULTIPLE), or none.
+  const int* statistics_start = nullptr;
+  int statistics_rows = 0;
 
   __host__ __device__ bool packed() const { return cu_seqlens_q != nullptr; }
 
@@ -299,11 +303,31 @@ struct sequence_layout {
       const int stop = min(max(__ldg(cu_seqlens + sequence + 1), start), total);
       return min(stop - start, longest);
     };
-    sequence_rows r{0, 0, 0, 0, 0};
+    sequence_rows r{0, 0, 0, 0, 0, 0};
     r.q_rows = bounds(cu_seqlens_q, q_rows, max_q_rows, r.q_start);
     r.k_rows = bounds(cu_seqlens_k, k_rows, max_k_rows, r.k_start);
     if (seqused_k != nullptr) r.k_rows = min(r.k_rows, max(__ldg(seqused_k + sequence), 0));
+    if (statistics_start != nullptr) {
+      // Lengths that break the rules could overrun the statistics: such a sequence gets no query rows.
+      r.statistics_row0 = min(max(__ldg(statistics_start + sequence), 0), statistics_rows);
+      if (r.statistics_row0 + round_up(r.q_rows, STATISTICS_ROW_MULTIPLE) > statistics_rows) r.q_rows = 0;
+    }
     return r;
+  }
+
+  // Packed backward: the sequence whose statistics hold row `row` of a head (the last one starting at or
+  // before it; a binary search over statistics_start, `sequences` + 1 entries).
+  __device__ int sequence_of_statistics_row(int row, int sequences) const {
+    int low = 0, high = sequences - 1;
+    while (low < high) {
+      const int middle = (low + high + 1) / 2;
+      if (__ldg(statistics_start + middle) <= row) {
+        low = middle;
+      } else {
+        high = middle - 1;
+      }
+    }
+    return low;
   }
 };
 
@@ -337,7 +361,7 @@ using task_for = std::conditional_t<WITH_OPTIONS, sequence_block, pipeline::head
 // sequences are q_rows x k_rows each.
 __device__ __forceinline__ sequence_rows sequence_rows_of(const sequence_block& t, int, int) { return t.rows; }
 __device__ __forceinline__ sequence_rows sequence_rows_of(const pipeline::head_block& t, int q_rows, int k_rows) {
-  return {t.batch, 0, 0, q_rows, k_rows};
+  return {t.batch, 0, 0, q_rows, k_rows, 0};
 }
 
 // ------------------------------------------------------------------------------------ softcap
@@ -437,10 +461,25 @@ std::string shape_reason(const heads_view& q, const heads_view& k, const heads_v
 }
 
 // The kernels' sequence layout of a problem whose q and k views have q_rows and k_rows rows.
+// The rows of each head's statistics in a packed backward: every sequence's query rows rounded up to whole
+// STATISTICS_ROW_MULTIPLE blocks, at most total_q + (sequences) x (MULTIPLE - 1) (known on the host without
+// reading the lengths), rather than sequences x the longest's (which many short sequences beside one long
+// one would make many times the packed rows).
+inline int64_t packed_statistics_rows(const packed_sequences& packed, int64_t q_rows) {
+  return round_up<int64_t>(q_rows + packed.count * (STATISTICS_ROW_MULTIPLE - 1), STATISTICS_ROW_MULTIPLE);
+}
+
 inline sequence_layout sequence_layout_of(const packed_sequences& packed, int64_t q_rows, int64_t k_rows) {
   if (!packed.given()) return {nullptr, nullptr, int(q_rows), int(k_rows), int(q_rows), int(k_rows)};
-  return {packed.cu_seqlens_q, packed.cu_seqlens_k, int(q_rows), int(k_rows),
-          int(std::min(packed.max_seqlen_q, q_rows)), int(std::min(packed.max_seqlen_k, k_rows)), packed.seqused_k};
+  return {packed.cu_seqlens_q,
+          packed.cu_seqlens_k,
+          int(q_rows),
+          int(k_rows),
+          int(std::min(packed.max_seqlen_q, q_rows)),
+          int(std::min(packed.max_seqlen_k, k_rows)),
+          packed.seqused_k,
+          packed.statistics_start,
+          packed.statistics_start != nullptr ? int(packed_statistics_rows(packed, q_rows)) : 0};
 }
 
 // The kernels' view of an output or gradient of `like`'s shape: (B, H, N, X) contiguous, or packed

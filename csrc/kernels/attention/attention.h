@@ -44,12 +44,21 @@ using tk::heads_view;
 // with seqused_k (FlashAttention's), sequence b's keys are the first seqused_k[b] rows of its span (a
 // KV cache: each sequence's span is its capacity, seqused_k its length). The kernels read cu_seqlens
 // and seqused_k on the device (int32, (count + 1,) and (count,)), clamped to the packed rows.
+// The backward's per-row statistics are padded to whole blocks of this many rows, each packed sequence's
+// too (packed_sequences::statistics_start).
+constexpr int STATISTICS_ROW_MULTIPLE = 128;
+
 struct packed_sequences {
   const int* cu_seqlens_q = nullptr;
   const int* cu_seqlens_k = nullptr;
   int64_t count = 0;
   int64_t max_seqlen_q = 0, max_seqlen_k = 0;
   const int* seqused_k = nullptr;
+  // The backward, optional: where each sequence's rows start in the statistics that every head keeps
+  // for all sequences (count + 1 entries: 0, then the running sum of each sequence's query rows, clamped
+  // to [0, min(max_seqlen_q, total_q)], rounded up to STATISTICS_ROW_MULTIPLE). Without it each
+  // (sequence, head) has the longest sequence's rows.
+  const int* statistics_start = nullptr;
 
   bool given() const { return cu_seqlens_q != nullptr; }
 };

@@ -55,18 +55,43 @@ struct gradient_shape {
   bool causal;
 
   __host__ __device__ visibility vis() const { return {q_rows, k_rows, causal}; }
-  __device__ int64_t statistics_offset(int batch, int q_head) const {
-    return (int64_t(batch) * q_heads + q_head) * statistics_rows;
-  }
 };
+
+// Where a task's (sequence, query head) statistics start in lse2 and delta, a (rows, statistics_rows)
+// matrix: a dense batch's at row batch * Hq + head; packed sequences that share the rows (their starts
+// given) at row head, from the sequence's first statistics row (sequence_layout::statistics_start).
+template <typename Params, typename Task>
+__device__ __forceinline__ bool shares_statistics(const Params& p, const Task&) {
+  if constexpr (std::is_same_v<Task, sequence_block>) {
+    return p.sequences.statistics_start != nullptr;
+  } else {
+    return false;
+  }
+}
+
+// ... as an offset into lse2 and delta
+template <typename Params, typename Task>
+__device__ __forceinline__ int64_t statistics_offset(const Params& p, const Task& t, int q_head) {
+  const gradient_shape& g = p.shape;
+  if (shares_statistics(p, t)) return int64_t(q_head) * g.statistics_rows + sequence_rows_of(t, 0, 0).statistics_row0;
+  return (int64_t(t.batch) * g.q_heads + q_head) * g.statistics_rows;
+}
+
+// ... as the (row, column) of the statistics' tensor maps for rows q0.. of the sequence
+template <typename Params, typename Task>
+__device__ __forceinline__ void statistics_index(const Params& p, const Task& t, int q_head, int q0, int (&index)[2]) {
+  const bool shared = shares_statistics(p, t);
+  index[0] = shared ? q_head : t.batch * p.shape.q_heads + q_head;
+  index[1] = shared ? sequence_rows_of(t, 0, 0).statistics_row0 + q0 : q0;
+}
 
 // ------------------------------------------------------------------------------ statistics
 
 constexpr int STATISTICS_LANES_PER_ROW = 8;
 constexpr int STATISTICS_THREADS = 256;
 
-// Per sequence (batch, or packed sequence) and query head: statistics_rows rows, those past the
-// sequence's length padding.
+// Per batch and query head statistics_rows rows, those past the sequence's length padding; packed sequences
+// share each head's rows, sequence b from sequences.statistics_start[b] on (the rows between them padding).
 template <typename T>
 struct statistics_params {
   const T* out;
@@ -75,20 +100,25 @@ struct statistics_params {
   int64_t grad_out_strides[3];
   const float* lse;       // (B, Hq, Nq), or (Hq, total) packed
   const float* grad_lse;  // or nullptr
-  float* lse2;            // (sequences * Hq, statistics_rows)
+  float* lse2;            // (B * Hq, statistics_rows), packed (Hq, statistics_rows)
   float* delta;
   sequence_layout sequences;
-  int q_heads, dim, statistics_rows;
-  int64_t total_rows;  // sequences * Hq * statistics_rows
+  int sequence_count, q_heads, dim, statistics_rows;
+  int64_t total_rows;  // the statistics' rows over all heads
 };
 
 template <typename T>
 __global__ void __launch_bounds__(STATISTICS_THREADS) statistics_kernel(const statistics_params<T> p) {
   const statistics_row r = statistics_row_dot<STATISTICS_LANES_PER_ROW, STATISTICS_THREADS>(
       p.out, p.out_strides, p.grad_out, p.grad_out_strides, p.q_heads, p.statistics_rows, p.total_rows, p.dim,
-      [&](int64_t sequence) {
-        const sequence_rows rows = p.sequences.of(int(sequence));
-        return row_span{rows.map_batch, rows.q_start, rows.q_rows};
+      [&](int64_t batch, int i) {
+        if (p.sequences.statistics_start == nullptr) {
+          const sequence_rows rows = p.sequences.of(int(batch));
+          return row_span{rows.map_batch, rows.q_start, rows.q_rows};
+        }
+        // row i of a head holds row i - start of the sequence whose statistics start last at or before it
+        const sequence_rows rows = p.sequences.of(p.sequences.sequence_of_statistics_row(i, p.sequence_count));
+        return row_span{rows.map_batch, rows.q_start - rows.statistics_row0, rows.statistics_row0 + rows.q_rows};
       });
   if (r.lane_in_row != 0 || r.row >= p.total_rows) return;
   if (r.real) {
@@ -384,9 +414,10 @@ struct dkdv_kernel : dkdv_plan<D> {
     const int index[4] = {rows.map_batch, head, rows.q_start + q0, 0};
     tma::load(s.q, p.q, full, index);
     tma::load(s.grad_out, p.grad_out, full, index);
-    const int statistics_index[2] = {t.batch * p.shape.q_heads + head, q0};
-    tma::load(s.lse2, p.lse2, full, statistics_index);
-    tma::load(s.delta, p.delta, full, statistics_index);
+    int statistics_at[2];
+    statistics_index(p, t, head, q0, statistics_at);
+    tma::load(s.lse2, p.lse2, full, statistics_at);
+    tma::load(s.delta, p.delta, full, statistics_at);
   }
 
   // Accumulated dQ, 1: this consumer's dS^T into shared memory, where every consumer that needs it
@@ -429,7 +460,7 @@ struct dkdv_kernel : dkdv_plan<D> {
       const gradient_shape& g = ctx.params.shape;
       // Part c of the step: rows q0 + 64 c (D = 64) or the second column half of rows q0 (D = 128),
       // both partial_floats * c past the step's first row.
-      float* tile = ctx.params.dq_accumulator + (g.statistics_offset(ctx.task.batch, q_head) + q0) * D;
+      float* tile = ctx.params.dq_accumulator + (statistics_offset(ctx.params, ctx.task, q_head) + q0) * D;
       tma::reduce_add(tile + ctx.consumer * dq_exchange::partial_floats, staging,
                       dq_exchange::partial_floats * sizeof(float));
       tma::commit_stores();
@@ -608,9 +639,9 @@ struct dq_convert_params {
   const float* dq_accumulator;
   T* grad_q;  // (B, Hq, Nq, D) contiguous, or packed (total, Hq, D)
   sequence_layout sequences;
-  int q_heads, statistics_rows;
+  int sequence_count, q_heads, statistics_rows;
   float scale;
-  int64_t tiles;  // sequences * Hq * statistics_rows / dq_partial_plan<D>::rows
+  int64_t tiles;  // the statistics' rows over all heads / dq_partial_plan<D>::rows
 };
 
 template <typename T, int D>
@@ -620,10 +651,16 @@ __global__ void __launch_bounds__(WARPGROUP_THREADS) dq_convert_kernel(const dq_
   constexpr int partial_floats = block_q * partials::part_cols;
   const int tiles_per_head = p.statistics_rows / block_q;
   for (int64_t tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
-    const int64_t head_row = tile / tiles_per_head;  // sequence * Hq + head
-    const sequence_rows sequence = p.sequences.of(int(head_row / p.q_heads));
+    const int64_t head_row = tile / tiles_per_head;  // batch * Hq + head (packed: head)
     const int64_t head = head_row % p.q_heads;
-    const int row0 = int(tile % tiles_per_head) * block_q + warpgroup::warp_row();
+    const int tile_row0 = int(tile % tiles_per_head) * block_q;
+    // Packed sequences share a head's statistics rows, each from its start (a multiple of the
+    // statistics' row multiple, so a tile lies in one sequence's rows).
+    const sequence_rows sequence =
+        p.sequences.of(p.sequences.statistics_start != nullptr
+                           ? p.sequences.sequence_of_statistics_row(tile_row0, p.sequence_count)
+                           : int(head_row / p.q_heads));
+    const int row0 = tile_row0 - sequence.statistics_row0 + warpgroup::warp_row();
     const int rows = min(BASE_TILE, sequence.q_rows - row0);
     if (rows <= 0) continue;  // padding rows: the whole warp skips them
     // dQ as q is laid out in the maps: (B, Hq, Nq, D), or (total, Hq, D) packed
@@ -748,10 +785,10 @@ struct dq_kernel : dq_plan<D> {
     const q_tile& q = ctx.resident.q[ctx.consumer];
     const q_tile& grad_out = ctx.resident.grad_out[ctx.consumer];
     const int row0 = first_row(ctx);
-    const int64_t statistics_offset = g.statistics_offset(ctx.task.batch, ctx.task.head) + row0 + warpgroup::warp_row();
+    const int64_t statistics_row = statistics_offset(p, ctx.task, ctx.task.head) + row0 + warpgroup::warp_row();
     row_vector lse2, delta;
-    warp::load(lse2, p.lse2 + statistics_offset);
-    warp::load(delta, p.delta + statistics_offset);
+    warp::load(lse2, p.lse2 + statistics_row);
+    warp::load(delta, p.delta + statistics_row);
     warp::zero(state.grad_q);
     scores s, grad_p;
     operand grad_s;
@@ -866,12 +903,23 @@ struct workspace_view {
 // The problem's sequences: its batch, or its packed sequences.
 int64_t sequence_count(const backward_problem& pr) { return pr.packed.given() ? pr.packed.count : pr.q.batch; }
 
-// Statistics rows per (sequence, query head): the longest sequence's rows, padded.
+// Whether packed sequences share each head's statistics rows (their starts given): otherwise every
+// (sequence, head) has the longest sequence's rows.
+bool shared_statistics(const backward_problem& pr) { return pr.packed.given() && pr.packed.statistics_start != nullptr; }
+
+// The batches of statistics: one per sequence, or one for all packed sequences that share the rows.
+int64_t statistics_batches(const backward_problem& pr) { return shared_statistics(pr) ? 1 : sequence_count(pr); }
+
+// Statistics rows per (batch, query head): the longest sequence's, padded; or every packed sequence's,
+// each padded.
 int64_t statistics_rows(const backward_problem& pr) {
+  if (shared_statistics(pr)) return packed_statistics_rows(pr.packed, pr.q.rows);
   return padded_statistics_rows(sequence_layout_of(pr.packed, pr.q.rows, pr.k.rows).max_q_rows);
 }
 
-int64_t statistics_floats(const backward_problem& pr) { return sequence_count(pr) * pr.q.heads * statistics_rows(pr); }
+int64_t statistics_floats(const backward_problem& pr) {
+  return statistics_batches(pr) * pr.q.heads * statistics_rows(pr);
+}
 
 // The one-pass method's fixed cost (zeroing, then converting, an fp32 copy of dq) pays off only
 // against enough score work per query row. One-pass / recompute time measured on the H100
@@ -901,10 +949,10 @@ workspace_view split_workspace(const backward_problem& pr) {
   return {pr.workspace, pr.workspace + rows, one_pass(pr) ? pr.workspace + 2 * rows : nullptr};
 }
 
-// lse2 or delta as a (sequences * Hq, statistics_rows) matrix, for tensor maps.
+// lse2 or delta as a (statistics batches * Hq, statistics_rows) matrix, for tensor maps.
 global_layout<float, 2> statistics_layout(const backward_problem& pr, float* data) {
   const int64_t rows = statistics_rows(pr);
-  return {data, {sequence_count(pr) * pr.q.heads, rows}, {rows}};
+  return {data, {statistics_batches(pr) * pr.q.heads, rows}, {rows}};
 }
 
 // The options' rules, as the forward's: the edges and the softcap it takes, and the lengths key_window's
@@ -969,6 +1017,7 @@ cudaError_t run_statistics(const backward_problem& pr, const workspace_view& w, 
   p.lse2 = w.lse2;
   p.delta = w.delta;
   p.sequences = sequence_layout_of(pr.packed, pr.q.rows, pr.k.rows);
+  p.sequence_count = int(sequence_count(pr));
   p.q_heads = int(pr.q.heads);
   p.dim = int(pr.q.dim);
   p.statistics_rows = int(statistics_rows(pr));
@@ -1028,6 +1077,7 @@ cudaError_t run_dq_convert(const backward_problem& pr, const workspace_view& w, 
   p.dq_accumulator = w.dq_accumulator;
   p.grad_q = static_cast<T*>(pr.grad_q);
   p.sequences = sequence_layout_of(pr.packed, pr.q.rows, pr.k.rows);
+  p.sequence_count = int(sequence_count(pr));
   p.q_heads = int(pr.q.heads);
   p.statistics_rows = int(statistics_rows(pr));
   p.scale = pr.scale;
@@ -1053,8 +1103,8 @@ cudaError_t run_dq(const backward_problem& pr, const workspace_view& w, cudaStre
 }
 
 cudaError_t run_sink_gradient(const backward_problem& pr, const workspace_view& w, cudaStream_t stream) {
-  const sink_gradient_params p{pr.sinks, w.lse2, w.delta, pr.grad_sinks, int(sequence_count(pr)), int(pr.q.heads),
-                               int(statistics_rows(pr))};
+  const sink_gradient_params p{pr.sinks, w.lse2, w.delta, pr.grad_sinks, int(statistics_batches(pr)),
+                               int(pr.q.heads), int(statistics_rows(pr))};
   return pipeline::launch(sink_gradient_kernel, unsigned(pr.q.heads), SINK_GRADIENT_THREADS, 0, stream, p);
 }
 

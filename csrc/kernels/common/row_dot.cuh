@@ -59,7 +59,7 @@ struct row_span {
 struct statistics_row {
   int64_t row;       // the padded row: (batch * H + head) * padded + i
   int64_t head_row;  // batch * H + head
-  row_span span;     // where batch's rows lie (span_of(batch))
+  row_span span;     // where the row's sequence lies (span_of(batch, i))
   int64_t head;
   int i;             // the position in the sequence
   int lane_in_row;
@@ -67,7 +67,8 @@ struct statistics_row {
   float dot;         // out_i . grad_out_i (0 when not real)
 };
 
-// span_of(batch) -> row_span.
+// span_of(batch, i) -> row_span: where the sequence of position i of `batch`'s padded rows lies (its
+// first row `first + i` in the tensors when i < rows).
 template <int LANES, int THREADS, typename T, typename SpanOf>
 __device__ __forceinline__ statistics_row statistics_row_dot(const T* out, const int64_t (&out_strides)[3],
                                                              const T* grad_out, const int64_t (&grad_out_strides)[3],
@@ -79,7 +80,7 @@ __device__ __forceinline__ statistics_row statistics_row_dot(const T* out, const
   r.head_row = r.row / padded;
   r.head = r.head_row % heads;
   r.i = int(r.row % padded);
-  r.span = r.row < total_rows ? span_of(r.head_row / heads) : row_span{0, 0, 0};
+  r.span = r.row < total_rows ? span_of(r.head_row / heads, r.i) : row_span{0, 0, 0};
   r.real = r.row < total_rows && r.i < r.span.rows;
   float dot = 0.0f;
   if (r.real) {
@@ -99,7 +100,7 @@ __device__ __forceinline__ statistics_row statistics_row_dot(const T* out, const
                                                              int heads, int rows, int padded, int64_t total_rows,
                                                              int dim) {
   return statistics_row_dot<LANES, THREADS>(out, out_strides, grad_out, grad_out_strides, heads, padded, total_rows, dim,
-                                            [rows](int64_t batch) { return row_span{batch, 0, rows}; });
+                                            [rows](int64_t batch, int) { return row_span{batch, 0, rows}; });
 }
 
 }  // namespace tk
