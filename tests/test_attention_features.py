@@ -786,3 +786,29 @@ def test_kernel_varlen_bad_lengths_neither_raise_nor_fault():
                                                 False)[0]
             torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
         torch.cuda.synchronize()
+
+
+@tk_testing.requires_kernel("attention_varlen")
+def test_kernel_varlen_backward_memory_follows_the_packed_rows():
+    """400 documents of 16 tokens beside one of 4096: the backward's workspace (per-row statistics and the
+    one-pass dq accumulator at D = 64) follows the packed rows (each document padded to 128), not documents x
+    the longest (3.4 GB here), and the gradients match a call per document."""
+    lengths = [4096] + [16] * 400
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen(lengths, lengths, q_heads=8, kv_heads=8, head_dim=64,
+                                                   dtype=torch.bfloat16, device="cuda")
+    out = tk_ops.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True)
+    grad = torch.randn_like(out)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with tk_testing.runs_the_kernels("attention_varlen_bwd"):
+        grads = torch.autograd.grad(out, (q, k, v), grad)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before < 512 * 2**20
+    for start, length in [(0, 4096), (4096 + 16 * 199, 16)]:
+        rows = slice(start, start + length)
+        leaves = [t[rows].detach().transpose(0, 1)[None].requires_grad_() for t in (q, k, v)]
+        alone = tk_ops.attention(*leaves, causal=True)
+        want = torch.autograd.grad(alone, leaves, grad[rows].transpose(0, 1)[None])
+        for got, expected in zip(grads, want):
+            tk_testing.assert_rel_close(got[rows], expected[0].transpose(0, 1), 2 * tk_testing.TOLERANCE[torch.bfloat16])
