@@ -671,7 +671,7 @@ def check_kvcache() -> None:
     the CPU: NaN in every unused slot, lengths around the 128-key blocks (an empty cache, one key into a
     block, a block exactly full), an append, GQA 4, a window and a softcap; then lengths past the capacity
     and negative ones, which must stay in their rows (no fault, the spare rows untouched)."""
-    lengths, q_len, new_len, capacity = [0, 5, 127, 128, 129, 300], 2, 1, 320
+    lengths, q_len, new_len, capacity = [0, 5, 127, 128, 129, 300], 2, 1, 384
     q = torch.randn(len(lengths), q_len, 8, 128, device="cuda", dtype=torch.bfloat16)
     k_cache = torch.full((len(lengths) + 1, capacity, 2, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
     for b, length in enumerate(lengths):
@@ -697,6 +697,24 @@ def check_kvcache() -> None:
     if not k_cache[len(lengths):].isnan().all():
         raise SystemExit("attention check: an append left its sequence's cache row")
     print("attention_with_kvcache with lengths past the capacity: no fault, every write in its own row")
+    # The same cache as 128-position pages, the pool's rows shuffled, then a decode step (Nq = 1, split-KV).
+    pages = k_cache[: len(lengths)].unflatten(1, (-1, 128))  # (B, pages per row, 128, 2, 128)
+    order = torch.randperm(pages.shape[0] * pages.shape[1], device="cuda")
+    pool_k = pages.flatten(0, 1)[order]
+    pool_v = v_cache[: len(lengths)].unflatten(1, (-1, 128)).flatten(0, 1)[order]
+    table = torch.argsort(order).view(len(lengths), -1).to(torch.int32)
+    seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
+    one = q[:, :1].contiguous()
+    out, lse = torch.ops.tk.attention_with_kvcache(one, pool_k, pool_v, None, None, seqlens, table, *options[:2],
+                                                   -1, -1, 2.0, None)
+    cpu = [t.cpu().double() for t in (one, pool_k, pool_v)]
+    want_out, _ = torch.ops.tk.attention_with_kvcache(*cpu, None, None, seqlens.cpu(), table.cpu(), *options[:2],
+                                                      -1, -1, 2.0, None)
+    err = common.relative_difference(out.double().cpu(), want_out)
+    status = "ok" if err < 1e-2 and torch.isfinite(out).all() else "WRONG"
+    print(f"attention_with_kvcache paged (128-position pages, shuffled pool), Nq=1: rel err {err:.2e} {status}")
+    if status != "ok":
+        raise SystemExit("attention check: wrong result")
 
 
 def options_backward_error(q, k, v, causal, scale, left, right, softcap, sinks, out, lse) -> float:

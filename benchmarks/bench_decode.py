@@ -18,11 +18,10 @@ Baselines:
   sdpa   F.scaled_dot_product_attention on a dense cache cut to the longest sequence (a paged cache
          gathered into one outside the timing), with enable_gqa and no length mask: it reads the whole
          rectangle, the best SDPA does without a mask (a mask sends it to the math path)
-Ours is whatever serves tk.attention_with_kvcache on the device: on dense caches the attention forward
-kernel's packed variant (Nq = 1: a KV head's query heads as a task's rows, split-KV; not a dedicated
-decode kernel), on paged caches the
-PyTorch reference (tk_ops.backends() says which op has a kernel; the results header records it). No append is timed (k = v
-= None): the cache is what a decode step reads.
+Ours is whatever serves tk.attention_with_kvcache on the device: on dense caches and paged ones in blocks
+of a multiple of 128 (the paged rows here) the attention forward kernel's packed variant (Nq = 1: a KV
+head's query heads as a task's rows, split-KV; not a dedicated decode kernel), else the PyTorch reference
+(the results header records which). No append is timed (k = v = None): the cache is what a decode step reads.
 
   python3 -m benchmarks.bench_decode [--out DIR]
   python3 -m benchmarks.bench_decode --dry-run [--out DIR]   # CPU, tiny shapes, nothing timed

@@ -205,9 +205,9 @@ def test_compiled_calls_write_the_caches_as_eager_calls_do(layout):
 
 
 # ------------------------------------------------------------------------------------ the CUDA kernel
-# Dense caches run the attention forward kernel's packed variant (csrc/torch/attention.cpp): sequence b is
-# its Nq query rows against the first cache_seqlens[b] + Nnew slots of cache row b. Paged caches run the
-# reference.
+# Dense caches, and paged ones in blocks of a multiple of 128 positions, run the attention forward kernel's
+# packed variant (csrc/torch/attention.cpp): sequence b is its Nq query rows against the first
+# cache_seqlens[b] + Nnew positions of its cache. Smaller paged blocks run the reference.
 
 
 def on_cpu(case: KVCacheCase) -> KVCacheCase:
@@ -263,7 +263,22 @@ def test_kernel_long_caches_across_key_blocks():
 
 
 @tk_testing.requires_kernel("attention_with_kvcache")
-def test_kernel_leaves_paged_caches_to_the_reference():
+@pytest.mark.parametrize("block_size", [128, 256])
+@pytest.mark.parametrize("q_len, new_len, with_sinks, options", [
+    (1, 1, False, {}), (1, 1, True, dict(softcap=3.0)), (4, 4, False, dict(window=(100, -1))), (3, 0, True, {})],
+    ids=["decode", "decode-sinks-softcap", "speculative-window", "no-append-sinks"])
+def test_kernel_paged_cache_against_float64(block_size, q_len, new_len, with_sinks, options):
+    """Paged caches whose blocks are whole 128-key blocks run the kernel: each key block read from the page
+    the block table names (a shuffled pool, -1 past the blocks a sequence uses, NaN in every unused slot),
+    the append written through the table; decoding splits the long sequence's keys across SMs."""
+    case = make_case([0, 130, 1000, 255], q_len, new_len, capacity=1100, block_size=block_size, q_heads=8,
+                     kv_heads=2, head_dim=128, dtype=torch.bfloat16, device="cuda")
+    check_kernel_call(case, with_sinks=with_sinks, **options)
+
+
+@tk_testing.requires_kernel("attention_with_kvcache")
+def test_kernel_leaves_small_paged_blocks_to_the_reference():
+    """Blocks of fewer than 128 positions (a key block would span pages) run the reference."""
     case = make_case([3, 9, 0], 4, 4, capacity=13, block_size=4, head_dim=64, dtype=torch.bfloat16, device="cuda")
     with tk_testing.runs_the_references("attention_with_kvcache"):
         tk_ops.attention_with_kvcache(**case.arguments())

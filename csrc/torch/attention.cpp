@@ -327,8 +327,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd_
 // reads to the cache, so no content makes a call touch memory outside the caches. Paged caches
 // (block_table) run the reference.
 
-// A dense cache (B_cache, Nmax, H, X) as packed rows (B_cache * Nmax, H, X), or nothing if its rows are
-// not one stride apart.
+// The page sizes the kernel takes: whole key blocks of its plans (128 keys, or 64 at D > 128).
+constexpr int64_t PAGE_ROW_MULTIPLE = 128;
+
+// A dense cache (B_cache, Nmax, H, X), or a paged one (num_blocks, block_size, H, X), as packed rows
+// (B_cache * Nmax or num_blocks * block_size, H, X), or nothing if its rows are not one stride apart.
 std::optional<at::Tensor> cache_rows(const at::Tensor& cache) {
   if (cache.size(0) > 1 && cache.stride(0) != cache.size(1) * cache.stride(1)) return std::nullopt;
   return cache.as_strided({cache.size(0) * cache.size(1), cache.size(2), cache.size(3)},
@@ -423,19 +426,28 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_cuda(
     bool causal, double scale, int64_t window_left, int64_t window_right, double softcap,
     const std::optional<at::Tensor>& sinks) {
   std::optional<at::Tensor> k_rows, v_rows;
-  const bool dense_kernel_case = !block_table.has_value() && q.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4 &&
-                                 kernel_device(q) && q.numel() > 0 && k_cache.size(1) > 0 &&
-                                 k_cache.size(0) >= q.size(0) && k_cache.device() == q.device() &&
-                                 v_cache.device() == q.device() && k_cache.scalar_type() == q.scalar_type() &&
-                                 v_cache.scalar_type() == q.scalar_type() && cache_seqlens.scalar_type() == at::kInt &&
-                                 cache_seqlens.dim() == 1 && cache_seqlens.size(0) == q.size(0) &&
-                                 cache_seqlens.device() == q.device() && (!sinks.has_value() || kernel_sinks(*sinks, q));
-  if (dense_kernel_case) {
+  // Paged caches whose blocks are whole 128-key blocks of the kernel (a key block then lies in one page).
+  const bool paged = block_table.has_value();
+  const bool kernel_layout =
+      paged ? block_table->scalar_type() == at::kInt && block_table->dim() == 2 && block_table->size(0) == q.size(0) &&
+                  block_table->device() == q.device() && k_cache.dim() == 4 && k_cache.size(1) > 0 &&
+                  k_cache.size(1) % PAGE_ROW_MULTIPLE == 0
+            : k_cache.dim() == 4 && k_cache.size(0) >= q.size(0);
+  const bool kernel_case = kernel_layout && q.dim() == 4 && v_cache.dim() == 4 && kernel_device(q) && q.numel() > 0 &&
+                           k_cache.size(1) > 0 && k_cache.device() == q.device() && v_cache.device() == q.device() &&
+                           k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type() &&
+                           cache_seqlens.scalar_type() == at::kInt && cache_seqlens.dim() == 1 &&
+                           cache_seqlens.size(0) == q.size(0) && cache_seqlens.device() == q.device() &&
+                           (!sinks.has_value() || kernel_sinks(*sinks, q));
+  if (kernel_case) {
     k_rows = cache_rows(k_cache);
     v_rows = cache_rows(v_cache);
   }
   std::optional<attn::forward_problem> plan;
-  const int64_t batch = q.size(0), q_len = q.size(1), capacity = k_cache.size(1);
+  const int64_t batch = q.size(0), q_len = q.size(1);
+  // A sequence's positions: a dense row's slots, or its table row's pages (its logical cache).
+  const int64_t capacity = paged && kernel_case ? block_table->size(1) * k_cache.size(1) : k_cache.size(1);
+  const at::Tensor table = paged && kernel_case ? block_table->contiguous() : at::Tensor();
   const int64_t new_len = k.has_value() ? k->size(1) : 0;
   kvcache_rows rows;
   if (k_rows && v_rows) {
@@ -448,6 +460,13 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_cuda(
       set_options(p, window_left, window_right, softcap, decode ? std::nullopt : sinks);
       p.packed = {rows.cu_q.data_ptr<int>(), rows.cu_k.data_ptr<int>(), rows.sequences, rows.max_q, capacity,
                   rows.used.data_ptr<int>()};
+      if (paged) {
+        p.packed.page_table = table.data_ptr<int>();
+        p.packed.table_rows = batch;
+        p.packed.pages_per_row = table.size(1);
+        p.packed.page_rows = k_cache.size(1);
+        p.packed.pages = k_cache.size(0);
+      }
       if (attn::unsupported_reason(p).empty()) plan = p;
     }
   }
@@ -460,7 +479,13 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_cuda(
   if (new_len > 0) {
     const at::Tensor positions =
         (cache_seqlens.to(at::kLong).unsqueeze(1) + at::arange(new_len, rows_options)).clamp(0, capacity - 1);
-    const at::Tensor slots = (at::arange(batch, rows_options).unsqueeze(1) * capacity + positions).reshape({-1});
+    const int64_t page_rows = k_cache.size(1);
+    // a dense cache's row b, or the page its table names (clamped into the pool), at the slot
+    const at::Tensor slots =
+        (paged ? table.to(at::kLong).gather(1, positions.div(page_rows, "floor")).clamp(0, k_cache.size(0) - 1) *
+                         page_rows + positions.remainder(page_rows)
+               : at::arange(batch, rows_options).unsqueeze(1) * capacity + positions)
+            .reshape({-1});
     k_rows->index_copy_(0, slots, k->reshape({batch * new_len, k->size(2), k->size(3)}));
     v_rows->index_copy_(0, slots, v->reshape({batch * new_len, v->size(2), v->size(3)}));
   }

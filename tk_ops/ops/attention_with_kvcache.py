@@ -40,7 +40,8 @@ On a GPU, dense caches in bf16/fp16 (the attention forward kernel's head dims, D
 packed variant (csrc/torch/attention.cpp; written, not yet run on a GPU): the B x Nq query rows as B
 sequences, each against the first cache_seqlens[b] + Nnew slots of its cache row, after an indexed copy
 appends k and v; nothing is read on the host, so a decode step can be captured in a CUDA graph. Paged
-caches, and every other case, run the reference. It reads cache_seqlens and block_table on the host
+caches in blocks of a multiple of 128 positions run it too (a key block read from the page the table
+names); smaller blocks, and every other case, run the reference. It reads cache_seqlens and block_table on the host
 first (a device sync on a GPU) and raises a ValueError for contents that would read or write outside the
 caches, then appends with an indexed write, gathers each sequence's keys and values into (B, L, Hkv, D)
 tensors, right-aligned (L the longest L_b; the left padding is hidden from every row and zeroed, so that

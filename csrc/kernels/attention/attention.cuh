@@ -293,6 +293,9 @@ struct sequence_layout {
   // sequence's rows rounded up to STATISTICS_ROW_MULTIPLE), or none.
   const int* statistics_start = nullptr;
   int statistics_rows = 0;
+  // Paged keys and values (packed_sequences, attention.h): k_rows then counts the logical caches' positions.
+  const int* page_table = nullptr;
+  int pages_per_row = 0, page_rows = 0, pages = 0;
 
   __host__ __device__ bool packed() const { return cu_seqlens_q != nullptr; }
 
@@ -328,6 +331,18 @@ struct sequence_layout {
       }
     }
     return low;
+  }
+
+  // The maps' row of the task's key `key` (from the sequence's first): its packed row, or with pages the
+  // row of the page that holds that position of its logical cache (a table entry outside the pool is
+  // clamped into it). A block of 128 keys from a multiple of 128 lies in one page.
+  __device__ int key_row(const sequence_rows& r, int key) const {
+    const int row = r.k_start + key;
+    if (page_table == nullptr) return row;
+    const int capacity = pages_per_row * page_rows;
+    const int within = row % capacity;
+    const int page = __ldg(page_table + int64_t(row / capacity) * pages_per_row + within / page_rows);
+    return min(max(page, 0), pages - 1) * page_rows + within % page_rows;
   }
 };
 
@@ -469,17 +484,24 @@ inline int64_t packed_statistics_rows(const packed_sequences& packed, int64_t q_
   return round_up<int64_t>(q_rows + packed.count * (STATISTICS_ROW_MULTIPLE - 1), STATISTICS_ROW_MULTIPLE);
 }
 
+// k_rows: the k view's rows (with pages, the pool's; the layout counts the logical caches' positions).
 inline sequence_layout sequence_layout_of(const packed_sequences& packed, int64_t q_rows, int64_t k_rows) {
   if (!packed.given()) return {nullptr, nullptr, int(q_rows), int(k_rows), int(q_rows), int(k_rows)};
+  const int64_t key_positions =
+      packed.page_table != nullptr ? packed.table_rows * packed.pages_per_row * packed.page_rows : k_rows;
   return {packed.cu_seqlens_q,
           packed.cu_seqlens_k,
           int(q_rows),
-          int(k_rows),
+          int(key_positions),
           int(std::min(packed.max_seqlen_q, q_rows)),
-          int(std::min(packed.max_seqlen_k, k_rows)),
+          int(std::min(packed.max_seqlen_k, key_positions)),
           packed.seqused_k,
           packed.statistics_start,
-          packed.statistics_start != nullptr ? int(packed_statistics_rows(packed, q_rows)) : 0};
+          packed.statistics_start != nullptr ? int(packed_statistics_rows(packed, q_rows)) : 0,
+          packed.page_table,
+          int(packed.pages_per_row),
+          int(packed.page_rows),
+          int(packed.pages)};
 }
 
 // The kernels' view of an output or gradient of `like`'s shape: (B, H, N, X) contiguous, or packed

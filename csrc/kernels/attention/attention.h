@@ -59,6 +59,12 @@ struct packed_sequences {
   // to [0, min(max_seqlen_q, total_q)], rounded up to STATISTICS_ROW_MULTIPLE). Without it each
   // (sequence, head) has the longest sequence's rows.
   const int* statistics_start = nullptr;
+  // Paged keys and values (a KV cache's blocks; the forward): k and v are the pool of `pages` pages of
+  // page_rows rows (a multiple of 128), and sequence row r of cu_seqlens_k's rows, which then count
+  // positions of table_rows logical caches of pages_per_row * page_rows positions each, is row
+  // r % page_rows of page page_table[r / capacity][(r % capacity) / page_rows].
+  const int* page_table = nullptr;
+  int64_t table_rows = 0, pages_per_row = 0, page_rows = 0, pages = 0;
 
   bool given() const { return cu_seqlens_q != nullptr; }
 };

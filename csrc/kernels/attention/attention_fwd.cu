@@ -208,8 +208,10 @@ struct forward_kernel : forward_plan<D> {
   // masked as the key tail.
   __device__ static void load(const params& p, const task& t, int j, int part, stage& s, mbarrier& full) {
     const sequence_rows rows = rows_of(p, t);
-    const int index[4] = {rows.map_batch, t.head / p.group, rows.k_start + (first_key_block(p, t) + j) * plan::block_kv,
-                          0};
+    const int key0 = (first_key_block(p, t) + j) * plan::block_kv;
+    int key_row = rows.k_start + key0;
+    if constexpr (with_options) key_row = p.sequences.key_row(rows, key0);
+    const int index[4] = {rows.map_batch, t.head / p.group, key_row, 0};
     tma::load(part == key_part ? s.k : s.v, part == key_part ? p.k : p.v, full, index);
   }
 
