@@ -812,3 +812,19 @@ def test_kernel_varlen_backward_memory_follows_the_packed_rows():
         want = torch.autograd.grad(alone, leaves, grad[rows].transpose(0, 1)[None])
         for got, expected in zip(grads, want):
             tk_testing.assert_rel_close(got[rows], expected[0].transpose(0, 1), 2 * tk_testing.TOLERANCE[torch.bfloat16])
+
+
+@tk_testing.requires_kernel("attention_varlen")
+def test_kernel_varlen_max_seqlen_may_exceed_the_longest():
+    """max_seqlen far past the longest sequence (and past the packed rows) sizes the grid by the packed rows
+    at most and changes nothing: forward and backward bitwise equal to the exact maxima."""
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen([300, 5, 129], [300, 7, 200], head_dim=64,
+                                                   dtype=torch.bfloat16, device="cuda")
+    grad = torch.randn(q.shape[0], 4, 64, dtype=torch.bfloat16, device="cuda")
+    results = []
+    for max_seqlen_q, max_seqlen_k in ((max_q, max_k), (1 << 20, 1 << 20)):
+        with tk_testing.runs_the_kernels("attention_varlen", "attention_varlen_bwd"):
+            out = tk_ops.attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal=True, deterministic=True)
+            results.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
+    for exact, large in zip(*results):
+        torch.testing.assert_close(large, exact, rtol=0, atol=0)
