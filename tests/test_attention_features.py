@@ -526,9 +526,15 @@ def mask_id(mask):
     return ("causal" if causal else "full") + ("" if window is None else f"-window{window}".replace(" ", ""))
 
 
+# The forward kernel's head dims with each dtype: both at 64 and 128, bf16 at the others (their code is the
+# same template at another tile plan; fp16 runs the same plans at 64 and 128).
+FORWARD_DIMS_AND_DTYPES = [(64, torch.bfloat16), (64, torch.float16), (128, torch.bfloat16), (128, torch.float16),
+                           (96, torch.bfloat16), (192, torch.bfloat16), (256, torch.bfloat16)]
+
+
 @tk_testing.requires_kernel("attention")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("head_dim, dtype", FORWARD_DIMS_AND_DTYPES,
+                         ids=[f"{d}-{'bf16' if t == torch.bfloat16 else 'fp16'}" for d, t in FORWARD_DIMS_AND_DTYPES])
 @tk_testing.parametrize_with_ids("shape", KERNEL_SHAPES)
 @pytest.mark.parametrize("softcap, with_sinks", KERNEL_SCORES, ids=["plain", "softcap", "sinks", "softcap-sinks"])
 @pytest.mark.parametrize("causal, window", KERNEL_MASKS, ids=[mask_id(mask) for mask in KERNEL_MASKS])
