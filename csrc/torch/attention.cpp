@@ -70,6 +70,16 @@ bool kernel_sinks(const at::Tensor& sinks, const at::Tensor& q) {
          sinks.device() == q.device() && sinks.is_contiguous();
 }
 
+// A problem's options as the op's arguments give them (sinks the caller has checked with kernel_sinks).
+template <typename Problem>
+void set_options(Problem& p, int64_t window_left, int64_t window_right, double softcap,
+                 const std::optional<at::Tensor>& sinks) {
+  p.window_left = window_left;
+  p.window_right = window_right;
+  p.softcap = softcap;
+  p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
+}
+
 std::optional<attn::forward_problem> plan_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                   bool causal, double scale, int64_t window_left,
                                                   int64_t window_right, double softcap,
@@ -79,10 +89,7 @@ std::optional<attn::forward_problem> plan_forward(const at::Tensor& q, const at:
   const auto qv = view_of(q), kv = view_of(k), vv = view_of(v);
   if (!qv || !kv || !vv) return std::nullopt;
   attn::forward_problem p{element_of(q), causal, float(scale), *qv, *kv, *vv, nullptr, nullptr};
-  p.window_left = window_left;
-  p.window_right = window_right;
-  p.softcap = softcap;
-  p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
+  set_options(p, window_left, window_right, softcap, sinks);
   if (!attn::unsupported_reason(p).empty()) return std::nullopt;
   return p;
 }
@@ -120,7 +127,32 @@ attn::backward_method backward_method(bool deterministic) {
   return name == "one_pass" ? attn::backward_method::one_pass : attn::backward_method::recompute;
 }
 
-// grad_sinks, the fourth output, is an empty fp32 tensor when the call has no sinks.
+// The backward kernels on a plan: the gradients (in q's, k's and v's shapes, dense or packed) and the
+// workspace allocated, lse and grad_lse made contiguous. grad_sinks, the fourth output, is an empty fp32
+// tensor when the call has no sinks.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> launch_backward(
+    attn::backward_problem plan, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q, const at::Tensor& k,
+    const at::Tensor& v, const at::Tensor& lse, const std::optional<at::Tensor>& sinks) {
+  const at::Tensor lse_rows = lse.contiguous();
+  const std::optional<at::Tensor> grad_lse_rows =
+      grad_lse.has_value() ? std::optional<at::Tensor>(grad_lse->contiguous()) : std::nullopt;
+  at::Tensor grad_q = at::empty(q.sizes(), q.options());
+  at::Tensor grad_k = at::empty(k.sizes(), k.options());
+  at::Tensor grad_v = at::empty(v.sizes(), v.options());
+  at::Tensor grad_sinks = at::empty({sinks.has_value() ? q.size(1) : 0}, q.options().dtype(at::kFloat));
+  at::Tensor workspace = at::empty({attn::backward_workspace_floats(plan)}, q.options().dtype(at::kFloat));
+  plan.lse = lse_rows.data_ptr<float>();
+  plan.grad_lse = grad_lse_rows.has_value() ? grad_lse_rows->data_ptr<float>() : nullptr;
+  plan.grad_q = grad_q.data_ptr();
+  plan.grad_k = grad_k.data_ptr();
+  plan.grad_v = grad_v.data_ptr();
+  plan.workspace = workspace.data_ptr<float>();
+  plan.grad_sinks = sinks.has_value() ? grad_sinks.data_ptr<float>() : nullptr;
+  launch_on(q, [&](cudaStream_t stream) { return attn::launch(plan, stream); });
+  return {grad_q, grad_k, grad_v, grad_sinks};
+}
+
+// grad_sinks is an empty fp32 tensor when the call has no sinks (launch_backward).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q, const at::Tensor& k,
     const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool causal, double scale, bool deterministic,
@@ -148,10 +180,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
     if (qv && kv && vv && ov && gv) {
       attn::backward_problem p{element_of(q), causal, float(scale), *qv, *kv, *vv, *ov, *gv,
                                nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, backward_method(deterministic)};
-      p.window_left = window_left;
-      p.window_right = window_right;
-      p.softcap = softcap;
-      p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
+      set_options(p, window_left, window_right, softcap, sinks);
       if (attn::unsupported_reason(p).empty()) plan = p;
     }
   }
@@ -160,23 +189,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
                                          deterministic, window_left, window_right, softcap, sinks);
   }
 
-  const at::Tensor lse_rows = lse.contiguous();
-  const std::optional<at::Tensor> grad_lse_rows =
-      grad_lse.has_value() ? std::optional<at::Tensor>(grad_lse->contiguous()) : std::nullopt;
-  at::Tensor grad_q = at::empty(q.sizes(), q.options());
-  at::Tensor grad_k = at::empty(k.sizes(), k.options());
-  at::Tensor grad_v = at::empty(v.sizes(), v.options());
-  at::Tensor grad_sinks = at::empty({sinks.has_value() ? q.size(1) : 0}, q.options().dtype(at::kFloat));
-  at::Tensor workspace = at::empty({attn::backward_workspace_floats(*plan)}, q.options().dtype(at::kFloat));
-  plan->lse = lse_rows.data_ptr<float>();
-  plan->grad_lse = grad_lse_rows.has_value() ? grad_lse_rows->data_ptr<float>() : nullptr;
-  plan->grad_q = grad_q.data_ptr();
-  plan->grad_k = grad_k.data_ptr();
-  plan->grad_v = grad_v.data_ptr();
-  plan->workspace = workspace.data_ptr<float>();
-  plan->grad_sinks = sinks.has_value() ? grad_sinks.data_ptr<float>() : nullptr;
-  launch_on(q, [&](cudaStream_t stream) { return attn::launch(*plan, stream); });
-  return {grad_q, grad_k, grad_v, grad_sinks};
+  return launch_backward(*plan, grad_lse, q, k, v, lse, sinks);
 }
 
 // ------------------------------------------------------------------------ packed sequences (varlen)
@@ -231,10 +244,7 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_cuda(
     const auto qv = packed_view_of(q), kv = packed_view_of(k), vv = packed_view_of(v);
     if (qv && kv && vv) {
       attn::forward_problem p{element_of(q), causal, float(scale), *qv, *kv, *vv, nullptr, nullptr};
-      p.window_left = window_left;
-      p.window_right = window_right;
-      p.softcap = softcap;
-      p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
+      set_options(p, window_left, window_right, softcap, sinks);
       p.packed = packed_of(cu_q, cu_k, max_seqlen_q, max_seqlen_k);
       if (attn::unsupported_reason(p).empty()) plan = p;
     }
@@ -278,10 +288,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd_
     if (qv && kv && vv && ov && gv) {
       attn::backward_problem p{element_of(q), causal, float(scale), *qv, *kv, *vv, *ov, *gv,
                                nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, backward_method(deterministic)};
-      p.window_left = window_left;
-      p.window_right = window_right;
-      p.softcap = softcap;
-      p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
+      set_options(p, window_left, window_right, softcap, sinks);
       p.packed = packed_of(cu_q, cu_k, max_seqlen_q, max_seqlen_k);
       if (attn::unsupported_reason(p).empty()) plan = p;
     }
@@ -291,23 +298,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd_
                                                 cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
                                                 window_left, window_right, softcap, sinks, deterministic);
   }
-  const at::Tensor lse_rows = lse.contiguous();
-  const std::optional<at::Tensor> grad_lse_rows =
-      grad_lse.has_value() ? std::optional<at::Tensor>(grad_lse->contiguous()) : std::nullopt;
-  at::Tensor grad_q = at::empty(q.sizes(), q.options());
-  at::Tensor grad_k = at::empty(k.sizes(), k.options());
-  at::Tensor grad_v = at::empty(v.sizes(), v.options());
-  at::Tensor grad_sinks = at::empty({sinks.has_value() ? q.size(1) : 0}, q.options().dtype(at::kFloat));
-  at::Tensor workspace = at::empty({attn::backward_workspace_floats(*plan)}, q.options().dtype(at::kFloat));
-  plan->lse = lse_rows.data_ptr<float>();
-  plan->grad_lse = grad_lse_rows.has_value() ? grad_lse_rows->data_ptr<float>() : nullptr;
-  plan->grad_q = grad_q.data_ptr();
-  plan->grad_k = grad_k.data_ptr();
-  plan->grad_v = grad_v.data_ptr();
-  plan->workspace = workspace.data_ptr<float>();
-  plan->grad_sinks = sinks.has_value() ? grad_sinks.data_ptr<float>() : nullptr;
-  launch_on(q, [&](cudaStream_t stream) { return attn::launch(*plan, stream); });
-  return {grad_q, grad_k, grad_v, grad_sinks};
+  return launch_backward(*plan, grad_lse, q, k, v, lse, sinks);
 }
 
 }  // namespace

@@ -319,6 +319,20 @@ struct sequence_block_order {
   }
 };
 
+// The tasks of a kernel variant: with the options, sequence_blocks (dense or packed); the plain variants
+// keep the dense batch's head_blocks.
+template <bool WITH_OPTIONS>
+using task_order_for = std::conditional_t<WITH_OPTIONS, sequence_block_order, pipeline::head_block_order>;
+template <bool WITH_OPTIONS>
+using task_for = std::conditional_t<WITH_OPTIONS, sequence_block, pipeline::head_block>;
+
+// Where a task's sequence lies in the maps: a sequence_block's own rows, or batch b of a dense batch whose
+// sequences are q_rows x k_rows each.
+__device__ __forceinline__ sequence_rows sequence_rows_of(const sequence_block& t, int, int) { return t.rows; }
+__device__ __forceinline__ sequence_rows sequence_rows_of(const pipeline::head_block& t, int q_rows, int k_rows) {
+  return {t.batch, 0, 0, q_rows, k_rows};
+}
+
 // ------------------------------------------------------------------------------------ softcap
 
 // The softcapped score before its factor: tanh(tanh_scale * s), tanh_scale = scale / softcap. MUFU's
@@ -391,6 +405,20 @@ __device__ __forceinline__ void store_outputs(Id written, const int (&index)[4],
     tma::commit_stores();
     tma::wait_stores_read<0>();
   }
+}
+
+// The end of a consumer's task in a packed sequence (its rows from `start` in the packed (total, heads,
+// D) tensor, `length` of them): the rows past the sequence's end belong to the next one, and a TMA store
+// would clip only at the tensor's end, so each warp stores its own rows of the accumulator below the end
+// from registers, from the sequence's row `row` on.
+template <typename T, typename Accumulator>
+__device__ __forceinline__ void store_packed_rows(void* packed, int heads, int head, int start, int length, int row,
+                                                  const Accumulator& acc) {
+  constexpr int D = Accumulator::cols;
+  const int row_stride = heads * D;
+  const int warp_row = row + warpgroup::warp_row();
+  warp::store(static_cast<T*>(packed) + int64_t(start + warp_row) * row_stride + head * D, row_stride, acc,
+              length - warp_row);
 }
 
 // --------------------------------------------------------------------------- host: layouts

@@ -239,19 +239,6 @@ struct options_params {
   }
 };
 
-// A packed sequence's rows of a gradient, from `row` on: each warp stores its own rows below the
-// sequence's end from registers.
-template <typename T, typename Accumulator>
-__device__ __forceinline__ void store_packed_rows(void* packed, const sequence_rows& rows, bool keys, int heads, int head,
-                                                  int row, const Accumulator& acc) {
-  constexpr int D = Accumulator::cols;
-  const int row_stride = heads * D;
-  const int warp_row = row + warpgroup::warp_row();
-  const int start = keys ? rows.k_start : rows.q_start;
-  const int length = keys ? rows.k_rows : rows.q_rows;
-  warp::store(static_cast<T*>(packed) + int64_t(start + warp_row) * row_stride + head * D, row_stride, acc,
-              length - warp_row);
-}
 struct no_options {};
 
 template <typename T, int D, dq_method DQ, backward_features FEATURES>
@@ -306,15 +293,11 @@ struct dkdv_kernel : dkdv_plan<D> {
   };
   using context = pipeline::task_context<dkdv_kernel>;
   // The windowed and softcapped variants' tasks carry their sequence's rows (dense or packed).
-  using task_order = std::conditional_t<with_options, sequence_block_order, pipeline::head_block_order>;
-  using task = std::conditional_t<with_options, sequence_block, pipeline::head_block>;
+  using task_order = task_order_for<with_options>;
+  using task = task_for<with_options>;
 
   __device__ static sequence_rows rows_of(const params& p, const task& t) {
-    if constexpr (with_options) {
-      return t.rows;
-    } else {
-      return {t.batch, 0, 0, p.shape.q_rows, p.shape.k_rows};
-    }
+    return sequence_rows_of(t, p.shape.q_rows, p.shape.k_rows);
   }
 
   struct consumer_state {
@@ -585,8 +568,8 @@ struct dkdv_kernel : dkdv_plan<D> {
     if constexpr (with_options) {
       if (p.packed_grad_k != nullptr) {
         const int kv_heads = p.shape.q_heads / p.shape.group;
-        store_packed_rows<T>(p.packed_grad_k, rows, true, kv_heads, ctx.task.head, key0, state.grad_k);
-        store_packed_rows<T>(p.packed_grad_v, rows, true, kv_heads, ctx.task.head, key0, state.grad_v);
+        store_packed_rows<T>(p.packed_grad_k, kv_heads, ctx.task.head, rows.k_start, rows.k_rows, key0, state.grad_k);
+        store_packed_rows<T>(p.packed_grad_v, kv_heads, ctx.task.head, rows.k_start, rows.k_rows, key0, state.grad_v);
         return;
       }
     }
@@ -676,15 +659,11 @@ struct dq_kernel : dq_plan<D> {
     gradient_shape shape;
   };
   using context = pipeline::task_context<dq_kernel>;
-  using task_order = std::conditional_t<with_options, sequence_block_order, pipeline::head_block_order>;
-  using task = std::conditional_t<with_options, sequence_block, pipeline::head_block>;
+  using task_order = task_order_for<with_options>;
+  using task = task_for<with_options>;
 
   __device__ static sequence_rows rows_of(const params& p, const task& t) {
-    if constexpr (with_options) {
-      return t.rows;
-    } else {
-      return {t.batch, 0, 0, p.shape.q_rows, p.shape.k_rows};
-    }
+    return sequence_rows_of(t, p.shape.q_rows, p.shape.k_rows);
   }
 
   struct consumer_state {
@@ -814,7 +793,8 @@ struct dq_kernel : dq_plan<D> {
     const sequence_rows rows = rows_of(p, ctx.task);
     if constexpr (with_options) {
       if (p.packed_grad_q != nullptr) {
-        store_packed_rows<T>(p.packed_grad_q, rows, false, p.shape.q_heads, ctx.task.head, first_row(ctx), state.grad_q);
+        store_packed_rows<T>(p.packed_grad_q, p.shape.q_heads, ctx.task.head, rows.q_start, rows.q_rows, first_row(ctx),
+                             state.grad_q);
         return;
       }
     }

@@ -136,8 +136,8 @@ struct forward_kernel : forward_plan<D> {
   using inputs = pipeline::stage_inputs<forward_kernel>;
   // The options variant's tasks carry their sequence's rows (dense or packed); the plain variant's are
   // the dense batch's.
-  using task_order = std::conditional_t<with_options, sequence_block_order, pipeline::head_block_order>;
-  using task = std::conditional_t<with_options, sequence_block, pipeline::head_block>;
+  using task_order = task_order_for<with_options>;
+  using task = task_for<with_options>;
 
   // Per row: the max O and the sum are scaled to (the running max of the scaled log2 scores, or up
   // to RESCALE_THRESHOLD below it; log2 units) and this lane's share of sum exp2(c s - max).
@@ -165,13 +165,7 @@ struct forward_kernel : forward_plan<D> {
   }
 
   // Where the task's sequence lies in the maps.
-  __device__ static sequence_rows rows_of(const params& p, const task& t) {
-    if constexpr (with_options) {
-      return t.rows;
-    } else {
-      return {t.batch, 0, 0, p.q_rows, p.k_rows};
-    }
-  }
+  __device__ static sequence_rows rows_of(const params& p, const task& t) { return sequence_rows_of(t, p.q_rows, p.k_rows); }
 
   // The options' mask of the task's sequence (causal folded in).
   __device__ static key_window window_of(const params& p, const task& t) {
@@ -418,12 +412,8 @@ struct forward_kernel : forward_plan<D> {
     warp::store(p.lse + (int64_t(rows.map_batch) * p.q_heads + ctx.task.head) * p.q_rows + rows.q_start + warp_row0,
                 lse, rows.q_rows - warp_row0);
     if constexpr (with_options) {
-      // A packed sequence's rows past its end are the next sequence's, and a TMA store would clip only
-      // at the packed tensor's end: each warp stores its own rows below the end from registers.
       if (p.packed_out != nullptr) {
-        const int row_stride = p.q_heads * D;
-        T* out = static_cast<T*>(p.packed_out) + int64_t(rows.q_start + warp_row0) * row_stride + ctx.task.head * D;
-        warp::store(out, row_stride, state.o, rows.q_rows - warp_row0);
+        store_packed_rows<T>(p.packed_out, p.q_heads, ctx.task.head, rows.q_start, rows.q_rows, row0, state.o);
         return;
       }
     }
