@@ -77,21 +77,6 @@ def make_inputs(case: Case, device) -> tuple:
     return q, k, v, g, beta, (grad_o, grad_state)
 
 
-def stepped(mixer):
-    """The call for a pass on (q, k, v, g, beta, (do, dh)): (o, final state), and with the backward the
-    gradients of q, k, v, g and beta too."""
-
-    def build(case: Case, pass_: str):
-        def run(q, k, v, g, beta, grads):
-            o, state = mixer(q, k, v, g, beta)
-            if pass_ == "fwd":
-                return o, state
-            return (o, state, *torch.autograd.grad((o, state), (q, k, v, g, beta), grads))
-        return run
-
-    return build
-
-
 def ours(q, k, v, g, beta):
     return tk_ops.gated_delta_rule(q, k, v, g, beta, output_final_state=True, use_qk_l2norm=True)
 
@@ -103,8 +88,10 @@ def fla(q, k, v, g, beta):
 
 BENCH = common.Bench(
     "gated_delta_rule", "Gated delta rule: tk_ops vs fla chunk_gated_delta_rule (bf16)",
-    ours=common.Provider("tk_ops", stepped(ours)),
-    baselines=(common.Provider("fla", stepped(fla)),),
+    # each pass on (q, k, v, g, beta, (do, dh)): (o, final state), and with the backward the gradients of
+    # q, k, v, g and beta too
+    ours=common.stepped("tk_ops", ours),
+    baselines=(common.stepped("fla", fla),),
     inputs=lambda case, pass_, device: make_inputs(case, device), passes=PASSES,
     set_bytes=lambda case, pass_, inputs: common.tensor_bytes(inputs), max_sets=4,
     timer=functools.partial(common.time_ms, warmup=2, rounds=5, batch=3),

@@ -68,19 +68,8 @@ def make_inputs(case: Case, device) -> tuple:
     return x, weight, target, torch.ones((), device=device)
 
 
-def stepped(loss):
-    """The provider's call for a pass on (x, weight, target, grad): the loss, and with the backward the
-    gradients of x and weight too."""
-
-    def build(case: Case, pass_: str):
-        def run(x, weight, target, grad):
-            value = loss(x, weight, target)
-            if pass_ == "fwd":
-                return value
-            return (value, *torch.autograd.grad(value, (x, weight), grad))
-        return run
-
-    return build
+# A pass on (x, weight, target, grad): the loss, and with the backward the gradients of x and weight too.
+DIFFERENTIABLE = (0, 1)
 
 
 def unfused(x, weight, target):
@@ -111,7 +100,7 @@ def peak_memory(case: Case, device) -> dict:
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
         try:
-            stepped(loss)(case, "fwd+bwd")(x, weight, target, grad)
+            common.step(loss, True, DIFFERENTIABLE)(x, weight, target, grad)
             torch.cuda.synchronize()
             peaks[name] = round((torch.cuda.max_memory_allocated() - before) / 2**30, 3)
         except Exception:  # the timed rows say why
@@ -123,8 +112,8 @@ def peak_memory(case: Case, device) -> dict:
 
 BENCH = common.Bench(
     "linear_cross_entropy", "LM head + cross-entropy: tk_ops vs unfused PyTorch / Liger (bf16)",
-    ours=common.Provider("tk_ops", stepped(ours)),
-    baselines=tuple(common.Provider(name, stepped(PROVIDERS[name])) for name in ("eager", "compiled", "liger")),
+    ours=common.stepped("tk_ops", ours, DIFFERENTIABLE),
+    baselines=tuple(common.stepped(name, PROVIDERS[name], DIFFERENTIABLE) for name in ("eager", "compiled", "liger")),
     inputs=lambda case, pass_, device: make_inputs(case, device), passes=PASSES,
     set_bytes=lambda case, pass_, inputs: common.tensor_bytes(inputs), max_sets=2,
     timer=functools.partial(common.time_ms, warmup=2, rounds=5, batch=2),

@@ -222,15 +222,20 @@ def tensor_bytes(inputs) -> int:
     return 0
 
 
-def step(fn: Callable, backward: bool) -> Callable:
+def step(fn: Callable, backward: bool, differentiable: Optional[Sequence[int]] = None) -> Callable:
     """The call a pass times on an input set (*arguments, grad_out): fn's output; with backward, the
-    output and the gradients of every argument for grad_out (all of them compared by the check)."""
+    output and the gradients of the arguments at the positions ``differentiable`` (default: every one)
+    for grad_out (all of them compared by the check). fn may return a tuple of outputs; grad_out is then
+    a tuple with one gradient each."""
     if not backward:
         return lambda *inputs: fn(*inputs[:-1])
 
     def forward_backward(*inputs):
-        out = fn(*inputs[:-1])
-        return (out, *torch.autograd.grad(out, inputs[:-1], inputs[-1]))
+        arguments = inputs[:-1]
+        out = fn(*arguments)
+        leaves = arguments if differentiable is None else [arguments[i] for i in differentiable]
+        outputs = out if isinstance(out, tuple) else (out,)
+        return (*outputs, *torch.autograd.grad(out, leaves, inputs[-1]))
 
     return forward_backward
 
@@ -367,10 +372,10 @@ class Provider:
     measured_by: Optional[Callable[[Any, str], dict]] = None
 
 
-def stepped(name: str, fn: Callable, **options) -> Provider:
-    """A provider that times step(fn, backward) on sets (*arguments, grad_out), backward in every pass
-    but "fwd"."""
-    return Provider(name, lambda case, pass_: step(fn, pass_ != "fwd"), **options)
+def stepped(name: str, fn: Callable, differentiable: Optional[Sequence[int]] = None, **options) -> Provider:
+    """A provider that times step(fn, backward, differentiable) on sets (*arguments, grad_out), backward in
+    every pass but "fwd"."""
+    return Provider(name, lambda case, pass_: step(fn, pass_ != "fwd", differentiable), **options)
 
 
 @dataclasses.dataclass(frozen=True)

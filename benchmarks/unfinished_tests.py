@@ -1,6 +1,6 @@
-"""The GPU tests a cut-short `tests` part of benchmarks/gpu_session.sh did not finish, as pytest ids, one a
-line: every `-m gpu` test of the selection minus those with an outcome (PASSED, FAILED, SKIPPED, ERROR,
-XFAIL, XPASS) in the part's tests.log. The next call runs them with `tests=@FILE`:
+"""The GPU tests of a selection that have no outcome in a tests.log of benchmarks/gpu_session.sh (its
+`tests` part stops at TESTS_TIMEOUT), as pytest ids, one a line: every `-m gpu` test of the selection minus
+those with an outcome (PASSED, FAILED, SKIPPED, ERROR, XFAIL, XPASS) in the log. `tests=@FILE` runs them:
 
     python3 -m benchmarks.unfinished_tests TESTS_LOG [PYTEST_SELECTION ...] > unfinished.args
 """

@@ -355,8 +355,7 @@ def test_gated_delta_rule_dry_run(tmp_path, monkeypatch):
     tk_testing.assert_bench_rows(rows, bench_gated_delta_rule.DRY_RUN_CASES, bench_gated_delta_rule.PASSES, ["fla"])
     assert all("fla-core not importable" in row["error"] for row in rows)
     case = bench_gated_delta_rule.DRY_RUN_CASES[0]
-    outputs = bench_gated_delta_rule.stepped(bench_gated_delta_rule.ours)(case, "fwd+bwd")(
-        *bench_gated_delta_rule.make_inputs(case, "cpu"))
+    outputs = bench_gated_delta_rule.BENCH.ours.build(case, "fwd+bwd")(*bench_gated_delta_rule.make_inputs(case, "cpu"))
     assert [tuple(t.shape) for t in outputs[2:]] == [(2, 70, 2, 16), (2, 70, 2, 16), (2, 70, 4, 16), (2, 70, 4),
                                                       (2, 70, 4)]
 

@@ -453,6 +453,20 @@ __device__ __forceinline__ void store_outputs(Id written, const int (&index)[4],
   }
 }
 
+// The end of a consumer's task in a packed sequence (its rows from `start` in the packed (total, heads,
+// D) tensor, `length` of them): the rows past the sequence's end belong to the next one, and a TMA store
+// would clip only at the tensor's end, so each warp stores its own rows of the accumulator below the end
+// from registers, from the sequence's row `row` on.
+template <typename T, typename Accumulator>
+__device__ __forceinline__ void store_packed_rows(void* packed, int heads, int head, int start, int length, int row,
+                                                  const Accumulator& acc) {
+  constexpr int D = Accumulator::cols;
+  const int row_stride = heads * D;
+  const int warp_row = row + warpgroup::warp_row();
+  warp::store(static_cast<T*>(packed) + int64_t(start + warp_row) * row_stride + head * D, row_stride, acc,
+              length - warp_row);
+}
+
 // --------------------------------------------------------------------------- host: layouts
 
 inline int64_t padded_statistics_rows(int64_t q_rows) { return round_up<int64_t>(q_rows, STATISTICS_ROW_MULTIPLE); }

@@ -269,19 +269,6 @@ struct options_params {
   }
 };
 
-// A packed sequence's rows of a gradient, from `row` on: each warp stores its own rows below the
-// sequence's end from registers.
-template <typename T, typename Accumulator>
-__device__ __forceinline__ void store_packed_rows(void* packed, const sequence_rows& rows, bool keys, int heads, int head,
-                                                  int row, const Accumulator& acc) {
-  constexpr int D = Accumulator::cols;
-  const int row_stride = heads * D;
-  const int warp_row = row + warpgroup::warp_row();
-  const int start = keys ? rows.k_start : rows.q_start;
-  const int length = keys ? rows.k_rows : rows.q_rows;
-  warp::store(static_cast<T*>(packed) + int64_t(start + warp_row) * row_stride + head * D, row_stride, acc,
-              length - warp_row);
-}
 struct no_options {};
 
 template <typename T, int D, dq_method DQ, backward_features FEATURES>
@@ -612,8 +599,8 @@ struct dkdv_kernel : dkdv_plan<D> {
     if constexpr (with_options) {
       if (p.packed_grad_k != nullptr) {
         const int kv_heads = p.shape.q_heads / p.shape.group;
-        store_packed_rows<T>(p.packed_grad_k, rows, true, kv_heads, ctx.task.head, key0, state.grad_k);
-        store_packed_rows<T>(p.packed_grad_v, rows, true, kv_heads, ctx.task.head, key0, state.grad_v);
+        store_packed_rows<T>(p.packed_grad_k, kv_heads, ctx.task.head, rows.k_start, rows.k_rows, key0, state.grad_k);
+        store_packed_rows<T>(p.packed_grad_v, kv_heads, ctx.task.head, rows.k_start, rows.k_rows, key0, state.grad_v);
         return;
       }
     }
@@ -843,7 +830,8 @@ struct dq_kernel : dq_plan<D> {
     const sequence_rows rows = rows_of(p, ctx.task);
     if constexpr (with_options) {
       if (p.packed_grad_q != nullptr) {
-        store_packed_rows<T>(p.packed_grad_q, rows, false, p.shape.q_heads, ctx.task.head, first_row(ctx), state.grad_q);
+        store_packed_rows<T>(p.packed_grad_q, p.shape.q_heads, ctx.task.head, rows.q_start, rows.q_rows, first_row(ctx),
+                             state.grad_q);
         return;
       }
     }

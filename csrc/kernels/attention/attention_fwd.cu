@@ -441,12 +441,8 @@ struct forward_kernel : forward_plan<D> {
     warp::store(p.lse + (int64_t(rows.map_batch) * p.q_heads + ctx.task.head) * p.q_rows + rows.q_start + warp_row0,
                 lse, rows.q_rows - warp_row0);
     if constexpr (with_options) {
-      // A packed sequence's rows past its end are the next sequence's, and a TMA store would clip only
-      // at the packed tensor's end: each warp stores its own rows below the end from registers.
       if (p.packed_out != nullptr) {
-        const int row_stride = p.q_heads * D;
-        T* out = static_cast<T*>(p.packed_out) + int64_t(rows.q_start + warp_row0) * row_stride + ctx.task.head * D;
-        warp::store(out, row_stride, state.o, rows.q_rows - warp_row0);
+        store_packed_rows<T>(p.packed_out, p.q_heads, ctx.task.head, rows.q_start, rows.q_rows, row0, state.o);
         return;
       }
     }
