@@ -65,9 +65,9 @@ bool kernel_device(const at::Tensor& t) {
   return (dtype == at::kBFloat16 || dtype == at::kHalf) && tk::registration::runs_kernels(t);
 }
 
-// Sinks the forward kernel reads as they are: (Hq,) fp32, contiguous, on q's device.
-bool kernel_sinks(const at::Tensor& sinks, const at::Tensor& q) {
-  return sinks.dim() == 1 && sinks.size(0) == q.size(1) && sinks.scalar_type() == at::kFloat &&
+// Sinks the forward kernel reads as they are: (heads,) fp32 for the op's query heads, contiguous, on q's device.
+bool kernel_sinks(const at::Tensor& sinks, const at::Tensor& q, int64_t heads) {
+  return sinks.dim() == 1 && sinks.size(0) == heads && sinks.scalar_type() == at::kFloat &&
          sinks.device() == q.device() && sinks.is_contiguous();
 }
 
@@ -86,7 +86,7 @@ std::optional<attn::forward_problem> plan_forward(const at::Tensor& q, const at:
                                                   int64_t window_right, double softcap,
                                                   const std::optional<at::Tensor>& sinks) {
   if (!kernel_device(q) || q.numel() == 0 || k.numel() == 0) return std::nullopt;
-  if (sinks.has_value() && !kernel_sinks(*sinks, q)) return std::nullopt;
+  if (sinks.has_value() && !kernel_sinks(*sinks, q, q.size(1))) return std::nullopt;
   const auto qv = view_of(q), kv = view_of(k), vv = view_of(v);
   if (!qv || !kv || !vv) return std::nullopt;
   attn::forward_problem p{element_of(q), causal, float(scale), *qv, *kv, *vv, nullptr, nullptr};
@@ -176,7 +176,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
       lse.scalar_type() == at::kFloat && (!grad_lse.has_value() || grad_lse->scalar_type() == at::kFloat);
   if (kernel_device(q) && q.numel() > 0 && k.numel() > 0 && statistics_fp32 &&
       grad_out.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type() &&
-      (!sinks.has_value() || kernel_sinks(*sinks, q))) {
+      (!sinks.has_value() || kernel_sinks(*sinks, q, q.size(1)))) {
     const auto qv = view_of(q), kv = view_of(k), vv = view_of(v), ov = view_of(out), gv = view_of(grad_out);
     if (qv && kv && vv && ov && gv) {
       attn::backward_problem p{element_of(q), causal, float(scale), *qv, *kv, *vv, *ov, *gv,
@@ -241,7 +241,7 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_cuda(
   check_packed_inputs("tk::attention_varlen", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
   const at::Tensor cu_q = device_seqlens(cu_seqlens_q, q), cu_k = device_seqlens(cu_seqlens_k, q);
   std::optional<attn::forward_problem> plan;
-  if (kernel_device(q) && q.size(0) > 0 && k.size(0) > 0 && (!sinks.has_value() || kernel_sinks(*sinks, q))) {
+  if (kernel_device(q) && q.size(0) > 0 && k.size(0) > 0 && (!sinks.has_value() || kernel_sinks(*sinks, q, q.size(1)))) {
     const auto qv = packed_view_of(q), kv = packed_view_of(k), vv = packed_view_of(v);
     if (qv && kv && vv) {
       attn::forward_problem p{element_of(q), causal, float(scale), *qv, *kv, *vv, nullptr, nullptr};
@@ -295,7 +295,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd_
   if (kernel_device(q) && q.size(0) > 0 && k.size(0) > 0 && statistics_fp32 &&
       grad_out.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type() &&
       grad_out.device() == q.device() && out.device() == q.device() && lse.device() == q.device() &&
-      (!sinks.has_value() || kernel_sinks(*sinks, q))) {
+      (!sinks.has_value() || kernel_sinks(*sinks, q, q.size(1)))) {
     const auto qv = packed_view_of(q), kv = packed_view_of(k), vv = packed_view_of(v), ov = packed_view_of(out),
                gv = packed_view_of(grad_out);
     if (qv && kv && vv && ov && gv) {
@@ -438,7 +438,7 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_cuda(
                            k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type() &&
                            cache_seqlens.scalar_type() == at::kInt && cache_seqlens.dim() == 1 &&
                            cache_seqlens.size(0) == q.size(0) && cache_seqlens.device() == q.device() &&
-                           (!sinks.has_value() || kernel_sinks(*sinks, q));
+                           (!sinks.has_value() || kernel_sinks(*sinks, q, q.size(2)));
   if (kernel_case) {
     k_rows = cache_rows(k_cache);
     v_rows = cache_rows(v_cache);
