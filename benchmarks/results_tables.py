@@ -108,7 +108,8 @@ ATTENTION_BASELINES = ("sdpa_cudnn", "fa4")
 def attention(document: dict, summary: bool) -> str:
     """Per shape: forward and default backward, TFLOP/s of ours and of cuDNN and FA4, and the ratio to
     the faster of the two (the record adds the deterministic backward)."""
-    passes = ("fwd", "bwd") if summary else ("fwd", "bwd", "bwd_det")
+    measured = {r["pass"] for r in document["rows"]}
+    passes = tuple(p for p in (("fwd", "bwd") if summary else ("fwd", "bwd", "bwd_det")) if p in measured)
     header = ["shape"]
     for pass_ in passes:
         header += [f"{pass_} ours", "cuDNN", "FA4", "x faster"]
@@ -235,7 +236,9 @@ def long_context(document: dict, summary: bool) -> str:
 # summarises the first file, or those README_FILES lists)
 FAMILIES: dict[str, tuple[tuple[str, Callable[[dict, bool], str]], ...]] = {
     "gemm": (("gemm", gemm),),
-    "attention": (("attention", attention), ("attention_features", against_flex), ("attention_varlen", against_flex)),
+    "attention": (("attention", attention), ("attention_head_dims", attention), ("attention_features", against_flex),
+                  ("attention_varlen", against_flex)),
+    "decode": (("decode", memory_bound(("sdpa", "fa4"), graph=True)),),
     "norms": (("norms", memory_bound(("eager", "compiled", "liger"), ("shape",), graph=True,
                                      in_summary=lambda row: row["hidden"] in (1024, 4096, 8192))),),
     "rope": (("rope", memory_bound(("eager", "compiled", "liger"), ("name",))),),
@@ -251,7 +254,7 @@ FAMILIES: dict[str, tuple[tuple[str, Callable[[dict, bool], str]], ...]] = {
 
 
 # The files the README shows of a family (its first alone unless listed here).
-README_FILES = {"attention": ("attention", "attention_features", "attention_varlen")}
+README_FILES = {"attention": ("attention", "attention_head_dims", "attention_features", "attention_varlen")}
 
 
 def render(name: str, summary: bool) -> str:

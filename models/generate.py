@@ -72,7 +72,7 @@ def _synchronize(device: torch.device) -> None:
 
 @torch.inference_mode()
 def generate(model, prompt: torch.Tensor, new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
-             block_size: int = 16, generator: Optional[torch.Generator] = None) -> Generation:
+             block_size: int = 128, generator: Optional[torch.Generator] = None) -> Generation:
     """Continue each row of ``prompt`` (B, N) by ``new_tokens`` tokens (>= 1) with a paged KV cache: one
     prefill, then one decode step per token. The rows of a batch share the prompt length."""
     if new_tokens < 1:
@@ -128,7 +128,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help=f"default: {DEFAULT_NEW_TOKENS}, or what the model's context leaves after the prompt")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this much probability")
-    parser.add_argument("--block-size", type=int, default=16, help="positions per block of the paged KV cache")
+    parser.add_argument("--block-size", type=int, default=128,
+                        help="positions per block of the paged KV cache (the kernel takes multiples of 128)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), help="default: bf16 on GPU, fp32 on CPU")

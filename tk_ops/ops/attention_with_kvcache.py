@@ -37,7 +37,7 @@ Op
   outputs never require grad (``_library.register_forward_only``).
 
 On a GPU, dense caches in bf16/fp16 (the attention forward kernel's head dims, D = Dv) run that kernel's
-packed variant (csrc/torch/attention.cpp; written, not yet run on a GPU): the B x Nq query rows as B
+packed variant (csrc/torch/attention.cpp): the B x Nq query rows as B
 sequences, each against the first cache_seqlens[b] + Nnew slots of its cache row, after an indexed copy
 appends k and v; nothing is read on the host, so a decode step can be captured in a CUDA graph. Paged
 caches in blocks of a multiple of 128 positions run it too (a key block read from the page the table
