@@ -17,10 +17,12 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <limits>
 #include <utility>
 #include <vector>
 
 #include "kernels/attention/attention.h"
+#include "kernels/attention/kvcache.h"
 #include "kernel_support.h"
 #include "registration.h"
 
@@ -317,15 +319,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd_
 
 // ------------------------------------------------------------------------------ KV cache (decoding)
 //
-// tk::attention_with_kvcache on the forward kernel's packed variant, for dense caches: the cache
-// (B_cache, Nmax, Hkv, D) as packed rows, each sequence's span a row's Nmax slots (or a chunk of them) and
-// its keys the first cache_seqlens[b] + Nnew of them (FlashAttention's seqused_k); the queries as below
-// (kvcache_rows).
-// The append is an indexed copy into the cache on the device. Nothing is read on the host (no sync: a
-// decode step can be captured in a CUDA graph). The contents of cache_seqlens are the caller's contract,
-// as with FlashAttention: appended positions are clamped into the sequence's own row and the kernel's
-// reads to the cache, so no content makes a call touch memory outside the caches. Paged caches
-// (block_table) run the reference.
+// tk::attention_with_kvcache on the forward kernel's packed variant, for dense caches and paged ones in
+// blocks of a multiple of 128 positions: the cache (B_cache, Nmax, Hkv, D) as packed rows, each sequence's
+// span a row's Nmax slots (or a chunk of them) and its keys the first cache_seqlens[b] + Nnew of them
+// (FlashAttention's seqused_k); the queries as below (kvcache_rows). One launch before the kernel appends
+// k and v and writes the packed sequences' metadata (attn::launch_prepare), one after it combines the
+// decode form's chunks. Nothing is read on the host (no sync: a decode step can be captured in a CUDA
+// graph). The contents of cache_seqlens are the caller's contract, as with FlashAttention: appended
+// positions are clamped into the sequence's own row and the kernel's reads to the cache, so no content
+// makes a call touch memory outside the caches.
 
 // The page sizes the kernel takes: whole key blocks of its plans (128 keys, or 64 at D > 128).
 constexpr int64_t PAGE_ROW_MULTIPLE = 128;
@@ -338,19 +340,14 @@ std::optional<at::Tensor> cache_rows(const at::Tensor& cache) {
                           {cache.stride(1), cache.stride(2), cache.stride(3)});
 }
 
-// How a call's queries meet the cache in the kernel: packed query rows, the sequences' spans (cu_seqlens)
-// and keys (seqused_k). Two forms:
-//   per query head  sequence b is its Nq query rows (every query head) against the first
-//                   cache_seqlens[b] + Nnew slots of cache row b;
-//   decode          (Nq = 1 and no window: the query sees every key, so its rows need no mask) sequence
-//                   (b, s) is the G = Hq / Hkv query heads of each KV head as G rows against that KV head
-//                   alone (each K/V block is read once per KV head, and G rows of a tile are used instead
-//                   of one), over chunk s of cache row b's keys: the row is cut into S chunks (split-KV)
-//                   when B x Hkv tasks would leave SMs idle. The chunks' outputs are combined by their lse,
-//                   and the sinks (one per query head) join there.
+// How a call's queries meet the cache in the kernel (kernels/attention/kvcache.h has the two forms'
+// packed sequences). Decode form (Nq = 1 and no window: the query sees every key, so its rows need no
+// mask): each K/V block is read once per KV head for its G = Hq / Hkv query heads, and G rows of a tile
+// are used instead of one; the cache row is cut into `splits` chunks (split-KV) when B x Hkv tasks would
+// leave SMs idle, combined by their lse afterwards, where the sinks (one per query head) join. Host
+// arithmetic only: the rows themselves are made on the device (attn::launch_prepare).
 struct kvcache_rows {
-  at::Tensor q, cu_q, cu_k, used;
-  int64_t sequences = 0, max_q = 0, splits = 1, group = 1;
+  int64_t sequences = 0, max_q = 0, splits = 1, chunk = 0, group = 1;
   bool decode = false;
 };
 
@@ -359,17 +356,11 @@ constexpr int64_t DECODE_TASKS_PER_SM = 2;
 constexpr int64_t DECODE_CHUNK_MULTIPLE = 128;
 constexpr int64_t DECODE_MIN_CHUNK = 256;
 
-kvcache_rows rows_for(const at::Tensor& q, int64_t kv_heads, int64_t capacity, const at::Tensor& used_keys,
-                      bool decode) {
-  const int64_t batch = q.size(0), q_len = q.size(1), q_heads = q.size(2), dim = q.size(3);
-  const at::TensorOptions index_options = q.options().dtype(at::kInt);
+kvcache_rows rows_for(const at::Tensor& q, int64_t kv_heads, int64_t capacity, bool decode) {
+  const int64_t batch = q.size(0), q_len = q.size(1), q_heads = q.size(2);
   kvcache_rows r;
   r.decode = decode;
   if (!decode) {
-    r.q = q.reshape({batch * q_len, q_heads, dim});
-    r.cu_q = at::arange(0, (batch + 1) * q_len, q_len, index_options);
-    r.cu_k = at::arange(0, (batch + 1) * capacity, capacity, index_options);
-    r.used = used_keys;
     r.sequences = batch;
     r.max_q = q_len;
     return r;
@@ -379,46 +370,16 @@ kvcache_rows rows_for(const at::Tensor& q, int64_t kv_heads, int64_t capacity, c
   const int64_t wanted = (DECODE_TASKS_PER_SM * sms + batch * kv_heads - 1) / (batch * kv_heads);
   const int64_t splits = std::clamp<int64_t>(wanted, 1, std::max<int64_t>(1, capacity / DECODE_MIN_CHUNK));
   const int64_t chunk_keys = (capacity + splits - 1) / splits;
-  const int64_t chunk = (chunk_keys + DECODE_CHUNK_MULTIPLE - 1) / DECODE_CHUNK_MULTIPLE * DECODE_CHUNK_MULTIPLE;
-  r.splits = (capacity + chunk - 1) / chunk;
+  r.chunk = (chunk_keys + DECODE_CHUNK_MULTIPLE - 1) / DECODE_CHUNK_MULTIPLE * DECODE_CHUNK_MULTIPLE;
+  r.splits = (capacity + r.chunk - 1) / r.chunk;
   r.group = q_heads / kv_heads;
   r.sequences = batch * r.splits;
   r.max_q = r.group;
-  // rows (b, s, g) x heads kv: q[b, 0, kv * G + g]
-  r.q = q.view({batch, 1, kv_heads, r.group, dim})
-            .expand({batch, r.splits, kv_heads, r.group, dim})
-            .permute({0, 1, 3, 2, 4})
-            .reshape({r.sequences * r.group, kv_heads, dim});
-  r.cu_q = at::arange(0, (r.sequences + 1) * r.group, r.group, index_options);
-  const at::TensorOptions long_options = q.options().dtype(at::kLong);
-  const at::Tensor starts = at::arange(batch, long_options).unsqueeze(1) * capacity + at::arange(r.splits, long_options) * chunk;
-  r.cu_k = at::cat({starts.reshape({-1}), at::full({1}, batch * capacity, long_options)}).to(at::kInt);
-  r.used = (used_keys.to(at::kLong).unsqueeze(1) - at::arange(r.splits, long_options) * chunk)
-               .clamp_min(0)
-               .reshape({-1})
-               .to(at::kInt);
   return r;
 }
 
-// The decode form's out (B, 1, Hq, Dv) and lse (B, Hq, 1) from its chunks' (rows (b, s, g), Hkv, Dv) outputs
-// and (Hkv, rows) lse: lse = log(sum over chunks of exp(lse_s) + exp(sink)), out = sum of exp(lse_s - lse) out_s
-// (0 where nothing was seen).
-std::tuple<at::Tensor, at::Tensor> combine_chunks(const kvcache_rows& r, const at::Tensor& out_rows,
-                                                  const at::Tensor& lse_rows, const std::optional<at::Tensor>& sinks,
-                                                  int64_t batch) {
-  const int64_t kv_heads = out_rows.size(1), dim = out_rows.size(2), q_heads = kv_heads * r.group;
-  const at::Tensor chunk_lse =
-      lse_rows.view({kv_heads, batch, r.splits, r.group}).permute({1, 0, 3, 2}).reshape({batch, q_heads, r.splits});
-  const at::Tensor chunk_out = out_rows.view({batch, r.splits, r.group, kv_heads, dim})
-                                   .permute({0, 3, 2, 1, 4})
-                                   .reshape({batch, q_heads, r.splits, dim});
-  const at::Tensor terms =
-      sinks.has_value() ? at::cat({chunk_lse, sinks->view({1, q_heads, 1}).expand({batch, q_heads, 1})}, 2) : chunk_lse;
-  const at::Tensor lse = at::logsumexp(terms, 2, /*keepdim=*/true);
-  const at::Tensor weights = at::where(at::isneginf(lse), at::zeros_like(chunk_lse), at::exp(chunk_lse - lse));
-  const at::Tensor out = (weights.unsqueeze(-1) * chunk_out.to(at::kFloat)).sum(2);
-  return {out.to(out_rows.scalar_type()).view({batch, 1, q_heads, dim}), lse};
-}
+// A (B, N, H, D) tensor as the kernels' (B, H, N, D) view, or nothing if its last stride is not unit.
+std::optional<attn::heads_view> tokens_view_of(const at::Tensor& t) { return view_of(t.transpose(1, 2)); }
 
 std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_cuda(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const std::optional<at::Tensor>& k,
@@ -450,16 +411,24 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_cuda(
   const at::Tensor table = paged && kernel_case ? block_table->contiguous() : at::Tensor();
   const int64_t new_len = k.has_value() ? k->size(1) : 0;
   kvcache_rows rows;
-  if (k_rows && v_rows) {
+  at::Tensor q_rows, metadata;
+  // the metadata's positions are int32, as the kernels read them
+  const bool int_positions = (batch + 1) * capacity <= std::numeric_limits<int>::max();
+  if (k_rows && v_rows && int_positions) {
     const bool decode = q_len == 1 && window_left < 0 && window_right < 0;
-    rows = rows_for(q, k_cache.size(2), capacity, cache_seqlens + int(new_len), decode);
-    const auto qv = packed_view_of(rows.q), kv = packed_view_of(*k_rows), vv = packed_view_of(*v_rows);
+    rows = rows_for(q, k_cache.size(2), capacity, decode);
+    q_rows = decode ? at::empty({rows.sequences * rows.group, k_cache.size(2), q.size(3)}, q.options())
+                    : q.reshape({batch * q_len, q.size(2), q.size(3)});
+    // cu_seqlens_q, cu_seqlens_k (sequences + 1 each), seqused_k (sequences)
+    metadata = at::empty({3 * rows.sequences + 2}, q.options().dtype(at::kInt));
+    const auto qv = packed_view_of(q_rows), kv = packed_view_of(*k_rows), vv = packed_view_of(*v_rows);
     if (qv && kv && vv) {
       attn::forward_problem p{element_of(q), causal && !decode, float(scale), *qv, *kv, *vv, nullptr, nullptr};
       // the decode form joins the sinks in its combine
       set_options(p, window_left, window_right, softcap, decode ? std::nullopt : sinks);
-      p.packed = {rows.cu_q.data_ptr<int>(), rows.cu_k.data_ptr<int>(), rows.sequences, rows.max_q, capacity,
-                  rows.used.data_ptr<int>()};
+      int* cu_q = metadata.data_ptr<int>();
+      p.packed = {cu_q, cu_q + rows.sequences + 1, rows.sequences, rows.max_q, capacity,
+                  cu_q + 2 * (rows.sequences + 1)};
       if (paged) {
         p.packed.page_table = table.data_ptr<int>();
         p.packed.table_rows = batch;
@@ -475,28 +444,53 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_cuda(
                                                   cache_seqlens, block_table, causal, scale, window_left,
                                                   window_right, softcap, sinks);
   }
-  const at::TensorOptions rows_options = q.options().dtype(at::kLong);
+  // The append, the decode form's query rows and the metadata: one launch before the kernel's.
+  const at::Tensor seqlens = cache_seqlens.contiguous();
+  attn::kvcache_call call{element_of(q), batch, q.size(2), k_cache.size(2), q_len, capacity, seqlens.data_ptr<int>()};
+  const at::Tensor k_new = new_len > 0 ? k->contiguous() : at::Tensor(), v_new = new_len > 0 ? v->contiguous() : at::Tensor();
   if (new_len > 0) {
-    const at::Tensor positions =
-        (cache_seqlens.to(at::kLong).unsqueeze(1) + at::arange(new_len, rows_options)).clamp(0, capacity - 1);
-    const int64_t page_rows = k_cache.size(1);
-    // a dense cache's row b, or the page its table names (clamped into the pool), at the slot
-    const at::Tensor slots =
-        (paged ? table.to(at::kLong).gather(1, positions.div(page_rows, "floor")).clamp(0, k_cache.size(0) - 1) *
-                         page_rows + positions.remainder(page_rows)
-               : at::arange(batch, rows_options).unsqueeze(1) * capacity + positions)
-            .reshape({-1});
-    k_rows->index_copy_(0, slots, k->reshape({batch * new_len, k->size(2), k->size(3)}));
-    v_rows->index_copy_(0, slots, v->reshape({batch * new_len, v->size(2), v->size(3)}));
+    call.new_len = new_len;
+    call.k = *tokens_view_of(k_new);
+    call.v = *tokens_view_of(v_new);
+    call.k_cache = plan->k;
+    call.v_cache = plan->v;
   }
-  const int64_t heads = rows.q.size(1), total = rows.q.size(0);
-  at::Tensor out = at::empty({total, heads, v_cache.size(3)}, q.options());
+  if (paged) {
+    call.page_table = table.data_ptr<int>();
+    call.pages_per_row = table.size(1);
+    call.page_rows = k_cache.size(1);
+    call.pages = k_cache.size(0);
+  }
+  call.decode = rows.decode;
+  call.splits = rows.splits;
+  call.chunk = rows.chunk;
+  if (rows.decode) {
+    call.q = *tokens_view_of(q.stride(3) == 1 ? q : q.contiguous());
+    call.q_rows = q_rows.data_ptr();
+  }
+  call.cu_seqlens_q = const_cast<int*>(plan->packed.cu_seqlens_q);
+  call.cu_seqlens_k = const_cast<int*>(plan->packed.cu_seqlens_k);
+  call.seqused_k = const_cast<int*>(plan->packed.seqused_k);
+  const int64_t heads = q_rows.size(1), total = q_rows.size(0), value_dim = v_cache.size(3);
+  at::Tensor out = at::empty({total, heads, value_dim}, q.options());
   at::Tensor lse = at::empty({heads, total}, q.options().dtype(at::kFloat));
   plan->out = out.data_ptr();
   plan->lse = lse.data_ptr<float>();
-  launch_on(q, [&](cudaStream_t stream) { return attn::launch(*plan, stream); });
-  if (rows.decode) return combine_chunks(rows, out, lse, sinks, batch);
-  return {out.view({batch, q_len, heads, v_cache.size(3)}), lse.view({heads, batch, q_len}).permute({1, 0, 2}).contiguous()};
+  launch_on(q, [&](cudaStream_t stream) {
+    const cudaError_t prepared = attn::launch_prepare(call, stream);
+    return prepared != cudaSuccess ? prepared : attn::launch(*plan, stream);
+  });
+  if (!rows.decode) {
+    return {out.view({batch, q_len, heads, value_dim}), lse.view({heads, batch, q_len}).permute({1, 0, 2}).contiguous()};
+  }
+  at::Tensor combined = at::empty({batch, 1, q.size(2), value_dim}, q.options());
+  at::Tensor combined_lse = at::empty({batch, q.size(2), 1}, q.options().dtype(at::kFloat));
+  const attn::kvcache_combine combine{element_of(q), batch, q.size(2), k_cache.size(2), value_dim, rows.splits,
+                                      out.data_ptr(), lse.data_ptr<float>(),
+                                      sinks.has_value() ? sinks->data_ptr<float>() : nullptr,
+                                      combined.data_ptr(), combined_lse.data_ptr<float>()};
+  launch_on(q, [&](cudaStream_t stream) { return attn::launch_combine(combine, stream); });
+  return {combined, combined_lse};
 }
 
 }  // namespace

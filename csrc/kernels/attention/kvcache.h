@@ -1,0 +1,70 @@
+// A KV-cache call (tk::attention_with_kvcache) around the forward kernel's packed variant: the work
+// before it (append the new keys and values, lay the queries out as packed sequences) and, for the decode
+// form, the work after it (combine the split-KV chunks by their lse). Plain C++ (no torch):
+// csrc/torch/attention.cpp calls them. Each is one launch, and none reads anything on the host, so a
+// decode step is three launches (prepare, attention, combine) that a CUDA graph captures.
+//
+// The packed sequences (attention.h, packed_sequences) of a call:
+//   per query head  sequence b: rows [b Nq, (b + 1) Nq) of q (B Nq, Hq, D), against the first
+//                   cache_seqlens[b] + Nnew positions of cache row b (span [b C, (b + 1) C), C the capacity)
+//   decode          sequence (b, s), s < splits: the G = Hq / Hkv query heads of each KV head as G rows
+//                   (q_rows below), against positions [s chunk, (s + 1) chunk) of cache row b, of which the
+//                   first max(cache_seqlens[b] + Nnew - s chunk, 0) are keys
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/common/heads_view.h"
+#include "tk/element_type.h"
+
+namespace tk::attention {
+
+struct kvcache_call {
+  element_type dtype;
+  int64_t batch, q_heads, kv_heads;
+  int64_t q_len;              // Nq
+  int64_t capacity;           // positions of a sequence's cache: Nmax, or pages_per_row x page_rows
+  const int* cache_seqlens;   // (batch,) int32: the positions cached before this call
+  // The append (new_len = 0: none): k, v as (B, Hkv, Nnew, D / Dv) views, written at positions
+  // cache_seqlens[b] + n (clamped into the sequence's capacity) of the cache rows: k_cache, v_cache as
+  // (1, Hkv, cache rows, D / Dv) views; with a page table, position p of sequence b is row p % page_rows of
+  // page page_table[b][p / page_rows] (clamped into the pool).
+  int64_t new_len = 0;
+  heads_view k, v, k_cache, v_cache;
+  const int* page_table = nullptr;  // (batch, pages_per_row) int32, or none: dense (row b holds sequence b)
+  int64_t pages_per_row = 0, page_rows = 0, pages = 0;
+  // The decode form (Nq = 1): splits chunks of `chunk` positions per sequence; q (B, 1, Hq, D) as a heads
+  // view (batch B, heads Hq, rows 1) gathered into q_rows (B splits G rows, Hkv, D) contiguous.
+  bool decode = false;
+  int64_t splits = 1, chunk = 0;
+  heads_view q;
+  void* q_rows = nullptr;
+  // The packed sequences' metadata, written here: cu_seqlens_q and cu_seqlens_k (sequences + 1 each) and
+  // seqused_k (sequences), sequences = batch (x splits when decoding).
+  int* cu_seqlens_q;
+  int* cu_seqlens_k;
+  int* seqused_k;
+};
+
+// The appended keys and values in the caches, the decode form's query rows and the metadata.
+cudaError_t launch_prepare(const kvcache_call& call, cudaStream_t stream);
+
+// The decode form's result from its chunks: out_rows (B splits G rows, Hkv, Dv) contiguous in the call's
+// dtype and lse_rows (Hkv, B splits G) fp32, the forward's packed outputs. lse = log(sum over chunks of
+// exp(lse_s) (+ exp(sink))), out = sum over chunks of exp(lse_s - lse) out_s, summed in fp32 (a row that
+// sees nothing: out 0, lse -inf, or its sink); out (B, Hq, Dv) and lse (B, Hq) contiguous.
+struct kvcache_combine {
+  element_type dtype;
+  int64_t batch, q_heads, kv_heads, value_dim, splits;
+  const void* out_rows;
+  const float* lse_rows;
+  const float* sinks;  // (Hq,) fp32, or none
+  void* out;
+  float* lse;
+};
+
+cudaError_t launch_combine(const kvcache_combine& c, cudaStream_t stream);
+
+}  // namespace tk::attention
