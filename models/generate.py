@@ -7,15 +7,18 @@
 The prompt runs once through the model (the prefill: each layer's own causal ``tk_ops.attention``,
 whose keys and values then fill a paged KV cache, ``models.kv_cache``); every next token is one step
 of one token, each layer appending its key and value to the cache and attending to it with
-``tk_ops.attention_with_kvcache``. Decoding is greedy by default (``--temperature 0``), or samples with
-a temperature and nucleus (top-p) filtering, reproducibly from ``--seed``. Prints the decoded text,
-the time to first token (the prefill and the first sampled token) and the decode rate in tokens/s,
-both after an untimed warm-up generation of two tokens.
+``tk_ops.attention_with_kvcache``. On a GPU the step is captured once in a CUDA graph and replayed for
+every next token (``--no-cuda-graph``: each step launched from Python): the cache's blocks are taken for
+every position before the capture, and each replay reads its positions from the cache's lengths on the
+device and advances them. Decoding is greedy by default (``--temperature 0``), or samples with a
+temperature and nucleus (top-p) filtering, reproducibly from ``--seed`` (outside the graph, from its
+logits). Prints the decoded text, the time to first token (the prefill and the first sampled token) and
+the decode rate in tokens/s, both after an untimed warm-up generation of two tokens.
 
 The tokenizer is that of the prepared data directory (``--data``, default ``.data/kjv``), which must be
 the data the checkpoint was trained on. The context is the model's ``max_position_embeddings`` (the
-training sequence length): prompt and new tokens must fit in it. ``tk_ops.attention_with_kvcache`` has
-no CUDA kernel yet: on a GPU it runs its PyTorch reference, with the one-time warning.
+training sequence length): prompt and new tokens must fit in it. The paged cache's blocks default to 128
+positions, a size ``tk_ops.attention_with_kvcache``'s kernel takes (other sizes run its reference).
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ from models.checkpoint import load_model
 from models.data import DEFAULT_DATA_DIR, TokenData
 
 DEFAULT_NEW_TOKENS = 48
+# The paged blocks attention_with_kvcache's kernel takes (a multiple of this many positions); a capture needs
+# them: on other blocks its reference reads the cache's lengths on the host, which a capture cannot.
+KERNEL_BLOCK_MULTIPLE = 128
 
 
 def sample_next(logits: torch.Tensor, *, temperature: float, top_p: float, generator=None) -> torch.Tensor:
@@ -56,7 +62,8 @@ class Generation:
     prefill_tokens: int
     new_tokens: int
     time_to_first_token_s: float  # the prefill and the first sampled token
-    decode_s: float  # the steps after the first token
+    decode_s: float  # the steps after the first token (without a CUDA graph's capture)
+    capture_s: float = 0.0  # the capture of the CUDA graph of a decode step (none: 0)
 
     @property
     def decode_tokens_per_s(self) -> Optional[float]:
@@ -70,11 +77,39 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class _GraphedStep:
+    """One decode step of ``model`` captured in a CUDA graph: ``logits(token)`` replays it for the next
+    token (B, 1), appending to the cache and advancing its lengths on the device. The capture runs the
+    step's Python once, so the cache's Python-side length is advanced here, not per replay: ``finish``
+    sets it to the positions the replays wrote."""
+
+    def __init__(self, model, cache, token: torch.Tensor, steps: int) -> None:
+        self.cache, self.start = cache, cache.length
+        cache.make_room(steps)  # every block the replays will write, before the capture fixes the table
+        self.token = token.clone()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.static_logits = model(self.token, cache=cache)[:, -1]
+        self.replays = 0
+
+    def logits(self, token: torch.Tensor) -> torch.Tensor:
+        self.token.copy_(token)
+        self.graph.replay()
+        self.replays += 1
+        return self.static_logits
+
+    def finish(self) -> None:
+        self.cache.length = self.start + self.replays
+
+
 @torch.inference_mode()
 def generate(model, prompt: torch.Tensor, new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
-             block_size: int = 128, generator: Optional[torch.Generator] = None) -> Generation:
+             block_size: int = 128, generator: Optional[torch.Generator] = None,
+             cuda_graph: bool = False) -> Generation:
     """Continue each row of ``prompt`` (B, N) by ``new_tokens`` tokens (>= 1) with a paged KV cache: one
-    prefill, then one decode step per token. The rows of a batch share the prompt length."""
+    prefill, then one decode step per token (with ``cuda_graph``, on a GPU: the first step eagerly, which
+    also warms every kernel up, the others as replays of one captured step). The rows of a batch share the
+    prompt length."""
     if new_tokens < 1:
         raise ValueError(f"new_tokens must be >= 1, got {new_tokens}")
     context = model.config.max_position_embeddings
@@ -90,12 +125,25 @@ def generate(model, prompt: torch.Tensor, new_tokens: int, *, temperature: float
     tokens = [prompt, sample_next(logits, temperature=temperature, top_p=top_p, generator=generator)[:, None]]
     _synchronize(device)
     first_token = time.perf_counter()
-    for _ in range(new_tokens - 1):
-        logits = model(tokens[-1], cache=cache)[:, -1]
+    graphed, capture_s = None, 0.0
+    for step in range(new_tokens - 1):
+        if graphed is not None:
+            logits = graphed.logits(tokens[-1])
+        else:
+            logits = model(tokens[-1], cache=cache)[:, -1]
         tokens.append(sample_next(logits, temperature=temperature, top_p=top_p, generator=generator)[:, None])
+        remaining = new_tokens - 2 - step
+        if cuda_graph and device.type == "cuda" and graphed is None and remaining > 0:
+            _synchronize(device)
+            before_capture = time.perf_counter()
+            graphed = _GraphedStep(model, cache, tokens[-1], remaining)
+            _synchronize(device)
+            capture_s = time.perf_counter() - before_capture
+    if graphed is not None:
+        graphed.finish()
     _synchronize(device)
     return Generation(torch.cat(tokens, dim=1), prompt.shape[1], new_tokens, first_token - start,
-                      time.perf_counter() - first_token)
+                      time.perf_counter() - first_token - capture_s, capture_s)
 
 
 def _checkpoint_file(path: Path) -> Path:
@@ -130,6 +178,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this much probability")
     parser.add_argument("--block-size", type=int, default=128,
                         help="positions per block of the paged KV cache (the kernel takes multiples of 128)")
+    parser.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
+                        help="on a GPU with blocks of a multiple of 128, replay one captured decode step (default) "
+                             "instead of launching each from Python")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), help="default: bf16 on GPU, fp32 on CPU")
@@ -162,19 +213,22 @@ def main(argv: Optional[list[str]] = None) -> Generation:
     new_tokens = args.max_new_tokens or min(DEFAULT_NEW_TOKENS, model.config.max_position_embeddings - prompt.shape[1])
     # Untimed, so that the times are those of a warm process: the first op call imports PyTorch's compiler
     # (seconds), the first of each kernel loads it.
+    graph = args.cuda_graph and device.type == "cuda" and args.block_size % KERNEL_BLOCK_MULTIPLE == 0
     generate(model, prompt, min(2, new_tokens), block_size=args.block_size)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     result = generate(model, prompt, new_tokens, temperature=args.temperature, top_p=args.top_p,
-                      block_size=args.block_size, generator=generator)
+                      block_size=args.block_size, generator=generator, cuda_graph=graph)
     parameters = sum(p.numel() for p in model.parameters())
     sampling = "greedy" if args.temperature == 0 else f"temperature {args.temperature}, top-p {args.top_p}"
     print(f"{args.model} ({parameters / 1e6:.1f}M parameters, step {metadata['step']}) from {file}; {device.type}, "
-          f"{str(dtype).removeprefix('torch.')}, {sampling}, paged KV cache in blocks of {args.block_size}")
+          f"{str(dtype).removeprefix('torch.')}, {sampling}, paged KV cache in blocks of {args.block_size}"
+          f"{', decode steps replayed from a CUDA graph' if graph else ''}")
     print(tokenizer.decode(result.tokens[0].tolist()))
     rate = result.decode_tokens_per_s
     decode = f"{rate:,.1f} tokens/s" if rate else "no decode step"
+    capture = f" (graph captured in {result.capture_s * 1e3:.1f} ms, not counted)" if result.capture_s else ""
     print(f"time to first token {result.time_to_first_token_s * 1e3:.1f} ms (prompt of {result.prefill_tokens} "
-          f"tokens); decode {result.new_tokens - 1} tokens at {decode}")
+          f"tokens); decode {result.new_tokens - 1} tokens at {decode}{capture}")
     return result
 
 

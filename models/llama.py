@@ -248,9 +248,12 @@ class LlamaModel(torch.nn.Module):
             return self.norm(x, residual)[0]
         if documents is not None:
             raise ValueError("packed documents and a KV cache do not go together")
-        start, new_tokens = cache.length, input_ids.shape[1]
+        new_tokens = input_ids.shape[1]
         cache.make_room(new_tokens)
-        cos, sin = (table[start:] for table in rotary_tables(self.inverse_frequencies, start + new_tokens))
+        # the positions from the cache's lengths on the device (the rows share them), not from cache.length:
+        # a decode step captured in a CUDA graph then takes its positions from each replay's lengths
+        positions = cache.cache_seqlens[:1].long() + torch.arange(new_tokens, device=input_ids.device)
+        cos, sin = rotary_tables_at(self.inverse_frequencies, positions)
         x, residual = self.embed_tokens(input_ids), None
         for index, layer in enumerate(self.layers):
             x, residual = layer(x, residual, cos, sin, cache=cache.layer(index))

@@ -9,6 +9,7 @@ import torch
 
 from models import data, generate, train
 from models.llama import LlamaConfig, LlamaForCausalLM
+import tk_testing
 from test_train import synthetic_text, train_args
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -84,3 +85,29 @@ def test_the_command_line_generates_from_a_trained_checkpoint(tmp_path, capsys):
     assert torch.equal(sampled[0], sampled[1])
     with pytest.raises(SystemExit, match="no checkpoint at"):
         generate.main(["--model", "llama", "--checkpoint", str(tmp_path / "nowhere"), "--data", str(data_dir)])
+
+
+@tk_testing.requires_kernel("attention_with_kvcache")
+@pytest.mark.parametrize("block_size", [128, 256])
+def test_decode_steps_replayed_from_a_cuda_graph_equal_eager_ones(block_size):
+    """The graph's replays append to the cache and advance its lengths on the device: the tokens, the
+    cache's contents and its lengths equal those of steps launched from Python (bf16, same kernels)."""
+    torch.manual_seed(0)
+    model = random_llama(max_position_embeddings=300).to("cuda", torch.bfloat16)
+    prompt = torch.randint(0, 97, (3, 7), device="cuda")
+    results, caches = [], []
+    for graph in (False, True):
+        cache_of = model.kv_cache
+        made = []
+        model.kv_cache = lambda *a, **k: made.append(cache_of(*a, **k)) or made[-1]  # keep the cache to compare
+        try:
+            results.append(generate.generate(model, prompt, 140, block_size=block_size, cuda_graph=graph))
+        finally:
+            del model.kv_cache
+        caches.append(made[0])
+    assert torch.equal(results[0].tokens, results[1].tokens)
+    assert results[1].capture_s > 0 and results[0].capture_s == 0
+    eager, graphed = caches
+    assert graphed.length == eager.length == 7 + 139 and torch.equal(graphed.cache_seqlens, eager.cache_seqlens)
+    for a, b in zip(eager.keys + eager.values, graphed.keys + graphed.values):
+        assert torch.equal(a, b)
