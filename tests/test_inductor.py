@@ -451,13 +451,13 @@ def test_rule_replaces_efficient(head_dim, mask):
 
 
 @pytest.mark.parametrize("backend", ["cudnn", "efficient"])
-def test_a_window_stays_with_sdpa_on_a_kernel_device(backend, monkeypatch, declared_head_dims):
-    """tk has no window kernel: on a device its kernels serve (here pretended), a proven window mask
-    stays with SDPA's backend; only any_device, where the reference is asked for, takes it."""
+def test_a_window_is_rewritten_on_a_kernel_device(backend, monkeypatch, declared_head_dims):
+    """On a device its kernels serve (here pretended), a proven window mask is rewritten whatever SDPA's
+    backend: SDPA runs it as a dense mask, 12.8-17.8x slower than tk's window kernels."""
     from tk_ops.inductor.options import RewriteOptions
 
     monkeypatch.setattr(RewriteOptions, "serves", lambda self, device, op_name: True)
-    for any_device, mask, expected in ((False, "additive_window", 0), (True, "additive_window", 1),
+    for any_device, mask, expected in ((False, "additive_window", 1), (True, "additive_window", 1),
                                        (False, "additive_causal", 1)):  # fmt: skip
         rewrites, _ = rewritten_backend_graph(backend, 128, training=True, mask=mask, any_device=any_device)
         assert rewrites == expected, (any_device, mask)
