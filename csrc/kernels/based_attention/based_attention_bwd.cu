@@ -56,9 +56,14 @@ struct taylor_slope_times {
   __device__ static float apply(float grad, float qk) { return grad * (1.0f + qk * SCORE_SCALE) * SCORE_SCALE; }
 };
 
-// The parts the two gradient kernels share.
+// The parts the two gradient kernels share. The kernels are its members (defined below, deriving
+// from it), so that their hooks name all of this directly and the pipeline template still finds
+// the plan as K::stages etc.
 template <typename T>
 struct gradient_common : based_plan {
+  struct dq_kernel;
+  struct dkdv_kernel;
+
   using qk_tile = shared_tile<T, CHUNK, FEATURES>;
   using value_tile = shared_tile<T, CHUNK, VALUE_BLOCK>;           // v, grad_out (and grad_v's staging)
   using state_tile = shared_tile<T, SLAB_FEATURES, VALUE_BLOCK>;   // a slab's scaled copy
@@ -161,23 +166,7 @@ struct gradient_common : based_plan {
 // ------------------------------------------------------------------------------------ grad_q
 
 template <typename T>
-struct dq_kernel : gradient_common<T> {
-  using base = gradient_common<T>;
-  using typename base::stage;
-  using typename base::state_tile;
-  using typename base::scores;
-  using typename base::slab_products;
-  using typename base::weights;
-  using typename base::value_accumulator;
-  using typename base::slabs;
-  using typename base::position_rows;
-  using typename base::position_cols;
-  using typename base::slab_rows;
-  using typename base::small_tile;
-  using typename base::row_vector;
-  using typename base::gradient;
-  using typename base::barrier_id;
-
+struct gradient_common<T>::dq_kernel : gradient_common {
   struct scratch {
     state_tile moments[SLABS];
   };
@@ -209,7 +198,7 @@ struct dq_kernel : gradient_common<T> {
   }
 
   __device__ static void load(const params& p, pipeline::head_block task, int chunk, int, stage& s, mbarrier& full) {
-    base::load_chunk(p.q, p.k, p.v, p.grad_out, task, chunk, s, full);
+    load_chunk(p.q, p.k, p.v, p.grad_out, task, chunk, s, full);
   }
 
   __device__ static void compute(const context& ctx, consumer_state& st, inputs& in) {
@@ -260,7 +249,7 @@ struct dq_kernel : gradient_common<T> {
           warpgroup::mma<operand_major::k, operand_major::k>(u, s.g, 0, ctx.scratch.moments[t], 0, false);
           warpgroup::commit();
           warpgroup::wait<0>(u, ds, grad);
-          base::add_feature_gradient(earlier, u, q, t);
+          add_feature_gradient(earlier, u, q, t);
         };
         // Not unrolled: see add_feature_gradient.
 #pragma unroll 1
@@ -300,7 +289,7 @@ struct dq_kernel : gradient_common<T> {
       sh.store_gradient(sh.partial_q, ctx.params.grad_q, ctx.task, chunk * CHUNK + warp_row0, 0, grad);
 
       barrier_sync(barrier_id::chunk_done, WARPGROUP_THREADS);
-      base::write_copies(ctx.scratch.moments, st.m, chunk + 1 < ctx.iterations);
+      write_copies(ctx.scratch.moments, st.m, chunk + 1 < ctx.iterations);
       publish(barrier_id::copies_written, WARPGROUP_THREADS);  // the stmatrix writes must be visible to wgmma
     }
   }
@@ -309,23 +298,7 @@ struct dq_kernel : gradient_common<T> {
 // ------------------------------------------------------------------------------- grad_k, grad_v
 
 template <typename T>
-struct dkdv_kernel : gradient_common<T> {
-  using base = gradient_common<T>;
-  using typename base::stage;
-  using typename base::value_tile;
-  using typename base::state_tile;
-  using typename base::scores;
-  using typename base::slab_products;
-  using typename base::weights;
-  using typename base::value_accumulator;
-  using typename base::slabs;
-  using typename base::position_rows;
-  using typename base::position_cols;
-  using typename base::slab_rows;
-  using typename base::small_tile;
-  using typename base::chunk_vector;
-  using typename base::gradient;
-  using typename base::barrier_id;
+struct gradient_common<T>::dkdv_kernel : gradient_common {
   // R and the products of the later chunks outgrow a 128-register share: one task per SM.
   static constexpr int blocks_per_sm = 1;
   static constexpr int consumer_registers = 256;
@@ -369,7 +342,7 @@ struct dkdv_kernel : gradient_common<T> {
 
   __device__ static void load(const params& p, pipeline::head_block task, int iteration, int, stage& s,
                               mbarrier& full) {
-    base::load_chunk(p.q, p.k, p.v, p.grad_out, task, chunk_of(p, iteration), s, full);
+    load_chunk(p.q, p.k, p.v, p.grad_out, task, chunk_of(p, iteration), s, full);
   }
 
   __device__ static void compute(const context& ctx, consumer_state& st, inputs& in) {
@@ -436,7 +409,7 @@ struct dkdv_kernel : gradient_common<T> {
           warpgroup::mma<operand_major::k, operand_major::k>(w, s.v, 0, ctx.scratch.states[t], 0, false);
           warpgroup::commit();
           warpgroup::wait<0>(w, features, grad_v);
-          base::add_feature_gradient(later, w, k, t);
+          add_feature_gradient(later, w, k, t);
         };
         // Not unrolled: see add_feature_gradient.
 #pragma unroll 1
@@ -486,7 +459,7 @@ struct dkdv_kernel : gradient_common<T> {
                                      int chunk, bool more, bool leader) {
     value_tile& staging = ctx.scratch.staging[st.grad_v_stores.slot()];
     st.grad_v_stores.acquire(leader, barrier_id::chunk_done);
-    base::write_copies(ctx.scratch.states, st.r, more);
+    write_copies(ctx.scratch.states, st.r, more);
     warpgroup::store<0>(staging, grad_v);
     // The stmatrix writes must be visible to wgmma and to the copy engine.
     publish(barrier_id::copies_written, WARPGROUP_THREADS);
@@ -497,9 +470,7 @@ struct dkdv_kernel : gradient_common<T> {
     st.grad_v_stores.commit(leader);
   }
 
-  __device__ static void finish(const typename dkdv_kernel::params&, typename dkdv_kernel::scratch&, int) {
-    chunked_causal::staging_ring::drain();
-  }
+  __device__ static void finish(const params&, scratch&, int) { chunked_causal::staging_ring::drain(); }
 };
 
 // ----------------------------------------------------------------------------------- host
@@ -509,7 +480,7 @@ using causal_backward::workspace_view;
 
 template <typename T>
 cudaError_t run_dq(const backward_problem& pr, const workspace_view& w, cudaStream_t stream) {
-  using K = dq_kernel<T>;
+  using K = typename gradient_common<T>::dq_kernel;
   typename K::params p;
   p.q = make_tma_map<typename K::qk_tile>(heads_layout<T>(pr.q));
   p.k = make_tma_map<typename K::qk_tile>(heads_layout<T>(pr.k));
@@ -522,7 +493,7 @@ cudaError_t run_dq(const backward_problem& pr, const workspace_view& w, cudaStre
 
 template <typename T>
 cudaError_t run_dkdv(const backward_problem& pr, const workspace_view& w, cudaStream_t stream) {
-  using K = dkdv_kernel<T>;
+  using K = typename gradient_common<T>::dkdv_kernel;
   typename K::params p;
   p.q = make_tma_map<typename K::qk_tile>(heads_layout<T>(pr.q));
   p.k = make_tma_map<typename K::qk_tile>(heads_layout<T>(pr.k));
@@ -558,8 +529,8 @@ std::string unsupported_reason(const backward_problem& p) {
   if (std::string r = shape_reason(p.q, p.k, p.v); !r.empty()) return r;
   if (std::string r = causal_backward::inputs_reason(p); !r.empty()) return r;
   return dispatch(p, [&]<typename T>() {
-    using K = dkdv_kernel<T>;
-    return causal_backward::layout_reasons<typename K::qk_tile, typename K::value_tile, T>(p);
+    using tiles = gradient_common<T>;
+    return causal_backward::layout_reasons<typename tiles::qk_tile, typename tiles::value_tile, T>(p);
   });
 }
 

@@ -76,8 +76,13 @@ struct earlier_query_gradient {
 };
 
 // What the two gradient kernels share: the plan, the tiles, the statistics and the transposed loads.
+// The kernels are its members (defined below, deriving from it), so that their hooks name all of
+// this directly and the pipeline template still finds the plan as K::stages etc.
 template <typename T, int FEATURES>
 struct gradient_common {
+  struct dq_kernel;
+  struct dkdv_kernel;
+
   static constexpr bool wide = FEATURES > 2 * SLAB_FEATURES;
   static constexpr int VALUE_BLOCK = value_block_for(FEATURES);
   static constexpr int consumer_warpgroups = 1;
@@ -150,27 +155,7 @@ struct gradient_common {
 // ------------------------------------------------------------------------------------ grad_q
 
 template <typename T, int FEATURES>
-struct dq_kernel : gradient_common<T, FEATURES> {
-  using base = gradient_common<T, FEATURES>;
-  using base::SLABS;
-  using base::PIECE;
-  using base::PIECES;
-  using base::OPERAND_BUFFERS;
-  using base::VALUE_BLOCK;
-  using typename base::qk_tile;
-  using typename base::value_tile;
-  using typename base::state_copy_tile;
-  using typename base::scores;
-  using typename base::weights;
-  using typename base::state;
-  using typename base::feature_rows;
-  using typename base::feature_sums;
-  using typename base::piece;
-  using typename base::piece_vector;
-  using typename base::row_vector;
-  using typename base::gradient_shape;
-  using typename base::barrier_id;
-
+struct gradient_common<T, FEATURES>::dq_kernel : gradient_common {
   struct stage {
     qk_tile k;
     value_tile v, g;
@@ -225,7 +210,7 @@ struct dq_kernel : gradient_common<T, FEATURES> {
     }
     // Zero copies, so that the first chunk's earlier terms need no branch (a wgmma on one side of
     // a branch makes ptxas serialise the accumulators).
-    base::write_copies(ctx.scratch.state_copy, ctx.scratch.key_sum, st.m, st.key_sum, carries_delta);
+    write_copies(ctx.scratch.state_copy, ctx.scratch.key_sum, st.m, st.key_sum, carries_delta);
     publish(barrier_id::copies_written, WARPGROUP_THREADS);
 
     auto at = in.first();
@@ -274,7 +259,7 @@ struct dq_kernel : gradient_common<T, FEATURES> {
 #pragma unroll
       for (int t = 0; t < SLABS; ++t) {
         feature_rows& k_t = operand[t % OPERAND_BUFFERS];
-        base::transposed_features(k_t, s.k, t);
+        transposed_features(k_t, s.k, t);
         if (carries_delta) warp::row_sum(st.key_sum[t], k_t, st.key_sum[t]);
         warpgroup::fence();
         warpgroup::mma<operand_major::mn>(st.m[t], k_t, s.v, 0, true);
@@ -294,7 +279,7 @@ struct dq_kernel : gradient_common<T, FEATURES> {
 
       barrier_sync(barrier_id::chunk_done, WARPGROUP_THREADS);
       if (chunk + 1 < ctx.iterations) {
-        base::write_copies(ctx.scratch.state_copy, ctx.scratch.key_sum, st.m, st.key_sum, carries_delta);
+        write_copies(ctx.scratch.state_copy, ctx.scratch.key_sum, st.m, st.key_sum, carries_delta);
       }
       publish(barrier_id::copies_written, WARPGROUP_THREADS);  // the stmatrix writes must be visible to wgmma
     }
@@ -304,29 +289,10 @@ struct dq_kernel : gradient_common<T, FEATURES> {
 // ------------------------------------------------------------------------------- grad_k, grad_v
 
 template <typename T, int FEATURES>
-struct dkdv_kernel : gradient_common<T, FEATURES> {
-  using base = gradient_common<T, FEATURES>;
-  using base::SLABS;
-  using base::PIECE;
-  using base::PIECES;
-  using base::OPERAND_BUFFERS;
-  using base::VALUE_BLOCK;
-  using typename base::qk_tile;
-  using typename base::value_tile;
-  using typename base::state_copy_tile;
-  using typename base::scores;
-  using typename base::weights;
-  using typename base::state;
-  using typename base::feature_rows;
-  using typename base::feature_sums;
-  using typename base::piece;
-  using typename base::piece_vector;
-  using typename base::chunk_vector;
-  using typename base::gradient_shape;
-  using typename base::barrier_id;
+struct gradient_common<T, FEATURES>::dkdv_kernel : gradient_common {
   // At F = 256, R (64 registers), the two piece accumulators and grad_v outgrow 240 registers:
   // the whole register file of its one block an SM.
-  static constexpr int consumer_registers = base::wide ? 256 : base::consumer_registers;
+  static constexpr int consumer_registers = wide ? 256 : gradient_common::consumer_registers;
 
   struct stage {
     qk_tile q, k;
@@ -391,7 +357,7 @@ struct dkdv_kernel : gradient_common<T, FEATURES> {
       warp::zero(st.query_sum[t]);
     }
     // Zero copies: the last chunk's later terms need no branch.
-    base::write_copies(ctx.scratch.state_copy, ctx.scratch.query_sum, st.r, st.query_sum, carries_delta);
+    write_copies(ctx.scratch.state_copy, ctx.scratch.query_sum, st.r, st.query_sum, carries_delta);
     publish(barrier_id::copies_written, WARPGROUP_THREADS);
 
     auto at = in.first();
@@ -456,7 +422,7 @@ struct dkdv_kernel : gradient_common<T, FEATURES> {
 #pragma unroll
       for (int t = 0; t < SLABS; ++t) {
         feature_rows& q_t = operand[t % OPERAND_BUFFERS];
-        base::transposed_features(q_t, s.q, t);
+        transposed_features(q_t, s.q, t);
         if (carries_delta) {
           scores weighted;  // the warp's 16 features x the chunk's queries, times c
           warp::copy(weighted, q_t);
@@ -490,7 +456,7 @@ struct dkdv_kernel : gradient_common<T, FEATURES> {
                                      bool carries_delta, bool leader) {
     value_tile& staging = ctx.scratch.staging[st.grad_v_stores.slot()];
     st.grad_v_stores.acquire(leader, barrier_id::chunk_done);
-    if (more) base::write_copies(ctx.scratch.state_copy, ctx.scratch.query_sum, st.r, st.query_sum, carries_delta);
+    if (more) write_copies(ctx.scratch.state_copy, ctx.scratch.query_sum, st.r, st.query_sum, carries_delta);
     warpgroup::store<0>(staging, grad_v);
     // The stmatrix writes must be visible to wgmma and to the copy engine.
     publish(barrier_id::copies_written, WARPGROUP_THREADS);
@@ -511,7 +477,7 @@ using causal_backward::workspace_view;
 // gradient_stride: elements between rows of grad_q / grad_k (F, or 2F for a feature half).
 template <typename T, int FEATURES>
 cudaError_t run_dq(const backward_problem& pr, const workspace_view& w, int gradient_stride, cudaStream_t stream) {
-  using K = dq_kernel<T, FEATURES>;
+  using K = typename gradient_common<T, FEATURES>::dq_kernel;
   typename K::params p;
   p.k = make_tma_map<typename K::qk_tile>(heads_layout<T>(pr.k));
   p.v = make_tma_map<typename K::value_tile>(heads_layout<T>(pr.v));
@@ -524,7 +490,7 @@ cudaError_t run_dq(const backward_problem& pr, const workspace_view& w, int grad
 
 template <typename T, int FEATURES>
 cudaError_t run_dkdv(const backward_problem& pr, const workspace_view& w, int gradient_stride, cudaStream_t stream) {
-  using K = dkdv_kernel<T, FEATURES>;
+  using K = typename gradient_common<T, FEATURES>::dkdv_kernel;
   typename K::params p;
   p.q = make_tma_map<typename K::qk_tile>(heads_layout<T>(pr.q));
   p.k = make_tma_map<typename K::qk_tile>(heads_layout<T>(pr.k));
@@ -646,8 +612,8 @@ std::string unsupported_reason(const backward_problem& p) {
   if (std::string r = chunked_causal::sequence_shape_reason(p.q, p.k, p.v, causal_backward::VALUE_BLOCK); !r.empty()) return r;
   if (std::string r = causal_backward::inputs_reason(p); !r.empty()) return r;
   return dispatch(p, [&]<typename T, int FEATURES>() {
-    using K = dkdv_kernel<T, FEATURES>;
-    return causal_backward::layout_reasons<typename K::qk_tile, typename K::value_tile, T>(p);
+    using tiles = gradient_common<T, FEATURES>;
+    return causal_backward::layout_reasons<typename tiles::qk_tile, typename tiles::value_tile, T>(p);
   });
 }
 

@@ -33,6 +33,11 @@
 //
 // An optional hook that a kernel leaves out is not called (the has_* concepts below detect them):
 // a kernel whose compute stores its own results as it goes writes no empty store.
+//
+// Kernels that share a plan and tiles (a backward's two gradient kernels) are best members of the
+// shared class template, defined out of line and deriving from it (linear_attention_bwd.cu): their
+// hooks then name its members directly, where a kernel merely deriving from it would have to
+// re-declare each one (members of a dependent base are not found by unqualified lookup).
 #pragma once
 
 #include <cuda_runtime.h>
