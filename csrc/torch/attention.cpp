@@ -341,22 +341,29 @@ std::optional<at::Tensor> cache_rows(const at::Tensor& cache) {
 }
 
 // How a call's queries meet the cache in the kernel (kernels/attention/kvcache.h has the two forms'
-// packed sequences). Decode form (Nq = 1 and no window: the query sees every key, so its rows need no
-// mask): each K/V block is read once per KV head for its G = Hq / Hkv query heads, and G rows of a tile
-// are used instead of one; the cache row is cut into `splits` chunks (split-KV) when B x Hkv tasks would
-// leave SMs idle, combined by their lse afterwards, where the sinks (one per query head) join. Host
-// arithmetic only: the rows themselves are made on the device (attn::launch_prepare).
+// packed sequences). Decode form (Nq <= DECODE_MAX_QUERIES and no window: every query sees the prefix of
+// the keys, so its rows need no mask there): each K/V block is read once per KV head for its Nq x G
+// query rows (G = Hq / Hkv) instead of once per query head; the cache row is cut into `splits` chunks
+// (split-KV) when B x Hkv tasks would leave SMs idle; with a causal mask the last Nq - 1 keys are a
+// separate tail call. The chunks and the tail are combined by their lse afterwards, where the sinks (one
+// per query head) join. Host arithmetic only: the rows themselves are made on the device
+// (attn::launch_prepare).
 struct kvcache_rows {
   int64_t sequences = 0, max_q = 0, splits = 1, chunk = 0, group = 1;
+  int64_t tail = 0;  // the decode form's causal tail (kvcache.h): Nq - 1 keys, or none
   bool decode = false;
 };
+
+// The decode form takes at most this many queries per sequence (speculative decoding's draft tokens); longer
+// query blocks (a chunked prefill) run per query head, where the work is the scores', not the reads'.
+constexpr int64_t DECODE_MAX_QUERIES = 16;
 
 // Split-KV: about two tasks per SM, chunks of whole 128-key blocks and at least 256 keys.
 constexpr int64_t DECODE_TASKS_PER_SM = 2;
 constexpr int64_t DECODE_CHUNK_MULTIPLE = 128;
 constexpr int64_t DECODE_MIN_CHUNK = 256;
 
-kvcache_rows rows_for(const at::Tensor& q, int64_t kv_heads, int64_t capacity, bool decode) {
+kvcache_rows rows_for(const at::Tensor& q, int64_t kv_heads, int64_t capacity, bool decode, bool causal) {
   const int64_t batch = q.size(0), q_len = q.size(1), q_heads = q.size(2);
   kvcache_rows r;
   r.decode = decode;
@@ -374,7 +381,8 @@ kvcache_rows rows_for(const at::Tensor& q, int64_t kv_heads, int64_t capacity, b
   r.splits = (capacity + r.chunk - 1) / r.chunk;
   r.group = q_heads / kv_heads;
   r.sequences = batch * r.splits;
-  r.max_q = r.group;
+  r.max_q = r.group * q_len;
+  r.tail = causal ? q_len - 1 : 0;
   return r;
 }
 
@@ -411,16 +419,19 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_cuda(
   const at::Tensor table = paged && kernel_case ? block_table->contiguous() : at::Tensor();
   const int64_t new_len = k.has_value() ? k->size(1) : 0;
   kvcache_rows rows;
-  at::Tensor q_rows, metadata;
+  at::Tensor q_rows, metadata, k_tail, v_tail, tail_q_rows;
+  std::optional<attn::forward_problem> tail_plan;
   // the metadata's positions are int32, as the kernels read them
   const bool int_positions = (batch + 1) * capacity <= std::numeric_limits<int>::max();
   if (k_rows && v_rows && int_positions) {
-    const bool decode = q_len == 1 && window_left < 0 && window_right < 0;
-    rows = rows_for(q, k_cache.size(2), capacity, decode);
-    q_rows = decode ? at::empty({rows.sequences * rows.group, k_cache.size(2), q.size(3)}, q.options())
+    const bool decode = q_len <= DECODE_MAX_QUERIES && window_left < 0 && window_right < 0;
+    rows = rows_for(q, k_cache.size(2), capacity, decode, causal);
+    const int64_t kv_heads = k_cache.size(2), tail_rows = batch * rows.tail;
+    q_rows = decode ? at::empty({rows.sequences * rows.max_q, kv_heads, q.size(3)}, q.options())
                     : q.reshape({batch * q_len, q.size(2), q.size(3)});
-    // cu_seqlens_q, cu_seqlens_k (sequences + 1 each), seqused_k (sequences)
-    metadata = at::empty({3 * rows.sequences + 2}, q.options().dtype(at::kInt));
+    // cu_seqlens_q, cu_seqlens_k (sequences + 1 each), seqused_k (sequences); then the tail's (batch + 1,
+    // batch + 1, batch)
+    metadata = at::empty({3 * rows.sequences + 2 + (rows.tail > 0 ? 3 * batch + 2 : 0)}, q.options().dtype(at::kInt));
     const auto qv = packed_view_of(q_rows), kv = packed_view_of(*k_rows), vv = packed_view_of(*v_rows);
     if (qv && kv && vv) {
       attn::forward_problem p{element_of(q), causal && !decode, float(scale), *qv, *kv, *vv, nullptr, nullptr};
@@ -438,6 +449,23 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_cuda(
       }
       if (attn::unsupported_reason(p).empty()) plan = p;
     }
+    if (plan && rows.tail > 0) {
+      // The tail: each sequence's Nq query rows per query head, causal, against its last Nq - 1 keys.
+      k_tail = at::empty({tail_rows, kv_heads, k_cache.size(3)}, q.options());
+      v_tail = at::empty({tail_rows, kv_heads, v_cache.size(3)}, q.options());
+      tail_q_rows = q.reshape({batch * q_len, q.size(2), q.size(3)});
+      attn::forward_problem t{element_of(q), true, float(scale), *packed_view_of(tail_q_rows),
+                              *packed_view_of(k_tail), *packed_view_of(v_tail), nullptr, nullptr};
+      set_options(t, -1, -1, softcap, std::nullopt);
+      int* tail_cu_q = metadata.data_ptr<int>() + 3 * rows.sequences + 2;
+      t.packed = {tail_cu_q, tail_cu_q + batch + 1, batch, q_len, rows.tail, tail_cu_q + 2 * (batch + 1)};
+      // (the tail's tensors are contiguous, so it runs wherever the prefix does)
+      if (attn::unsupported_reason(t).empty()) {
+        tail_plan = t;
+      } else {
+        plan.reset();
+      }
+    }
   }
   if (!plan) {
     return fallback<&attention_with_kvcache_cuda>("tk::attention_with_kvcache_ref", q, k_cache, v_cache, k, v,
@@ -448,12 +476,14 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_cuda(
   const at::Tensor seqlens = cache_seqlens.contiguous();
   attn::kvcache_call call{element_of(q), batch, q.size(2), k_cache.size(2), q_len, capacity, seqlens.data_ptr<int>()};
   const at::Tensor k_new = new_len > 0 ? k->contiguous() : at::Tensor(), v_new = new_len > 0 ? v->contiguous() : at::Tensor();
+  call.k_cache = plan->k;
+  call.v_cache = plan->v;
+  call.k.dim = k_cache.size(3);
+  call.v.dim = v_cache.size(3);
   if (new_len > 0) {
     call.new_len = new_len;
     call.k = *tokens_view_of(k_new);
     call.v = *tokens_view_of(v_new);
-    call.k_cache = plan->k;
-    call.v_cache = plan->v;
   }
   if (paged) {
     call.page_table = table.data_ptr<int>();
@@ -464,6 +494,14 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_cuda(
   call.decode = rows.decode;
   call.splits = rows.splits;
   call.chunk = rows.chunk;
+  if (tail_plan) {
+    call.tail = rows.tail;
+    call.k_tail = k_tail.data_ptr();
+    call.v_tail = v_tail.data_ptr();
+    call.tail_cu_seqlens_q = const_cast<int*>(tail_plan->packed.cu_seqlens_q);
+    call.tail_cu_seqlens_k = const_cast<int*>(tail_plan->packed.cu_seqlens_k);
+    call.tail_seqused_k = const_cast<int*>(tail_plan->packed.seqused_k);
+  }
   if (rows.decode) {
     call.q = *tokens_view_of(q.stride(3) == 1 ? q : q.contiguous());
     call.q_rows = q_rows.data_ptr();
@@ -476,19 +514,33 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_cuda(
   at::Tensor lse = at::empty({heads, total}, q.options().dtype(at::kFloat));
   plan->out = out.data_ptr();
   plan->lse = lse.data_ptr<float>();
+  at::Tensor tail_out, tail_lse;
+  if (tail_plan) {
+    tail_out = at::empty({batch * q_len, q.size(2), value_dim}, q.options());
+    tail_lse = at::empty({q.size(2), batch * q_len}, q.options().dtype(at::kFloat));
+    tail_plan->out = tail_out.data_ptr();
+    tail_plan->lse = tail_lse.data_ptr<float>();
+  }
   launch_on(q, [&](cudaStream_t stream) {
-    const cudaError_t prepared = attn::launch_prepare(call, stream);
-    return prepared != cudaSuccess ? prepared : attn::launch(*plan, stream);
+    cudaError_t error = attn::launch_prepare(call, stream);
+    if (error == cudaSuccess) error = attn::launch(*plan, stream);
+    if (error == cudaSuccess && tail_plan) error = attn::launch(*tail_plan, stream);
+    return error;
   });
   if (!rows.decode) {
     return {out.view({batch, q_len, heads, value_dim}), lse.view({heads, batch, q_len}).permute({1, 0, 2}).contiguous()};
   }
-  at::Tensor combined = at::empty({batch, 1, q.size(2), value_dim}, q.options());
-  at::Tensor combined_lse = at::empty({batch, q.size(2), 1}, q.options().dtype(at::kFloat));
-  const attn::kvcache_combine combine{element_of(q), batch, q.size(2), k_cache.size(2), value_dim, rows.splits,
-                                      out.data_ptr(), lse.data_ptr<float>(),
-                                      sinks.has_value() ? sinks->data_ptr<float>() : nullptr,
-                                      combined.data_ptr(), combined_lse.data_ptr<float>()};
+  at::Tensor combined = at::empty({batch, q_len, q.size(2), value_dim}, q.options());
+  at::Tensor combined_lse = at::empty({batch, q.size(2), q_len}, q.options().dtype(at::kFloat));
+  attn::kvcache_combine combine{element_of(q), batch, q_len, q.size(2), k_cache.size(2), value_dim, rows.splits,
+                                out.data_ptr(), lse.data_ptr<float>()};
+  if (tail_plan) {
+    combine.tail_out = tail_out.data_ptr();
+    combine.tail_lse = tail_lse.data_ptr<float>();
+  }
+  combine.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
+  combine.out = combined.data_ptr();
+  combine.lse = combined_lse.data_ptr<float>();
   launch_on(q, [&](cudaStream_t stream) { return attn::launch_combine(combine, stream); });
   return {combined, combined_lse};
 }

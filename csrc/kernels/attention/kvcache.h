@@ -2,14 +2,19 @@
 // before it (append the new keys and values, lay the queries out as packed sequences) and, for the decode
 // form, the work after it (combine the split-KV chunks by their lse). Plain C++ (no torch):
 // csrc/torch/attention.cpp calls them. Each is one launch, and none reads anything on the host, so a
-// decode step is three launches (prepare, attention, combine) that a CUDA graph captures.
+// decode step is three launches (prepare, attention, combine) that a CUDA graph captures (four with a tail).
 //
-// The packed sequences (attention.h, packed_sequences) of a call:
-//   per query head  sequence b: rows [b Nq, (b + 1) Nq) of q (B Nq, Hq, D), against the first
-//                   cache_seqlens[b] + Nnew positions of cache row b (span [b C, (b + 1) C), C the capacity)
-//   decode          sequence (b, s), s < splits: the G = Hq / Hkv query heads of each KV head as G rows
-//                   (q_rows below), against positions [s chunk, (s + 1) chunk) of cache row b, of which the
-//                   first max(cache_seqlens[b] + Nnew - s chunk, 0) are keys
+// The packed sequences (attention.h, packed_sequences) of a call, L_b = cache_seqlens[b] + Nnew its keys:
+//   per query head  sequence b: rows [b Nq, (b + 1) Nq) of q (B Nq, Hq, D), against the first L_b positions
+//                   of cache row b (span [b C, (b + 1) C), C the capacity)
+//   decode          sequence (b, s), s < splits: the Nq queries x G = Hq / Hkv query heads of each KV head as
+//                   Nq G rows (q_rows below; K/V read once per KV head), against positions [s chunk,
+//                   (s + 1) chunk) of cache row b, of which the first max(L_b - tail - s chunk, 0) are keys:
+//                   the prefix every query sees. With a causal mask and Nq > 1 query i sees the first
+//                   L_b - Nq + 1 + i keys, which no mask over packed rows (g, i) expresses, so the last
+//                   tail = Nq - 1 keys are a second call: sequence b's Nq rows per query head, causal,
+//                   against those keys gathered into k_tail, v_tail; the combine joins its result as one
+//                   more chunk
 #pragma once
 
 #include <cuda_runtime.h>
@@ -35,12 +40,22 @@ struct kvcache_call {
   heads_view k, v, k_cache, v_cache;
   const int* page_table = nullptr;  // (batch, pages_per_row) int32, or none: dense (row b holds sequence b)
   int64_t pages_per_row = 0, page_rows = 0, pages = 0;
-  // The decode form (Nq = 1): splits chunks of `chunk` positions per sequence; q (B, 1, Hq, D) as a heads
-  // view (batch B, heads Hq, rows 1) gathered into q_rows (B splits G rows, Hkv, D) contiguous.
+  // The decode form: splits chunks of `chunk` positions per sequence; q (B, Nq, Hq, D) as a heads view
+  // (batch B, heads Hq, rows Nq) gathered into q_rows (B splits Nq G rows, Hkv, D) contiguous, row
+  // ((b splits + s) Nq + i) G + g holding query i of head kv G + g.
   bool decode = false;
   int64_t splits = 1, chunk = 0;
   heads_view q;
   void* q_rows = nullptr;
+  // The tail (decode form, causal, Nq > 1; tail = 0: none): sequence b's last min(tail, L_b) keys and values
+  // gathered into k_tail, v_tail (B tail, Hkv, D / Dv) contiguous, from the appended k, v where they are new
+  // (the append of this launch is not read back), and the tail call's metadata (batch + 1, batch + 1, batch).
+  int64_t tail = 0;
+  void* k_tail = nullptr;
+  void* v_tail = nullptr;
+  int* tail_cu_seqlens_q = nullptr;
+  int* tail_cu_seqlens_k = nullptr;
+  int* tail_seqused_k = nullptr;
   // The packed sequences' metadata, written here: cu_seqlens_q and cu_seqlens_k (sequences + 1 each) and
   // seqused_k (sequences), sequences = batch (x splits when decoding).
   int* cu_seqlens_q;
@@ -48,19 +63,22 @@ struct kvcache_call {
   int* seqused_k;
 };
 
-// The appended keys and values in the caches, the decode form's query rows and the metadata.
+// The appended keys and values in the caches, the decode form's query rows and tail, and the metadata.
 cudaError_t launch_prepare(const kvcache_call& call, cudaStream_t stream);
 
-// The decode form's result from its chunks: out_rows (B splits G rows, Hkv, Dv) contiguous in the call's
-// dtype and lse_rows (Hkv, B splits G) fp32, the forward's packed outputs. lse = log(sum over chunks of
-// exp(lse_s) (+ exp(sink))), out = sum over chunks of exp(lse_s - lse) out_s, summed in fp32 (a row that
-// sees nothing: out 0, lse -inf, or its sink); out (B, Hq, Dv) and lse (B, Hq) contiguous.
+// The decode form's result from its chunks: out_rows (B splits Nq G rows, Hkv, Dv) contiguous in the call's
+// dtype and lse_rows (Hkv, B splits Nq G) fp32, the forward's packed outputs, and the tail's (B Nq rows, Hq,
+// Dv) and (Hq, B Nq) where there is one. lse = log(sum over chunks of exp(lse_s) (+ exp(sink))), out = sum
+// over chunks of exp(lse_s - lse) out_s, summed in fp32 (a row that sees nothing: out 0, lse -inf, or its
+// sink); out (B, Nq, Hq, Dv) and lse (B, Hq, Nq) contiguous.
 struct kvcache_combine {
   element_type dtype;
-  int64_t batch, q_heads, kv_heads, value_dim, splits;
+  int64_t batch, q_len, q_heads, kv_heads, value_dim, splits;
   const void* out_rows;
   const float* lse_rows;
-  const float* sinks;  // (Hq,) fp32, or none
+  const void* tail_out = nullptr;
+  const float* tail_lse = nullptr;
+  const float* sinks = nullptr;  // (Hq,) fp32, or none
   void* out;
   float* lse;
 };
