@@ -420,6 +420,9 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_cuda(
   const int64_t new_len = k.has_value() ? k->size(1) : 0;
   kvcache_rows rows;
   at::Tensor q_rows, metadata, k_tail, v_tail, tail_q_rows;
+  // q with a unit last stride, as the decode form's prepare and its tail read it (a name, not a temporary:
+  // the prepare launch reads it after the statement that takes its view)
+  const at::Tensor q_unit = !kernel_case || q.stride(3) == 1 || q.size(3) <= 1 ? q : q.contiguous();
   std::optional<attn::forward_problem> tail_plan;
   // the metadata's positions are int32, as the kernels read them
   const bool int_positions = (batch + 1) * capacity <= std::numeric_limits<int>::max();
@@ -453,18 +456,17 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_cuda(
       // The tail: each sequence's Nq query rows per query head, causal, against its last Nq - 1 keys.
       k_tail = at::empty({tail_rows, kv_heads, k_cache.size(3)}, q.options());
       v_tail = at::empty({tail_rows, kv_heads, v_cache.size(3)}, q.options());
-      tail_q_rows = q.reshape({batch * q_len, q.size(2), q.size(3)});
-      attn::forward_problem t{element_of(q), true, float(scale), *packed_view_of(tail_q_rows),
-                              *packed_view_of(k_tail), *packed_view_of(v_tail), nullptr, nullptr};
-      set_options(t, -1, -1, softcap, std::nullopt);
-      int* tail_cu_q = metadata.data_ptr<int>() + 3 * rows.sequences + 2;
-      t.packed = {tail_cu_q, tail_cu_q + batch + 1, batch, q_len, rows.tail, tail_cu_q + 2 * (batch + 1)};
-      // (the tail's tensors are contiguous, so it runs wherever the prefix does)
-      if (attn::unsupported_reason(t).empty()) {
-        tail_plan = t;
-      } else {
-        plan.reset();
+      tail_q_rows = q_unit.reshape({batch * q_len, q.size(2), q.size(3)});
+      const auto tqv = packed_view_of(tail_q_rows), tkv = packed_view_of(k_tail), tvv = packed_view_of(v_tail);
+      if (tqv && tkv && tvv) {
+        attn::forward_problem t{element_of(q), true, float(scale), *tqv, *tkv, *tvv, nullptr, nullptr};
+        set_options(t, -1, -1, softcap, std::nullopt);
+        int* tail_cu_q = metadata.data_ptr<int>() + 3 * rows.sequences + 2;
+        t.packed = {tail_cu_q, tail_cu_q + batch + 1, batch, q_len, rows.tail, tail_cu_q + 2 * (batch + 1)};
+        if (attn::unsupported_reason(t).empty()) tail_plan = t;
       }
+      // no tail, no decode form: the reference
+      if (!tail_plan) plan.reset();
     }
   }
   if (!plan) {
@@ -503,7 +505,7 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_cuda(
     call.tail_seqused_k = const_cast<int*>(tail_plan->packed.seqused_k);
   }
   if (rows.decode) {
-    call.q = *tokens_view_of(q.stride(3) == 1 ? q : q.contiguous());
+    call.q = *tokens_view_of(q_unit);
     call.q_rows = q_rows.data_ptr();
   }
   call.cu_seqlens_q = const_cast<int*>(plan->packed.cu_seqlens_q);
