@@ -116,7 +116,9 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> attention_as_decode(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale, int64_t window_left,
     int64_t window_right, double softcap, const std::optional<at::Tensor>& sinks) {
   const int64_t batch = q.size(0), q_heads = q.size(1), kv_heads = k.size(1), keys = k.size(2), dim = q.size(3);
+  // (the cache call's positions are int32: (rows + 1) x Nk must fit, rows = B or B x Hkv)
   const bool decoding = q.size(2) == 1 && keys >= DECODE_ROUTE_MIN_KEYS && window_left < 0 && window_right < 0 &&
+                        (batch * kv_heads + 1) * keys <= std::numeric_limits<int>::max() &&
                         v.size(3) == dim && attn::forward_head_dims::contains(dim) && kernel_device(q) &&
                         (!sinks.has_value() || kernel_sinks(*sinks, q, q_heads));
   if (!decoding) return std::nullopt;
