@@ -11,6 +11,9 @@ Shapes (bf16, Hq = 32, Hkv = 8, D = Dv = 128, causal; cache lengths drawn once f
                      4096..12288 (speculative decoding's draft tokens)
   dense              B = 1 at 4096, 32768 and 131072 tokens (one stream, the latency case); B = 16 at
                      16384
+  attention          B = 1 and 16 at 4096 and 16384 tokens through tk_ops.attention: q (B, Hq, 1, D) against
+                     head-major (B, Hkv, L, D) keys and values, as Hugging Face's cache holds them (a decoding
+                     step of a model that calls attention, not a cache op)
 Baselines:
   fa4    flash_attn.cute.flash_attn_varlen_func on the same cache tensors: q (B, Nq, Hq, D), seqused_k
          = cache_seqlens, page_table = block_table (FlashAttention-4 4.0.0b36; a baseline only where it
@@ -65,7 +68,7 @@ class DecodeCase:
     @property
     def label(self) -> str:
         lengths = f"L={self.max_len}" if self.min_len == self.max_len else f"L={self.min_len}..{self.max_len}"
-        layout = f"paged {self.block_size}" if self.block_size else "dense"
+        layout = f"paged {self.block_size}" if self.block_size else self.group
         return f"B={self.batch} Nq={self.q_len} Hq={self.q_heads} Hkv={self.kv_heads} {lengths} {layout}"
 
 
@@ -77,11 +80,14 @@ CASES = [
     DecodeCase("dense", 1, 32768, 32768),
     DecodeCase("dense", 1, 131072, 131072),
     DecodeCase("dense", 16, 16384, 16384),
+    DecodeCase("attention", 1, 4096, 4096),
+    DecodeCase("attention", 16, 16384, 16384),
 ]
 # (equal lengths in the last: SDPA's rows are compared with ours only there)
 DRY_RUN_CASES = [DecodeCase("paged", 3, 5, 40, q_len=2, q_heads=4, kv_heads=2, head_dim=16, block_size=8),
                  DecodeCase("dense", 2, 7, 33, q_heads=4, kv_heads=2, head_dim=16),
-                 DecodeCase("paged", 2, 24, 24, q_len=3, q_heads=4, kv_heads=2, head_dim=16, block_size=8)]
+                 DecodeCase("paged", 2, 24, 24, q_len=3, q_heads=4, kv_heads=2, head_dim=16, block_size=8),
+                 DecodeCase("attention", 2, 33, 33, q_heads=4, kv_heads=2, head_dim=16)]
 
 
 def make_inputs(case: DecodeCase, device) -> tuple:
@@ -91,7 +97,7 @@ def make_inputs(case: DecodeCase, device) -> tuple:
     lengths = case.lengths()
     options = dict(dtype=DTYPE, device=device)
     q = torch.randn(case.batch, case.q_len, case.q_heads, case.head_dim, **options)
-    if not case.block_size:
+    if not case.block_size:  # dense and attention
         shape = (case.batch, case.max_len, case.kv_heads, case.head_dim)
         return q, torch.randn(shape, **options), torch.randn(shape, **options), lengths.to(device), None
     blocks_per_sequence = -(-case.max_len // case.block_size)
@@ -104,10 +110,22 @@ def make_inputs(case: DecodeCase, device) -> tuple:
 
 
 def ours(case: DecodeCase, pass_: str):
+    if case.group == "attention":
+        return lambda q, k, v: tk_ops.attention(q, k, v, causal=True).transpose(1, 2)
+
     def run(q, k_cache, v_cache, cache_seqlens, block_table):
         return tk_ops.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
                                              block_table=block_table, causal=True)
     return run
+
+
+def ours_inputs(case: DecodeCase, pass_: str, inputs: tuple) -> tuple:
+    """Through tk.attention: q (B, Hq, 1, D) and the caches head-major (B, Hkv, L, D), made outside the
+    timing; the cache op's inputs as they are otherwise."""
+    if case.group != "attention":
+        return inputs
+    q, k_cache, v_cache, _, _ = inputs
+    return (q.transpose(1, 2), *(t.transpose(1, 2).contiguous() for t in (k_cache, v_cache)))
 
 
 def fa4(case: DecodeCase, pass_: str):
@@ -152,7 +170,7 @@ def sdpa_as_ours(case: DecodeCase, pass_: str, outputs: list) -> list:
 
 BENCH = common.Bench(
     "decode", "Decode attention: tk_ops vs FlashAttention-4 / SDPA (bf16, KV bytes over time)",
-    ours=common.Provider("tk_ops", ours, graph=True),
+    ours=common.Provider("tk_ops", ours, prepare=ours_inputs, graph=True),
     baselines=(common.Provider("sdpa", sdpa, prepare=sdpa_inputs, as_ours=sdpa_as_ours, graph=True),),
     inputs=lambda case, pass_, device: make_inputs(case, device),
     set_bytes=lambda case, pass_, inputs: common.tensor_bytes(inputs), max_sets=8,

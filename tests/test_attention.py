@@ -264,6 +264,66 @@ FORWARD_HEAD_DIMS = [64, 96, 128, 192, 256]
 FORWARD_ONLY_HEAD_DIMS = [96, 192, 256]
 
 
+def keys_in_layout(batch, kv_heads, key_len, head_dim, layout):
+    """k or v (B, Hkv, Nk, D) in bf16 on the GPU: head-major (contiguous, as Hugging Face's caches hold them)
+    or tokens-major (a (B, Nk, Hkv, D) tensor's transposed view, as models make them)."""
+    if layout == "head-major":
+        return torch.randn(batch, kv_heads, key_len, head_dim, device="cuda", dtype=torch.bfloat16)
+    return torch.randn(batch, key_len, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+
+
+@tk_testing.requires_kernel("attention")
+@pytest.mark.parametrize("layout", ["head-major", "tokens-major"])
+@pytest.mark.parametrize("q_heads, kv_heads", [(8, 2), (16, 1), (4, 4)], ids=["gqa", "mqa", "mha"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("key_len", [256, 1000, 4097])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_kernel_one_query_row_against_many_keys(layout, q_heads, kv_heads, head_dim, key_len, causal):
+    """A decoding step through tk.attention (one query row per head) runs the KV-cache decode form: out, lse
+    and the gradients through both match float64, in either key layout."""
+    q = torch.randn(3, q_heads, 1, head_dim, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    k, v = (keys_in_layout(3, kv_heads, key_len, head_dim, layout).requires_grad_() for _ in range(2))
+    with tk_testing.runs_the_kernels("attention", "attention_with_kvcache"):
+        out, lse = tk_ops.attention(q, k, v, causal=causal, return_lse=True)
+    assert out.shape == (3, q_heads, 1, head_dim) and out.is_contiguous() and lse.shape == (3, q_heads, 1)
+    check_against_naive(q, k, v, causal)
+
+
+@tk_testing.requires_kernel("attention")
+@pytest.mark.parametrize("layout", ["head-major", "tokens-major"])
+def test_kernel_one_query_row_with_softcap_and_sinks(layout):
+    """Softcap and sinks on the decode route (sinks with head-major keys stay on the forward kernel): out, lse
+    and the gradients of q, k, v and the sinks (the backward reads the combine's lse, which holds the sinks)
+    against float64, no reference anywhere."""
+    from test_attention_features import check_against_naive as check_options, dense_call, dense_naive
+
+    q = torch.randn(2, 8, 1, 128, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    k, v = (keys_in_layout(2, 2, 3000, 128, layout).requires_grad_() for _ in range(2))
+    sinks = torch.randn(8, device="cuda", requires_grad=True)
+    options = dict(causal=True, softcap=20.0)
+    with tk_testing.runs_the_kernels("attention", "attention_with_kvcache", "attention_bwd"):
+        check_options(dense_call(**options), dense_naive(**options), [q, k, v, sinks],
+                      tk_testing.TOLERANCE[torch.bfloat16])
+
+
+@tk_testing.requires_kernel("attention")
+def test_kernel_one_query_row_never_runs_the_cache_reference():
+    """Keys the cache kernels cannot take (tokens-major, but KV heads expanded with a zero stride, which TMA
+    refuses) keep tk.attention's own paths (here its reference), never attention_with_kvcache's reference,
+    which reads the lengths on the host."""
+    q = torch.randn(2, 4, 1, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 1, 300, 64, device="cuda", dtype=torch.bfloat16).expand(2, 2, 300, 64) for _ in range(2))
+    tk_ops._library._REFERENCE_WARNED.difference_update({"attention", "attention_with_kvcache"})
+    with pytest.warns(UserWarning, match=tk_testing.REFERENCE_WARNING) as record:
+        out, lse = tk_ops.attention(q, k, v, causal=True, return_lse=True)
+    messages = [str(warning.message) for warning in record]
+    assert any("tk.attention has no" in message for message in messages), messages
+    assert not any("tk.attention_with_kvcache has no" in message for message in messages), messages
+    want_out, want_lse = naive_attention(q, k, v, causal=True)
+    tk_testing.assert_rel_close(out, want_out, tk_testing.TOLERANCE[torch.bfloat16])
+    tk_testing.assert_rel_close(lse, want_lse, tk_testing.TOLERANCE[torch.bfloat16], "lse")
+
+
 @tk_testing.requires_kernel("attention")
 @pytest.mark.parametrize("head_dim", FORWARD_ONLY_HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

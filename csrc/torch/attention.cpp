@@ -97,12 +97,69 @@ std::optional<attn::forward_problem> plan_forward(const at::Tensor& q, const at:
   return p;
 }
 
+std::optional<std::tuple<at::Tensor, at::Tensor>> attention_with_kvcache_kernels(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const std::optional<at::Tensor>& k,
+    const std::optional<at::Tensor>& v, const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& block_table,
+    bool causal, double scale, int64_t window_left, int64_t window_right, double softcap,
+    const std::optional<at::Tensor>& sinks);
+
+// One query row per head against many keys (a decoding step through tk.attention, e.g. Hugging Face's
+// generate()) runs as a KV-cache call's decode form (attention_with_kvcache_kernels below): each KV head's
+// query heads as one task's rows and split-KV, instead of a 128-row tile per query head with one row used.
+// The keys are a cache every row of which is full: tokens-major k, v ((B, Nk, Hkv, D) memory, a model's
+// transposed views) are a dense cache of B rows; head-major ones ((B, Hkv, Nk, D) contiguous, Hugging Face's
+// caches) one of B x Hkv rows of one head, whose query heads G then share a row (sinks differ per head
+// there: those calls keep the forward kernel). A window keeps it too (the decode form has no mask). Where
+// the cache kernels cannot take the views (a stride or an address TMA refuses, a size past their limits),
+// the call keeps the forward kernel or its reference: never the cache op's reference, which reads the
+// lengths on the host (a sync, and no CUDA-graph capture).
+constexpr int64_t DECODE_ROUTE_MIN_KEYS = 256;
+
+std::optional<std::tuple<at::Tensor, at::Tensor>> attention_as_decode(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale, int64_t window_left,
+    int64_t window_right, double softcap, const std::optional<at::Tensor>& sinks) {
+  const int64_t batch = q.size(0), q_heads = q.size(1), kv_heads = k.size(1), keys = k.size(2), dim = q.size(3);
+  // (the cache call's positions are int32: (rows + 1) x Nk must fit, rows = B or B x Hkv)
+  const bool decoding = q.size(2) == 1 && keys >= DECODE_ROUTE_MIN_KEYS && window_left < 0 && window_right < 0 &&
+                        (batch * kv_heads + 1) * keys <= std::numeric_limits<int>::max() &&
+                        v.size(3) == dim && attn::forward_head_dims::contains(dim) && kernel_device(q) &&
+                        (!sinks.has_value() || kernel_sinks(*sinks, q, q_heads));
+  if (!decoding) return std::nullopt;
+  const auto tokens_major = [&](const at::Tensor& t) { return t.stride(0) == keys * t.stride(2) && t.stride(3) == 1; };
+  const auto head_major = [&](const at::Tensor& t) {
+    return t.stride(0) == kv_heads * t.stride(1) && t.stride(1) == keys * t.stride(2) && t.stride(3) == 1;
+  };
+  const at::TensorOptions lengths = q.options().dtype(at::kInt);
+  if (tokens_major(k) && tokens_major(v)) {
+    const auto result = attention_with_kvcache_kernels(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), std::nullopt, std::nullopt,
+        at::full({batch}, keys, lengths), std::nullopt, causal, scale, -1, -1, softcap, sinks);
+    if (!result) return std::nullopt;
+    const auto& [out, lse] = *result;
+    return std::make_tuple(out.view({batch, q_heads, 1, dim}), lse);  // (B, 1, Hq, D) holds (B, Hq, 1, D)
+  }
+  if (head_major(k) && head_major(v) && !sinks.has_value()) {
+    const int64_t group = q_heads / kv_heads;
+    const auto result = attention_with_kvcache_kernels(
+        q.reshape({batch * kv_heads, 1, group, dim}), k.flatten(0, 1).unsqueeze(2), v.flatten(0, 1).unsqueeze(2),
+        std::nullopt, std::nullopt, at::full({batch * kv_heads}, keys, lengths), std::nullopt, causal, scale, -1, -1,
+        softcap, std::nullopt);
+    if (!result) return std::nullopt;
+    const auto& [out, lse] = *result;
+    return std::make_tuple(out.view({batch, q_heads, 1, dim}), lse.view({batch, q_heads, 1}));
+  }
+  return std::nullopt;
+}
+
 // `deterministic` only concerns the backward; the forward takes it so that autograd can hand it on.
 std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                   bool causal, double scale, bool deterministic, int64_t window_left,
                                                   int64_t window_right, double softcap,
                                                   const std::optional<at::Tensor>& sinks) {
   check_inputs("tk::attention", q, k, v);
+  if (auto decoded = attention_as_decode(q, k, v, causal, scale, window_left, window_right, softcap, sinks)) {
+    return *decoded;
+  }
   std::optional<attn::forward_problem> plan =
       plan_forward(q, k, v, causal, scale, window_left, window_right, softcap, sinks);
   if (!plan) {
@@ -389,7 +446,9 @@ kvcache_rows rows_for(const at::Tensor& q, int64_t kv_heads, int64_t capacity, b
 // A (B, N, H, D) tensor as the kernels' (B, H, N, D) view, or nothing if its last stride is not unit.
 std::optional<attn::heads_view> tokens_view_of(const at::Tensor& t) { return view_of(t.transpose(1, 2)); }
 
-std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_cuda(
+// The kernels' answer, or nothing where they cannot take the call (attention_with_kvcache_cuda then runs
+// the reference; tk.attention's decode route its own forward instead).
+std::optional<std::tuple<at::Tensor, at::Tensor>> attention_with_kvcache_kernels(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const std::optional<at::Tensor>& k,
     const std::optional<at::Tensor>& v, const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& block_table,
     bool causal, double scale, int64_t window_left, int64_t window_right, double softcap,
@@ -469,11 +528,7 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_cuda(
       if (!tail_plan) plan.reset();
     }
   }
-  if (!plan) {
-    return fallback<&attention_with_kvcache_cuda>("tk::attention_with_kvcache_ref", q, k_cache, v_cache, k, v,
-                                                  cache_seqlens, block_table, causal, scale, window_left,
-                                                  window_right, softcap, sinks);
-  }
+  if (!plan) return std::nullopt;
   // The append, the decode form's query rows and the metadata: one launch before the kernel's.
   const at::Tensor seqlens = cache_seqlens.contiguous();
   attn::kvcache_call call{element_of(q), batch, q.size(2), k_cache.size(2), q_len, capacity, seqlens.data_ptr<int>()};
@@ -530,7 +585,8 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_cuda(
     return error;
   });
   if (!rows.decode) {
-    return {out.view({batch, q_len, heads, value_dim}), lse.view({heads, batch, q_len}).permute({1, 0, 2}).contiguous()};
+    return std::make_tuple(out.view({batch, q_len, heads, value_dim}),
+                           lse.view({heads, batch, q_len}).permute({1, 0, 2}).contiguous());
   }
   at::Tensor combined = at::empty({batch, q_len, q.size(2), value_dim}, q.options());
   at::Tensor combined_lse = at::empty({batch, q.size(2), q_len}, q.options().dtype(at::kFloat));
@@ -544,7 +600,21 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_cuda(
   combine.out = combined.data_ptr();
   combine.lse = combined_lse.data_ptr<float>();
   launch_on(q, [&](cudaStream_t stream) { return attn::launch_combine(combine, stream); });
-  return {combined, combined_lse};
+  return std::make_tuple(combined, combined_lse);
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_cuda(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const std::optional<at::Tensor>& k,
+    const std::optional<at::Tensor>& v, const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& block_table,
+    bool causal, double scale, int64_t window_left, int64_t window_right, double softcap,
+    const std::optional<at::Tensor>& sinks) {
+  if (auto result = attention_with_kvcache_kernels(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
+                                                   scale, window_left, window_right, softcap, sinks)) {
+    return *std::move(result);
+  }
+  return fallback<&attention_with_kvcache_cuda>("tk::attention_with_kvcache_ref", q, k_cache, v_cache, k, v,
+                                                cache_seqlens, block_table, causal, scale, window_left, window_right,
+                                                softcap, sinks);
 }
 
 }  // namespace
