@@ -264,17 +264,48 @@ FORWARD_HEAD_DIMS = [64, 96, 128, 192, 256]
 FORWARD_ONLY_HEAD_DIMS = [96, 192, 256]
 
 
+# Head dims the backward runs on its kernels zero-padded to a larger one (csrc/torch/attention.cpp).
+PADDED_BACKWARD_HEAD_DIMS = [96]
+
+
 @tk_testing.requires_kernel("attention")
 @pytest.mark.parametrize("head_dim", FORWARD_ONLY_HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_kernel_backward_beyond_its_head_dims(head_dim, causal):
     """At head dims only the forward kernel takes, the forward runs it (no warning) and the gradients run
-    the backward's reference (which warns), together matching float64 (GQA, Nq != Nk, tails)."""
+    the backward kernels on zero-padded copies (96) or its reference (which warns), together matching float64
+    (GQA, Nq != Nk, tails)."""
     q, k, v = make_qkv(2, 4, 2, 300, 333, head_dim, dtype=torch.bfloat16, device="cuda")
     with tk_testing.runs_the_kernels("attention"):
         tk_ops.attention(q.detach(), k.detach(), v.detach(), causal=causal)
-    with tk_testing.runs_the_references("attention_bwd"):
-        check_against_naive(q, k, v, causal)
+    if head_dim in PADDED_BACKWARD_HEAD_DIMS:
+        with tk_testing.runs_the_kernels("attention", "attention_bwd"):
+            check_against_naive(q, k, v, causal)
+    else:
+        with tk_testing.runs_the_references("attention_bwd"):
+            check_against_naive(q, k, v, causal)
+
+
+@tk_testing.requires_kernel("attention")
+@pytest.mark.parametrize("method", BACKWARD_METHODS)
+def test_kernel_padded_backward_with_options_and_strided_views(monkeypatch, method):
+    """The padded backward (D = 96) with a window, a softcap and sinks, on (B, N, H, D) views: gradients of q,
+    k, v and the sinks against float64 autograd of the reference."""
+    deterministic = use_backward_method(monkeypatch, method)
+    q, k, v = (torch.randn(2, n, h, 96, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+               for n, h in ((400, 4), (500, 2), (500, 2)))
+    sinks = torch.randn(4, device="cuda", requires_grad=True)
+    options = dict(causal=True, window=(120, -1), softcap=5.0)
+    with tk_testing.runs_the_kernels("attention", "attention_bwd"):
+        out, lse = tk_ops.attention(q, k, v, sinks=sinks, deterministic=deterministic, return_lse=True, **options)
+    leaves64 = [t.detach().cpu().double().requires_grad_() for t in (q, k, v, sinks)]
+    want_out, want_lse = tk_ops.attention(*leaves64[:3], sinks=leaves64[3], return_lse=True, **options)
+    out_weight, lse_weight = torch.randn_like(want_out), torch.randn_like(want_lse)
+    grads = torch.autograd.grad(finite_lse_loss(out, lse, out_weight.to("cuda", out.dtype),
+                                                lse_weight.to("cuda", torch.float32)), (q, k, v))
+    want = torch.autograd.grad(finite_lse_loss(want_out, want_lse, out_weight, lse_weight), leaves64[:3])
+    for name, grad, ref in zip(("dq", "dk", "dv"), grads, want):
+        tk_testing.assert_rel_close(grad, ref, 2 * tk_testing.TOLERANCE[torch.bfloat16], name)
 
 
 def scores_along_keys(profile: str, q_len: int, key_len: int, head_dim: int, dtype):
