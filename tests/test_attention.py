@@ -264,6 +264,19 @@ FORWARD_HEAD_DIMS = [64, 96, 128, 192, 256]
 FORWARD_ONLY_HEAD_DIMS = [96, 192, 256]
 
 
+@tk_testing.requires_kernel("attention")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_kernel_value_head_dim_below_the_key_head_dim(causal):
+    """(D, Dv) = (192, 128), MLA's: the forward runs the D = 192 kernel on v padded to 192 and cut back (no
+    warning), its gradients the reference; together they match float64 (GQA, Nq != Nk, tails)."""
+    q, k, v = make_qkv(2, 4, 2, 300, 333, 192, value_dim=128, dtype=torch.bfloat16, device="cuda")
+    with tk_testing.runs_the_kernels("attention"):
+        out = tk_ops.attention(q.detach(), k.detach(), v.detach(), causal=causal)
+    assert out.shape == (2, 4, 300, 128) and out.is_contiguous()
+    with tk_testing.runs_the_references("attention_bwd"):
+        check_against_naive(q, k, v, causal)
+
+
 # Head dims the backward runs on its kernels zero-padded to a larger one (csrc/torch/attention.cpp).
 PADDED_BACKWARD_HEAD_DIMS = [96]
 

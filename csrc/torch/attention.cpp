@@ -103,6 +103,13 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at:
                                                   int64_t window_right, double softcap,
                                                   const std::optional<at::Tensor>& sinks) {
   check_inputs("tk::attention", q, k, v);
+  // Dv < D (MLA's (192, 128)): the kernel of head dim D on v zero-padded to D, out cut back to Dv (exact: the
+  // padding's columns of P V are zero). Costs D / Dv the P V work and the copies.
+  if (v.size(3) < q.size(3) && attn::forward_head_dims::contains(q.size(3)) && kernel_device(q)) {
+    const auto [out, lse] = attention_cuda(q, k, at::constant_pad_nd(v, {0, q.size(3) - v.size(3)}), causal, scale,
+                                           deterministic, window_left, window_right, softcap, sinks);
+    return {out.narrow(3, 0, v.size(3)).contiguous(), lse};
+  }
   std::optional<attn::forward_problem> plan =
       plan_forward(q, k, v, causal, scale, window_left, window_right, softcap, sinks);
   if (!plan) {
