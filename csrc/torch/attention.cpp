@@ -162,14 +162,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> launch_backward(
   return {grad_q, grad_k, grad_v, grad_sinks};
 }
 
-// grad_sinks is an empty fp32 tensor when the call has no sinks (launch_backward).
-// A head dim the backward kernels are not instantiated for but a larger one is (96: 128) runs them on
-// copies zero-padded along D: the padding adds nothing to q k^T, dO v^T or rowsum(dO o), and its own
-// gradients are zero, so the first D columns are the gradients. Costs the copies and (128 / 96 - 1) more
-// work; the alternative is the reference. Nothing when D != Dv or no larger head dim exists.
+// A head dim the forward kernel takes but the backward kernels are not instantiated for, below one they are
+// (96: 128), runs them on copies zero-padded along D: the padding adds nothing to q k^T, dO v^T or
+// rowsum(dO o), and its own gradients are zero, so the first D columns are the gradients. Costs the copies
+// and (128 / 96 - 1) more work; the alternative is the reference. Nothing when D != Dv or no larger head dim
+// exists. (Head dims no kernel takes, e.g. 80, keep the reference in both directions.)
 std::optional<int64_t> padded_backward_head_dim(const at::Tensor& q, const at::Tensor& v) {
   const int64_t dim = q.size(3);
-  if (v.size(3) != dim || attn::backward_head_dims::contains(dim) || !kernel_device(q)) return std::nullopt;
+  if (v.size(3) != dim || attn::backward_head_dims::contains(dim) || !attn::forward_head_dims::contains(dim)) {
+    return std::nullopt;
+  }
   std::optional<int64_t> padded;
   for (const int64_t candidate : attn::backward_head_dims::integers()) {
     if (candidate > dim && (!padded || candidate < *padded)) padded = candidate;
@@ -177,19 +179,12 @@ std::optional<int64_t> padded_backward_head_dim(const at::Tensor& q, const at::T
   return padded;
 }
 
+// grad_sinks is an empty fp32 tensor when the call has no sinks (launch_backward).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q, const at::Tensor& k,
     const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool causal, double scale, bool deterministic,
     int64_t window_left, int64_t window_right, double softcap, const std::optional<at::Tensor>& sinks) {
   check_inputs("tk::attention_bwd", q, k, v);
-  if (const auto padded = padded_backward_head_dim(q, v); padded && grad_out.sizes() == out.sizes()) {
-    const auto pad = [&](const at::Tensor& t) { return at::constant_pad_nd(t, {0, *padded - t.size(3)}); };
-    const auto [grad_q, grad_k, grad_v, grad_sinks] =
-        attention_bwd_cuda(pad(grad_out), grad_lse, pad(q), pad(k), pad(v), pad(out), lse, causal, scale,
-                           deterministic, window_left, window_right, softcap, sinks);
-    const auto cut = [&](const at::Tensor& t) { return t.narrow(3, 0, q.size(3)).contiguous(); };
-    return {cut(grad_q), cut(grad_k), cut(grad_v), grad_sinks};
-  }
   const std::vector<int64_t> out_shape{q.size(0), q.size(1), q.size(2), v.size(3)};
   TORCH_CHECK_VALUE(out.sizes() == out_shape, "tk::attention_bwd: out must be ", out_shape, ", got ", out.sizes());
   TORCH_CHECK_VALUE(grad_out.sizes() == out_shape, "tk::attention_bwd: grad_out must be ", out_shape, ", got ",
@@ -208,6 +203,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
   if (kernel_device(q) && q.numel() > 0 && k.numel() > 0 && statistics_fp32 &&
       grad_out.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type() &&
       (!sinks.has_value() || kernel_sinks(*sinks, q, q.size(1)))) {
+    // (after the checks above: padding a wrong-sized out or grad_out would hide, or crop, it)
+    if (const auto padded = padded_backward_head_dim(q, v)) {
+      const auto pad = [&](const at::Tensor& t) { return at::constant_pad_nd(t, {0, *padded - t.size(3)}); };
+      const auto [grad_q, grad_k, grad_v, grad_sinks] =
+          attention_bwd_cuda(pad(grad_out), grad_lse, pad(q), pad(k), pad(v), pad(out), lse, causal, scale,
+                             deterministic, window_left, window_right, softcap, sinks);
+      const auto cut = [&](const at::Tensor& t) { return t.narrow(3, 0, q.size(3)).contiguous(); };
+      return {cut(grad_q), cut(grad_k), cut(grad_v), grad_sinks};
+    }
     const auto qv = view_of(q), kv = view_of(k), vv = view_of(v), ov = view_of(out), gv = view_of(grad_out);
     if (qv && kv && vv && ov && gv) {
       attn::backward_problem p{element_of(q), causal, float(scale), *qv, *kv, *vv, *ov, *gv,
