@@ -325,16 +325,66 @@ def test_kernel_one_query_row_never_runs_the_cache_reference():
 
 
 @tk_testing.requires_kernel("attention")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_kernel_value_head_dim_below_the_key_head_dim(causal):
+    """(D, Dv) = (192, 128), MLA's: the forward runs the D = 192 kernel on v padded to 192 and cut back (no
+    warning), its gradients the reference; together they match float64 (GQA, Nq != Nk, tails)."""
+    q, k, v = make_qkv(2, 4, 2, 300, 333, 192, value_dim=128, dtype=torch.bfloat16, device="cuda")
+    with tk_testing.runs_the_kernels("attention"):
+        out = tk_ops.attention(q.detach(), k.detach(), v.detach(), causal=causal)
+    assert out.shape == (2, 4, 300, 128) and out.is_contiguous()
+    with tk_testing.runs_the_references("attention_bwd"):
+        check_against_naive(q, k, v, causal)
+
+
+# Head dims the backward runs on its kernels zero-padded to a larger one (csrc/torch/attention.cpp).
+PADDED_BACKWARD_HEAD_DIMS = [96]
+
+
+@tk_testing.requires_kernel("attention")
 @pytest.mark.parametrize("head_dim", FORWARD_ONLY_HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_kernel_backward_beyond_its_head_dims(head_dim, causal):
     """At head dims only the forward kernel takes, the forward runs it (no warning) and the gradients run
-    the backward's reference (which warns), together matching float64 (GQA, Nq != Nk, tails)."""
+    the backward kernels on zero-padded copies (96) or its reference (which warns), together matching float64
+    (GQA, Nq != Nk, tails)."""
     q, k, v = make_qkv(2, 4, 2, 300, 333, head_dim, dtype=torch.bfloat16, device="cuda")
     with tk_testing.runs_the_kernels("attention"):
         tk_ops.attention(q.detach(), k.detach(), v.detach(), causal=causal)
-    with tk_testing.runs_the_references("attention_bwd"):
-        check_against_naive(q, k, v, causal)
+    if head_dim in PADDED_BACKWARD_HEAD_DIMS:
+        with tk_testing.runs_the_kernels("attention", "attention_bwd"):
+            check_against_naive(q, k, v, causal)
+    else:
+        with tk_testing.runs_the_references("attention_bwd"):
+            check_against_naive(q, k, v, causal)
+
+
+@tk_testing.requires_kernel("attention")
+@pytest.mark.parametrize("method", BACKWARD_METHODS)
+def test_kernel_padded_backward_with_options_and_strided_views(monkeypatch, method):
+    """The padded backward (D = 96) with a window, a softcap and sinks, on (B, N, H, D) views: gradients of q,
+    k, v and the sinks against float64 autograd of the reference."""
+    from test_attention_features import check_against_naive as check_options, dense_call, dense_naive
+
+    deterministic = use_backward_method(monkeypatch, method)
+    q, k, v = (torch.randn(2, n, h, 96, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+               for n, h in ((400, 4), (500, 2), (500, 2)))
+    sinks = torch.randn(4, device="cuda", requires_grad=True)
+    options = dict(causal=True, window=(120, -1), softcap=5.0)
+    # the gradients inside the block too: the backward is what must run its kernels
+    with tk_testing.runs_the_kernels("attention", "attention_bwd"):
+        check_options(dense_call(deterministic=deterministic, **options), dense_naive(**options), [q, k, v, sinks],
+                      tk_testing.TOLERANCE[torch.bfloat16])
+
+
+@tk_testing.requires_kernel("attention")
+def test_kernel_padded_backward_checks_its_shapes_first():
+    """At D = 96 an out and grad_out of the wrong head dim raise, rather than being padded (or cropped) to 128."""
+    q, k, v = make_qkv(1, 2, 1, 40, 40, 96, dtype=torch.bfloat16, device="cuda", requires_grad=False)
+    out, lse = torch.ops.tk.attention(q, k, v, False, 0.1, False)
+    for wrong in (out[..., :64], torch.cat([out, out], dim=-1)):
+        with pytest.raises(ValueError, match="out must be"):
+            torch.ops.tk.attention_bwd(wrong, None, q, k, v, wrong, lse, False, 0.1, False)
 
 
 def scores_along_keys(profile: str, q_len: int, key_len: int, head_dim: int, dtype):

@@ -157,6 +157,13 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at:
                                                   int64_t window_right, double softcap,
                                                   const std::optional<at::Tensor>& sinks) {
   check_inputs("tk::attention", q, k, v);
+  // Dv < D (MLA's (192, 128)): the kernel of head dim D on v zero-padded to D, out cut back to Dv (exact: the
+  // padding's columns of P V are zero). Costs D / Dv the P V work and the copies.
+  if (v.size(3) < q.size(3) && attn::forward_head_dims::contains(q.size(3)) && kernel_device(q)) {
+    const auto [out, lse] = attention_cuda(q, k, at::constant_pad_nd(v, {0, q.size(3) - v.size(3)}), causal, scale,
+                                           deterministic, window_left, window_right, softcap, sinks);
+    return {out.narrow(3, 0, v.size(3)).contiguous(), lse};
+  }
   if (auto decoded = attention_as_decode(q, k, v, causal, scale, window_left, window_right, softcap, sinks)) {
     return *decoded;
   }
@@ -212,6 +219,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> launch_backward(
   return {grad_q, grad_k, grad_v, grad_sinks};
 }
 
+// A head dim the forward kernel takes but the backward kernels are not instantiated for, below one they are
+// (96: 128), runs them on copies zero-padded along D: the padding adds nothing to q k^T, dO v^T or
+// rowsum(dO o), and its own gradients are zero, so the first D columns are the gradients. Costs the copies
+// and (128 / 96 - 1) more work; the alternative is the reference. Nothing when D != Dv or no larger head dim
+// exists. (Head dims no kernel takes, e.g. 80, keep the reference in both directions.)
+std::optional<int64_t> padded_backward_head_dim(const at::Tensor& q, const at::Tensor& v) {
+  const int64_t dim = q.size(3);
+  if (v.size(3) != dim || attn::backward_head_dims::contains(dim) || !attn::forward_head_dims::contains(dim)) {
+    return std::nullopt;
+  }
+  std::optional<int64_t> padded;
+  for (const int64_t candidate : attn::backward_head_dims::integers()) {
+    if (candidate > dim && (!padded || candidate < *padded)) padded = candidate;
+  }
+  return padded;
+}
+
 // grad_sinks is an empty fp32 tensor when the call has no sinks (launch_backward).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q, const at::Tensor& k,
@@ -236,6 +260,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
   if (kernel_device(q) && q.numel() > 0 && k.numel() > 0 && statistics_fp32 &&
       grad_out.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type() &&
       (!sinks.has_value() || kernel_sinks(*sinks, q, q.size(1)))) {
+    // (after the checks above: padding a wrong-sized out or grad_out would hide, or crop, it)
+    if (const auto padded = padded_backward_head_dim(q, v)) {
+      const auto pad = [&](const at::Tensor& t) { return at::constant_pad_nd(t, {0, *padded - t.size(3)}); };
+      const auto [grad_q, grad_k, grad_v, grad_sinks] =
+          attention_bwd_cuda(pad(grad_out), grad_lse, pad(q), pad(k), pad(v), pad(out), lse, causal, scale,
+                             deterministic, window_left, window_right, softcap, sinks);
+      const auto cut = [&](const at::Tensor& t) { return t.narrow(3, 0, q.size(3)).contiguous(); };
+      return {cut(grad_q), cut(grad_k), cut(grad_v), grad_sinks};
+    }
     const auto qv = view_of(q), kv = view_of(k), vv = view_of(v), ov = view_of(out), gv = view_of(grad_out);
     if (qv && kv && vv && ov && gv) {
       attn::backward_problem p{element_of(q), causal, float(scale), *qv, *kv, *vv, *ov, *gv,
