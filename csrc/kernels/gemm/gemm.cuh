@@ -226,7 +226,9 @@ std::string unsupported_reason_for(const problem& p) {
   if (p.b.rows != b_rows || p.b.cols != b_cols) return "B's stored shape does not match K, N and its major-ness";
   if (std::string r = tma_unsupported_reason<typename K::a_tile>(layout_of<T>(p.a)); !r.empty()) return "A: " + r;
   if (std::string r = tma_unsupported_reason<typename K::b_tile>(layout_of<T>(p.b)); !r.empty()) return "B: " + r;
-  if (std::string r = tma_unsupported_reason<typename K::c_tile>(layout_of<T>(p.c, p.m, p.n, p.n)); !r.empty()) {
+  if (p.c_row_stride < p.n) return "C's rows must be at least N elements apart";
+  if (std::string r = tma_unsupported_reason<typename K::c_tile>(layout_of<T>(p.c, p.m, p.n, p.c_row_stride));
+      !r.empty()) {
     return "C: " + r;
   }
   return {};
@@ -267,7 +269,7 @@ cudaError_t launch_with(const problem& p, cudaStream_t stream) {
   typename K::params params;
   params.a = make_tma_map<typename K::a_tile>(layout_of<T>(p.a));
   params.b = make_tma_map<typename K::b_tile>(layout_of<T>(p.b));
-  params.c = make_tma_map<typename K::c_tile>(layout_of<T>(p.c, p.m, p.n, p.n));
+  params.c = make_tma_map<typename K::c_tile>(layout_of<T>(p.c, p.m, p.n, p.c_row_stride));
   params.bias = static_cast<const T*>(p.bias);
   params.m = int(p.m);
   params.n = int(p.n);

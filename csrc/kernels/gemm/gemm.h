@@ -1,4 +1,4 @@
-// The GEMM launcher: C (M x N, row-major) = A (M x K) * B (K x N) [+ bias], fp32 accumulation,
+// The GEMM launcher: C (M x N, row-major, rows c_row_stride apart) = A (M x K) * B (K x N) [+ bias], fp32 accumulation,
 // bf16 or fp16 in and out. Plain C++ (no torch): csrc/torch/gemm.cpp calls it.
 //
 // Each operand is described as it is stored: a matrix of `rows` x `cols` whose columns are
@@ -33,8 +33,9 @@ struct problem {
   major a_major;
   stored_matrix b;
   major b_major;
-  void* c;           // M x N, rows N elements apart
-  const void* bias;  // N elements, or nullptr
+  void* c;               // M x N
+  int64_t c_row_stride;  // elements between C's rows: N, or more (a row-padded buffer)
+  const void* bias;      // N elements, or nullptr
 };
 
 // Empty when the kernel can run the problem; otherwise why not (e.g. a stride TMA cannot take).
