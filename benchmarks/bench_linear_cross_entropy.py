@@ -15,7 +15,9 @@ Baselines:
   liger     liger_kernel.transformers.functional.liger_fused_linear_cross_entropy (liger-kernel, where
             it imports: benchmarks/wheels/baselines.sh)
 Ours is whatever serves tk.linear_cross_entropy on the device (tk_ops.backends() says which; the
-results header records it): the tiled PyTorch reference until its kernel exists.
+results header records it): with the extension, the GEMM and row kernels of
+csrc/torch/linear_cross_entropy.cpp (whose backward recomputes the logits: 4x the forward's GEMM
+FLOPs, though the TFLOP/s here count 3x, as Liger's do).
 
   python3 -m benchmarks.bench_linear_cross_entropy [--out DIR] [--pass fwd|fwd+bwd]
   python3 -m benchmarks.bench_linear_cross_entropy --dry-run [--out DIR]   # CPU, tiny shapes
