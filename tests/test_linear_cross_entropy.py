@@ -237,8 +237,11 @@ LCE_OPS = ("linear_cross_entropy", "linear_cross_entropy_bwd")
 requires_kernels = requires_kernel("linear_cross_entropy")
 KERNEL_DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 # The kernels' GEMM rounds the logits to x's dtype (as F.linear(x, W).float() does): about 2^-9 |z| a logit in
-# bf16, 2^-11 in fp16, against losses of about log V. The gradients are within x's dtype's rounding (TOLERANCE).
+# bf16, 2^-11 in fp16, against losses of about log V. The gradients are within x's dtype's rounding, except that
+# fp16 d loss / d logits below fp16's normal range (6e-5: g p with "mean" over hundreds of rows) keep fewer bits,
+# as in the unfused fp16 form; with label_smoothing 1 no target term dominates them, hence 1e-2 for fp16 too.
 KERNEL_LOSS_TOLERANCE = {torch.bfloat16: 2e-3, torch.float16: 1e-3}
+KERNEL_GRAD_TOLERANCE = {torch.bfloat16: TOLERANCE[torch.bfloat16], torch.float16: 1e-2}
 GPU_N, GPU_H, GPU_V = 333, 64, 1001  # odd N and V: V's rows are padded to whole 16-byte chunks in the tiles
 
 
@@ -252,7 +255,7 @@ def test_kernels_match_float64_definition(poisoned_allocations, dtype, reduction
                                           device="cuda")
     target[40], target[41] = GPU_V - 1, 0  # the first and last classes (the last in the padded chunk)
     with runs_the_kernels(*LCE_OPS):
-        check_against_float64(x, weight, bias, target, KERNEL_LOSS_TOLERANCE[dtype], TOLERANCE[dtype],
+        check_against_float64(x, weight, bias, target, KERNEL_LOSS_TOLERANCE[dtype], KERNEL_GRAD_TOLERANCE[dtype],
                               reduction=reduction, label_smoothing=label_smoothing, softcap=softcap)
 
 
@@ -316,7 +319,7 @@ def test_kernels_match_the_unfused_computation(dtype):
     unfused = torch.nn.functional.cross_entropy(torch.nn.functional.linear(x, weight).float(), target)
     assert_rel_close(loss, unfused, 5e-4, "loss")
     for name, got, want in zip(("x", "weight"), grads, torch.autograd.grad(unfused, (x, weight))):
-        assert_rel_close(got, want, TOLERANCE[dtype], f"grad_{name}")
+        assert_rel_close(got, want, KERNEL_GRAD_TOLERANCE[dtype], f"grad_{name}")
 
 
 @requires_kernels

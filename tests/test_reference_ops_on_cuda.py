@@ -1,8 +1,7 @@
-"""The ops that run their PyTorch reference on CUDA tensors (attention_with_kvcache, gated_delta_rule,
-linear_cross_entropy at an H its kernels do not take, and attention_varlen at a head dim the kernels do not take),
-called as a user would: bf16 or
-fp32 inputs on the GPU against the same op on the CPU in float64, the outputs and the gradients, and the caches the
-KV-cache op writes.
+"""The ops that run their PyTorch reference on CUDA tensors (attention_with_kvcache, gated_delta_rule, and
+linear_cross_entropy and attention_varlen at a hidden size or head dim their kernels do not take), called as a user
+would: bf16 or fp32 inputs on the GPU against the same op on the CPU in float64, the outputs and the gradients, and
+the caches the KV-cache op writes.
 What they compute is checked against their definitions in their own test files; this checks that the CUDA
 dispatch reaches a reference that runs there (no CPU-only call, no device mix-up, autocast off)."""
 

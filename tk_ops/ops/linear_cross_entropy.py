@@ -62,12 +62,14 @@ with dr (g folded in) for the GEMMs grad_W[classes] = dr^T x (written once: K = 
 (summed over the tiles of classes in fp32). Their memory beyond inputs and outputs: the forward a
 tile (256 MiB in bf16) and 8 bytes a row; the backward a tile, 6 N H bytes (grad_x's fp32 sum and one
 tile's share of it) and, with a bias, 4 V bytes; what the forward leaves for the backward is the lse
-alone, as here. Rounding the logits to x's dtype changes a bf16 loss by
-about 2^-9 |z| per logit, as in the unfused form, well inside bf16's own error on x and W; the
-gradients go through x's dtype anyway (the GEMMs' operands). A target outside [0, V) (not ignore_index)
-gives NaN for its row there instead of an error (checking would stall the GPU stream). Everything else
-(fp32, fp64, H not a multiple of 8, another GPU, empty inputs, a bias with a non-unit stride) runs the
-reference (csrc/torch/linear_cross_entropy.cpp, kernels_take), which warns once on a GPU.
+alone, as here. Rounding the logits to x's dtype changes a bf16 loss by about 2^-9 |z| per logit, as
+in the unfused form, well inside bf16's own error on x and W; the gradients go through x's dtype
+anyway (the GEMMs' operands; in fp16, values of d loss / d logits below its normal range, 6e-5, keep
+fewer bits, as in the unfused fp16 form: "mean" over many rows without loss scaling makes g small).
+A target outside [0, V) (not ignore_index) gives NaN for its row there instead of an error (checking
+would stall the GPU stream). Everything else (fp32, fp64, H not a multiple of 8, another GPU, empty
+inputs, a bias with a non-unit stride) runs the reference (csrc/torch/linear_cross_entropy.cpp,
+kernels_take), which warns once on a GPU.
 
 The reference walks the logits in tiles of ROWS_PER_TILE rows by VOCAB_PER_TILE classes, as a kernel
 would: the forward keeps per row a running maximum and sum of exponentials (the streamed log-sum-exp),
