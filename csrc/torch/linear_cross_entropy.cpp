@@ -4,10 +4,10 @@
 //   forward   per tile of rows, every class: logits = x_rows W^T + b (GEMM, in x's dtype), then the
 //             loss pass writes the rows' lse and loss; the reduction sums the losses
 //   backward  per tile of classes, every row: logits = x W_c^T + b_c, the gradient pass overwrites
-//             them with d loss / d logits (the row gradients g folded in), then
-//               grad_W_c = dlogits^T x          complete (K = N): written straight into grad_weight
-//               grad_x  += dlogits W_c           an fp32 sum over the tiles of classes
-//               grad_b_c = column sums of dlogits, in fp32
+//             them with d loss / d logits over `unit` (the row gradients g / unit folded in), then
+//               grad_W_c = unit dlogits^T x     complete (K = N): written straight into grad_weight
+//               grad_x  += dlogits W_c           an fp32 sum over the tiles of classes, times unit at the end
+//               grad_b_c = column sums of dlogits, in fp32, times unit at the end
 //
 // Tiles of classes rather than rows in the backward: the sum that crosses tiles is then grad_x (N H)
 // rather than grad_weight (V H, 8x larger for a 16k-token batch against a 128k vocabulary).
@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <limits>
 #include <optional>
 #include <tuple>
 
@@ -63,6 +64,40 @@ int64_t backward_tile_classes(int64_t rows, int64_t vocab) {
   return std::min(vocab, std::max(GEMM_TILE_COLS, round_down(TILE_ELEMENTS / rows, GEMM_TILE_COLS)));
 }
 
+// The backward's uniform factor. The tile holds d loss / d logits = g u over unit, where |u| <= 1 per
+// element (p - q, times the softcap's derivative) and sum_v |u_v| <= 2 per row. In fp16, g u itself is
+// mostly subnormal (below 2^-14) for "mean" (g = 1 / count, u ~ 1 / V) and keeps a few bits only, as in
+// the unfused fp16 form. unit = 2^(e - DLOGITS_EXPONENT) with 2^(e - 1) <= max |g| < 2^e puts the
+// largest |g| / unit in [2^7, 2^8): the tile's elements are normal fp16 down to |u| = 2^-21, at most 2^8,
+// and a row's share of grad_x (sum_v dlogits_v W_v) stays below 2^9 max |W|, far below fp16's 65504.
+// unit is a power of two on the device (no host sync, so CUDA graphs capture it), so dividing g by it
+// and multiplying the fp32 results by it are exact: in bf16 the results are those of folding g in
+// directly, bit for bit (barring fp32 overflow or underflow). grad_W = unit (dlogits^T x) takes unit
+// in the GEMM's epilogue, on the fp32 accumulator before its one rounding: an fp16 C of dlogits^T x
+// alone, or a pass over it after, could overflow (N rows of |x| summed) or round twice. One unit for every
+// row rather than one per row: grad_W and grad_b sum over rows, so the rows' relative g must stay in the
+// tile; with "none", a row whose |g| is far below the largest keeps fewer bits, as in the unfused form.
+constexpr int DLOGITS_EXPONENT = 8;
+// Exponents e with 2^e and 2^-e both normal floats, and the fields of a float's bits.
+constexpr int FLOAT_EXPONENT_BIAS = std::numeric_limits<float>::max_exponent - 1;  // 127
+constexpr int FLOAT_MANTISSA_BITS = std::numeric_limits<float>::digits - 1;        // 23
+constexpr int FLOAT_SAFE_EXPONENT = FLOAT_EXPONENT_BIAS - 1;                        // 2^126 and 2^-126
+
+// 2^exponent as float tensors, exactly: the IEEE bits of a normal power of two.
+at::Tensor power_of_two(const at::Tensor& exponent) {
+  const at::Tensor biased = exponent.clamp(-FLOAT_SAFE_EXPONENT, FLOAT_SAFE_EXPONENT) + FLOAT_EXPONENT_BIAS;
+  return biased.to(at::kInt).bitwise_left_shift(FLOAT_MANTISSA_BITS).view(at::kFloat);
+}
+
+// The exponent of unit (above) for the row gradients g: -DLOGITS_EXPONENT where max |g| is 0, inf or NaN
+// (g / unit then keeps its zeros, infinities and NaNs).
+at::Tensor unit_exponent(const at::Tensor& row_grad) {
+  const at::Tensor largest = row_grad.abs().amax();
+  const at::Tensor usable = at::logical_and(largest.isfinite(), largest > 0);
+  const at::Tensor exponent = std::get<1>(at::frexp(at::where(usable, largest, at::ones_like(largest))));
+  return exponent - DLOGITS_EXPONENT;  // frexp: 2^(exponent - 1) <= largest < 2^exponent
+}
+
 // Rows [first, first + count) of a row-major matrix, as the GEMM reads it.
 stored_matrix rows_of(const at::Tensor& t, int64_t first, int64_t count) {
   return {static_cast<const char*>(t.data_ptr()) + first * t.stride(0) * t.element_size(), count, t.size(1),
@@ -92,10 +127,11 @@ struct tile_gemms {
             rows_of(weight, c0, classes), major::mn, out, x.size(1), nullptr};
   }
 
-  // grad_W_c = dlogits^T x: (classes x rows) (rows x H), the tile read transposed (MN-major)
-  tk::gemm::problem grad_weight(int64_t rows, int64_t classes, void* tile, int64_t tile_stride, void* out) const {
+  // grad_W_c = unit (dlogits^T x): (classes x rows) (rows x H), the tile read transposed (MN-major)
+  tk::gemm::problem grad_weight(int64_t rows, int64_t classes, void* tile, int64_t tile_stride, void* out,
+                                const float* unit) const {
     return {element_of(x), classes, x.size(1), rows, {tile, rows, classes, tile_stride}, major::mn,
-            rows_of(x, 0, rows), major::mn, out, x.size(1), nullptr};
+            rows_of(x, 0, rows), major::mn, out, x.size(1), nullptr, unit};
   }
 };
 
@@ -116,7 +152,7 @@ bool kernels_take(const at::Tensor& x, const at::Tensor& weight, const std::opti
   const int64_t stride = lce::tile_row_stride(classes);
   for (const tk::gemm::problem& p : {gemms.logits(0, rows, 0, classes, nullptr, stride),
                                      gemms.grad_x(rows, 0, classes, nullptr, stride, nullptr),
-                                     gemms.grad_weight(rows, classes, nullptr, stride, nullptr)}) {
+                                     gemms.grad_weight(rows, classes, nullptr, stride, nullptr, nullptr)}) {
     if (!tk::gemm::unsupported_reason(p).empty()) return false;
   }
   return true;
@@ -239,10 +275,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_bwd_cuda(
 
   const at::Tensor targets = target.contiguous();
   const at::Tensor lse_rows = lse.contiguous();
-  // g: the gradient reaching each row's loss (the kernel writes zeros on ignored rows whatever g is).
+  // g: the gradient reaching each row's loss (the kernel writes zeros on ignored rows whatever g is), over
+  // unit (DLOGITS_EXPONENT).
   at::Tensor row_grad = grad.to(at::kFloat).expand({rows});
   if (reduction == "mean") row_grad = row_grad / (targets != ignore_index).sum();
-  row_grad = row_grad.contiguous();
+  const at::Tensor exponent = unit_exponent(row_grad);
+  const at::Tensor unit = power_of_two(exponent);
+  row_grad = (row_grad * power_of_two(-exponent)).contiguous();
 
   const int64_t tile_classes = backward_tile_classes(rows, vocab);
   const at::Tensor tile = at::empty({rows, lce::tile_row_stride(tile_classes)}, x.options());
@@ -269,15 +308,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_bwd_cuda(
     }
     if (want_weight) {
       void* rows_c = static_cast<char*>(grad_weight.data_ptr()) + c0 * grad_weight.stride(0) * grad_weight.element_size();
-      run_gemm(gemms.grad_weight(rows, classes, tile.data_ptr(), tile.stride(0), rows_c), x);
+      run_gemm(gemms.grad_weight(rows, classes, tile.data_ptr(), tile.stride(0), rows_c, unit.data_ptr<float>()), x);
     }
     if (want_bias) {
       at::Tensor bias_c = grad_bias_sum.narrow(0, c0, classes);
       at::sum_out(bias_c, tile.narrow(1, 0, classes), {0}, /*keepdim=*/false, at::kFloat);
     }
   }
-  if (want_x) grad_x = grad_x_sum.to(x.scalar_type());
-  if (want_bias) grad_bias = grad_bias_sum.to(bias->scalar_type());
+  if (want_x) grad_x = grad_x_sum.mul_(unit).to(x.scalar_type());
+  if (want_bias) grad_bias = grad_bias_sum.mul_(unit).to(bias->scalar_type());
   return {grad_x, grad_weight, grad_bias};
 }
 

@@ -58,14 +58,18 @@ and V, every option: the project's GEMM writes a tile of logits in x's dtype (ro
 forward, all N x a range of classes in the backward, about 2^27 elements), and one row kernel per tile
 reads it once: the forward's loss pass (the streamed log-sum-exp, the target's logit, the sum of the
 logits; lse and each row's loss), or the backward's gradient pass, which overwrites the tile in place
-with dr (g folded in) for the GEMMs grad_W[classes] = dr^T x (written once: K = N) and grad_x += dr W
-(summed over the tiles of classes in fp32). Their memory beyond inputs and outputs: the forward a
+with dr / unit (g / unit folded in) for the GEMMs grad_W[classes] = unit (dr / unit)^T x (written once:
+K = N; unit applied to the fp32 accumulator) and grad_x += (dr / unit) W (summed over the tiles of
+classes in fp32, times unit at the end). unit = 2^(e - 8) with 2^(e - 1) <= max |g| < 2^e, a power of
+two computed on the device: it keeps dr / unit inside fp16's normal range (6e-5 to 65504) where g alone
+("mean" over many rows makes g small) would leave most of dr subnormal, and it is exact, so bf16
+results are those of folding g in directly. Their memory beyond inputs and outputs: the forward a
 tile (256 MiB in bf16) and 8 bytes a row; the backward a tile, 6 N H bytes (grad_x's fp32 sum and one
 tile's share of it) and, with a bias, 4 V bytes; what the forward leaves for the backward is the lse
 alone, as here. Rounding the logits to x's dtype changes a bf16 loss by about 2^-9 |z| per logit, as
 in the unfused form, well inside bf16's own error on x and W; the gradients go through x's dtype
-anyway (the GEMMs' operands; in fp16, values of d loss / d logits below its normal range, 6e-5, keep
-fewer bits, as in the unfused fp16 form: "mean" over many rows without loss scaling makes g small).
+anyway (the GEMMs' operands): within their dtype's rounding, in fp16 closer to float64 than the
+unfused fp16 form, whose d loss / d logits with "mean" over many rows are mostly subnormal.
 A target outside [0, V) (not ignore_index) gives NaN for its row there instead of an error (checking
 would stall the GPU stream). Everything else (fp32, fp64, H not a multiple of 8, another GPU, empty
 inputs, a bias with a non-unit stride) runs the reference (csrc/torch/linear_cross_entropy.cpp,

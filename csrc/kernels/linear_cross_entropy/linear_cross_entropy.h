@@ -48,7 +48,8 @@ struct tile_problem {
   double softcap;          // > 0, or 0 for none
   float* lse;              // per row: written by the loss pass, read by the gradient pass
   float* loss;             // per row, loss pass
-  const float* row_grad;   // per row, gradient pass: g, the gradient reaching the row's loss
+  const float* row_grad;   // per row, gradient pass: g, the gradient reaching the row's loss, or g over a
+                           // uniform factor the caller applies to the GEMMs' results (fp16's range)
 };
 
 // Empty when the kernel can run the problem; otherwise why not.
