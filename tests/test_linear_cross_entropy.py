@@ -365,8 +365,33 @@ def test_kernels_fp16_gradients_at_least_as_accurate_as_the_unfused_form(reducti
     for name, got, baseline, want in zip(("x", "weight", "bias"), ours, theirs, expected_grads):
         assert got.dtype == torch.float16
         err, baseline_err = rel_err(got, want), rel_err(baseline, want)
+        assert baseline_err < 1, f"grad_{name}: the unfused form's relative error {baseline_err:.3e} bounds nothing"
         assert err <= UNFUSED_ERROR_RATIO * baseline_err + UNFUSED_ERROR_SLACK, (
             f"grad_{name}: relative error {err:.3e} against the unfused form's {baseline_err:.3e}")
+
+
+@requires_kernels
+@pytest.mark.parametrize("counted_scale, ignored_grad", [(1024.0, float("inf")), (1.0, 2.0**24)],
+                         ids=["inf-under-a-loss-scale", "2^24-times-the-others"])
+def test_kernels_fp16_gradients_whatever_the_ignored_rows_gradients(counted_scale, ignored_grad):
+    """An ignored row's gradient reaches nothing (its d loss / d logits are zeros, as in PyTorch), so it must not
+    set the power of two that keeps the fp16 d loss / d logits in range: an inf one (1 / 0 for a sequence of
+    padding only) under a loss scale of 1024 would overflow them to inf, one 2^24 times the others would leave
+    most of them subnormal."""
+    ignored = 17
+    x, weight, bias, target = make_inputs(GPU_N, GPU_H, GPU_V, dtype=torch.float16, ignored=ignored, device="cuda")
+    leaves = [t.detach().requires_grad_() for t in (x, weight, bias)]
+    reference_leaves = [t.detach().cpu().double().requires_grad_() for t in leaves]
+    options = dict(reduction="none", label_smoothing=0.15)
+    grad = torch.randn(GPU_N, device="cuda") * counted_scale
+    expected = float64_loss(*reference_leaves[:2], target.cpu(), *reference_leaves[2:], **options)
+    expected_grads = torch.autograd.grad(expected, reference_leaves, grad.cpu().double())
+    grad[:ignored] = ignored_grad
+    with runs_the_kernels(*LCE_OPS):
+        loss = tk_ops.linear_cross_entropy(leaves[0], leaves[1], target, bias=leaves[2], **options)
+        grads = torch.autograd.grad(loss, leaves, grad)
+    for name, got, want in zip(("x", "weight", "bias"), grads, expected_grads):
+        assert_rel_close(got, want, KERNEL_GRAD_TOLERANCE[torch.float16], f"grad_{name}")
 
 
 @requires_kernels

@@ -89,10 +89,12 @@ at::Tensor power_of_two(const at::Tensor& exponent) {
   return biased.to(at::kInt).bitwise_left_shift(FLOAT_MANTISSA_BITS).view(at::kFloat);
 }
 
-// The exponent of unit (above) for the row gradients g: -DLOGITS_EXPONENT where max |g| is 0, inf or NaN
-// (g / unit then keeps its zeros, infinities and NaNs).
-at::Tensor unit_exponent(const at::Tensor& row_grad) {
-  const at::Tensor largest = row_grad.abs().amax();
+// The exponent of unit (above) for the row gradients g of the counted rows (not ignore_index): an ignored
+// row's g reaches no gradient (its dlogits are zeros whatever g), so a large, inf or NaN one (e.g. 1 / 0 for
+// a sequence of padding only) must not set unit. 1 - DLOGITS_EXPONENT, as for max |g| = 1, where that max is
+// 0, inf or NaN (no rows, or gradients that are not finite anyway; g / unit keeps its zeros, infinities and NaNs).
+at::Tensor unit_exponent(const at::Tensor& row_grad, const at::Tensor& counted) {
+  const at::Tensor largest = row_grad.abs().masked_fill(counted.logical_not(), 0).amax();
   const at::Tensor usable = at::logical_and(largest.isfinite(), largest > 0);
   const at::Tensor exponent = std::get<1>(at::frexp(at::where(usable, largest, at::ones_like(largest))));
   return exponent - DLOGITS_EXPONENT;  // frexp: 2^(exponent - 1) <= largest < 2^exponent
@@ -277,9 +279,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_bwd_cuda(
   const at::Tensor lse_rows = lse.contiguous();
   // g: the gradient reaching each row's loss (the kernel writes zeros on ignored rows whatever g is), over
   // unit (DLOGITS_EXPONENT).
+  const at::Tensor counted = targets != ignore_index;
   at::Tensor row_grad = grad.to(at::kFloat).expand({rows});
-  if (reduction == "mean") row_grad = row_grad / (targets != ignore_index).sum();
-  const at::Tensor exponent = unit_exponent(row_grad);
+  if (reduction == "mean") row_grad = row_grad / counted.sum();
+  const at::Tensor exponent = unit_exponent(row_grad, counted);
   const at::Tensor unit = power_of_two(exponent);
   row_grad = (row_grad * power_of_two(-exponent)).contiguous();
 
