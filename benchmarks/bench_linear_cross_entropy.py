@@ -15,10 +15,13 @@ Baselines:
   liger     liger_kernel.transformers.functional.liger_fused_linear_cross_entropy (liger-kernel, where
             it imports: benchmarks/wheels/baselines.sh)
 Ours is whatever serves tk.linear_cross_entropy on the device (tk_ops.backends() says which; the
-results header records it): the tiled PyTorch reference until its kernel exists.
+results header records it): with the extension, the GEMM and row kernels of
+csrc/torch/linear_cross_entropy.cpp (whose backward recomputes the logits: 4x the forward's GEMM
+FLOPs, though the TFLOP/s here count 3x, as Liger's do).
 
   python3 -m benchmarks.bench_linear_cross_entropy [--out DIR] [--pass fwd|fwd+bwd]
   python3 -m benchmarks.bench_linear_cross_entropy --dry-run [--out DIR]   # CPU, tiny shapes
+  python3 -m benchmarks.bench_linear_cross_entropy --check   # the kernels on small odd shapes vs float64
 """
 
 from __future__ import annotations
@@ -123,11 +126,43 @@ BENCH = common.Bench(
 )
 
 
+# (N, H, V, options): odd sizes, a V past one tile of classes in the backward, every option
+CHECK_CASES = [(37, 24, 1001, {}), (130, 64, 50257, dict(label_smoothing=0.1, softcap=30.0)),
+               (300, 128, 3001, dict(reduction="sum", bias=True)), (5, 16, 77, dict(reduction="none"))]
+
+
+def check() -> None:
+    """The kernels' loss and gradients against float64 autograd of the reference on the CPU (the
+    correctness run compute-sanitizer watches); exits non-zero on a wrong result."""
+    for n, h, v, options in CHECK_CASES:
+        options = dict(options)
+        x = torch.randn(n, h, device="cuda", dtype=DTYPE)
+        weight = torch.randn(v, h, device="cuda", dtype=DTYPE) / h**0.5
+        bias = torch.randn(v, device="cuda", dtype=DTYPE) if options.pop("bias", False) else None
+        target = torch.randint(0, v, (n,), device="cuda")
+        target[::IGNORED_EVERY] = IGNORE_INDEX
+        leaves = [t.requires_grad_() for t in (x, weight) + ((bias,) if bias is not None else ())]
+        loss = tk_ops.linear_cross_entropy(x, weight, target, bias=bias, **options)
+        grads = torch.autograd.grad(loss.sum(), leaves)
+        leaves64 = [t.detach().cpu().double().requires_grad_() for t in leaves]
+        expected = tk_ops.linear_cross_entropy(leaves64[0], leaves64[1], target.cpu(),
+                                               bias=leaves64[2] if bias is not None else None, **options)
+        expected_grads = torch.autograd.grad(expected.sum(), leaves64)
+        err = max(common.relative_difference(got.detach().cpu(), want.detach())
+                  for got, want in zip((loss, *grads), (expected, *expected_grads)))
+        status = "ok" if err < 2e-2 else "WRONG"
+        print(f"linear_cross_entropy N={n} H={h} V={v} {options or ''}: rel err {err:.2e} {status}")
+        if status != "ok":
+            raise SystemExit("linear_cross_entropy check: wrong result")
+
+
 def main(argv=None) -> None:
-    args = common.arguments(__doc__, PASSES, check=False).parse_args(argv)
+    args = common.arguments(__doc__, PASSES).parse_args(argv)
     torch.manual_seed(0)
     if common.without_gpu(args, BENCH, DRY_RUN_CASES):
         return
+    if args.check:
+        return check()
     _, liger_version = common.peer(*LIGER)
     common.run(BENCH, CASES, passes=args.passes, out=args.out, tflops_ceiling=None, dtype="bf16",
                liger=liger_version, ours_backend=tk_ops.backends()["linear_cross_entropy"],

@@ -96,6 +96,7 @@ FAMILIES = (
         Profile("layer_norm_bwd_h1024", "norm_backward_kernel|sum_partial_rows_kernel", 2),
         Profile("layer_norm_bwd_h4096", "norm_backward_kernel|sum_partial_rows_kernel", 2),
     )),
+    Family("linear_cross_entropy", op="linear_cross_entropy", bench="linear_cross_entropy"),
 )
 BY_NAME = {family.name: family for family in FAMILIES}
 

@@ -2349,27 +2349,82 @@ def _small_tiles():
     return stack
 
 
-def _lce_args(dtype, with_bias, options, requires_grad=True):
-    """tk.linear_cross_entropy's arguments on x (13, 9), weight (23, 9), 3 rows ignored; ``options``
+# (N, H, V) of the samples: H = 9 on the CPU; H = 16 on the GPU, a multiple of 8 as the kernels take it.
+LCE_SIZES = {"cpu": (13, 9, 23), "cuda": (13, 16, 23)}
+
+
+def _lce_args(dtype, with_bias, options, requires_grad=True, device="cpu"):
+    """tk.linear_cross_entropy's arguments on x (13, H), weight (23, H), 3 rows ignored; ``options``
     (label_smoothing, softcap, reduction)."""
-    x, weight, bias, target = linear_cross_entropy_inputs.make_inputs(13, 9, 23, dtype=dtype, with_bias=with_bias,
-                                                                      requires_grad=requires_grad)
+    x, weight, bias, target = linear_cross_entropy_inputs.make_inputs(
+        *LCE_SIZES[device], dtype=dtype, with_bias=with_bias, requires_grad=requires_grad, device=device)
     return (x, weight, target, bias, LCE_IGNORE_INDEX, *options)
 
 
-def _lce_samples(id, dtype, with_bias, options, masks=((True, True, True),)):
+def _lce_samples(id, dtype, with_bias, options, masks=((True, True, True),), device="cpu"):
     """The forward opcheck and one backward opcheck per output mask."""
 
     def backward(mask):
-        x, weight, target, bias, *rest = _lce_args(dtype, with_bias, options, requires_grad=False)
+        x, weight, target, bias, *rest = _lce_args(dtype, with_bias, options, requires_grad=False, device=device)
         loss, lse = torch.ops.tk.linear_cross_entropy(x, weight, target, bias, *rest)
         return (torch.randn_like(loss), x, weight, target, bias, lse, *rest, list(mask))
 
-    return (Sample(id, "linear_cross_entropy", lambda: _lce_args(dtype, with_bias, options), _small_tiles),) + tuple(
+    return (Sample(id, "linear_cross_entropy", lambda: _lce_args(dtype, with_bias, options, device=device),
+                   _small_tiles),) + tuple(
         Sample(f"linear_cross_entropy_bwd-{id}-{''.join('1' if m else '0' for m in mask)}",
                "linear_cross_entropy_bwd", lambda mask=mask: backward(mask), _small_tiles)
         for mask in masks
     )
+
+
+def _lce_kernel_samples(dtype):
+    return (*_lce_samples("bias-smoothing-softcap-mean", dtype, True, (0.1, 5.0, "mean"),
+                          masks=((True, True, True), (False, True, False), (True, False, True)), device="cuda"),
+            *_lce_samples("none", dtype, False, (0.0, None, "none"), device="cuda"))
+
+
+def _lce_graph() -> GraphSample:
+    """The forward and the backward kernels (GEMMs, row passes, the fp32 sums) in one graph; every input read
+    anew on replay."""
+
+    def make_inputs():
+        x, weight, bias, target = linear_cross_entropy_inputs.make_inputs(300, 64, 1001, dtype=torch.bfloat16,
+                                                                          device="cuda")
+        return x, weight, bias, target, torch.randn((), device="cuda")
+
+    def step(x, weight, bias, target, grad):
+        options = (LCE_IGNORE_INDEX, 0.1, 4.0, "mean")
+        loss, lse = torch.ops.tk.linear_cross_entropy(x, weight, target, bias, *options)
+        grads = torch.ops.tk.linear_cross_entropy_bwd(grad, x, weight, target, bias, lse, *options, [True] * 3)
+        return (loss, lse, *grads)
+
+    def new_values(x, weight, bias, target, grad):
+        return (torch.randn_like(x), torch.randn_like(weight) / 8, torch.randn_like(bias),
+                torch.randint_like(target, 0, weight.shape[0]), torch.randn_like(grad))
+
+    return GraphSample("forward-backward", ("linear_cross_entropy", "linear_cross_entropy_bwd"), make_inputs, step,
+                       new_values=new_values)
+
+
+def _lce_fallback(id, dtype, hidden) -> FallbackSample:
+    """Loss and gradients on CUDA inputs the kernels leave to the reference (fp32; H not a multiple of 8)."""
+    options = dict(label_smoothing=0.1, softcap=4.0, reduction="sum")
+
+    def make_inputs():
+        return linear_cross_entropy_inputs.make_inputs(37, hidden, 101, dtype=dtype, device="cuda",
+                                                       requires_grad=True)
+
+    def loss_and_gradients(x, weight, bias, target):
+        loss = tk_ops.linear_cross_entropy(x, weight, target, bias=bias, **options)
+        return (loss, *torch.autograd.grad(loss, (x, weight, bias)))
+
+    def float64(x, weight, bias, target):
+        leaves = [t.detach().cpu().double().requires_grad_() for t in (x, weight, bias)]
+        loss = linear_cross_entropy_inputs.float64_loss(leaves[0], leaves[1], target.cpu(), leaves[2], **options)
+        return (loss, *torch.autograd.grad(loss, leaves))
+
+    return FallbackSample(id, ("linear_cross_entropy", "linear_cross_entropy_bwd"), make_inputs, loss_and_gradients,
+                          float64, TOLERANCE[dtype])
 
 
 class _LMHeadLoss(torch.nn.Module):
@@ -2435,7 +2490,24 @@ def _lce_bad_inputs():
          ValueError, r"target values must be ignore_index \(-100\) or in \[0, 11\), got 11"),
         ("target-negative", lambda: tk_ops.linear_cross_entropy(x, weight, torch.full((5,), -1)), ValueError,
          r"target values must be ignore_index \(-100\) or in \[0, 11\), got -1"),
+        ("kernel-weight-H", lambda: torch.ops.tk.linear_cross_entropy(*_lce_on_the_gpu_args(weight=lambda w: w[:, :8])),
+         ValueError, r"tk::linear_cross_entropy: weight must be \(V, H\) with H = 16", "linear_cross_entropy"),
+        ("kernel-reduction", lambda: torch.ops.tk.linear_cross_entropy(*_lce_on_the_gpu_args(reduction="avg")),
+         ValueError, "tk::linear_cross_entropy: reduction must be 'mean', 'sum' or 'none'", "linear_cross_entropy"),
+        ("kernel-bwd-grad-shape", lambda: torch.ops.tk.linear_cross_entropy_bwd(
+            torch.ones(3, device="cuda"), *_lce_on_the_gpu_args(lse=True), [True] * 3),
+         ValueError, r"tk::linear_cross_entropy_bwd: grad must have the loss's shape", "linear_cross_entropy_bwd"),
     )
+
+
+def _lce_on_the_gpu_args(weight=lambda w: w, reduction="mean", lse=False):
+    """The op's arguments on bf16 CUDA inputs the kernels take (x (5, 16)), the weight changed by ``weight``; with
+    ``lse``, the backward's (x, weight, target, bias, lse, options)."""
+    x, w, bias, target = linear_cross_entropy_inputs.make_inputs(5, 16, 11, dtype=torch.bfloat16, device="cuda")
+    options = (LCE_IGNORE_INDEX, 0.0, None, reduction)
+    if lse:
+        return (x, w, target, bias, torch.zeros(5, device="cuda"), *options)
+    return (x, weight(w), target, bias, *options)
 
 
 def _lce_on_the_gpu():
@@ -2452,8 +2524,8 @@ LINEAR_CROSS_ENTROPY = OpInfo(
         *_lce_samples("fp32-sum", torch.float32, False, (0.0, None, "sum")),
         *_lce_samples("bf16-bias-smoothing-none", torch.bfloat16, True, (0.2, None, "none")),
     ),
-    kernel_dtypes=(),
-    kernel_samples=lambda dtype: (),
+    kernel_dtypes=KERNEL_16_BIT,
+    kernel_samples=_lce_kernel_samples,
     compile=(
         CompileSample("bias-smoothing-softcap-mean",
                       lambda x, weight, bias, target: tk_ops.linear_cross_entropy(
@@ -2470,10 +2542,10 @@ LINEAR_CROSS_ENTROPY = OpInfo(
     bad_inputs=_lce_bad_inputs(),
     device_mismatches=_device_mismatches(tk_ops.linear_cross_entropy, _lce_on_the_gpu, "x",
                                          ("weight", "target", "bias")),
-    graphs=(),
-    no_graph=_without_sample(NO_KERNEL, "linear_cross_entropy", "linear_cross_entropy_bwd"),
-    fallbacks=(),
-    no_fallback=_without_sample(NO_KERNEL, "linear_cross_entropy", "linear_cross_entropy_bwd"),
+    graphs=(_lce_graph(),),
+    no_graph={},
+    fallbacks=(_lce_fallback("fp32", torch.float32, 16), _lce_fallback("bf16-H-20", torch.bfloat16, 20)),
+    no_fallback={},
 )
 
 OP_DB = (MATMUL, ATTENTION, ATTENTION_VARLEN, ATTENTION_WITH_KVCACHE, LAYER_NORM, RMS_NORM, ROPE, LINEAR_ATTENTION,

@@ -1,7 +1,9 @@
 """tk.linear_cross_entropy: the reference against the float64 definition F.cross_entropy(F.linear(...)) at odd
 sizes across its tiles (every reduction, ignored rows, label smoothing, softcap, bias, leading batch dims,
-strided views, bf16), gradcheck, and its memory: never the (N, V) logits. Its contract (opcheck, compile,
-export, bad inputs): tests/op_db.py, run by tests/test_op_contract.py."""
+strided views, bf16), gradcheck, and its memory: never the (N, V) logits. Then the CUDA kernels (bf16 and
+fp16) against the same definition, on NaN-poisoned allocations, across their tiles, and their memory. Its
+contract (opcheck, compile, export, bad inputs, CUDA graphs, fallbacks): tests/op_db.py, run by
+tests/test_op_contract.py."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ from torch.profiler import ProfilerActivity, profile
 import tk_ops
 from inputs.linear_cross_entropy import float64_loss, make_inputs
 from tk_ops.ops import linear_cross_entropy as linear_cross_entropy_module
-from tk_testing import TOLERANCE, assert_rel_close, check_matches_contiguous_copies, parametrize_with_ids
+from tk_testing import (TOLERANCE, assert_rel_close, check_matches_contiguous_copies, parametrize_with_ids,
+                        rel_err, requires_kernel, runs_the_kernels)
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -39,14 +42,15 @@ def check_against_float64(x, weight, bias, target, tol, grad_tol=None, **options
     """Loss and the gradients of x, weight, bias (for one random output gradient) against float64_loss on the
     same values."""
     leaves = [t.detach().requires_grad_() for t in (x, weight) + (() if bias is None else (bias,))]
-    reference_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    # on the CPU: F.cross_entropy's nll_loss has no deterministic CUDA kernel (the poisoned_allocations fixture)
+    reference_leaves = [t.detach().cpu().double().requires_grad_() for t in leaves]
     loss = tk_ops.linear_cross_entropy(leaves[0], leaves[1], target, bias=leaves[2] if bias is not None else None,
                                        **options)
-    expected = float64_loss(*reference_leaves[:2], target, *reference_leaves[2:], **options)
+    expected = float64_loss(*reference_leaves[:2], target.cpu(), *reference_leaves[2:], **options)
     assert loss.dtype == (torch.float64 if x.dtype == torch.float64 else torch.float32)
     assert_rel_close(loss, expected, tol, "loss")
     grad = torch.randn_like(expected)
-    grads = torch.autograd.grad(loss, leaves, grad.to(loss.dtype))
+    grads = torch.autograd.grad(loss, leaves, grad.to(loss.device, loss.dtype))
     expected_grads = torch.autograd.grad(expected, reference_leaves, grad)
     for name, leaf, got, want in zip(("x", "weight", "bias"), leaves, grads, expected_grads):
         assert got.dtype == leaf.dtype and got.shape == leaf.shape
@@ -224,4 +228,223 @@ def test_memory_stays_far_below_the_logits():
     _, backward_peak, _ = allocated_bytes(loss.backward)
     assert forward_peak < logits_bytes / 4, forward_peak
     assert kept <= rows * 4 + 64, kept  # lse, and the loss
+    assert backward_peak < logits_bytes / 4, backward_peak
+
+
+# ------------------------------------------------------------------------------------------- CUDA kernels
+
+LCE_OPS = ("linear_cross_entropy", "linear_cross_entropy_bwd")
+requires_kernels = requires_kernel("linear_cross_entropy")
+KERNEL_DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+# The kernels' GEMM rounds the logits to x's dtype (as F.linear(x, W).float() does): about 2^-9 |z| a logit in
+# bf16, 2^-11 in fp16, against losses of about log V. The gradients are within x's dtype's rounding: in fp16 too,
+# since the kernels keep d loss / d logits in fp16's normal range whatever g (a power of two taken out and put
+# back exactly: csrc/torch/linear_cross_entropy.cpp, DLOGITS_EXPONENT). Folding g = grad / 316 in left most of them
+# subnormal, with errors up to 1.06e-2 on an H200; a float emulation of the kernels' roundings gives at most
+# 1.9e-3 with the power of two out (grad_x with label_smoothing 1 and "mean": its fp16 values are themselves
+# subnormal, as in the unfused form), 1e-3 elsewhere.
+KERNEL_LOSS_TOLERANCE = {torch.bfloat16: 2e-3, torch.float16: 1e-3}
+KERNEL_GRAD_TOLERANCE = {torch.bfloat16: TOLERANCE[torch.bfloat16], torch.float16: TOLERANCE[torch.float16]}
+# Our fp16 gradients against the unfused fp16 form's, both vs float64: where both round alike ("sum", "none" with
+# g near 1) they differ only by summation orders, hence a margin; with "mean" the unfused form's subnormal
+# d loss / d logits make its error several times ours.
+UNFUSED_ERROR_RATIO = 1.25
+UNFUSED_ERROR_SLACK = 1e-4  # a fifth of fp16's unit roundoff, for gradients whose errors are both tiny
+GPU_N, GPU_H, GPU_V = 333, 64, 1001  # odd N and V: V's rows are padded to whole 16-byte chunks in the tiles
+
+
+@requires_kernels
+@KERNEL_DTYPES
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@parametrize_with_ids("with_bias, label_smoothing, softcap", OPTIONS)
+def test_kernels_match_float64_definition(poisoned_allocations, dtype, reduction, with_bias, label_smoothing,
+                                          softcap):
+    x, weight, bias, target = make_inputs(GPU_N, GPU_H, GPU_V, dtype=dtype, with_bias=with_bias, ignored=17,
+                                          device="cuda")
+    target[40], target[41] = GPU_V - 1, 0  # the first and last classes (the last in the padded chunk)
+    with runs_the_kernels(*LCE_OPS):
+        check_against_float64(x, weight, bias, target, KERNEL_LOSS_TOLERANCE[dtype], KERNEL_GRAD_TOLERANCE[dtype],
+                              reduction=reduction, label_smoothing=label_smoothing, softcap=softcap)
+
+
+@requires_kernels
+@KERNEL_DTYPES
+def test_kernels_lse_matches_float64(poisoned_allocations, dtype):
+    x, weight, bias, target = make_inputs(GPU_N, GPU_H, GPU_V, dtype=dtype, device="cuda")
+    with runs_the_kernels("linear_cross_entropy"):
+        _, lse = torch.ops.tk.linear_cross_entropy(x, weight, target, bias, -100, 0.1, 3.0, "none")
+    logits = 3.0 * torch.tanh(torch.nn.functional.linear(x.double(), weight.double(), bias.double()) / 3.0)
+    assert lse.dtype == torch.float32
+    assert_rel_close(lse, logits.logsumexp(-1), KERNEL_LOSS_TOLERANCE[dtype], "lse")
+
+
+@requires_kernels
+def test_kernels_across_their_tiles(poisoned_allocations):
+    """2100 rows by V = 65537 classes: two forward tiles of rows (1920 + 180 at 2^27 logits a tile) and two
+    backward tiles of classes (63744 + 1793, the last a width that is not a multiple of 8)."""
+    vocab = 65537
+    x, weight, bias, target = make_inputs(2100, 64, vocab, dtype=torch.bfloat16, ignored=100, device="cuda")
+    target[-2:] = torch.tensor([vocab - 1, 63743])  # the last class, the last class of the first backward tile
+    with runs_the_kernels(*LCE_OPS):
+        check_against_float64(x, weight, bias, target, KERNEL_LOSS_TOLERANCE[torch.bfloat16],
+                              TOLERANCE[torch.bfloat16], reduction="none", label_smoothing=0.1, softcap=20.0)
+
+
+@requires_kernels
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_kernels_every_row_ignored(poisoned_allocations, reduction):
+    """As PyTorch: "mean" is NaN, "sum" 0, "none" zeros; every gradient is 0 (the kernels write zeros on ignored
+    rows whatever their gradient, here 1 / 0)."""
+    x, weight, bias, target = make_inputs(GPU_N, GPU_H, GPU_V, dtype=torch.bfloat16, ignored=GPU_N,
+                                          requires_grad=True, device="cuda")
+    with runs_the_kernels(*LCE_OPS):
+        loss = tk_ops.linear_cross_entropy(x, weight, target, bias=bias, reduction=reduction, label_smoothing=0.2)
+        loss.sum().backward()
+    assert loss.isnan().item() if reduction == "mean" else not loss.any()
+    assert not (x.grad.any() or weight.grad.any() or bias.grad.any())
+
+
+@requires_kernels
+@pytest.mark.parametrize("ignore_index", [0, 500, GPU_V - 1])
+def test_kernels_ignore_index_inside_the_vocabulary(poisoned_allocations, ignore_index):
+    x, weight, bias, target = make_inputs(GPU_N, GPU_H, GPU_V, dtype=torch.bfloat16, ignored=0, device="cuda")
+    target[::3] = ignore_index
+    with runs_the_kernels(*LCE_OPS):
+        check_against_float64(x, weight, bias, target, KERNEL_LOSS_TOLERANCE[torch.bfloat16],
+                              TOLERANCE[torch.bfloat16], ignore_index=ignore_index, label_smoothing=0.1)
+
+
+@requires_kernels
+@KERNEL_DTYPES
+def test_kernels_match_the_unfused_computation(dtype):
+    """F.cross_entropy(F.linear(x, W).float()) also rounds the logits to x's dtype: the two differ only where the
+    GEMMs' summation orders round a logit differently."""
+    x, weight, _, target = make_inputs(GPU_N, GPU_H, GPU_V, dtype=dtype, with_bias=False, requires_grad=True,
+                                       device="cuda")
+    with runs_the_kernels(*LCE_OPS):
+        loss = tk_ops.linear_cross_entropy(x, weight, target)
+        grads = torch.autograd.grad(loss, (x, weight))
+    unfused = torch.nn.functional.cross_entropy(torch.nn.functional.linear(x, weight).float(), target)
+    assert_rel_close(loss, unfused, 5e-4, "loss")
+    for name, got, want in zip(("x", "weight"), grads, torch.autograd.grad(unfused, (x, weight))):
+        assert_rel_close(got, want, KERNEL_GRAD_TOLERANCE[dtype], f"grad_{name}")
+
+
+@requires_kernels
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@parametrize_with_ids("with_bias, label_smoothing, softcap", OPTIONS)
+def test_kernels_fp16_gradients_at_least_as_accurate_as_the_unfused_form(reduction, with_bias, label_smoothing,
+                                                                          softcap):
+    """Against float64 on the same fp16 values, the kernels' gradients are as close as those of the unfused fp16
+    form F.cross_entropy(F.linear(x, W, b).float()) on the GPU, or closer: its d loss / d logits are fp16 with g
+    folded in (mostly subnormal for "mean" over hundreds of rows), the kernels' keep a power of two out."""
+    x, weight, bias, target = make_inputs(GPU_N, GPU_H, GPU_V, dtype=torch.float16, with_bias=with_bias,
+                                          ignored=17, device="cuda")
+    options = dict(reduction=reduction, label_smoothing=label_smoothing)
+    leaves = [t for t in (x, weight, bias) if t is not None]
+    reference_leaves = [t.detach().cpu().double().requires_grad_() for t in leaves]
+    expected = float64_loss(*reference_leaves[:2], target.cpu(), *reference_leaves[2:], softcap=softcap, **options)
+    grad = torch.randn_like(expected)
+    expected_grads = torch.autograd.grad(expected, reference_leaves, grad)
+
+    def fused(x, weight, bias=None):
+        return tk_ops.linear_cross_entropy(x, weight, target, bias=bias, softcap=softcap, **options)
+
+    def unfused(x, weight, bias=None):
+        logits = torch.nn.functional.linear(x, weight, bias).float()
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        return torch.nn.functional.cross_entropy(logits, target, **options)
+
+    def gradients(loss):
+        inputs = [t.detach().requires_grad_() for t in leaves]
+        return torch.autograd.grad(loss(*inputs), inputs, grad.to(x.device, torch.float32))
+
+    with runs_the_kernels(*LCE_OPS):
+        ours = gradients(fused)
+    theirs = gradients(unfused)
+    for name, got, baseline, want in zip(("x", "weight", "bias"), ours, theirs, expected_grads):
+        assert got.dtype == torch.float16
+        err, baseline_err = rel_err(got, want), rel_err(baseline, want)
+        assert baseline_err < 1, f"grad_{name}: the unfused form's relative error {baseline_err:.3e} bounds nothing"
+        assert err <= UNFUSED_ERROR_RATIO * baseline_err + UNFUSED_ERROR_SLACK, (
+            f"grad_{name}: relative error {err:.3e} against the unfused form's {baseline_err:.3e}")
+
+
+@requires_kernels
+@pytest.mark.parametrize("counted_scale, ignored_grad", [(1024.0, float("inf")), (1.0, 2.0**24)],
+                         ids=["inf-under-a-loss-scale", "2^24-times-the-others"])
+def test_kernels_fp16_gradients_whatever_the_ignored_rows_gradients(counted_scale, ignored_grad):
+    """An ignored row's gradient reaches nothing (its d loss / d logits are zeros, as in PyTorch), so it must not
+    set the power of two that keeps the fp16 d loss / d logits in range: an inf one (1 / 0 for a sequence of
+    padding only) under a loss scale of 1024 would overflow them to inf, one 2^24 times the others would leave
+    most of them subnormal."""
+    ignored = 17
+    x, weight, bias, target = make_inputs(GPU_N, GPU_H, GPU_V, dtype=torch.float16, ignored=ignored, device="cuda")
+    leaves = [t.detach().requires_grad_() for t in (x, weight, bias)]
+    reference_leaves = [t.detach().cpu().double().requires_grad_() for t in leaves]
+    options = dict(reduction="none", label_smoothing=0.15)
+    grad = torch.randn(GPU_N, device="cuda") * counted_scale
+    expected = float64_loss(*reference_leaves[:2], target.cpu(), *reference_leaves[2:], **options)
+    expected_grads = torch.autograd.grad(expected, reference_leaves, grad.cpu().double())
+    grad[:ignored] = ignored_grad
+    with runs_the_kernels(*LCE_OPS):
+        loss = tk_ops.linear_cross_entropy(leaves[0], leaves[1], target, bias=leaves[2], **options)
+        grads = torch.autograd.grad(loss, leaves, grad)
+    for name, got, want in zip(("x", "weight", "bias"), grads, expected_grads):
+        assert_rel_close(got, want, KERNEL_GRAD_TOLERANCE[torch.float16], f"grad_{name}")
+
+
+@requires_kernels
+def test_kernels_give_nan_for_targets_outside_the_vocabulary():
+    """The kernels cannot raise without stalling the stream (the reference raises): such a row's loss and its
+    grad_x are NaN, the other rows' are those of a valid call."""
+    x, weight, bias, target = make_inputs(GPU_N, GPU_H, GPU_V, dtype=torch.bfloat16, requires_grad=True,
+                                          device="cuda")
+    bad = target.clone()
+    bad[5], bad[6] = GPU_V, -1
+    others = torch.ones(GPU_N, dtype=torch.bool, device="cuda")
+    others[5:7] = False
+    with runs_the_kernels(*LCE_OPS):
+        losses = tk_ops.linear_cross_entropy(x, weight, bad, bias=bias, reduction="none")
+        expected = tk_ops.linear_cross_entropy(x, weight, target, bias=bias, reduction="none")
+        (grad_x,) = torch.autograd.grad(losses.sum(), x)
+    assert losses[5:7].isnan().all() and grad_x[5:7].isnan().all()
+    assert torch.equal(losses[others], expected[others]) and grad_x[others].isfinite().all()
+
+
+@requires_kernels
+def test_kernels_read_row_strided_x_in_place():
+    """x rows of a wider buffer (16-byte aligned rows): the same bits as on a contiguous copy."""
+    x, weight, bias, target = make_inputs(GPU_N, GPU_H, GPU_V, dtype=torch.bfloat16, device="cuda")
+    wide = torch.full((GPU_N, GPU_H + 8), float("nan"), dtype=torch.bfloat16, device="cuda")[:, :GPU_H]
+    wide.copy_(x)
+
+    def loss(x, weight, bias):
+        return tk_ops.linear_cross_entropy(x, weight, target, bias=bias, reduction="none", label_smoothing=0.1)
+
+    with runs_the_kernels(*LCE_OPS):
+        check_matches_contiguous_copies(loss, (wide, weight, bias), tol=0)
+
+
+@requires_kernels
+def test_kernels_memory_stays_far_below_the_logits():
+    """bf16 logits of 2 GiB (16384 rows by 65536 classes): the forward and the backward each peak under a quarter
+    of them (a tile is 256 MiB), and what the forward leaves for the backward is the lse, N floats."""
+    rows, hidden, vocab = 16384, 256, 65536
+    x, weight, _, target = make_inputs(rows, hidden, vocab, dtype=torch.bfloat16, with_bias=False,
+                                       requires_grad=True, device="cuda")
+    logits_bytes = rows * vocab * 2
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    with runs_the_kernels(*LCE_OPS):
+        loss = tk_ops.linear_cross_entropy(x, weight, target)
+        forward_peak = torch.cuda.max_memory_allocated() - before
+        kept = torch.cuda.memory_allocated() - before
+        torch.cuda.reset_peak_memory_stats()
+        loss.backward()
+    backward_peak = torch.cuda.max_memory_allocated() - before
+    assert forward_peak < logits_bytes / 4, forward_peak
+    assert kept <= rows * 4 + 1024, kept  # lse, and the loss (the allocator's 512-byte blocks)
     assert backward_peak < logits_bytes / 4, backward_peak

@@ -1,7 +1,7 @@
-"""The ops that run their PyTorch reference on CUDA tensors (attention_with_kvcache, gated_delta_rule,
-linear_cross_entropy, and attention_varlen at a head dim the kernels do not take), called as a user would: bf16 or
-fp32 inputs on the GPU against the same op on the CPU in float64, the outputs and the gradients, and the caches the
-KV-cache op writes.
+"""The ops that run their PyTorch reference on CUDA tensors (attention_with_kvcache, gated_delta_rule, and
+linear_cross_entropy and attention_varlen at a hidden size or head dim their kernels do not take), called as a user
+would: bf16 or fp32 inputs on the GPU against the same op on the CPU in float64, the outputs and the gradients, and
+the caches the KV-cache op writes.
 What they compute is checked against their definitions in their own test files; this checks that the CUDA
 dispatch reaches a reference that runs there (no CPU-only call, no device mix-up, autocast off)."""
 
@@ -91,7 +91,7 @@ def test_gated_delta_rule_on_cuda(dtype_name):
 @pytest.mark.parametrize("dtype_name", DTYPES)
 def test_linear_cross_entropy_on_cuda(dtype_name):
     dtype, tol = DTYPES[dtype_name]
-    x, weight, bias, target = lce_inputs.make_inputs(37, 24, 1000, requires_grad=True)
+    x, weight, bias, target = lce_inputs.make_inputs(37, 20, 1000, requires_grad=True)  # H = 20: not the kernels
     options = dict(label_smoothing=0.1, softcap=20.0)
     expected = tk_ops.linear_cross_entropy(x, weight, target, bias=bias, **options)
     leaves = on_cuda([x, weight, bias], dtype)

@@ -20,7 +20,7 @@ at::Tensor run(int64_t i, const at::Tensor& a, const at::Tensor& b) {
                       a_row_major ? major::k : major::mn,
                       b_row_major ? tk::gemm::stored_matrix{b.data_ptr(), k, n, b.stride(0)}
                                   : tk::gemm::stored_matrix{b.data_ptr(), n, k, b.stride(1)},
-                      b_row_major ? major::mn : major::k, c.data_ptr(), nullptr};
+                      b_row_major ? major::mn : major::k, c.data_ptr(), n, nullptr};
   C10_CUDA_CHECK(tk::gemm::tuning::launch_candidate(int(i), p, c10::cuda::getCurrentCUDAStream().stream()));
   return c;
 }

@@ -50,7 +50,7 @@ std::optional<problem> plan_gemm(const at::Tensor& a, const at::Tensor& b, const
   for (const stored_operand& sa : stored_forms(a, /*c_is_k=*/true)) {
     for (const stored_operand& sb : stored_forms(b, /*c_is_k=*/false)) {
       problem p{element_of(a), a.size(0), b.size(1), a.size(1), sa.matrix, sa.order, sb.matrix, sb.order,
-                nullptr, bias.has_value() ? bias->data_ptr() : nullptr};
+                nullptr, b.size(1), bias.has_value() ? bias->data_ptr() : nullptr};
       if (tk::gemm::unsupported_reason(p).empty()) return p;
     }
   }

@@ -9,8 +9,9 @@ For rows x_i (H,), a weight W (V, H), an optional bias b (V,) and class indices 
 and loss_i = 0 where t_i == ignore_index. reduction "none" returns loss_i, "sum" their sum, "mean"
 their sum over the number of rows not ignored (NaN when every row is ignored, as in PyTorch). This
 is ``F.cross_entropy(F.linear(x, W, b).float(), t, ignore_index=, label_smoothing=, reduction=)``
-(softcap applied to the fp32 logits first), except that the logits are not rounded to x's dtype
-before the loss (the fp32 accumulator is used as it is) and fp64 inputs stay fp64.
+(softcap applied to the fp32 logits first), except that the reference does not round the logits to
+x's dtype before the loss (the fp32 accumulator is used as it is; the CUDA kernels do round them, as
+that unfused form does: see below) and fp64 inputs stay fp64.
 
 Gradients. With g_i the gradient reaching loss_i (the output gradient, divided by the number of
 rows not ignored under "mean"; 0 on ignored rows) and q_iv = (1 - e) [v == t_i] + e / V:
@@ -51,12 +52,34 @@ Dtypes: x fp16, bf16, fp32 or fp64; weight and bias x's dtype; target int64. Ari
 reference, which raises otherwise). x and weight reach the ops with a unit last stride (other
 strides free); anything else is copied by the public function.
 
-No CUDA kernel yet: the reference serves every device (on a GPU with a one-time warning). It walks
-the logits in tiles of ROWS_PER_TILE rows by VOCAB_PER_TILE classes, as a kernel would: the forward
-keeps per row a running maximum and sum of exponentials (the streamed log-sum-exp), the target's
-logit and the sum of the logits; the backward accumulates grad_x, grad_weight and grad_bias in the
-compute dtype tile by tile. Its memory is O(N H + V H) for the inputs and gradients plus a few tiles,
-never O(N V).
+CUDA kernels (csrc/torch/linear_cross_entropy.cpp; written, not yet run on a GPU) for bf16 and fp16 x
+on an sm_90 GPU with H a multiple of 8 (rows 16-byte aligned, as the GEMM's TMA reads them), any N
+and V, every option: the project's GEMM writes a tile of logits in x's dtype (rows x all V in the
+forward, all N x a range of classes in the backward, about 2^27 elements), and one row kernel per tile
+reads it once: the forward's loss pass (the streamed log-sum-exp, the target's logit, the sum of the
+logits; lse and each row's loss), or the backward's gradient pass, which overwrites the tile in place
+with dr / unit (g / unit folded in) for the GEMMs grad_W[classes] = unit (dr / unit)^T x (written once:
+K = N; unit applied to the fp32 accumulator) and grad_x += (dr / unit) W (summed over the tiles of
+classes in fp32, times unit at the end). unit = 2^(e - 8) with 2^(e - 1) <= max |g| < 2^e, a power of
+two computed on the device: it keeps dr / unit inside fp16's normal range (6e-5 to 65504) where g alone
+("mean" over many rows makes g small) would leave most of dr subnormal, and it is exact, so bf16
+results are those of folding g in directly. Their memory beyond inputs and outputs: the forward a
+tile (256 MiB in bf16) and 8 bytes a row; the backward a tile, 6 N H bytes (grad_x's fp32 sum and one
+tile's share of it) and, with a bias, 4 V bytes; what the forward leaves for the backward is the lse
+alone, as here. Rounding the logits to x's dtype changes a bf16 loss by about 2^-9 |z| per logit, as
+in the unfused form, well inside bf16's own error on x and W; the gradients go through x's dtype
+anyway (the GEMMs' operands): within their dtype's rounding, in fp16 closer to float64 than the
+unfused fp16 form, whose d loss / d logits with "mean" over many rows are mostly subnormal.
+A target outside [0, V) (not ignore_index) gives NaN for its row there instead of an error (checking
+would stall the GPU stream). Everything else (fp32, fp64, H not a multiple of 8, another GPU, empty
+inputs, a bias with a non-unit stride) runs the reference (csrc/torch/linear_cross_entropy.cpp,
+kernels_take), which warns once on a GPU.
+
+The reference walks the logits in tiles of ROWS_PER_TILE rows by VOCAB_PER_TILE classes, as a kernel
+would: the forward keeps per row a running maximum and sum of exponentials (the streamed log-sum-exp),
+the target's logit and the sum of the logits; the backward accumulates grad_x, grad_weight and
+grad_bias in the compute dtype tile by tile. Its memory is O(N H + V H) for the inputs and gradients
+plus a few tiles, never O(N V).
 """
 
 from __future__ import annotations

@@ -10,15 +10,17 @@ using majors = one_of<major::k, major::mn>;
 constexpr operand_major operand_major_of(major m) { return m == major::k ? operand_major::k : operand_major::mn; }
 
 // Runs f.template operator()<K>() for the gemm_kernel variant of the problem (element type, A and
-// B major-ness, bias, tile plan: narrow_tile_plan where faster_with_narrow_tiles expects it to win).
+// B major-ness, bias, tile plan: narrow_tile_plan where faster_with_narrow_tiles expects it to win, C scale).
 template <typename F>
 auto with_kernel(const problem& p, F&& f) {
-  return dispatch<kernel_dtypes, majors, majors, flags, flags>(
-      [&]<element_type E, major A, major B, bool BIAS, bool NARROW>() {
+  return dispatch<kernel_dtypes, majors, majors, flags, flags, flags>(
+      [&]<element_type E, major A, major B, bool BIAS, bool NARROW, bool SCALES_C>() {
         using plan = std::conditional_t<NARROW, narrow_tile_plan, tile_plan>;
-        return f.template operator()<gemm_kernel<element_t<E>, operand_major_of(A), operand_major_of(B), BIAS, plan>>();
+        return f.template operator()<
+            gemm_kernel<element_t<E>, operand_major_of(A), operand_major_of(B), BIAS, plan, SCALES_C>>();
       },
-      p.dtype, p.a_major, p.b_major, p.bias != nullptr, faster_with_narrow_tiles(p, current_sm_count()));
+      p.dtype, p.a_major, p.b_major, p.bias != nullptr, faster_with_narrow_tiles(p, current_sm_count()),
+      p.c_scale != nullptr);
 }
 
 }  // namespace

@@ -3,7 +3,7 @@
 //
 //   producer (1 warpgroup)      TMA: A tile (128 x 64) and B tile (64 x 256) into a ring of stages
 //   consumers (2 warpgroups)    wgmma: each owns 64 rows of the tile, acc (64 x 256 fp32) += A B
-//   epilogue (consumers)        + bias, convert, stmatrix into swizzled staging, TMA store;
+//   epilogue (consumers)        + bias, * c_scale, convert, stmatrix into swizzled staging, TMA store;
 //                               the store drains while the next tile's mainloop runs
 //
 // Tails need no code: TMA zero-fills what lies past M, N or K on load (zeros add nothing to the
@@ -73,7 +73,8 @@ using operand_tile =
                        shared_tile<T, MN, K, widest_swizzle(K * int(sizeof(T))), (MN < BOX_ROWS ? MN : BOX_ROWS)>,
                        shared_tile<T, K, MN, widest_swizzle(MN * int(sizeof(T))), (K < BOX_ROWS ? K : BOX_ROWS)>>;
 
-template <typename T, operand_major A_MAJOR, operand_major B_MAJOR, bool HAS_BIAS, typename Plan = tile_plan>
+template <typename T, operand_major A_MAJOR, operand_major B_MAJOR, bool HAS_BIAS, typename Plan = tile_plan,
+          bool SCALES_C = false>
 struct gemm_kernel {
   using plan = Plan;
   static constexpr int stages = Plan::stages;
@@ -111,6 +112,7 @@ struct gemm_kernel {
     const T* bias;
     int m, n, k;
     pipeline::grouped_tile_order order;
+    const float* c_scale;  // read by SCALES_C kernels only; last, so that the other members keep their offsets
   };
   using context = pipeline::task_context<gemm_kernel>;
 
@@ -175,6 +177,7 @@ struct gemm_kernel {
       warp::load(bias, p.bias + n0, p.n - n0);
       warp::add_col(state.acc, state.acc, bias);
     }
+    if constexpr (SCALES_C) warp::mul(state.acc, state.acc, *p.c_scale);
     const bool issuer = is_warpgroup_leader();
     const barrier_id staging_barrier = barrier_after(barrier_id::consumer_store, ctx.consumer);
     // Each task's chunks fill the slots a whole number of times, so every task starts at slot 0.
@@ -226,7 +229,9 @@ std::string unsupported_reason_for(const problem& p) {
   if (p.b.rows != b_rows || p.b.cols != b_cols) return "B's stored shape does not match K, N and its major-ness";
   if (std::string r = tma_unsupported_reason<typename K::a_tile>(layout_of<T>(p.a)); !r.empty()) return "A: " + r;
   if (std::string r = tma_unsupported_reason<typename K::b_tile>(layout_of<T>(p.b)); !r.empty()) return "B: " + r;
-  if (std::string r = tma_unsupported_reason<typename K::c_tile>(layout_of<T>(p.c, p.m, p.n, p.n)); !r.empty()) {
+  if (p.c_row_stride < p.n) return "C's rows must be at least N elements apart";
+  if (std::string r = tma_unsupported_reason<typename K::c_tile>(layout_of<T>(p.c, p.m, p.n, p.c_row_stride));
+      !r.empty()) {
     return "C: " + r;
   }
   return {};
@@ -267,8 +272,9 @@ cudaError_t launch_with(const problem& p, cudaStream_t stream) {
   typename K::params params;
   params.a = make_tma_map<typename K::a_tile>(layout_of<T>(p.a));
   params.b = make_tma_map<typename K::b_tile>(layout_of<T>(p.b));
-  params.c = make_tma_map<typename K::c_tile>(layout_of<T>(p.c, p.m, p.n, p.n));
+  params.c = make_tma_map<typename K::c_tile>(layout_of<T>(p.c, p.m, p.n, p.c_row_stride));
   params.bias = static_cast<const T*>(p.bias);
+  params.c_scale = p.c_scale;
   params.m = int(p.m);
   params.n = int(p.n);
   params.k = int(p.k);

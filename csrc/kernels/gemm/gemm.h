@@ -1,5 +1,5 @@
-// The GEMM launcher: C (M x N, row-major) = A (M x K) * B (K x N) [+ bias], fp32 accumulation,
-// bf16 or fp16 in and out. Plain C++ (no torch): csrc/torch/gemm.cpp calls it.
+// The GEMM launcher: C (M x N, row-major, rows c_row_stride apart) = (A (M x K) * B (K x N) [+ bias]) [* c_scale],
+// fp32 accumulation, bf16 or fp16 in and out. Plain C++ (no torch): csrc/torch/gemm.cpp calls it.
 //
 // Each operand is described as it is stored: a matrix of `rows` x `cols` whose columns are
 // contiguous and whose rows are `row_stride` elements apart, read K-major (A stored M x K, B stored
@@ -33,8 +33,13 @@ struct problem {
   major a_major;
   stored_matrix b;
   major b_major;
-  void* c;           // M x N, rows N elements apart
-  const void* bias;  // N elements, or nullptr
+  void* c;               // M x N
+  int64_t c_row_stride;  // elements between C's rows: N, or more (a row-padded buffer)
+  const void* bias;      // N elements, or nullptr
+  // One fp32 value in device memory that the fp32 result is multiplied by before its one rounding to
+  // the element type, or nullptr: a factor the caller kept out of the operands (e.g. to keep fp16
+  // operands in fp16's normal range) without a second rounding or an fp16 overflow of C before it.
+  const float* c_scale = nullptr;
 };
 
 // Empty when the kernel can run the problem; otherwise why not (e.g. a stride TMA cannot take).
