@@ -267,6 +267,7 @@ __device__ __forceinline__ void decay_causally(Tile& scores, int row0, const flo
 template <typename T, int D>
 struct scan_kernel {
   static constexpr int STATE_ROWS = D / WARPS;  // the rows of S each warp keeps
+  static constexpr int SLICES = D / SLICE;       // scan blocks per (sequence, head), adjacent in x
   using chunk_tile = shared_tile<T, CHUNK, D>;
   using slice_tile = shared_tile<T, CHUNK, SLICE>;
   using state_copy_tile = shared_tile<T, D, SLICE>;
@@ -297,9 +298,9 @@ struct scan_kernel {
 
   __device__ static void run(const forward_problem& p) {
     shared& s = shared_as<shared>();
-    const int column0 = blockIdx.x * SLICE;
+    const int column0 = int(blockIdx.x) % SLICES * SLICE;
     const int head = blockIdx.y;
-    const int n = blockIdx.z;
+    const int n = int(blockIdx.x) / SLICES;
     const int group = int(p.v.heads / p.q.heads);
     const sequence_span seq = span_of(p, n);
     const workspace_layout<T, D> in(p);
@@ -415,7 +416,9 @@ cudaError_t run(const forward_problem& p, cudaStream_t stream) {
       return e;
     }
   }
-  return launch_kernel<scan_kernel<T, D>>(dim3(D / SLICE, heads, unsigned(p.sequences)), p, stream);
+  // Sequences along x (up to 2^31 - 1 blocks), not z (65535): B or N can be larger than that.
+  const unsigned blocks = unsigned(int64_t(scan_kernel<T, D>::SLICES) * p.sequences);
+  return launch_kernel<scan_kernel<T, D>>(dim3(blocks, heads), p, stream);
 }
 
 bool aligned_rows(const heads_view& view) {
