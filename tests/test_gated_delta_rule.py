@@ -311,6 +311,22 @@ def test_kernel_forward_more_sequences_than_a_grid_dimension_holds():
 
 
 @tk_testing.requires_kernel("gated_delta_rule")
+def test_kernel_forward_misaligned_initial_state_runs_the_reference():
+    """An initial_state view 4 bytes past an 8-byte boundary (the scan loads S in fp32 pairs) goes to the
+    reference, which matches the kernels on an aligned copy."""
+    torch.manual_seed(0)
+    inputs = _kernel_inputs(1, 70, 1, 2, True, torch.bfloat16)
+    state = inputs["initial_state"]
+    misaligned = torch.empty(state.numel() + 1, device="cuda")[1:].view_as(state).copy_(state)
+    with tk_testing.runs_the_references("gated_delta_rule"):
+        o, final = gdn_inputs.call(dict(inputs, initial_state=misaligned), use_qk_l2norm=True)
+    with tk_testing.runs_the_kernels("gated_delta_rule"):
+        o_kernels, final_kernels = gdn_inputs.call(inputs, use_qk_l2norm=True)
+    assert_rel_close(o_kernels, o.float(), KERNEL_TOLERANCE[torch.bfloat16], "o")
+    assert_rel_close(final_kernels, final, KERNEL_TOLERANCE[torch.bfloat16], "final state")
+
+
+@tk_testing.requires_kernel("gated_delta_rule")
 def test_kernel_forward_backward_runs_the_reference():
     """The backward (the reference, recomputing from the inputs) works after the kernel's forward."""
     torch.manual_seed(0)

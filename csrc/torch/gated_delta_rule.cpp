@@ -6,8 +6,9 @@
 // read as (B, H, T, D), any strides with a unit last stride), brings g and beta to contiguous fp32 and
 // initial_state to contiguous, checks cu_seqlens' contents on the host (one device sync, as the
 // reference, which raises the same ValueError) and launches on the current stream. What the kernels
-// cannot take (fp32/fp64, K or V other than 128, rows that are not 16-byte aligned, another GPU,
-// empty inputs) goes to the reference twin tk::gated_delta_rule_ref, which warns once.
+// cannot take (fp32/fp64, K or V other than 128, rows that are not 16-byte aligned, an initial_state
+// view that is not 8-byte aligned, another GPU, empty inputs) goes to the reference twin
+// tk::gated_delta_rule_ref, which warns once.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -99,16 +100,16 @@ std::tuple<at::Tensor, at::Tensor> gated_delta_rule_cuda(const at::Tensor& q, co
   p.q = *qv;
   p.k = *kv;
   p.v = *vv;
+  const std::optional<at::Tensor> initial = initial_state ? std::optional(initial_state->contiguous()) : std::nullopt;
+  p.initial_state = initial ? initial->data_ptr<float>() : nullptr;
   if (!gdn::unsupported_reason(p).empty()) return fallback();
 
   const int64_t seq_len = q.size(1), value_heads = v.size(2);
   const at::Tensor g32 = g.to(at::kFloat).contiguous(), beta32 = beta.to(at::kFloat).contiguous();
-  const std::optional<at::Tensor> initial = initial_state ? std::optional(initial_state->contiguous()) : std::nullopt;
   p.g = g32.data_ptr<float>();
   p.beta = beta32.data_ptr<float>();
   p.scale = float(scale);
   p.l2norm = use_qk_l2norm;
-  p.initial_state = initial ? initial->data_ptr<float>() : nullptr;
 
   at::Tensor device_bounds, device_first_chunks;
   if (cu_seqlens) {

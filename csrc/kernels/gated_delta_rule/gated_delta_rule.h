@@ -22,7 +22,7 @@ struct forward_problem {
   const float* beta;            // (B, T, Hv) contiguous
   float scale;
   bool l2norm;                  // normalise q and k over K first
-  const float* initial_state;   // null or (N, Hv, K, V) contiguous
+  const float* initial_state;   // null or (N, Hv, K, V) contiguous, 8-byte aligned
   // Packed sequences (B = 1): null, or the checked cu_seqlens (N + 1 entries, from 0, non-decreasing,
   // ending at T) and the first chunk of every sequence in the workspace (N + 1 entries, the last the
   // total), both on the device.
@@ -43,7 +43,7 @@ constexpr int CHUNK = 64;
 // log decays (CHUNK fp32).
 int64_t workspace_bytes(int64_t chunks, int64_t value_heads, int64_t key_dim, int64_t value_dim);
 
-// Empty when the kernels can run the problem; otherwise why not.
+// Empty when the kernels can run the problem (its dtype, q, k, v and initial_state); otherwise why not.
 std::string unsupported_reason(const forward_problem& p);
 
 // Launch on `stream`; return the first launch error.

@@ -441,6 +441,8 @@ std::string unsupported_reason(const forward_problem& p) {
   if (p.q.heads <= 0 || p.v.heads % p.q.heads != 0) return "Hv must be a multiple of Hk";
   if (p.q.rows > MAX_ROWS || p.q.batch * p.q.rows * p.v.heads > MAX_ROWS) return "B T Hv must fit an int";
   if (!aligned_rows(p.q) || !aligned_rows(p.k)) return "q and k rows must be 16-byte aligned (strides multiples of 8)";
+  // The scan loads S a pair of fp32 a lane (warp::load of a row-layout float tile).
+  if (reinterpret_cast<uintptr_t>(p.initial_state) % sizeof(float2) != 0) return "initial_state must be 8-byte aligned";
   return "";
 }
 
