@@ -417,8 +417,9 @@ cudaError_t run(const forward_problem& p, cudaStream_t stream) {
     }
   }
   // Sequences along x (up to 2^31 - 1 blocks), not z (65535): B or N can be larger than that.
-  const unsigned blocks = unsigned(int64_t(scan_kernel<T, D>::SLICES) * p.sequences);
-  return launch_kernel<scan_kernel<T, D>>(dim3(blocks, heads), p, stream);
+  const int64_t blocks = int64_t(scan_kernel<T, D>::SLICES) * p.sequences;
+  if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
+  return launch_kernel<scan_kernel<T, D>>(dim3(unsigned(blocks), heads), p, stream);
 }
 
 bool aligned_rows(const heads_view& view) {
