@@ -2298,6 +2298,60 @@ def _gdn_bad_inputs():
     )
 
 
+# The kernels' case (csrc/torch/gated_delta_rule.cpp): 16-bit q, k, v with K = V = 128, fp32 gates and state.
+GDN_KERNEL_DIM = 128
+GDN_SCALE = 0.1
+
+
+def _gdn_kernel_inputs(dtype, packed=False, requires_grad=True):
+    """The kernels' inputs on the GPU (T = 70: two chunks; Hk = 1, Hv = 2; batch 2, or GDN_LENGTHS packed)."""
+    states = len(GDN_LENGTHS) if packed else None
+    inputs = gdn_inputs.make_inputs(1 if packed else 2, 70, 1, 2, GDN_KERNEL_DIM, GDN_KERNEL_DIM, initial=True,
+                                    states=states, dtype=dtype, gate_dtype=torch.float32, device="cuda")
+    return [inputs[name].requires_grad_(requires_grad) for name in GDN_NAMES]
+
+
+def _gdn_kernel_args(dtype, packed=False, requires_grad=True):
+    cu_seqlens = _gdn_cu_seqlens().cuda() if packed else None
+    return (*_gdn_kernel_inputs(dtype, packed, requires_grad), cu_seqlens, True)
+
+
+def _gdn_positional(q, k, v, g, beta, initial_state, cu_seqlens=None, l2norm=True):
+    return (q, k, v, g, beta, GDN_SCALE, initial_state, cu_seqlens, l2norm)
+
+
+def _gdn_kernel_samples(dtype):
+    def backward_args(packed):
+        args = _gdn_positional(*_gdn_kernel_args(dtype, packed, requires_grad=False))
+        o, final_state = torch.ops.tk.gated_delta_rule(*args)
+        return (torch.randn_like(o), torch.randn_like(final_state), *args)
+
+    return tuple(
+        sample
+        for packed in (False, True)
+        for sample in (
+            Sample(f"kernels{'-packed' if packed else ''}", "gated_delta_rule",
+                   lambda packed=packed: _gdn_positional(*_gdn_kernel_args(dtype, packed))),
+            Sample(f"gated_delta_rule_bwd-kernels{'-packed' if packed else ''}", "gated_delta_rule_bwd",
+                   lambda packed=packed: backward_args(packed)),
+        )
+    )
+
+
+def _gdn_kernel_step(q, k, v, g, beta, initial_state):
+    return torch.ops.tk.gated_delta_rule(*_gdn_positional(q, k, v, g, beta, initial_state))
+
+
+def _gdn_fp32_fallback():
+    """fp32 inputs of the kernels' shape on the GPU: the reference, against itself in float64 on the CPU."""
+    def expected(*inputs):
+        return torch.ops.tk.gated_delta_rule(*_gdn_positional(*(t.detach().cpu().double() for t in inputs)))
+
+    return FallbackSample("fp32", ("gated_delta_rule",),
+                          lambda: _gdn_kernel_inputs(torch.float32, requires_grad=False),
+                          _gdn_kernel_step, expected, TOLERANCE[torch.float32])
+
+
 def _gdn_on_the_gpu():
     inputs, cu_seqlens = _gdn_inputs(torch.bfloat16, torch.float32, packed=True, device="cuda")
     return dict(inputs, cu_seqlens=cu_seqlens)
@@ -2316,8 +2370,8 @@ GATED_DELTA_RULE = OpInfo(
         *_gdn_samples("bf16-fp32-gates", with_final_grad=True, dtype=torch.bfloat16, gate_dtype=torch.float32),
         *_gdn_samples("fp64-packed", with_final_grad=True, packed=True),
     ),
-    kernel_dtypes=(),  # no kernel yet: the reference serves every device
-    kernel_samples=lambda dtype: (),
+    kernel_dtypes=KERNEL_16_BIT,
+    kernel_samples=_gdn_kernel_samples,
     compile=tuple(
         CompileSample("packed" if packed else "batch", _gdn_with_final_state(packed),
                       lambda packed=packed: _gdn_compile_inputs(packed), ("gated_delta_rule", "gated_delta_rule_bwd"),
@@ -2328,10 +2382,12 @@ GATED_DELTA_RULE = OpInfo(
     bad_inputs=_gdn_bad_inputs(),
     device_mismatches=_device_mismatches(_gdn_by_name, _gdn_on_the_gpu, "q",
                                          ("k", "v", "g", "beta", "initial_state", "cu_seqlens")),
-    graphs=(),
-    no_graph=_without_sample(NO_KERNEL, "gated_delta_rule", "gated_delta_rule_bwd"),
-    fallbacks=(),
-    no_fallback=_without_sample(NO_KERNEL, "gated_delta_rule", "gated_delta_rule_bwd"),
+    # new inputs into the captured ones (the batch form: packed calls read cu_seqlens on the host)
+    graphs=(GraphSample("kernels", ("gated_delta_rule",),
+                        lambda: _gdn_kernel_inputs(torch.bfloat16, requires_grad=False), _gdn_kernel_step),),
+    no_graph=_without_sample("no backward kernel yet: its reference serves every device", "gated_delta_rule_bwd"),
+    fallbacks=(_gdn_fp32_fallback(),),
+    no_fallback=_without_sample("no backward kernel yet: its reference serves every device", "gated_delta_rule_bwd"),
 )
 
 

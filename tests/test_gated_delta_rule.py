@@ -1,7 +1,8 @@
 """tk.gated_delta_rule's numerics: the chunked reference (forward and its hand-written backward) against the
 float64 token-by-token recurrence of tests/inputs/gated_delta_rule.py, on odd lengths, grouped heads, packed
 sequences, states, the l2norm, strided views and bf16 inputs. The op contract (opcheck, compile, export, bad
-inputs) is tests/op_db.py's. No kernel yet: every case runs the reference."""
+inputs) is tests/op_db.py's. The CPU cases run the reference; the GPU cases at the end run the CUDA forward
+(bf16/fp16, K = V = 128) against the float64 recurrence, its backward staying the reference."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 import tk_ops
 from inputs import gated_delta_rule as gdn_inputs
 from tk_ops.ops import gated_delta_rule as gdn_module
+import tk_testing
 from tk_testing import TOLERANCE, assert_rel_close, check_matches_contiguous_copies, parametrize_with_ids
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -210,3 +212,127 @@ def test_packed_sequences_are_isolated():
     torch.testing.assert_close(o[:, :3], clean_o[:, :3], rtol=0, atol=0)
     torch.testing.assert_close(final[0], clean_final[0], rtol=0, atol=0)
     assert not torch.isfinite(o[:, 5]).all()
+
+
+# ------------------------------------------------------------------------------------------ CUDA forward
+
+# The kernels round every mma operand to the inputs' dtype (q, k after the l2norm, W, U0, V' and the
+# state's copy, as fla does), so their error is a few roundings of the inputs' dtype: a CPU emulation of
+# the kernels' chunk algorithm with those roundings gave at most 3.7e-3 (bf16) and 4.6e-4 (fp16) on these
+# cases, and a budget near that still catches a wrong decay or a lost tail row.
+KERNEL_TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+KERNEL_DIM = 128  # K = V: Qwen3-Next's head dim, the one the kernels take
+
+# (id, B, T, Hk, Hv, initial, l2norm): T odd or not a multiple of the 64-position chunk, Hv / Hk = 1, 2, 4.
+KERNEL_CASES = [
+    ("T1", 2, 1, 2, 2, False, False),
+    ("T37-Hv-over-Hk-2-initial", 2, 37, 2, 4, True, False),
+    ("T64-one-whole-chunk-l2norm", 1, 64, 1, 1, False, True),
+    ("T201-Hv-over-Hk-4-all-options", 2, 201, 1, 4, True, True),
+    ("T1000-l2norm-initial", 1, 1000, 2, 4, True, True),
+]
+
+
+def _poison_allocator(nbytes: int) -> None:
+    """Leave NaN in the caching allocator's free blocks, so outputs a kernel forgets to write stay NaN."""
+    torch.full((nbytes // 4 + 1,), float("nan"), device="cuda")
+
+
+def _kernel_inputs(B, T, Hk, Hv, initial, dtype, states=None):
+    return gdn_inputs.make_inputs(B, T, Hk, Hv, KERNEL_DIM, KERNEL_DIM, initial=initial, states=states, dtype=dtype,
+                                  gate_dtype=torch.float32, device="cuda")
+
+
+def _check_kernel_forward(inputs, dtype, *, cu_seqlens=None, use_qk_l2norm=False):
+    _poison_allocator(4 * inputs["v"].numel() * 4)
+    with tk_testing.runs_the_kernels("gated_delta_rule"):
+        o, final = gdn_inputs.call(inputs, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
+    exact = {name: None if t is None else t.double() for name, t in inputs.items()}
+    o_exact, final_exact = gdn_inputs.recurrence(exact, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
+    assert o.dtype == dtype and final.dtype == torch.float32
+    assert torch.isfinite(o).all() and torch.isfinite(final).all()
+    assert_rel_close(o, o_exact, KERNEL_TOLERANCE[dtype], "o")
+    assert_rel_close(final, final_exact, KERNEL_TOLERANCE[dtype], "final state")
+
+
+@tk_testing.requires_kernel("gated_delta_rule")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@parametrize_with_ids("B, T, Hk, Hv, initial, l2norm", KERNEL_CASES)
+def test_kernel_forward_matches_recurrence(dtype, B, T, Hk, Hv, initial, l2norm):
+    torch.manual_seed(0)
+    _check_kernel_forward(_kernel_inputs(B, T, Hk, Hv, initial, dtype), dtype, use_qk_l2norm=l2norm)
+
+
+@tk_testing.requires_kernel("gated_delta_rule")
+@pytest.mark.parametrize("initial", [False, True], ids=["zero-state", "initial-state"])
+def test_kernel_forward_packed_sequences(initial):
+    """cu_seqlens with empty sequences (first, inner, last), one of length 1, one shorter than a chunk and ones
+    across chunk boundaries."""
+    torch.manual_seed(0)
+    lengths = [0, 70, 0, 1, 5, 130, 64, 0]
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    inputs = _kernel_inputs(1, sum(lengths), 2, 4, initial, torch.bfloat16, states=len(lengths))
+    _check_kernel_forward(inputs, torch.bfloat16, cu_seqlens=cu_seqlens, use_qk_l2norm=True)
+
+
+@tk_testing.requires_kernel("gated_delta_rule")
+def test_kernel_forward_strided_views():
+    """q, k, v as views into one fused projection (B, T, 2 Hk K + Hv V), g and beta strided too: the kernel
+    reads them in place and matches contiguous copies."""
+    torch.manual_seed(0)
+    B, T, Hk, Hv, D = 2, 77, 2, 4, KERNEL_DIM
+    fused = torch.randn(B, T, 2 * Hk * D + Hv * D, device="cuda", dtype=torch.bfloat16)
+    q, k, v = fused.split([Hk * D, Hk * D, Hv * D], dim=-1)
+    q, k, v = q.unflatten(-1, (Hk, D)), k.unflatten(-1, (Hk, D)), v.unflatten(-1, (Hv, D))  # views (l2norm)
+    gates = torch.rand(B, T, Hv, 2, device="cuda")
+    g, beta = -0.5 * gates[..., 0], 0.05 + 0.9 * gates[..., 1]
+    with tk_testing.runs_the_kernels("gated_delta_rule"):
+        o, final = tk_ops.gated_delta_rule(q, k, v, g, beta, output_final_state=True, use_qk_l2norm=True)
+        o_copy, final_copy = tk_ops.gated_delta_rule(*(t.contiguous() for t in (q, k, v, g, beta)),
+                                                     output_final_state=True, use_qk_l2norm=True)
+    torch.testing.assert_close(o, o_copy, rtol=0, atol=0)
+    torch.testing.assert_close(final, final_copy, rtol=0, atol=0)
+
+
+@tk_testing.requires_kernel("gated_delta_rule")
+def test_kernel_forward_more_sequences_than_a_grid_dimension_holds():
+    """B = 70000 > 65535 (the limit of a grid's y and z) of length 1 from a zero state: S = beta k v^T and
+    o = scale beta (k . q) v, in float64."""
+    torch.manual_seed(0)
+    inputs = _kernel_inputs(70000, 1, 1, 1, False, torch.bfloat16)
+    with tk_testing.runs_the_kernels("gated_delta_rule"):
+        o, final = gdn_inputs.call(inputs)
+    q, k, v, beta = (inputs[name].double() for name in ("q", "k", "v", "beta"))
+    weight = KERNEL_DIM**-0.5 * beta[..., None] * (k * q).sum(-1, keepdim=True)
+    assert_rel_close(o, weight * v, KERNEL_TOLERANCE[torch.bfloat16], "o")
+    rows = [*range(65530, 65545), 69999]  # the states (4.6 GB in all) around the old limit and the last
+    assert_rel_close(final[rows], beta[rows, 0, :, None, None] * k[rows, 0, :, :, None] * v[rows, 0, :, None, :],
+                     KERNEL_TOLERANCE[torch.bfloat16], "final state")
+
+
+@tk_testing.requires_kernel("gated_delta_rule")
+def test_kernel_forward_misaligned_initial_state_runs_the_reference():
+    """An initial_state view 4 bytes past an 8-byte boundary (the scan loads S in fp32 pairs) goes to the
+    reference, which matches the kernels on an aligned copy."""
+    torch.manual_seed(0)
+    inputs = _kernel_inputs(1, 70, 1, 2, True, torch.bfloat16)
+    state = inputs["initial_state"]
+    misaligned = torch.empty(state.numel() + 1, device="cuda")[1:].view_as(state).copy_(state)
+    with tk_testing.runs_the_references("gated_delta_rule"):
+        o, final = gdn_inputs.call(dict(inputs, initial_state=misaligned), use_qk_l2norm=True)
+    with tk_testing.runs_the_kernels("gated_delta_rule"):
+        o_kernels, final_kernels = gdn_inputs.call(inputs, use_qk_l2norm=True)
+    assert_rel_close(o_kernels, o.float(), KERNEL_TOLERANCE[torch.bfloat16], "o")
+    assert_rel_close(final_kernels, final, KERNEL_TOLERANCE[torch.bfloat16], "final state")
+
+
+@tk_testing.requires_kernel("gated_delta_rule")
+def test_kernel_forward_backward_runs_the_reference():
+    """The backward (the reference, recomputing from the inputs) works after the kernel's forward."""
+    torch.manual_seed(0)
+    inputs = _kernel_inputs(1, 70, 1, 2, True, torch.bfloat16)
+    leaves = _leaves(inputs)
+    o, final = gdn_inputs.call(leaves, use_qk_l2norm=True)
+    (o.float().square().sum() + final.sum()).backward()
+    for name, t in leaves.items():
+        assert t.grad is not None and torch.isfinite(t.grad).all(), name

@@ -1,0 +1,456 @@
+// Gated delta rule forward (tk::gated_delta_rule): per (sequence, value head), with the state S
+// (K x V) carried across the sequence in chunks of 64 positions (tk_ops/ops/gated_delta_rule.py: the
+// chunked algorithm and its names). Two launches on one stream:
+//
+//   solve_kernel   one block per (chunk, value head), all at once: gamma = cumsum(g) within the chunk,
+//                  A = strictly-lower(beta_i exp(gamma_i - gamma_j) k_i . k_j), and by forward
+//                  substitution (I + A) X = [diag(beta exp(gamma)) K | diag(beta) V], X = [W | U0],
+//                  written to the workspace (W, U0 in q's dtype, gamma fp32).
+//   scan_kernel    one block per (sequence, value head, SLICE columns of V), walking the chunks in
+//                  order with the block's S slice in fp32 registers (warp w owns K / 4 rows) and a
+//                  16-bit copy in shared memory as the B operand of the products by S:
+//                    V' = U0 - W S                       (warp w: positions 16w .. 16w + 15)
+//                    O  = diag(exp(gamma)) Q S + (D o Q K^T) V'      D: the causal decays
+//                    S  = exp(gamma_last) S + (diag(exp(gamma_last - gamma)) K)^T V'
+//
+// q and k are normalised over K (use_qk_l2norm) and q scaled in fp32 as they are loaded, then rounded
+// to q's dtype, as every mma operand (W, U0, V', S's copy) is; products accumulate in fp32 (mma.sync
+// m16n8k16). Positions past a sequence's end load as zeros with g = beta = 0: they leave S unchanged
+// and their rows of O are not stored. The solve walks one column of X per thread in registers (the
+// columns are independent, so no barrier), 2016 fp32 FMAs a column; it runs once per chunk and head,
+// shared by the V slices.
+//
+// Plan: 128 threads a block (4 warps: a chunk's 64 positions are 4 mma row blocks). solve_kernel
+// holds the chunk's keys, A in fp32 and the gates (33 KiB at K = 128); scan_kernel the chunk's Q, K,
+// W (16 KiB each at K = 128), U0 / V' and S's copy for its slice: with SLICE = 32 a Qwen3-Next layer
+// (32 value heads, K = V = 128) is 128 blocks per sequence, about one wave on 132 SMs at B = 1.
+#include <cstdint>
+
+#include "gated_delta_rule.h"
+#include "tk/tk.cuh"
+
+namespace tk::gdn {
+namespace {
+
+using kernel_dtypes = one_of<element_type::bf16, element_type::fp16>;
+// K = V. 64 compiles but spills 12 bytes in scan_kernel (168 registers, a 16-byte stack frame): not taken yet.
+using head_dims = one_of<128>;
+
+constexpr int WARPS = CHUNK / BASE_TILE;  // one mma row block of a chunk per warp
+constexpr int THREADS = WARPS * WARP_THREADS;
+constexpr int SLICE = 32;                 // value columns per scan block
+constexpr int FEATURE_PIECE = 32;         // the K-extent of one step of a product over features
+constexpr int VECTOR_ELEMENTS = 8;        // 16-bit elements in one 16-byte load
+constexpr float L2NORM_EPS = 1e-6f;       // tk_ops' (fla's, Hugging Face's) l2norm epsilon
+constexpr int64_t MAX_ROWS = INT32_MAX;   // T and every position index fit an int
+
+static_assert(CHUNK == 2 * WARP_THREADS, "warp 0 scans a chunk's gates two positions a lane");
+
+// ------------------------------------------------------------------------------ sequences
+
+struct sequence_span {
+  int batch;
+  int64_t start;        // first row in the (B, T) inputs
+  int length;
+  int64_t first_chunk;  // in the workspace
+};
+
+__device__ __forceinline__ sequence_span span_of(const forward_problem& p, int n) {
+  const int rows = int(p.q.rows);
+  if (p.cu_seqlens == nullptr) return {n, 0, rows, int64_t(n) * ceil_div(rows, CHUNK)};
+  return {0, p.cu_seqlens[n], p.cu_seqlens[n + 1] - p.cu_seqlens[n], p.first_chunks[n]};
+}
+
+// The sequence that holds workspace chunk `chunk`: the last n with first_chunks[n] <= chunk (empty
+// sequences share their successor's first chunk and are skipped).
+__device__ __forceinline__ int sequence_of_chunk(const forward_problem& p, int64_t chunk) {
+  if (p.cu_seqlens == nullptr) return int(chunk / ceil_div(int(p.q.rows), CHUNK));
+  int low = 0, high = p.sequences;  // first_chunks[low] <= chunk < first_chunks[high]
+  while (high - low > 1) {
+    const int middle = (low + high) / 2;
+    if (p.first_chunks[middle] <= chunk) {
+      low = middle;
+    } else {
+      high = middle;
+    }
+  }
+  return low;
+}
+
+template <typename T>
+__device__ __forceinline__ const T* row_of(const heads_view& view, int batch, int64_t head, int64_t row) {
+  return static_cast<const T*>(view.data) + batch * view.batch_stride + head * view.head_stride + row * view.row_stride;
+}
+
+// (t, head) of the (B, T, Hv) gates.
+__device__ __forceinline__ int64_t gate_index(const forward_problem& p, int batch, int64_t row, int head) {
+  return (batch * p.q.rows + row) * p.v.heads + head;
+}
+
+// ------------------------------------------------------------------------------ workspace
+
+template <typename T, int D>
+struct workspace_layout {
+  float* gamma;  // (chunks, Hv, CHUNK)
+  T* w;          // (chunks, Hv, CHUNK, D)
+  T* u0;         // (chunks, Hv, CHUNK, D)
+
+  __device__ explicit workspace_layout(const forward_problem& p) {
+    const int64_t tiles = p.chunks * p.v.heads;
+    gamma = static_cast<float*>(p.workspace);
+    w = reinterpret_cast<T*>(gamma + tiles * CHUNK);
+    u0 = w + tiles * CHUNK * D;
+  }
+  __device__ static int64_t tile(const forward_problem& p, int64_t chunk, int head) {
+    return chunk * p.v.heads + head;
+  }
+};
+
+// ------------------------------------------------------------------------------ loads
+
+// Rows [row0, row0 + valid) of one head of `view` into a CHUNK x D tile (zeros below), each row times
+// `multiplier` and, when normalising, divided by its norm (in fp32, rounded once). A row is D / 8
+// consecutive lanes of one warp, each one 16-byte load.
+template <typename T, int D>
+__device__ __forceinline__ void load_rows(shared_tile<T, CHUNK, D>& dst, const heads_view& view, int batch,
+                                          int64_t head, int64_t row0, int valid, bool normalise, float multiplier) {
+  constexpr int LANES_PER_ROW = D / VECTOR_ELEMENTS;
+  constexpr int ROWS_PER_PASS = THREADS / LANES_PER_ROW;
+  static_assert(WARP_THREADS % LANES_PER_ROW == 0, "a row's lanes lie in one warp");
+  const int part = threadIdx.x % LANES_PER_ROW;
+#pragma unroll
+  for (int pass = 0; pass < CHUNK / ROWS_PER_PASS; ++pass) {
+    const int row = pass * ROWS_PER_PASS + threadIdx.x / LANES_PER_ROW;
+    uint4 raw = {0, 0, 0, 0};
+    if (row < valid) raw = *reinterpret_cast<const uint4*>(row_of<T>(view, batch, head, row0 + row) + part * VECTOR_ELEMENTS);
+    T* elements = reinterpret_cast<T*>(&raw);
+    float values[VECTOR_ELEMENTS];
+    float squares = 0.0f;
+#pragma unroll
+    for (int e = 0; e < VECTOR_ELEMENTS; ++e) {
+      values[e] = float(elements[e]);
+      squares = fmaf(values[e], values[e], squares);
+    }
+#pragma unroll
+    for (int distance = LANES_PER_ROW / 2; distance > 0; distance /= 2) {
+      squares += __shfl_xor_sync(ALL_LANES, squares, distance);
+    }
+    const float factor = normalise ? multiplier * rsqrtf(squares + L2NORM_EPS) : multiplier;
+#pragma unroll
+    for (int e = 0; e < VECTOR_ELEMENTS; ++e) elements[e] = T(values[e] * factor);
+    *reinterpret_cast<uint4*>(&dst.at(row, part * VECTOR_ELEMENTS)) = raw;
+  }
+}
+
+// A CHUNK x C tile from a row-major array (row stride in elements, a multiple of 8), 16 bytes a thread.
+template <typename T, int C>
+__device__ __forceinline__ void copy_rows(shared_tile<T, CHUNK, C>& dst, const T* src, int row_stride) {
+  constexpr int VECTORS_PER_ROW = C / VECTOR_ELEMENTS;
+  for (int index = threadIdx.x; index < CHUNK * VECTORS_PER_ROW; index += THREADS) {
+    const int row = index / VECTORS_PER_ROW, col = index % VECTORS_PER_ROW * VECTOR_ELEMENTS;
+    *reinterpret_cast<uint4*>(&dst.at(row, col)) = *reinterpret_cast<const uint4*>(src + int64_t(row) * row_stride + col);
+  }
+}
+
+// The dynamic shared memory of a block as `Shared`, aligned for its swizzled tiles.
+template <typename Shared>
+__device__ __forceinline__ Shared& shared_as() {
+  extern __shared__ unsigned char dynamic_shared[];
+  const uintptr_t address = reinterpret_cast<uintptr_t>(dynamic_shared);
+  return *reinterpret_cast<Shared*>(round_up(address, uintptr_t(alignof(Shared))));
+}
+
+template <typename Shared>
+constexpr int shared_bytes = int(sizeof(Shared) + alignof(Shared));  // room to align the start
+
+// ------------------------------------------------------------------------------ solve
+
+template <typename T, int D>
+struct solve_kernel {
+  struct shared {
+    shared_tile<T, CHUNK, D> keys;
+    float gamma[CHUNK];
+    float beta[CHUNK];
+    float a[CHUNK][CHUNK];  // k_i . k_j, then A (strictly lower; read only below the diagonal)
+  };
+
+  __device__ static void run(const forward_problem& p) {
+    shared& s = shared_as<shared>();
+    const int64_t chunk = blockIdx.x;
+    const int head = blockIdx.y;
+    const int group = int(p.v.heads / p.q.heads);
+    const sequence_span seq = span_of(p, sequence_of_chunk(p, chunk));
+    const int64_t row0 = seq.start + (chunk - seq.first_chunk) * CHUNK;
+    const int valid = min(CHUNK, int(seq.start + seq.length - row0));
+
+    load_rows(s.keys, p.k, seq.batch, head / group, row0, valid, p.l2norm, 1.0f);
+    if (warp_id() == 0) {
+      float g[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int row = 2 * lane_id() + e;
+        g[e] = row < valid ? p.g[gate_index(p, seq.batch, row0 + row, head)] : 0.0f;
+      }
+      warp::inclusive_scan(g);
+      s.gamma[2 * lane_id()] = g[0];
+      s.gamma[2 * lane_id() + 1] = g[1];
+    } else if (warp_id() == 1) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int row = 2 * lane_id() + e;
+        s.beta[row] = row < valid ? p.beta[gate_index(p, seq.batch, row0 + row, head)] : 0.0f;
+      }
+    }
+    __syncthreads();
+
+    // k_i . k_j for the warp's 16 rows i and every 16-key block j at or below them.
+    const int warp_row0 = BASE_TILE * warp_id();
+    register_tile<T, BASE_TILE, D> rows;
+    warp::load(rows, s.keys, warp_row0, 0);
+    for (int key0 = 0; key0 <= warp_row0; key0 += BASE_TILE) {
+      register_tile<T, BASE_TILE, D> keys;
+      warp::load(keys, s.keys, key0, 0);
+      register_tile<float, BASE_TILE, BASE_TILE> dots;
+      warp::zero(dots);
+      warp::mma_ABt(dots, rows, keys, dots);
+      warp::store(&s.a[warp_row0][key0], CHUNK, dots);
+    }
+    __syncthreads();
+    for (int index = threadIdx.x; index < CHUNK * CHUNK; index += THREADS) {
+      const int i = index / CHUNK, j = index % CHUNK;
+      if (j < i) s.a[i][j] *= s.beta[i] * __expf(s.gamma[i] - s.gamma[j]);
+    }
+    __syncthreads();
+
+    // Forward substitution, one column of X = [W | U0] per thread: x_i = b_i - sum_{j<i} A_ij x_j.
+    const workspace_layout<T, D> out(p);
+    const int64_t tile = workspace_layout<T, D>::tile(p, chunk, head);
+    const T* values = row_of<T>(p.v, seq.batch, head, row0);
+    for (int column = threadIdx.x; column < 2 * D; column += THREADS) {
+      const bool key_column = column < D;
+      const int col = key_column ? column : column - D;
+      float x[CHUNK];
+#pragma unroll
+      for (int i = 0; i < CHUNK; ++i) {
+        const float b = key_column ? s.beta[i] * __expf(s.gamma[i]) * float(s.keys.at(i, col))
+                                   : (i < valid ? s.beta[i] * float(values[i * p.v.row_stride + col]) : 0.0f);
+        float sum = b;
+#pragma unroll
+        for (int j = 0; j < i; ++j) sum = fmaf(-s.a[i][j], x[j], sum);
+        x[i] = sum;
+      }
+      T* dst = (key_column ? out.w : out.u0) + tile * CHUNK * D + col;
+#pragma unroll
+      for (int i = 0; i < CHUNK; ++i) dst[i * D] = T(x[i]);
+    }
+    if (threadIdx.x < CHUNK) out.gamma[tile * CHUNK + threadIdx.x] = s.gamma[threadIdx.x];
+  }
+};
+
+// ------------------------------------------------------------------------------ scan
+
+// scores_ij *= exp(gamma_i - gamma_j) where j <= i, 0 above the diagonal (i: rows from row0).
+template <register_tile_type Tile>
+__device__ __forceinline__ void decay_causally(Tile& scores, int row0, const float (&gamma)[CHUNK]) {
+  for_each_pair<Tile>([&](int br, int bc, int q) {
+    float2& pair = scores.pairs[br][bc][q];
+#pragma unroll
+    for (int e = 0; e < fragment::PAIR; ++e) {
+      const fragment::coord at = fragment::pair_element_coord<Tile::layout>(q, e);
+      const int i = row0 + BASE_TILE * br + at.row, j = BASE_TILE * bc + at.col;
+      float& score = e == 0 ? pair.x : pair.y;
+      score = j <= i ? score * __expf(gamma[i] - gamma[j]) : 0.0f;
+    }
+  });
+}
+
+template <typename T, int D>
+struct scan_kernel {
+  static constexpr int STATE_ROWS = D / WARPS;  // the rows of S each warp keeps
+  static constexpr int SLICES = D / SLICE;       // scan blocks per (sequence, head), adjacent in x
+  using chunk_tile = shared_tile<T, CHUNK, D>;
+  using slice_tile = shared_tile<T, CHUNK, SLICE>;
+  using state_copy_tile = shared_tile<T, D, SLICE>;
+  using slice_rows = register_tile<float, BASE_TILE, SLICE>;  // a warp's 16 positions of a V slice
+  using state_rows = register_tile<float, STATE_ROWS, SLICE>;
+  static_assert(D % FEATURE_PIECE == 0 && STATE_ROWS % BASE_TILE == 0, "whole pieces and base tiles");
+
+  struct shared {
+    chunk_tile queries, keys, w;
+    slice_tile values;           // U0, then V' = U0 - W S
+    state_copy_tile state_copy;  // S rounded to T: the B operand of W S and Q S
+    float gamma[CHUNK];
+    float to_end[CHUNK];         // exp(gamma_last - gamma_j)
+  };
+
+  // acc = rows [row0, row0 + 16) of `left` times S (its 16-bit copy).
+  __device__ static void times_state(slice_rows& acc, const chunk_tile& left, int row0, const state_copy_tile& state) {
+    warp::zero(acc);
+#pragma unroll
+    for (int f0 = 0; f0 < D; f0 += FEATURE_PIECE) {
+      register_tile<T, BASE_TILE, FEATURE_PIECE> a;
+      register_tile<T, FEATURE_PIECE, SLICE, register_layout::col> b;
+      warp::load(a, left, row0, f0);
+      warp::load(b, state, f0, 0);
+      warp::mma_AB(acc, a, b, acc);
+    }
+  }
+
+  __device__ static void run(const forward_problem& p) {
+    shared& s = shared_as<shared>();
+    const int column0 = int(blockIdx.x) % SLICES * SLICE;
+    const int head = blockIdx.y;
+    const int n = int(blockIdx.x) / SLICES;
+    const int group = int(p.v.heads / p.q.heads);
+    const sequence_span seq = span_of(p, n);
+    const workspace_layout<T, D> in(p);
+    const int warp_row0 = BASE_TILE * warp_id();
+    const int state_row0 = STATE_ROWS * warp_id();
+    const int64_t state_offset = (int64_t(n) * p.v.heads + head) * D * D + int64_t(state_row0) * D + column0;
+
+    state_rows state;
+    if (p.initial_state != nullptr) {
+      warp::load(state, p.initial_state + state_offset, D);
+    } else {
+      warp::zero(state);
+    }
+    const int chunks = ceil_div(seq.length, CHUNK);
+    for (int c = 0; c < chunks; ++c) {
+      {  // S's copy for this chunk; the previous chunk's readers passed its last barrier
+        register_tile<T, STATE_ROWS, SLICE> copy;
+        warp::copy(copy, state);
+        warp::store(s.state_copy, copy, state_row0, 0);
+      }
+      const int64_t row0 = seq.start + int64_t(c) * CHUNK;
+      const int valid = min(CHUNK, seq.length - c * CHUNK);
+      const int64_t tile = workspace_layout<T, D>::tile(p, seq.first_chunk + c, head);
+      load_rows(s.queries, p.q, seq.batch, head / group, row0, valid, p.l2norm, p.scale);
+      load_rows(s.keys, p.k, seq.batch, head / group, row0, valid, p.l2norm, 1.0f);
+      copy_rows(s.w, in.w + tile * CHUNK * D, D);
+      copy_rows(s.values, in.u0 + tile * CHUNK * D + column0, D);
+      if (warp_id() == 0) {
+        const float2 gamma = *reinterpret_cast<const float2*>(in.gamma + tile * CHUNK + 2 * lane_id());
+        const float gamma_last = __shfl_sync(ALL_LANES, gamma.y, WARP_THREADS - 1);
+        *reinterpret_cast<float2*>(&s.gamma[2 * lane_id()]) = gamma;
+        *reinterpret_cast<float2*>(&s.to_end[2 * lane_id()]) = {__expf(gamma_last - gamma.x), __expf(gamma_last - gamma.y)};
+      }
+      __syncthreads();
+
+      // V' = U0 - W S for the warp's positions, into the values tile (each warp its own rows).
+      slice_rows updates;
+      times_state(updates, s.w, warp_row0, s.state_copy);
+      {
+        register_tile<T, BASE_TILE, SLICE> u0;
+        warp::load(u0, s.values, warp_row0, 0);
+        slice_rows u0_fp32;
+        warp::copy(u0_fp32, u0);
+        warp::sub(updates, u0_fp32, updates);
+        register_tile<T, BASE_TILE, SLICE> rounded;
+        warp::copy(rounded, updates);
+        warp::store(s.values, rounded, warp_row0, 0);
+      }
+
+      // O = diag(exp(gamma)) Q S + (D o Q K^T) V'.
+      slice_rows out;
+      times_state(out, s.queries, warp_row0, s.state_copy);
+      per_row_vector<slice_rows, float> decay;
+      warp::load(decay, s.gamma + warp_row0);
+      warp::exp(decay, decay);
+      warp::mul_row(out, out, decay);
+      register_tile<float, BASE_TILE, CHUNK> scores;
+      warp::zero(scores);
+#pragma unroll
+      for (int f0 = 0; f0 < D; f0 += FEATURE_PIECE) {
+        register_tile<T, BASE_TILE, FEATURE_PIECE> q;
+        register_tile<T, CHUNK, FEATURE_PIECE> k;
+        warp::load(q, s.queries, warp_row0, f0);
+        warp::load(k, s.keys, 0, f0);
+        warp::mma_ABt(scores, q, k, scores);
+      }
+      decay_causally(scores, warp_row0, s.gamma);
+      register_tile<T, BASE_TILE, CHUNK> probabilities;
+      warp::copy(probabilities, scores);
+      __syncthreads();  // every warp's V' rows are in the values tile
+
+      register_tile<T, CHUNK, SLICE, register_layout::col> updates_all;
+      warp::load(updates_all, s.values, 0, 0);
+      warp::mma_AB(out, probabilities, updates_all, out);
+      const int64_t out_row = (seq.batch * p.q.rows + row0 + warp_row0) * p.v.heads + head;
+      warp::store(static_cast<T*>(p.o) + out_row * D + column0, int(p.v.heads * D), out, valid - warp_row0);
+
+      // S = exp(gamma_last) S + (diag(exp(gamma_last - gamma)) K)^T V', the warp's rows of S.
+      register_tile<T, CHUNK, STATE_ROWS, register_layout::col> keys_to_end;
+      warp::load(keys_to_end, s.keys, 0, state_row0);
+      per_row_vector<decltype(keys_to_end), float> to_end;
+      warp::load(to_end, s.to_end);
+      warp::mul_row(keys_to_end, keys_to_end, to_end);
+      warp::mul(state, state, __expf(s.gamma[CHUNK - 1]));
+      warp::mma_AtB(state, keys_to_end, updates_all, state);
+      __syncthreads();  // the tiles and S's copy are read; the next chunk overwrites them
+    }
+    warp::store(p.final_state + state_offset, D, state);
+  }
+};
+
+template <typename Kernel>
+__global__ void __launch_bounds__(THREADS) kernel_entry(const __grid_constant__ forward_problem p) {
+  Kernel::run(p);
+}
+
+template <typename Kernel>
+cudaError_t launch_kernel(dim3 grid, const forward_problem& p, cudaStream_t stream) {
+  constexpr int bytes = shared_bytes<typename Kernel::shared>;
+  if (cudaError_t e = cudaFuncSetAttribute(kernel_entry<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+      e != cudaSuccess) {
+    return e;
+  }
+  kernel_entry<Kernel><<<grid, THREADS, bytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T, int D>
+cudaError_t run(const forward_problem& p, cudaStream_t stream) {
+  const unsigned heads = unsigned(p.v.heads);
+  if (p.chunks > 0) {
+    if (cudaError_t e = launch_kernel<solve_kernel<T, D>>(dim3(unsigned(p.chunks), heads), p, stream); e != cudaSuccess) {
+      return e;
+    }
+  }
+  // Sequences along x (up to 2^31 - 1 blocks), not z (65535): B or N can be larger than that.
+  const int64_t blocks = int64_t(scan_kernel<T, D>::SLICES) * p.sequences;
+  if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
+  return launch_kernel<scan_kernel<T, D>>(dim3(unsigned(blocks), heads), p, stream);
+}
+
+bool aligned_rows(const heads_view& view) {
+  const auto multiple = [](int64_t stride) { return stride % VECTOR_ELEMENTS == 0; };
+  return reinterpret_cast<uintptr_t>(view.data) % sizeof(uint4) == 0 && multiple(view.batch_stride) &&
+         multiple(view.head_stride) && multiple(view.row_stride);
+}
+
+}  // namespace
+
+int64_t workspace_bytes(int64_t chunks, int64_t value_heads, int64_t key_dim, int64_t value_dim) {
+  const int64_t positions = chunks * value_heads * CHUNK;
+  constexpr int64_t element_bytes = 2;  // bf16 or fp16
+  return positions * int64_t(sizeof(float)) + positions * (key_dim + value_dim) * element_bytes;
+}
+
+std::string unsupported_reason(const forward_problem& p) {
+  if (!kernel_dtypes::contains(p.dtype)) return "the kernels take bf16 and fp16";
+  if (!head_dims::contains(p.q.dim) || p.v.dim != p.q.dim) return "the kernels take K = V in " + head_dims::names();
+  if (p.q.heads <= 0 || p.v.heads % p.q.heads != 0) return "Hv must be a multiple of Hk";
+  if (p.q.rows > MAX_ROWS || p.q.batch * p.q.rows * p.v.heads > MAX_ROWS) return "B T Hv must fit an int";
+  if (!aligned_rows(p.q) || !aligned_rows(p.k)) return "q and k rows must be 16-byte aligned (strides multiples of 8)";
+  // The scan loads S a pair of fp32 a lane (warp::load of a row-layout float tile).
+  if (reinterpret_cast<uintptr_t>(p.initial_state) % sizeof(float2) != 0) return "initial_state must be 8-byte aligned";
+  return "";
+}
+
+cudaError_t launch(const forward_problem& p, cudaStream_t stream) {
+  if (p.sequences == 0) return cudaSuccess;
+  return tk::dispatch<kernel_dtypes, head_dims>(
+      [&]<element_type E, int D>() { return run<element_t<E>, D>(p, stream); }, p.dtype, int(p.q.dim));
+}
+
+}  // namespace tk::gdn
