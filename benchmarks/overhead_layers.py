@@ -147,6 +147,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.library:
         torch.ops.load_library(args.library)
+        tk_ops._library.register_cpp_autograd()
     torch.manual_seed(0)
     torch.set_num_threads(1)
     print(f"tk_ops extension: {tk_ops.extension_status()}; torch {torch.__version__}; {args.device}; us per call, best of 7")

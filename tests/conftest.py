@@ -7,13 +7,14 @@ import zlib
 import pytest
 import torch
 
-import tk_ops  # noqa: F401  (defines the tk ops before a test library registers kernels for them)
+import tk_ops  # defines the tk ops before a test library registers kernels for them
 
 # A shared library of extra kernels for the tk ops, loaded before any test runs: how
 # tests/test_cpp_autograd.py runs tests through the C++ autograd kernels built for the CPU (it also
 # lets any test file run that way: TK_OPS_TEST_LIBRARY=path/to/lib.so python -m pytest tests/...).
 if os.environ.get("TK_OPS_TEST_LIBRARY"):
     torch.ops.load_library(os.environ["TK_OPS_TEST_LIBRARY"])
+    tk_ops._library.register_cpp_autograd()  # a C++ autograd interpreter there takes the ops' tables
 
 
 @pytest.fixture(autouse=True)

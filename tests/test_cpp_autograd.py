@@ -1,11 +1,12 @@
-"""The C++ autograd kernels (csrc/torch/autograd.cpp) against the Python ones they replace on CUDA.
+"""The C++ autograd (csrc/torch/autograd.cpp) against the Python one it replaces on CUDA: two
+interpreters of each op's table (tk_ops/_library.py, register_derivatives).
 
 For every case, the op is called twice on identical leaves: through the dispatcher (the C++ kernel
 where one is registered for the device) and through the Python autograd kernel of tk_ops/_library.py
 called directly. Outputs, which outputs require grad, and every input gradient (which are None
 included) must be equal bit for bit: both paths run the same forward and backward ops with the same
-arguments, so any difference is a difference in the autograd logic (saved tensors, non-differentiable
-outputs, materialised gradients, needs_input_grad, output masks).
+arguments, so any difference is a difference in how the two read the table (saved tensors,
+non-differentiable outputs, materialised gradients, needs_input_grad, output masks).
 
 On the GPU the extension registers the kernels at AutogradCUDA. Without a GPU, test_cpu_build builds
 the same source for AutogradCPU (a g++ build through torch.utils.cpp_extension, cached) and runs this

@@ -418,30 +418,16 @@ attention_varlen_bwd_op = _library.define(
 # ------------------------------------------------------------------------------------ autograd
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, deterministic, window_left, window_right, softcap, sinks = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, sinks)
-    ctx.arguments = (causal, scale, deterministic, window_left, window_right, softcap)
-    # An output that is not used gets no gradient (None), so the backward skips the lse term.
-    ctx.set_materialize_grads(False)
-
-
-def _backward_of_attention(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, sinks = ctx.saved_tensors
-    if grad_out is None:
-        grad_out = torch.zeros_like(out)
-    if grad_lse is not None:
-        grad_lse = _checks.unit_last_stride(grad_lse)
-    causal, scale, deterministic, window_left, window_right, softcap = ctx.arguments
-    grad_q, grad_k, grad_v, grad_sinks = attention_bwd_op(
-        _checks.unit_last_stride(grad_out), grad_lse, q, k, v, out, lse, causal, scale, deterministic, window_left,
-        window_right, softcap, sinks,
-    )
-    return grad_q, grad_k, grad_v, None, None, None, None, None, None, (None if sinks is None else grad_sinks)
-
-
-_library.register_autograd(attention_op, _backward_of_attention, _setup_context)
+# An output that is not used gets no gradient (materialize_grads=False), so the backward skips the
+# lse term; an unused out is a gradient of zeros.
+_library.register_derivatives(
+    attention_op,
+    "attention_bwd(grad_out, grad_lse, q, k, v, out, lse, causal, scale, deterministic, window_left, window_right,"
+    " softcap, sinks) -> q, k, v, sinks",
+    materialize_grads=False,
+    zeros="grad_out like out",
+    layout=_checks.unit_last_stride,
+)
 
 
 def _setup_varlen_context(ctx, inputs, output):

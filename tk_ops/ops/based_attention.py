@@ -108,7 +108,7 @@ based_attention_bwd_op = _library.define(
 
 # ------------------------------------------------------------------------------------ autograd
 
-_library.register_autograd(based_attention_op, _linear.make_backward(based_attention_bwd_op), _linear.setup_context)
+_linear.register_derivatives(based_attention_op, "based_attention_bwd")
 
 
 # ----------------------------------------------------------------------------------- public API

@@ -166,19 +166,9 @@ def in_accepted_layout(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
-def _setup_context(ctx, inputs, output):
-    x, weight, bias, silu = inputs
-    ctx.save_for_backward(x, weight, bias)
-    ctx.silu = silu
-
-
-def _causal_conv1d_backward(ctx, grad):
-    x, weight, bias = ctx.saved_tensors
-    grad_x, grad_weight, grad_bias = causal_conv1d_bwd_op(in_accepted_layout(grad), x, weight, bias, ctx.silu)
-    return grad_x, grad_weight, (None if bias is None else grad_bias), None
-
-
-_library.register_autograd(causal_conv1d_op, _causal_conv1d_backward, _setup_context)
+_library.register_derivatives(
+    causal_conv1d_op, "causal_conv1d_bwd(grad, x, weight, bias, silu) -> x, weight, bias", layout=in_accepted_layout
+)
 
 
 # ----------------------------------------------------------------------------------- public API

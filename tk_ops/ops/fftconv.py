@@ -133,18 +133,7 @@ fftconv_bwd_op = _library.define(
 # ------------------------------------------------------------------------------------ autograd
 
 
-def _fftconv_setup_context(ctx, inputs, output):
-    u, k, D = inputs
-    ctx.save_for_backward(u, k, D)
-
-
-def _fftconv_backward(ctx, grad):
-    u, k, D = ctx.saved_tensors
-    grad_u, grad_k, grad_D = fftconv_bwd_op(_checks.unit_last_stride(grad), u, k, D)
-    return grad_u, grad_k, (None if D is None else grad_D)
-
-
-_library.register_autograd(fftconv_op, _fftconv_backward, _fftconv_setup_context)
+_library.register_derivatives(fftconv_op, "fftconv_bwd(grad, u, k, D) -> u, k, D", layout=_checks.unit_last_stride)
 
 
 # ----------------------------------------------------------------------------------- public API

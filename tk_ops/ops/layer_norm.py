@@ -281,50 +281,17 @@ layer_norm_bwd_op = _library.define(
 # ------------------------------------------------------------------------------------ autograd
 
 
-def _layer_norm_setup_context(ctx, inputs, output):
-    x, weight, bias, residual, dropout_seed, eps, dropout_p = inputs
-    out, h, mean, rstd = output
-    ctx.materialised_h = _materialises_h(residual, dropout_p)
-    # One call: each mark_non_differentiable replaces the previous set.
-    ctx.mark_non_differentiable(mean, rstd, *(() if ctx.materialised_h else (h,)))
-    # An unused output (h when return_residual=False) then gets None, not a full tensor of zeros.
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(h if ctx.materialised_h else x, weight, bias, mean, rstd, dropout_seed)
-    ctx.dropout_p = dropout_p
-    ctx.out_dtype = out.dtype
-
-
-def _layer_norm_backward(ctx, grad_out, grad_h, grad_mean, grad_rstd):
-    h, weight, bias, mean, rstd, dropout_seed = ctx.saved_tensors
-    needs_x, needs_weight, needs_bias, needs_residual = ctx.needs_input_grad[:4]
-    if grad_out is None:  # only h was used: the parameters get no gradient
-        grad_out = h.new_zeros(h.shape, dtype=ctx.out_dtype)
-        needs_weight = needs_bias = False
-    output_mask = [needs_x, needs_residual, needs_weight, needs_bias]
-    grad_x, grad_residual, grad_weight, grad_bias = layer_norm_bwd_op(
-        grad_out,
-        grad_h if ctx.materialised_h else None,
-        h,
-        weight,
-        bias,
-        mean,
-        rstd,
-        dropout_seed,
-        ctx.dropout_p,
-        output_mask,
-    )
-    return (
-        grad_x if needs_x else None,
-        grad_weight if needs_weight else None,
-        grad_bias if needs_bias else None,
-        grad_residual if needs_residual else None,
-        None,
-        None,
-        None,
-    )
-
-
-_library.register_autograd(layer_norm_op, _layer_norm_backward, _layer_norm_setup_context)
+# mean and rstd are not differentiable, nor h when the op returns an empty tensor for it: the backward
+# then gets x as h. An unused output gets no gradient; when only h was used, out's gradient is zeros
+# and the parameters get none.
+_library.register_derivatives(
+    layer_norm_op,
+    "layer_norm_bwd(grad_out, grad_h, h if residual or dropout_p else x, weight, bias, mean, rstd, dropout_seed,"
+    " dropout_p, mask) -> x, residual, weight if grad_out, bias if grad_out",
+    differentiable="out, h if residual or dropout_p",
+    materialize_grads=False,
+    zeros="grad_out like h",
+)
 
 
 # ----------------------------------------------------------------------------------- public API

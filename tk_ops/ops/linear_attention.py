@@ -216,37 +216,19 @@ linear_attention_bwd_op = _library.define(
 # ------------------------------------------------------------------------------------ autograd
 
 
-def setup_context(ctx, inputs, output):
-    """Autograd context shared with tk::based_attention: the backward reads out and denominator
+def register_derivatives(op, backward_op: str) -> None:
+    """The autograd of a causal linear attention op (this one and tk::based_attention) whose backward op
+    is ``backward_op``: the denominator is not differentiable, and out and the denominator are saved
     only when normalising, so the unnormalised case keeps nothing but q, k, v alive."""
-    q, k, v, eps, normalize = inputs
-    out, denominator = output
-    ctx.mark_non_differentiable(denominator)
-    ctx.eps, ctx.normalize = eps, normalize
-    if normalize:
-        ctx.save_for_backward(q, k, v, out, denominator)
-    else:
-        ctx.save_for_backward(q, k, v)
+    _library.register_derivatives(
+        op,
+        f"{backward_op}(grad_out, q, k, v, out if normalize, denominator if normalize, eps, normalize) -> q, k, v",
+        differentiable="out",
+        layout=_checks.unit_last_stride,
+    )
 
 
-def make_backward(backward_op):
-    """The autograd backward of a causal linear attention op whose backward op is ``backward_op``."""
-
-    def backward(ctx, grad_out, grad_denominator):
-        if ctx.normalize:
-            q, k, v, out, denominator = ctx.saved_tensors
-        else:
-            q, k, v = ctx.saved_tensors
-            out, denominator = grad_out.new_empty(0), grad_out.new_empty(0)
-        grad_q, grad_k, grad_v = backward_op(
-            _checks.unit_last_stride(grad_out), q, k, v, out, denominator, ctx.eps, ctx.normalize
-        )
-        return grad_q, grad_k, grad_v, None, None
-
-    return backward
-
-
-_library.register_autograd(linear_attention_op, make_backward(linear_attention_bwd_op), setup_context)
+register_derivatives(linear_attention_op, "linear_attention_bwd")
 
 
 # ----------------------------------------------------------------------------------- public API

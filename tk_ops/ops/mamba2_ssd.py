@@ -357,36 +357,15 @@ mamba2_ssd_bwd_op = _library.define(
 # ------------------------------------------------------------------------------------ autograd
 
 
-# Positions in the forward schema of the inputs whose gradients tk::mamba2_ssd_bwd returns, in order.
-_GRADIENT_INPUTS = (0, 1, 2, 3, 4, 6, 7, 8, 10)
-
-
-def _mamba2_ssd_setup_context(ctx, inputs, output):
-    x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, initial_states = inputs
-    _, _, chunk_states = output
-    ctx.mark_non_differentiable(chunk_states)
-    # An output that receives no gradient arrives as None, not as a tensor of zeros.
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_states, chunk_states)
-    ctx.chunk_size = chunk_size
-    ctx.dt_softplus = dt_softplus
-
-
-def _mamba2_ssd_backward(ctx, grad_y, grad_final_states, _grad_chunk_states):
-    x, dt, A, B, C, D, z, dt_bias, initial_states, chunk_states = ctx.saved_tensors
-    if grad_y is None:
-        grad_y = torch.zeros_like(x)
-    grads = mamba2_ssd_bwd_op(
-        grad_y, grad_final_states, x, dt, A, B, C, ctx.chunk_size, D, z, dt_bias, ctx.dt_softplus,
-        initial_states, chunk_states,
-    )
-    grad_x, grad_dt, grad_A, grad_B, grad_C, grad_D, grad_z, grad_dt_bias, grad_initial_states = (
-        grad if ctx.needs_input_grad[index] else None for grad, index in zip(grads, _GRADIENT_INPUTS)
-    )
-    return grad_x, grad_dt, grad_A, grad_B, grad_C, None, grad_D, grad_z, grad_dt_bias, None, grad_initial_states
-
-
-_library.register_autograd(mamba2_ssd_op, _mamba2_ssd_backward, _mamba2_ssd_setup_context)
+# chunk_states is not differentiable; an output that receives no gradient arrives as None (y's as zeros).
+_library.register_derivatives(
+    mamba2_ssd_op,
+    "mamba2_ssd_bwd(grad_y, grad_final_states, x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, initial_states,"
+    " chunk_states) -> x, dt, A, B, C, D, z, dt_bias, initial_states",
+    differentiable="y, final_states",
+    materialize_grads=False,
+    zeros="grad_y like x",
+)
 
 
 # ----------------------------------------------------------------------------------- public API

@@ -99,33 +99,8 @@ linear_bwd_op = _library.define(
 # ------------------------------------------------------------------------------------ autograd
 
 
-def _matmul_setup_context(ctx, inputs, output):
-    a, b = inputs
-    ctx.save_for_backward(a, b)
-
-
-def _matmul_backward(ctx, grad):
-    a, b = ctx.saved_tensors
-    mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1]]
-    grad_a, grad_b = matmul_bwd_op(grad, a, b, mask)
-    return (grad_a if mask[0] else None), (grad_b if mask[1] else None)
-
-
-def _linear_setup_context(ctx, inputs, output):
-    x, weight, bias = inputs
-    ctx.save_for_backward(x, weight)
-    ctx.has_bias = bias is not None
-
-
-def _linear_backward(ctx, grad):
-    x, weight = ctx.saved_tensors
-    mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]]
-    grad_x, grad_weight, grad_bias = linear_bwd_op(grad, x, weight, mask)
-    return (grad_x if mask[0] else None), (grad_weight if mask[1] else None), (grad_bias if mask[2] else None)
-
-
-_library.register_autograd(matmul_op, _matmul_backward, _matmul_setup_context)
-_library.register_autograd(linear_op, _linear_backward, _linear_setup_context)
+_library.register_derivatives(matmul_op, "matmul_bwd(grad, a, b, mask) -> a, b")
+_library.register_derivatives(linear_op, "linear_bwd(grad, x, weight, mask) -> x, weight, bias")
 
 
 # ----------------------------------------------------------------------------------- public API

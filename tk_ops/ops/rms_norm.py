@@ -112,41 +112,14 @@ rms_norm_bwd_op = _library.define(
 # ------------------------------------------------------------------------------------ autograd
 
 
-def _rms_norm_setup_context(ctx, inputs, output):
-    x, weight, residual, eps = inputs
-    out, h, rstd = output
-    ctx.materialised_h = residual is not None
-    # One call: each mark_non_differentiable replaces the previous set.
-    ctx.mark_non_differentiable(rstd, *(() if ctx.materialised_h else (h,)))
-    # An unused output (h when return_residual=False) then gets None, not a full tensor of zeros.
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(h if ctx.materialised_h else x, weight, rstd)
-    ctx.out_dtype = out.dtype
-
-
-def _rms_norm_backward(ctx, grad_out, grad_h, grad_rstd):
-    h, weight, rstd = ctx.saved_tensors
-    needs_x, needs_weight, needs_residual = ctx.needs_input_grad[:3]
-    if grad_out is None:  # only h was used: the weight gets no gradient
-        grad_out = h.new_zeros(h.shape, dtype=ctx.out_dtype)
-        needs_weight = False
-    grad_x, grad_residual, grad_weight = rms_norm_bwd_op(
-        grad_out,
-        grad_h if ctx.materialised_h else None,
-        h,
-        weight,
-        rstd,
-        [needs_x, needs_residual, needs_weight],
-    )
-    return (
-        grad_x if needs_x else None,
-        grad_weight if needs_weight else None,
-        grad_residual if needs_residual else None,
-        None,
-    )
-
-
-_library.register_autograd(rms_norm_op, _rms_norm_backward, _rms_norm_setup_context)
+# As layer_norm's: rstd is not differentiable, nor h without a residual (the backward then gets x as h).
+_library.register_derivatives(
+    rms_norm_op,
+    "rms_norm_bwd(grad_out, grad_h, h if residual else x, weight, rstd, mask) -> x, residual, weight if grad_out",
+    differentiable="out, h if residual",
+    materialize_grads=False,
+    zeros="grad_out like h",
+)
 
 
 # ----------------------------------------------------------------------------------- public API

@@ -126,33 +126,18 @@ rope_qk_bwd_op = _library.define(
 # ------------------------------------------------------------------------------------ autograd
 
 
-def _setup_context(ctx, inputs, output):
-    cos, sin, interleaved = inputs[-3:]
-    ctx.save_for_backward(cos, sin)
-    ctx.interleaved = interleaved
-
-
-def _rope_backward(ctx, grad):
-    cos, sin = ctx.saved_tensors
-    grad_x = rope_bwd_op(_checks.unit_last_stride(grad), cos, sin, ctx.interleaved)
-    return grad_x, None, None, None
-
-
-def _rope_qk_backward(ctx, grad_q, grad_k):
-    cos, sin = ctx.saved_tensors
-    needs_q, needs_k = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    if needs_q and needs_k:
-        grad_q, grad_k = rope_qk_bwd_op(
-            _checks.unit_last_stride(grad_q), _checks.unit_last_stride(grad_k), cos, sin, ctx.interleaved
-        )
-        return grad_q, grad_k, None, None, None
-    if needs_q:
-        return rope_bwd_op(_checks.unit_last_stride(grad_q), cos, sin, ctx.interleaved), None, None, None, None
-    return None, rope_bwd_op(_checks.unit_last_stride(grad_k), cos, sin, ctx.interleaved), None, None, None
-
-
-_library.register_autograd(rope_op, _rope_backward, _setup_context)
-_library.register_autograd(rope_qk_op, _rope_qk_backward, _setup_context)
+# cos and sin are constants: saved for the backward, never differentiated. rope_qk's backward runs
+# rope_bwd alone when only one of q, k requires grad.
+_library.register_derivatives(rope_op, "rope_bwd(grad, cos, sin, interleaved) -> x", layout=_checks.unit_last_stride)
+_library.register_derivatives(
+    rope_qk_op,
+    (
+        "rope_qk_bwd(grad0, grad1, cos, sin, interleaved) -> q, k",
+        "rope_bwd(grad0, cos, sin, interleaved) -> q",
+        "rope_bwd(grad1, cos, sin, interleaved) -> k",
+    ),
+    layout=_checks.unit_last_stride,
+)
 
 
 # ----------------------------------------------------------------------------------- public API
