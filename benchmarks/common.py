@@ -15,6 +15,10 @@ each is timed. It prints a table row per (case, pass, baseline) as they come, re
 (rows, commit, GPU, versions) after every case, so a run cut short keeps what it measured, and
 plots NAME.png at the end. On the CPU (--dry-run) the same path runs on tiny cases with each
 provider called once per set and nothing timed.
+
+A bench may sweep a setting of every provider (`Bench.sweep`, e.g. the chunk size): rows at each value
+and a row of each side at its own fastest; record each side's peak memory (`Bench.peak_memory`); and
+measure a baseline in a process of its own that lives from row to row (`Worker`, `serve`).
 """
 
 from __future__ import annotations
@@ -247,6 +251,10 @@ def rounded(value: Optional[float], digits: int = 5) -> Optional[float]:
     return None if value is None else round(value, digits)
 
 
+def mib(n: Optional[int]) -> Optional[float]:
+    return None if n is None else round(n / 2**20, 1)
+
+
 def ratio(numerator: Optional[float], denominator: Optional[float]) -> Optional[float]:
     return None if numerator is None or not denominator else round(numerator / denominator, 3)
 
@@ -276,7 +284,12 @@ def describe_error(error: Exception) -> str:
 #   hbm_bytes, floor_ms, ours_of_floor, baseline_of_floor, ours_gbps, baseline_gbps,
 #   ours_graph_of_floor        cases with hbm_bytes(pass_): the bytes that must cross HBM, and those
 #                              bytes at the copy bandwidth measured in the run (the floor)
-#   the case's fields, then    error: why a side has no time, where one has none
+#   ours_peak_mib, baseline_peak_mib, peak_ratio   benches with peak_memory (on the GPU): the MiB a
+#                              call allocates beyond its inputs at its peak, and ours over the baseline's
+#   ours_<s>, baseline_<s>     benches with a sweep of setting s: the value each side ran at (the row
+#                              of each side at its fastest: baseline "<name>@best")
+#   the case's fields, the fields a side's callable reports (row_fields), then
+#                              error: why a side has no time, where one has none
 def comparison_row(case, pass_: str, baseline: str, ours: dict, theirs: dict, tolerance: float,
                    copy_gbps: Optional[float] = None, tflops_ceiling: Optional[float] = None) -> dict:
     """The row of ours against one baseline, from both measurements (`measure`'s dicts)."""
@@ -305,7 +318,10 @@ def comparison_row(case, pass_: str, baseline: str, ours: dict, theirs: dict, to
                    baseline_gbps=rate(moved, baseline_ms, 1e6))
         if "graph_ms" in ours:
             row["ours_graph_of_floor"] = ratio(floor_ms, ours["graph_ms"])
-    row.update(dataclasses.asdict(case))
+    if "peak_bytes" in ours or "peak_bytes" in theirs:
+        ours_peak, baseline_peak = ours.get("peak_bytes"), theirs.get("peak_bytes")
+        row.update(ours_peak_mib=mib(ours_peak), baseline_peak_mib=mib(baseline_peak), peak_ratio=ratio(ours_peak, baseline_peak))
+    row.update({**dataclasses.asdict(case), **ours.get("fields", {}), **theirs.get("fields", {})})
     errors = [f"{side}: {result['error']}" for side, result in (("tk_ops", ours), (baseline, theirs)) if "error" in result]
     if errors:
         row["error"] = "; ".join(errors)
@@ -356,7 +372,9 @@ class Provider:
 
     build(case, pass_): the callable timed on an input set, returning what the check compares (a
         tensor or a sequence of tensors, compared in order); None where the provider has no form of
-        that case and pass (then it has no row). Raising (Missing, ...) makes its rows say why.
+        that case and pass (then it has no row). Raising (Missing, ...) makes its rows say why. A
+        callable may set a dict `row_fields` on itself in its first call (what it found out there,
+        e.g. the kernels its compiled code calls): they go into its rows.
     prepare(case, pass_, inputs): given, turns each shared input set into this provider's own before
         it is timed (another storage order, a forward run outside the timing).
     as_ours(case, pass_, outputs): given, its outputs laid out as ours are, for the check only.
@@ -389,6 +407,11 @@ class Bench:
         the baselines where ours was).
     tolerance: the largest relative difference from a baseline's outputs that is not a mismatch.
     case_fields(case, device): fields every row of the case gets (a check of its own).
+    sweep: (s, values): every provider runs at each value of the case field s (the cases leave it
+        None); a row per value and baseline, both sides at it (the baseline named "<name>@<value>"),
+        then per baseline a row of each side at its own fastest value ("<name>@best").
+    peak_memory: each side's peak memory in the rows (on the GPU).
+    shown: row fields the printed table shows beside its columns.
     panel(row), tick(row): the plot's panel (with the pass) and x tick of a row.
     """
 
@@ -404,6 +427,9 @@ class Bench:
     graph_below_ms: Optional[float] = None
     tolerance: float = 5e-2
     case_fields: Optional[Callable[[Any, str], dict]] = None
+    sweep: Optional[tuple[str, tuple]] = None
+    peak_memory: bool = False
+    shown: tuple[str, ...] = ()
     panel: Callable[[dict], str] = lambda row: str(row.get("group", ""))
     tick: Callable[[dict], str] = lambda row: row["shape"]
 
@@ -427,22 +453,39 @@ def largest_difference(got: Sequence[Optional[torch.Tensor]], reference: Sequenc
     return max(differences, default=None)
 
 
+def peak_bytes(fn: Callable, inputs: tuple) -> int:
+    """The most memory one call allocates beyond what was allocated before it (the inputs)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn(*inputs)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
 def measure(provider: Provider, case, pass_: str, sets: Sequence[tuple], timer: Optional[Callable],
-            ours_outputs: Optional[list] = None, graph_below_ms: Optional[float] = None) -> Optional[dict]:
+            ours_outputs: Optional[list] = None, graph_below_ms: Optional[float] = None,
+            peak: bool = False) -> Optional[dict]:
     """One provider on one case and pass: None where it has no form of them; else a dict of "ms"
-    (timer(fn, sets); none without a timer), "graph_ms" (where ms < graph_below_ms), "outputs" of the
-    first call on the first set (ours, measured without ours_outputs) or "rel_diff" of ours_outputs
-    from them (a baseline's outputs are the reference), and "error" for what failed."""
+    (timer(fn, sets); none without a timer), "graph_ms" (where ms < graph_below_ms), "peak_bytes" (with
+    peak: peak_bytes of a call on the first set), "fields" (the callable's row_fields after its first
+    call, where it sets them), "outputs" of the first call on the first set (ours, measured without
+    ours_outputs) or "rel_diff" of ours_outputs from them (a baseline's outputs are the reference), and
+    "error" for what failed."""
     result = {}
     try:
         fn = provider.build(case, pass_)
         if fn is None:
             return None
         if provider.measured_by is not None:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # the other process's turn: leave it the memory
             return provider.measured_by(case, pass_)
         if provider.prepare is not None:
             sets = [provider.prepare(case, pass_, inputs) for inputs in sets]
         outputs = tensors_of(fn(*sets[0]))  # also the first call: lazy initialisation, compiling
+        if getattr(fn, "row_fields", None):
+            result["fields"] = dict(fn.row_fields)
         if provider.as_ours is not None:
             outputs = provider.as_ours(case, pass_, outputs)
         if ours_outputs is None:
@@ -453,6 +496,8 @@ def measure(provider: Provider, case, pass_: str, sets: Sequence[tuple], timer: 
             except Exception as error:  # the timing stands
                 result["error"] = f"no relative difference: {describe_error(error)}"
         del outputs
+        if peak:
+            result["peak_bytes"] = peak_bytes(fn, sets[0])
         if timer is not None:
             result["ms"] = timer(fn, sets)
         if graph_below_ms is not None and result.get("ms") is not None and result["ms"] < graph_below_ms:
@@ -462,29 +507,64 @@ def measure(provider: Provider, case, pass_: str, sets: Sequence[tuple], timer: 
     return result
 
 
+def input_sets(bench: Bench, case, pass_: str, device) -> list[tuple]:
+    """The rotation of input sets of a case and pass (one on the CPU)."""
+    first = bench.inputs(case, pass_, device)
+    count = input_set_count(bench.set_bytes(case, pass_, first), device, bench.max_sets)
+    return [first] + [bench.inputs(case, pass_, device) for _ in range(count - 1)]
+
+
+def fastest(results: dict) -> tuple:
+    """(value, result) of the fastest result that has a time; (None, the first result) where none has
+    one (its error says why)."""
+    timed = [value for value, result in results.items() if result.get("ms") is not None]
+    if not timed:
+        return None, next(iter(results.values()))
+    value = min(timed, key=lambda v: results[v]["ms"])
+    return value, results[value]
+
+
 def measure_case(bench: Bench, case, passes: Sequence[str], device, timer: Callable, copy_gbps: Optional[float] = None,
                  tflops_ceiling: Optional[float] = None) -> list[dict]:
-    """The rows of one case: per pass, ours and then each baseline on one shared rotation of input sets."""
+    """The rows of one case: per pass (and value of the sweep), ours and then each baseline on one shared
+    rotation of input sets."""
     torch._dynamo.reset()  # each case compiles afresh, never against the recompile limit of earlier ones
     fields = bench.case_fields(case, device) if bench.case_fields else {}
     graph_below_ms = bench.graph_below_ms if device == "cuda" else None
+    peak = bench.peak_memory and device == "cuda"
+    setting, values = bench.sweep or (None, (None,))
+
+    def row(name: str, ours: dict, theirs: dict, ours_value=None, theirs_value=None) -> dict:
+        compared = comparison_row(case, pass_, name, ours, theirs, bench.tolerance, copy_gbps, tflops_ceiling)
+        if setting is not None:
+            del compared[setting]
+            compared.update({f"ours_{setting}": ours_value, f"baseline_{setting}": theirs_value})
+        return {**compared, **fields}
+
     rows = []
     for pass_ in passes:
-        first = bench.inputs(case, pass_, device)
-        count = input_set_count(bench.set_bytes(case, pass_, first), device, bench.max_sets)
-        sets = [first] + [bench.inputs(case, pass_, device) for _ in range(count - 1)]
-        ours = measure(bench.ours, case, pass_, sets, timer, graph_below_ms=graph_below_ms if bench.ours.graph else None)
-        ours_outputs = ours.pop("outputs", [])
-        baseline_graph = math.inf if "graph_ms" in ours else None  # the baselines' replays where ours has one
-        pass_rows = []
-        for provider in bench.baselines:
-            theirs = measure(provider, case, pass_, sets, timer, ours_outputs, baseline_graph if provider.graph else None)
-            if theirs is not None:
-                pass_rows.append(comparison_row(case, pass_, provider.name, ours, theirs, bench.tolerance, copy_gbps,
-                                                tflops_ceiling))
+        sets = input_sets(bench, case, pass_, device)
+        ours_at, theirs_at, pass_rows = {}, {provider.name: {} for provider in bench.baselines}, []
+        for value in values:
+            at = case if setting is None else dataclasses.replace(case, **{setting: value})
+            ours = ours_at[value] = measure(bench.ours, at, pass_, sets, timer, peak=peak,
+                                            graph_below_ms=graph_below_ms if bench.ours.graph else None)
+            ours_outputs = ours.pop("outputs", [])
+            baseline_graph = math.inf if "graph_ms" in ours else None  # the baselines' replays where ours has one
+            for provider in bench.baselines:
+                theirs = measure(provider, at, pass_, sets, timer, ours_outputs, baseline_graph if provider.graph else None,
+                                 peak)
+                if theirs is not None:
+                    theirs_at[provider.name][value] = theirs
+                    pass_rows.append(row(provider.name if setting is None else f"{provider.name}@{value}", ours, theirs,
+                                         value, value))
+            del ours_outputs
+        for name, results in theirs_at.items() if setting is not None else ():
+            (ours_value, ours), (theirs_value, theirs) = fastest(ours_at), fastest(results)
+            pass_rows.append(row(f"{name}@best", ours, theirs, ours_value, theirs_value))
         mark_best(pass_rows)
-        rows += [{**row, **fields} for row in pass_rows]
-        del first, sets, ours_outputs
+        rows += pass_rows
+        del sets
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows
@@ -505,7 +585,13 @@ def run(bench: Bench, cases: Sequence, *, device="cuda", passes: Optional[Sequen
     passes = passes or bench.passes
     if copy_gbps is not None:
         header = {**copy_ceiling_header(copy_gbps), **header}
-    table = Table(cases, passes, [provider.name for provider in bench.baselines], graph=bench.graph_below_ms is not None)
+    names, shown = [provider.name for provider in bench.baselines], bench.shown
+    if bench.sweep:
+        names = [f"{name}@{value}" for name in names for value in (*bench.sweep[1], "best")]
+        shown += (f"ours_{bench.sweep[0]}", f"baseline_{bench.sweep[0]}")
+    if bench.peak_memory and not dry_run:
+        shown += ("ours_peak_mib", "baseline_peak_mib", "peak_ratio")
+    table = Table(cases, passes, names, graph=bench.graph_below_ms is not None, extra=shown)
     print(table.header(), flush=True)
     rows = []
     for case in cases:
@@ -520,6 +606,122 @@ def run(bench: Bench, cases: Sequence, *, device="cuda", passes: Optional[Sequen
     for directory in out_dirs:
         plot(rows, directory / f"{bench.name}.png", bench.title, device_name, bench.panel, bench.tick)
     return rows
+
+
+# ------------------------------------------------------------------------ a baseline in a process of its own
+
+
+class Worker:
+    """A bench's baselines measured in a process of its own that lives from row to row (what they compile
+    and autotune stays warm): `python -m MODULE --worker [--dry-run]`, whose main calls `serve`. A call
+    that fails or kills the process costs only its row (the process leaves after a failure; the next
+    request starts a new one). `missing` says why none can run: the peer does not import (a new process
+    would fare no better), or GIVE_UP_AFTER failures in a row without a time (each new process pays
+    seconds of imports and CUDA start-up). Protocol, a line each on the process's stdout: READY <what
+    serve's ready() says, JSON> or UNAVAILABLE <why>, then RESULT <measure's dict, JSON> per request (a
+    JSON line on its stdin); its other output passes through."""
+
+    PROTOCOL = ("READY", "UNAVAILABLE", "RESULT")
+    GIVE_UP_AFTER = 3
+
+    def __init__(self, module: str, dry_run: bool, env: Optional[dict] = None):
+        self.command = [sys.executable, "-m", module, "--worker"] + (["--dry-run"] if dry_run else [])
+        self.env = {**(env or {}), **os.environ}  # env: defaults the caller's environment may override
+        self.process: Optional[subprocess.Popen] = None
+        self.ready: Optional[dict] = None
+        self.missing: Optional[str] = None
+        self.failures_in_a_row = 0
+
+    @property
+    def about(self):
+        """What the process said of itself when ready (versions), else why none can run (starts one)."""
+        if self.ready is None and self.missing is None:
+            self._start()
+        return self.ready or self.missing
+
+    def provider(self, provider: Provider) -> Provider:
+        """provider, measured in the process."""
+        return dataclasses.replace(provider, measured_by=functools.partial(self.measure, provider.name))
+
+    def _reply(self) -> tuple[str, str]:
+        """The process's next protocol line, passing its other output through; ("EXIT", why) when it ends."""
+        for line in self.process.stdout:
+            kind, _, payload = line.rstrip("\n").partition(" ")
+            if kind in self.PROTOCOL:
+                return kind, payload
+            print(line, end="", flush=True)
+        return "EXIT", f"worker exited with status {self.process.wait()}"
+
+    def _start(self) -> None:
+        self.process = subprocess.Popen(self.command, cwd=ROOT, env=self.env, text=True, stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE)
+        kind, payload = self._reply()
+        if kind == "READY":
+            self.ready = json.loads(payload)
+        else:  # not importable, or the import itself crashed
+            self.missing = payload
+            self.close()
+
+    def measure(self, name: str, case, pass_: str) -> dict:
+        """measure's dict of the baseline `name` on a case and pass, from the process."""
+        if self.process is None and self.missing is None:
+            self._start()
+        if self.missing is not None:
+            return {"error": self.missing}
+        try:
+            self.process.stdin.write(json.dumps({"provider": name, "case": dataclasses.asdict(case), "pass": pass_}) + "\n")
+            self.process.stdin.flush()
+            kind, payload = self._reply()
+        except BrokenPipeError:  # it died after its last reply
+            kind, payload = "EXIT", f"worker exited with status {self.process.wait()}"
+        result = json.loads(payload) if kind == "RESULT" else {"error": payload}
+        if "error" in result:  # the process has left, or is leaving
+            self.close()
+        self.failures_in_a_row = 0 if "ms" in result else self.failures_in_a_row + 1
+        if self.failures_in_a_row == self.GIVE_UP_AFTER:
+            self.missing = f"not run after {self.GIVE_UP_AFTER} failures in a row, the last: {result['error']}"
+        return result
+
+    def close(self) -> None:
+        if self.process is not None:
+            try:
+                self.process.stdin.close()
+            except BrokenPipeError:
+                pass
+            self.process.wait()
+            self.process = None
+
+
+def serve(bench: Bench, case_type: type, dry_run: bool, ready: Callable[[], dict]) -> None:
+    """A Worker's process: READY with ready()'s dict (UNAVAILABLE where it raises: the peer does not
+    import), then per request on stdin the named baseline measured as `run` measures it, against ours'
+    outputs computed here on the same inputs; it leaves after a failure (the CUDA context may be unusable)."""
+    try:
+        about = ready()
+    except Exception as error:
+        print("UNAVAILABLE", describe_error(error), flush=True)
+        return
+    print("READY", json.dumps(about), flush=True)
+    device, timer = ("cpu", run_once) if dry_run else ("cuda", bench.timer)
+    for line in sys.stdin:
+        request = json.loads(line)
+        case, pass_ = case_type(**request["case"]), request["pass"]
+        provider = next(p for p in bench.baselines if p.name == request["provider"])
+        try:
+            sets = input_sets(bench, case, pass_, device)
+            ours = measure(bench.ours, case, pass_, sets[:1], None)
+            result = measure(provider, case, pass_, sets, timer, ours.pop("outputs", []),
+                             peak=not dry_run and bench.peak_memory) or {"error": "no form of this case and pass"}
+            if "error" in ours:  # the baseline's time stands
+                result.setdefault("error", f"no relative difference: tk_ops: {ours['error']}")
+            del sets, ours
+        except Exception as error:
+            result = {"error": describe_error(error)}
+        print("RESULT", json.dumps(result), flush=True)
+        if "error" in result:
+            return
+        if not dry_run:
+            torch.cuda.empty_cache()  # the other process's turn next: leave it the memory
 
 
 # ------------------------------------------------------------------------------------ table and plot
@@ -642,15 +844,16 @@ def arguments(description: Optional[str], passes: Sequence[str] = (), check: boo
     return parser
 
 
-def without_gpu(args: argparse.Namespace, bench: Bench, dry_run_cases: Sequence) -> bool:
+def without_gpu(args: argparse.Namespace, bench: Bench, dry_run_cases: Sequence, header: Callable[[], dict] = dict) -> bool:
     """--plot-from (redraw NAME.png next to a results file the bench wrote) and --dry-run (the run of
-    dry_run_cases on the CPU): True where one of them ran."""
+    dry_run_cases on the CPU, header() the results file's fields beside the environment's): True where one
+    of them ran."""
     if args.plot_from:
         document = json.loads(args.plot_from.read_text())
         plot(document["rows"], args.plot_from.with_suffix(".png"), bench.title, document.get("gpu") or "CPU", bench.panel,
              bench.tick)
     elif args.dry_run:
-        run(bench, dry_run_cases, device="cpu", passes=getattr(args, "passes", None), out=args.out)
+        run(bench, dry_run_cases, device="cpu", passes=getattr(args, "passes", None), out=args.out, **header())
     return bool(args.plot_from or args.dry_run)
 
 

@@ -1,8 +1,9 @@
-"""benchmarks/bench_mamba2.py without a GPU: its shapes, byte floors, rows, the baseline worker, dry run and
-correctness sweep."""
+"""benchmarks/bench_mamba2.py without a GPU: its shapes, byte floors, the harness's chunk-size sweep and worker
+process on its rows, dry run and correctness sweep."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import textwrap
 
@@ -11,6 +12,7 @@ import torch
 
 import tk_ops
 from benchmarks import bench_mamba2 as bench
+from benchmarks import common
 
 
 def test_arguments():
@@ -39,13 +41,23 @@ def test_hbm_floor():
     assert shape.hbm_bytes("fwd+bwd") == shape.hbm_bytes("fwd") + 2 * (3 * x + 2 * bc) + 4 * 2 * (dt + parameters)
 
 
-def test_rows_pair_each_chunk_size_and_each_side_at_its_fastest():
+def test_rows_pair_each_chunk_size_and_each_side_at_its_fastest(monkeypatch):
+    """The harness's sweep on made-up measurements: a row per chunk size and one of each side at its fastest."""
     shape = bench.SHAPES[0]
-    ours = {64: {"ms": 3.0, "peak_bytes": 2 * 2**20}, 128: {"ms": 1.0, "peak_bytes": 2**20},
-            256: {"error": "OutOfMemoryError: out"}}
-    theirs = {64: {"ms": 2.0, "peak_bytes": 2**20, "rel_diff": 1e-3}, 128: {"ms": 3.0, "peak_bytes": 4 * 2**20, "rel_diff": 2e-3},
-              256: {"ms": 1.5, "peak_bytes": 2**20, "error": "no relative difference: OutOfMemoryError: out"}}
-    rows = {row["baseline"]: row for row in bench.rows_of(shape, "fwd+bwd", ours, theirs, 3000.0)}
+    results = {
+        "tk_ops": {64: {"ms": 3.0, "peak_bytes": 2 * 2**20}, 128: {"ms": 1.0, "peak_bytes": 2**20},
+                   256: {"error": "OutOfMemoryError: out"}},
+        "mamba_ssm": {64: {"ms": 2.0, "peak_bytes": 2**20, "rel_diff": 1e-3},
+                      128: {"ms": 3.0, "peak_bytes": 4 * 2**20, "rel_diff": 2e-3},
+                      256: {"ms": 1.5, "peak_bytes": 2**20, "error": "no relative difference: OutOfMemoryError: out"}},
+    }
+
+    def measured(provider, case, pass_, *args, **kwargs):
+        return dict(results[provider.name][case.chunk])
+
+    monkeypatch.setattr(common, "measure", measured)
+    monkeypatch.setattr(common, "input_sets", lambda *args: [])
+    rows = {row["baseline"]: row for row in common.measure_case(bench.BENCH, shape, ["fwd+bwd"], "cuda", None, 3000.0)}
     assert list(rows) == ["mamba_ssm@64", "mamba_ssm@128", "mamba_ssm@256", "mamba_ssm@best"]
     assert (rows["mamba_ssm@128"]["ratio"], rows["mamba_ssm@128"]["peak_ratio"]) == (3.0, 0.25)
     assert rows["mamba_ssm@128"]["rel_diff_vs_baseline"] == 2e-3 and "error" not in rows["mamba_ssm@128"]
@@ -55,10 +67,10 @@ def test_rows_pair_each_chunk_size_and_each_side_at_its_fastest():
                                              "mamba_ssm@256: no relative difference: OutOfMemoryError: out")
     best = rows["mamba_ssm@best"]
     assert (best["ours_chunk"], best["baseline_chunk"], best["ours_ms"], best["baseline_ms"]) == (128, 256, 1.0, 1.5)
-    assert best["floor_ms"] == round(shape.hbm_bytes("fwd+bwd") / 3000.0 / 1e6, 5)
+    assert best["floor_ms"] == round(shape.hbm_bytes("fwd+bwd") / 3000.0 / 1e6, 5) and "chunk" not in best
     assert {row["best_baseline"] for row in rows.values()} == {"mamba_ssm@256"} and best["ratio_vs_best"] == 1.5
-    missing = {chunk: {"error": "mamba_ssm not importable"} for chunk in ours}
-    best = bench.rows_of(shape, "fwd", ours, missing, None)[-1]
+    results["mamba_ssm"] = {chunk: {"error": "mamba_ssm not importable"} for chunk in bench.CHUNKS}
+    best = common.measure_case(bench.BENCH, shape, ["fwd"], "cuda", None)[-1]
     assert (best["baseline_chunk"], best["baseline_ms"], best["ratio"]) == (None, None, None)
     assert best["error"] == "mamba_ssm@best: mamba_ssm not importable"
 
@@ -75,7 +87,7 @@ def test_inputs_are_a_fresh_mamba2_layers():
     assert torch.equal(again[0], x.detach()) and not again[0].requires_grad
 
 
-def test_dry_run_without_mamba_ssm_times_ours_and_writes_json_and_plot(tmp_path, capsys, monkeypatch):
+def test_dry_run_without_mamba_ssm_runs_ours_and_writes_json_and_plot(tmp_path, capsys, monkeypatch):
     pytest.importorskip("matplotlib")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # no mamba_ssm there
     bench.main(["--dry-run", "--out", str(tmp_path)])
@@ -83,8 +95,9 @@ def test_dry_run_without_mamba_ssm_times_ours_and_writes_json_and_plot(tmp_path,
     rows = document["rows"]
     assert len(rows) == len(bench.DRY_RUN_SHAPES) * len(bench.PASSES) * (len(bench.CHUNKS) + 1)
     assert document["mamba_ssm"].startswith("mamba_ssm not importable") and document["gpu"] is None
+    assert document["chunks"] == list(bench.CHUNKS) and document["ours_backends"]["mamba2_ssd"]
     for row in rows:
-        assert row["ours_ms"] > 0 and row["baseline_ms"] is None and row["floor_ms"] is None
+        assert row["baseline_ms"] is None and row["floor_ms"] is None
         assert row["error"].startswith(f"{row['baseline']}: mamba_ssm not importable")
     assert (tmp_path / "mamba2.png").stat().st_size > 0
     assert "Bt=2 L=80 H=3 N=8" in capsys.readouterr().out
@@ -114,19 +127,20 @@ def test_worker_measures_the_baseline_and_a_failure_costs_only_its_row(tmp_path,
     (package / "ssd_combined.py").write_text(textwrap.dedent(FAKE_MAMBA_SSM))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     shape = bench.DRY_RUN_SHAPES[1]
-    worker = bench.BaselineWorker(dry_run=True)
+    worker = common.Worker("benchmarks.bench_mamba2", dry_run=True)
     try:
-        results = {(pass_, chunk): worker.measure(shape, pass_, chunk) for pass_ in bench.PASSES for chunk in (64, 128, 256, 64)}
+        results = {(pass_, chunk): worker.measure("mamba_ssm", dataclasses.replace(shape, chunk=chunk), pass_)
+                   for pass_ in bench.PASSES for chunk in (64, 128, 256, 64)}
     finally:
         worker.close()
-    assert worker.versions["path"] == str(tmp_path / "mamba_ssm")
+    assert worker.ready["path"] == str(tmp_path / "mamba_ssm")
     for pass_ in bench.PASSES:
-        assert results[pass_, 64]["ms"] > 0 and results[pass_, 64]["rel_diff"] == pytest.approx(0.1, rel=0.1)
-        assert results[pass_, 128] == {"error": "baseline worker exited with status 7"}
+        assert "ms" in results[pass_, 64] and results[pass_, 64]["rel_diff"] == pytest.approx(0.1, rel=0.1)
+        assert results[pass_, 128] == {"error": "worker exited with status 7"}
         assert results[pass_, 256] == {"error": "RuntimeError: unsupported"}
     # three failures in a row, and no more workers are started
-    worker = bench.BaselineWorker(dry_run=True)
-    failures = [worker.measure(shape, "fwd", chunk) for chunk in (128, 256, 256, 64)]
+    worker = common.Worker("benchmarks.bench_mamba2", dry_run=True)
+    failures = [worker.measure("mamba_ssm", dataclasses.replace(shape, chunk=chunk), "fwd") for chunk in (128, 256, 256, 64)]
     assert worker.process is None and failures[3] == {
         "error": "not run after 3 failures in a row, the last: RuntimeError: unsupported"}
 

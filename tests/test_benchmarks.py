@@ -11,15 +11,16 @@ import pathlib
 import shutil
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
 
 import tk_ops
 import tk_testing
-from benchmarks import (bench_attention, bench_conv1d, bench_decode, bench_fftconv, bench_gated_delta_rule, bench_gemm,
-                        bench_linear_attention, bench_linear_cross_entropy, bench_mamba2, bench_norms, bench_overhead,
-                        bench_rope, common, compare_results, families, profile_kernels)
+from benchmarks import (bench_attention, bench_compile, bench_conv1d, bench_decode, bench_fftconv, bench_gated_delta_rule,
+                        bench_gemm, bench_linear_attention, bench_linear_cross_entropy, bench_mamba2, bench_norms,
+                        bench_overhead, bench_rope, common, compare_results, families, profile_kernels)
 
 BENCHMARKS = pathlib.Path(families.__file__).parent
 RESULTS = common.RESULTS
@@ -360,6 +361,16 @@ def test_gated_delta_rule_dry_run(tmp_path, monkeypatch):
                                                       (2, 70, 4)]
 
 
+def test_compile_dry_run(tmp_path):
+    """The tiny Llama's forward compiled with and without tk_ops.inductor: the same logits, and the tk ops
+    of ours' generated code in the rows (none on the CPU)."""
+    pytest.importorskip("transformers")
+    rows = dry_run(bench_compile, tmp_path, "compile", "--pass", "forward")
+    tk_testing.assert_bench_rows(rows, bench_compile.DRY_RUN_MODELS, ["forward"], ["torch.compile"])
+    for row in rows:
+        assert row["rel_diff_vs_baseline"] < 1e-2 and row["tk_ops_called"] == []
+
+
 def test_attention_dry_run_with_fa4(tmp_path, fake_peers, capsys, fa4_lookup):
     """Where flash_attn.cute imports (here tests/fake_peers' FA4 contract in PyTorch), fa4 rows join every
     case and pass: FA4 called on contiguous (B, N, H, D) tensors with K/V's own head count (GQA) and the
@@ -465,12 +476,21 @@ GPU_ROWS = {  # stored results -> the rows the bench writes now, every case
     "linear_attention": lambda: all_rows(bench_linear_attention.BENCH, bench_linear_attention.BASED_SHAPES
                                          + bench_linear_attention.GENERIC_SHAPES),
     # every chunk size, each one in turn the fastest (the "best" rows name it): equal times, the fastest
-    # listed first, so that the rows of the turns agree on every timing they share
-    "mamba2": lambda: [
-        row for shape in bench_mamba2.SHAPES for pass_ in bench_mamba2.PASSES for fastest in bench_mamba2.CHUNKS
-        for row in bench_mamba2.rows_of(shape, pass_, *[{c: {"ms": 1.0} for c in dict.fromkeys((fastest, *bench_mamba2.CHUNKS))}] * 2,
-                                        3000.0)],
+    # first in the sweep, so that the rows of the turns agree on every timing they share
+    "mamba2": lambda: [row for fastest in bench_mamba2.CHUNKS for row in swept_rows(
+        dataclasses.replace(bench_mamba2.BENCH, sweep=("chunk", tuple(dict.fromkeys((fastest, *bench_mamba2.CHUNKS))))),
+        bench_mamba2.SHAPES)],
+    "compile": lambda: all_rows(bench_compile.BENCH, bench_compile.MODELS),
 }
+
+
+def swept_rows(bench: common.Bench, cases) -> list[dict]:
+    """The rows a GPU run of a bench with a sweep would write, with made-up times (ours 1 ms, a baseline 2)."""
+    def measured(provider, *args, **kwargs):
+        return {"ms": 1.0 if provider is bench.ours else 2.0}
+
+    with mock.patch.object(common, "measure", measured), mock.patch.object(common, "input_sets", lambda *args: []):
+        return [row for case in cases for row in common.measure_case(bench, case, bench.passes, "cuda", None, 3000.0)]
 
 
 @pytest.mark.parametrize("stored", sorted(GPU_ROWS))
