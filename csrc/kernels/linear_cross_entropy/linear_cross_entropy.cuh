@@ -100,6 +100,17 @@ __device__ __forceinline__ void merge_over_warp(running_lse& lse, float& logit_s
   }
 }
 
+// A thread's next CHUNKS_IN_FLIGHT chunks of a row (first, first + ROW_THREADS, ...; those past the row's
+// `chunks` left alone), all loads issued before any is used.
+template <typename T>
+__device__ __forceinline__ void load_chunks(const T* logits, int first, int chunks, uint4 (&raw)[CHUNKS_IN_FLIGHT]) {
+#pragma unroll
+  for (int k = 0; k < CHUNKS_IN_FLIGHT; ++k) {
+    const int chunk = first + k * ROW_THREADS;
+    if (chunk < chunks) raw[k] = *reinterpret_cast<const uint4*>(logits + int64_t(chunk) * CHUNK_ELEMENTS<T>);
+  }
+}
+
 // The loss pass for one row (see the top of the file); thread 0 ends with lse and the loss.
 template <typename T, bool SOFTCAP>
 __device__ __forceinline__ void loss_row(const tile_args<T>& a, int64_t row) {
@@ -110,11 +121,7 @@ __device__ __forceinline__ void loss_row(const tile_args<T>& a, int64_t row) {
   float logit_sum = 0.0f;
   for (int first = threadIdx.x; first < a.chunks; first += ROW_THREADS * CHUNKS_IN_FLIGHT) {
     uint4 raw[CHUNKS_IN_FLIGHT];
-#pragma unroll
-    for (int k = 0; k < CHUNKS_IN_FLIGHT; ++k) {
-      const int chunk = first + k * ROW_THREADS;
-      if (chunk < a.chunks) raw[k] = *reinterpret_cast<const uint4*>(logits + int64_t(chunk) * E);
-    }
+    load_chunks(logits, first, a.chunks, raw);
 #pragma unroll
     for (int k = 0; k < CHUNKS_IN_FLIGHT; ++k) {
       const int chunk = first + k * ROW_THREADS;
@@ -183,11 +190,7 @@ __device__ __forceinline__ void gradient_row(const tile_args<T>& a, int64_t row)
   const float target_grad = grad * a.target_weight;
   for (int first = threadIdx.x; first < a.chunks; first += ROW_THREADS * CHUNKS_IN_FLIGHT) {
     uint4 raw[CHUNKS_IN_FLIGHT];
-#pragma unroll
-    for (int k = 0; k < CHUNKS_IN_FLIGHT; ++k) {
-      const int chunk = first + k * ROW_THREADS;
-      if (chunk < a.chunks) raw[k] = *reinterpret_cast<const uint4*>(logits + int64_t(chunk) * E);
-    }
+    load_chunks(logits, first, a.chunks, raw);
 #pragma unroll
     for (int k = 0; k < CHUNKS_IN_FLIGHT; ++k) {
       const int chunk = first + k * ROW_THREADS;
