@@ -369,14 +369,20 @@ def flex_with_options(case: FeatureCase, pass_: str):
         out, lse = result
         return out * torch.sigmoid(lse - sinks.view(1, -1, 1)).unsqueeze(-1).to(out.dtype)
 
-    if pass_ == "fwd":
-        return lambda q, k, v, grad_out: forward(q, k, v)
-    FLEX_FORWARDS[case] = forward
-    return call
+    return timed_pass(FLEX_FORWARDS, case, pass_, forward)
 
 
 # Each case's compiled FlexAttention forward (flex_with_options), for its bwd prepare (stored_forward_backward).
 FLEX_FORWARDS: dict = {}
+
+
+def timed_pass(forwards: dict, case: FeatureCase, pass_: str, forward):
+    """A baseline's timed call: fwd, its forward on (q, k, v); bwd, the backward closure its prepare made
+    (stored_forward_backward), the forward stored in ``forwards`` for that prepare."""
+    if pass_ == "fwd":
+        return lambda q, k, v, grad_out: forward(q, k, v)
+    forwards[case] = forward
+    return call
 
 
 def stored_forward_backward(forwards: dict):
@@ -414,10 +420,7 @@ def masked_sdpa(case: FeatureCase, pass_: str):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=case.causal and mask is None,
                                               scale=case.head_dim**-0.5, enable_gqa=case.q_heads != case.kv_heads)
 
-    if pass_ == "fwd":
-        return lambda q, k, v, grad_out: forward(q, k, v)
-    MASKED_SDPA_FORWARDS[case] = forward
-    return call
+    return timed_pass(MASKED_SDPA_FORWARDS, case, pass_, forward)
 
 
 # Each case's masked SDPA forward (masked_sdpa), for its bwd prepare (stored_forward_backward).

@@ -34,11 +34,10 @@ import torch
 
 from models.checkpoint import load_model
 from models.data import DEFAULT_DATA_DIR, TokenData
+from tk_ops import _library
 
 DEFAULT_NEW_TOKENS = 48
-# The paged blocks attention_with_kvcache's kernel takes (a multiple of this many positions); a capture needs
-# them: on other blocks its reference reads the cache's lengths on the host, which a capture cannot.
-KERNEL_BLOCK_MULTIPLE = 128
+DEFAULT_BLOCK_SIZE = 128  # a block size attention_with_kvcache's kernel takes (its paged_block_multiple)
 
 
 def sample_next(logits: torch.Tensor, *, temperature: float, top_p: float, generator=None) -> torch.Tensor:
@@ -104,7 +103,7 @@ class _GraphedStep:
 
 @torch.inference_mode()
 def generate(model, prompt: torch.Tensor, new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
-             block_size: int = 128, generator: Optional[torch.Generator] = None,
+             block_size: int = DEFAULT_BLOCK_SIZE, generator: Optional[torch.Generator] = None,
              cuda_graph: bool = False) -> Generation:
     """Continue each row of ``prompt`` (B, N) by ``new_tokens`` tokens (>= 1) with a paged KV cache: one
     prefill, then one decode step per token (with ``cuda_graph``, on a GPU: the first step eagerly, which
@@ -146,6 +145,14 @@ def generate(model, prompt: torch.Tensor, new_tokens: int, *, temperature: float
                       time.perf_counter() - first_token - capture_s, capture_s)
 
 
+def _kernel_takes_blocks(block_size: int) -> bool:
+    """Whether attention_with_kvcache's kernel takes a paged cache of these blocks, as the extension declares
+    it. A captured step needs the kernel: on other blocks its reference reads the cache's lengths on the host,
+    which a capture cannot."""
+    multiple = _library.kernel_support("attention_with_kvcache").get("paged_block_multiple")
+    return bool(multiple) and block_size % multiple[0] == 0
+
+
 def _checkpoint_file(path: Path) -> Path:
     """The checkpoint file: ``path`` itself, or the checkpoint.safetensors that models.train writes in a run directory."""
     file = path / "checkpoint.safetensors" if path.is_dir() else path
@@ -176,10 +183,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help=f"default: {DEFAULT_NEW_TOKENS}, or what the model's context leaves after the prompt")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this much probability")
-    parser.add_argument("--block-size", type=int, default=128,
+    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                         help="positions per block of the paged KV cache (the kernel takes multiples of 128)")
     parser.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
-                        help="on a GPU with blocks of a multiple of 128, replay one captured decode step (default) "
+                        help="on a GPU with blocks the kernel takes, replay one captured decode step (default) "
                              "instead of launching each from Python")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
@@ -213,7 +220,7 @@ def main(argv: Optional[list[str]] = None) -> Generation:
     new_tokens = args.max_new_tokens or min(DEFAULT_NEW_TOKENS, model.config.max_position_embeddings - prompt.shape[1])
     # Untimed, so that the times are those of a warm process: the first op call imports PyTorch's compiler
     # (seconds), the first of each kernel loads it.
-    graph = args.cuda_graph and device.type == "cuda" and args.block_size % KERNEL_BLOCK_MULTIPLE == 0
+    graph = args.cuda_graph and device.type == "cuda" and _kernel_takes_blocks(args.block_size)
     generate(model, prompt, min(2, new_tokens), block_size=args.block_size)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     result = generate(model, prompt, new_tokens, temperature=args.temperature, top_p=args.top_p,

@@ -14,10 +14,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <optional>
 #include <string>
 #include <tuple>
-#include <limits>
 #include <utility>
 #include <vector>
 
@@ -37,6 +37,9 @@ namespace attn = tk::attention;
 const tk::registration::kernel_support forward_head_dims("attention", "head_dims", attn::forward_head_dims::integers());
 const tk::registration::kernel_support backward_head_dims("attention_bwd", "head_dims",
                                                           attn::backward_head_dims::integers());
+// attention_with_kvcache's kernel takes paged caches whose blocks hold a multiple of this many positions.
+const tk::registration::kernel_support paged_block_multiple("attention_with_kvcache", "paged_block_multiple",
+                                                            {attn::KEY_BLOCK_ALIGNMENT});
 
 void check_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   TORCH_CHECK_VALUE(q.dim() == 4, op, ": q must be 4-D (B, Hq, Nq, D), got ", q.sizes());
@@ -419,9 +422,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd_
 // positions are clamped into the sequence's own row and the kernel's reads to the cache, so no content
 // makes a call touch memory outside the caches.
 
-// The page sizes the kernel takes: whole key blocks of its plans (128 keys, or 64 at D > 128).
-constexpr int64_t PAGE_ROW_MULTIPLE = 128;
-
 // A dense cache (B_cache, Nmax, H, X), or a paged one (num_blocks, block_size, H, X), as packed rows
 // (B_cache * Nmax or num_blocks * block_size, H, X), or nothing if its rows are not one stride apart.
 std::optional<at::Tensor> cache_rows(const at::Tensor& cache) {
@@ -448,11 +448,6 @@ struct kvcache_rows {
 // query blocks (a chunked prefill) run per query head, where the work is the scores', not the reads'.
 constexpr int64_t DECODE_MAX_QUERIES = 16;
 
-// Split-KV: about two tasks per SM, chunks of whole 128-key blocks and at least 256 keys.
-constexpr int64_t DECODE_TASKS_PER_SM = 2;
-constexpr int64_t DECODE_CHUNK_MULTIPLE = 128;
-constexpr int64_t DECODE_MIN_CHUNK = 256;
-
 kvcache_rows rows_for(const at::Tensor& q, int64_t kv_heads, int64_t capacity, bool decode, bool causal) {
   const int64_t batch = q.size(0), q_len = q.size(1), q_heads = q.size(2);
   kvcache_rows r;
@@ -464,11 +459,9 @@ kvcache_rows rows_for(const at::Tensor& q, int64_t kv_heads, int64_t capacity, b
   }
   int sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q.get_device()));
-  const int64_t wanted = (DECODE_TASKS_PER_SM * sms + batch * kv_heads - 1) / (batch * kv_heads);
-  const int64_t splits = std::clamp<int64_t>(wanted, 1, std::max<int64_t>(1, capacity / DECODE_MIN_CHUNK));
-  const int64_t chunk_keys = (capacity + splits - 1) / splits;
-  r.chunk = (chunk_keys + DECODE_CHUNK_MULTIPLE - 1) / DECODE_CHUNK_MULTIPLE * DECODE_CHUNK_MULTIPLE;
-  r.splits = (capacity + r.chunk - 1) / r.chunk;
+  const attn::decode_split split = attn::decode_split_for(batch, kv_heads, capacity, sms);
+  r.splits = split.splits;
+  r.chunk = split.chunk;
   r.group = q_heads / kv_heads;
   r.sequences = batch * r.splits;
   r.max_q = r.group * q_len;
@@ -487,12 +480,12 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> attention_with_kvcache_kernels
     bool causal, double scale, int64_t window_left, int64_t window_right, double softcap,
     const std::optional<at::Tensor>& sinks) {
   std::optional<at::Tensor> k_rows, v_rows;
-  // Paged caches whose blocks are whole 128-key blocks of the kernel (a key block then lies in one page).
+  // Paged caches whose blocks hold whole key blocks of the kernel (KEY_BLOCK_ALIGNMENT, attention.h).
   const bool paged = block_table.has_value();
   const bool kernel_layout =
       paged ? block_table->scalar_type() == at::kInt && block_table->dim() == 2 && block_table->size(0) == q.size(0) &&
                   block_table->device() == q.device() && k_cache.dim() == 4 && k_cache.size(1) > 0 &&
-                  k_cache.size(1) % PAGE_ROW_MULTIPLE == 0
+                  k_cache.size(1) % attn::KEY_BLOCK_ALIGNMENT == 0
             : k_cache.dim() == 4 && k_cache.size(0) >= q.size(0);
   const bool kernel_case = kernel_layout && q.dim() == 4 && v_cache.dim() == 4 && kernel_device(q) && q.numel() > 0 &&
                            k_cache.size(1) > 0 && k_cache.device() == q.device() && v_cache.device() == q.device() &&

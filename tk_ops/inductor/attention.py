@@ -18,10 +18,9 @@ extension declares it, ``_library.kernel_support``: 64 or 128 today), and either
     the mask's values, whatever ops built it (``(j <= i) & (j > i - W)`` on aranges, Hugging Face's
     sliding-window masks).
 
-A proven window is always rewritten: SDPA runs a window as a dense mask, every key of every row, and the
-window kernels were measured 17.5x / 12.8x that call's forward / backward at a 4096 window over 32768
-tokens and 17.8x / 14.1x at a (256, 256) window over 8192 (H200, `bench_attention --features`, the
-``sdpa_masked`` rows of attention_features.json).
+A proven window is always rewritten: SDPA runs a window as a dense mask, every key of every row, where the
+window kernels skip the key blocks outside it (the ``sdpa_masked`` rows of
+benchmarks/results/attention_features.json measure the two).
 
 A softcap (``c * tanh(s / c)`` between q k^T and the softmax) is not rewritten: SDPA has no softcap,
 so a softcapped attention is hand-written matmuls, tanh and softmax, and this pass matches only

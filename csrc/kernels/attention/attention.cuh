@@ -93,6 +93,7 @@ struct forward_plan : forward_split<D> {
   static constexpr int block_kv = D <= 128 ? 128 : 64;
   static constexpr int stages = D >= 128 ? 2 : 3;
 };
+static_assert(KEY_BLOCK_ALIGNMENT % forward_plan<128>::block_kv == 0 && KEY_BLOCK_ALIGNMENT % forward_plan<256>::block_kv == 0);
 
 // The dK/dV kernel's step: block_q queries against the block's 128 keys (64 per consumer). D = 128:
 // 64 queries (one wgmma N of S^T = K Q^T per consumer). D = 64: 128 queries, FlashAttention-3's
@@ -335,7 +336,7 @@ struct sequence_layout {
 
   // The maps' row of the task's key `key` (from the sequence's first): its packed row, or with pages the
   // row of the page that holds that position of its logical cache (a table entry outside the pool is
-  // clamped into it). A block of 128 keys from a multiple of 128 lies in one page.
+  // clamped into it). A key block from a multiple of KEY_BLOCK_ALIGNMENT lies in one page.
   __device__ int key_row(const sequence_rows& r, int key) const {
     const int row = r.k_start + key;
     if (page_table == nullptr) return row;
@@ -489,7 +490,6 @@ std::string shape_reason(const heads_view& q, const heads_view& k, const heads_v
   return {};
 }
 
-// The kernels' sequence layout of a problem whose q and k views have q_rows and k_rows rows.
 // The rows of each head's statistics in a packed backward: every sequence's query rows rounded up to whole
 // STATISTICS_ROW_MULTIPLE blocks, at most total_q + (sequences) x (MULTIPLE - 1) (known on the host without
 // reading the lengths), rather than sequences x the longest's (which many short sequences beside one long
@@ -498,7 +498,8 @@ inline int64_t packed_statistics_rows(const packed_sequences& packed, int64_t q_
   return round_up<int64_t>(q_rows + packed.count * (STATISTICS_ROW_MULTIPLE - 1), STATISTICS_ROW_MULTIPLE);
 }
 
-// k_rows: the k view's rows (with pages, the pool's; the layout counts the logical caches' positions).
+// The kernels' sequence layout of a problem whose q and k views have q_rows and k_rows rows (with pages,
+// k_rows is the pool's; the layout counts the logical caches' positions).
 inline sequence_layout sequence_layout_of(const packed_sequences& packed, int64_t q_rows, int64_t k_rows) {
   if (!packed.given()) return {nullptr, nullptr, int(q_rows), int(k_rows), int(q_rows), int(k_rows)};
   const int64_t key_positions =
@@ -536,7 +537,6 @@ inline std::string packed_reason(const packed_sequences& packed, int64_t q_heads
   }
   return {};
 }
-
 
 // The head dims a direction's kernels are instantiated for.
 template <typename Problem>

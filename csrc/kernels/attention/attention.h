@@ -48,6 +48,12 @@ using tk::heads_view;
 // too (packed_sequences::statistics_start).
 constexpr int STATISTICS_ROW_MULTIPLE = 128;
 
+// Every forward plan's key blocks (128 keys, or 64 beyond D = 128) divide this: a key block that starts at a
+// multiple of it within a sequence's positions lies in one page of a paged cache whose pages hold a multiple
+// of it (packed_sequences::page_table), so pages, and the spans of a KV-cache call's decode chunks, come in
+// multiples of it.
+constexpr int KEY_BLOCK_ALIGNMENT = 128;
+
 struct packed_sequences {
   const int* cu_seqlens_q = nullptr;
   const int* cu_seqlens_k = nullptr;

@@ -966,14 +966,15 @@ std::string reason_for(const backward_problem& pr) {
       pr.grad_out.dim != pr.q.dim) {
     return "out and grad_out must have q's shape";
   }
+  const auto gradient = [&](void* data, const heads_view& like) { return output_view(data, like, pr.packed.given()); };
   const std::pair<const char*, heads_view> query_like[] = {
-      {"q", pr.q}, {"out", pr.out}, {"grad_out", pr.grad_out}, {"grad_q", output_view(pr.grad_q, pr.q, pr.packed.given())}};
+      {"q", pr.q}, {"out", pr.out}, {"grad_out", pr.grad_out}, {"grad_q", gradient(pr.grad_q, pr.q)}};
   for (const auto& [name, view] : query_like) {
     if (std::string r = layout_reason<typename KV::q_tile, T>(name, view); !r.empty()) return r;
     if (std::string r = layout_reason<typename Q::q_tile, T>(name, view); !r.empty()) return r;
   }
   const std::pair<const char*, heads_view> key_like[] = {
-      {"k", pr.k}, {"v", pr.v}, {"grad_k", output_view(pr.grad_k, pr.k, pr.packed.given())}, {"grad_v", output_view(pr.grad_v, pr.v, pr.packed.given())}};
+      {"k", pr.k}, {"v", pr.v}, {"grad_k", gradient(pr.grad_k, pr.k)}, {"grad_v", gradient(pr.grad_v, pr.v)}};
   for (const auto& [name, view] : key_like) {
     if (std::string r = layout_reason<typename KV::kv_tile, T>(name, view); !r.empty()) return r;
     if (std::string r = layout_reason<typename Q::kv_tile, T>(name, view); !r.empty()) return r;

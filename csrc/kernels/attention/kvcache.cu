@@ -2,9 +2,11 @@
 // decode form's query rows, the packed sequences' metadata) and one after it (the decode form's combine
 // of its split-KV chunks). Both move a few rows per block; neither is near a bandwidth or compute limit at
 // the sizes of a decode step, so they are written for one launch each rather than for throughput.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
+#include "kernels/attention/attention.h"
 #include "kernels/attention/kvcache.h"
 #include "tk/common.cuh"
 #include "tk/dispatch.h"
@@ -15,6 +17,10 @@ namespace {
 
 constexpr int PREPARE_THREADS = 256;
 constexpr int COMBINE_THREADS = 128;
+
+// Split-KV: about two tasks per SM, chunks of at least 256 keys.
+constexpr int64_t DECODE_TASKS_PER_SM = 2;
+constexpr int64_t DECODE_MIN_CHUNK = 256;
 
 // Both element types are 2 bytes: the copies move them as raw 16-bit words, whatever the type.
 using word = uint16_t;
@@ -167,6 +173,14 @@ __global__ void __launch_bounds__(COMBINE_THREADS) combine_kernel(const __grid_c
 using kvcache_dtypes = one_of<element_type::bf16, element_type::fp16>;
 
 }  // namespace
+
+decode_split decode_split_for(int64_t batch, int64_t kv_heads, int64_t capacity, int sms) {
+  const int64_t tasks = batch * kv_heads;
+  const int64_t wanted = ceil_div(DECODE_TASKS_PER_SM * sms, tasks);
+  const int64_t splits = std::clamp<int64_t>(wanted, 1, std::max<int64_t>(1, capacity / DECODE_MIN_CHUNK));
+  const int64_t chunk = round_up<int64_t>(ceil_div(capacity, splits), KEY_BLOCK_ALIGNMENT);
+  return {ceil_div(capacity, chunk), chunk};
+}
 
 cudaError_t launch_prepare(const kvcache_call& call, cudaStream_t stream) {
   return pipeline::launch(prepare_kernel, dim3(unsigned(prepare_blocks(call).count())), dim3(PREPARE_THREADS), 0,

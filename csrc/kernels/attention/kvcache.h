@@ -63,6 +63,13 @@ struct kvcache_call {
   int* seqused_k;
 };
 
+// The decode form's split-KV of each sequence's `capacity` positions, for batch x kv_heads (sequence, KV head)
+// tasks on `sms` SMs: `splits` chunks of `chunk` positions (a multiple of KEY_BLOCK_ALIGNMENT).
+struct decode_split {
+  int64_t splits, chunk;
+};
+decode_split decode_split_for(int64_t batch, int64_t kv_heads, int64_t capacity, int sms);
+
 // The appended keys and values in the caches, the decode form's query rows and tail, and the metadata.
 cudaError_t launch_prepare(const kvcache_call& call, cudaStream_t stream);
 
