@@ -225,6 +225,25 @@ def training(document: dict, summary: bool) -> str:
     return markdown(header, body)
 
 
+LINEAR_CROSS_ENTROPY_BASELINES = ("eager", "compiled", "liger")
+
+
+def linear_cross_entropy(document: dict, summary: bool) -> str:
+    """Per shape and pass: our time and TFLOP/s (2NVH per GEMM pass the unfused form runs: one forward,
+    three forward+backward), the ratio to each baseline, and each side's peak memory."""
+    header = ["shape", "pass", "ours ms", "ours TFLOP/s"] + [f"x {b}" for b in LINEAR_CROSS_ENTROPY_BASELINES]
+    header.append("peak GiB " + " / ".join(("ours",) + LINEAR_CROSS_ENTROPY_BASELINES))
+    body = []
+    for (shape, pass_), rows in by(document["rows"], "shape", "pass").items():
+        first = rows[0]
+        peaks = first.get("peak_gib", {})
+        line = [shape, pass_, ms(first["ours_ms"]), fmt(first.get("ours_tflops"), 0)]
+        line += [ratio_of(rows, b) for b in LINEAR_CROSS_ENTROPY_BASELINES]
+        line.append(" / ".join(fmt(peaks.get(side)) for side in ("tk_ops",) + LINEAR_CROSS_ENTROPY_BASELINES))
+        body.append(line)
+    return markdown(header, body)
+
+
 def long_context(document: dict, summary: bool) -> str:
     header = ["variant", "N", "B", "tokens/s", "mixer share of the step", "peak GiB"]
     body = [[r["variant"], str(r["seq_len"]), str(r["batch_size"]), fmt(r["tokens_per_s"], 0),
@@ -246,6 +265,8 @@ FAMILIES: dict[str, tuple[tuple[str, Callable[[dict, bool], str]], ...]] = {
     "fftconv": tuple((stem, memory_bound(("torch.fft eager", "torch.fft compiled"))) for stem in ("fftconv", "fftconv_fp32")),
     "mamba2": (("mamba2", mamba2),),
     "linear_attention": (("linear_attention", linear_attention),),
+    "linear_cross_entropy": (("linear_cross_entropy", linear_cross_entropy),),
+    "gated_delta_rule": (("gated_delta_rule", memory_bound(("fla",))),),
     "overhead": (("overhead", overhead),),
     "compile": (("compile", compile_),),
     "training": (("training", training),),
