@@ -14,9 +14,11 @@ Baseline: fla (fla-core, `fla.ops.gated_delta_rule.chunk_gated_delta_rule`, wher
 benchmarks/wheels/baselines.sh). Its backward refuses to run on Hopper with Triton 3.6 (fla issue #640):
 that row then says so and the forward rows still compare.
 Ours is whatever serves tk.gated_delta_rule on the device (tk_ops.backends() says which; the results
-header records it): the chunked PyTorch reference until its kernels exist.
+header records it): the forward kernels on an H100/H200 (bf16/fp16, K = V = 128), the chunked PyTorch
+reference for the backward.
 
   python3 -m benchmarks.bench_gated_delta_rule [--out DIR] [--pass fwd|fwd+bwd]
+  python3 -m benchmarks.bench_gated_delta_rule --check   # the forward kernels on small odd cases vs float64
   python3 -m benchmarks.bench_gated_delta_rule --dry-run [--out DIR]   # CPU, tiny shapes
 """
 
@@ -99,11 +101,50 @@ BENCH = common.Bench(
 )
 
 
+# (lengths of the packed sequences, or (B, T); Hk, Hv, dtype): T not a multiple of the chunk, grouped
+# value heads, packed sequences with an empty and a one-position one; every case with initial states.
+CHECK_CASES = [((2, 70), 2, 4, torch.bfloat16), ((0, 1, 59, 70), 2, 2, torch.bfloat16),
+               ((1, 257), 1, 2, torch.float16)]
+
+
+def check() -> None:
+    """The forward (o and the final states) against the op in float64 on the CPU (the correctness run
+    compute-sanitizer watches); exits non-zero on a wrong result."""
+    failures = []
+    for lengths, hk, hv, dtype in CHECK_CASES:
+        packed = len(lengths) > 2
+        batch, total = (1, sum(lengths)) if packed else lengths
+        sequences = len(lengths) if packed else batch
+        d = 128
+        q, k = (torch.randn(batch, total, hk, d, device="cuda", dtype=dtype) for _ in range(2))
+        v = torch.randn(batch, total, hv, d, device="cuda", dtype=dtype)
+        g = -0.5 * torch.rand(batch, total, hv, device="cuda")
+        beta = 0.05 + 0.9 * torch.rand(batch, total, hv, device="cuda")
+        state = torch.randn(sequences, hv, d, d, device="cuda")
+        cu_seqlens = None
+        if packed:
+            cu_seqlens = torch.tensor((0, *lengths), device="cuda").cumsum(0).to(torch.int32)
+        inputs = (q, k, v, g, beta)
+        options = dict(initial_state=state, output_final_state=True, use_qk_l2norm=True)
+        got = tk_ops.gated_delta_rule(*inputs, cu_seqlens=cu_seqlens, **options)
+        cpu = lambda t: None if t is None else t.cpu()
+        want = tk_ops.gated_delta_rule(*(t.cpu().double() for t in inputs), cu_seqlens=cpu(cu_seqlens),
+                                       **dict(options, initial_state=state.cpu().double()))
+        err = max(common.relative_difference(a.cpu(), b) for a, b in zip(got, want))
+        status = "ok" if err < 2e-2 else "WRONG"
+        print(f"gated_delta_rule {'packed ' if packed else ''}{lengths} Hk={hk} Hv={hv} {dtype}: rel err {err:.2e} {status}")
+        if status != "ok":
+            failures.append(f"{lengths} Hk={hk} Hv={hv} {dtype}: {err:.2e}")
+    common.finish_check(f"gated_delta_rule check on {tk_ops.backends()['gated_delta_rule']}", failures)
+
+
 def main(argv=None) -> None:
-    args = common.arguments(__doc__, PASSES, check=False).parse_args(argv)
+    args = common.arguments(__doc__, PASSES).parse_args(argv)
     torch.manual_seed(0)
     if common.without_gpu(args, BENCH, DRY_RUN_CASES):
         return
+    if args.check:
+        return check()
     _, fla_version = common.peer(*FLA)
     common.run(BENCH, CASES, passes=args.passes, out=args.out, copy_gbps=common.measured_copy_bandwidth(),
                dtype="bf16", fla=fla_version, ours_backend=tk_ops.backends()["gated_delta_rule"])

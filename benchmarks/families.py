@@ -54,6 +54,10 @@ FAMILIES = (
         Profile("attention_fwd_d128_n8192", "forward_kernel", 1),
         # the one-pass method: the default at this shape (the memset of the dq accumulator is no kernel)
         Profile("attention_bwd_d128_n8192", "attention::.*(statistics_kernel|dkdv_kernel|dq_convert_kernel)", 3),
+        # a KV-cache decode call: the prepare launch, the packed forward over the chunks, the combine
+        Profile("decode_paged_b8_l8k_57k", "attention::.*(prepare_kernel|forward_kernel|combine_kernel)", 3),
+        # four queries: the tail call on the last three keys is one more forward launch
+        Profile("decode_paged_b16_nq4", "attention::.*(prepare_kernel|forward_kernel|combine_kernel)", 4),
     )),
     Family("based_attention", op="based_attention", bench="linear_attention", profiles=(
         Profile("based_fwd_n4096", "based::.*forward_kernel", 1),
@@ -97,6 +101,10 @@ FAMILIES = (
         Profile("layer_norm_bwd_h4096", "norm_backward_kernel|sum_partial_rows_kernel", 2),
     )),
     Family("linear_cross_entropy", op="linear_cross_entropy", bench="linear_cross_entropy"),
+    Family("gated_delta_rule", op="gated_delta_rule", bench="gated_delta_rule", profiles=(
+        # the chunks' solve, then the scan along the sequence (Qwen3-Next's heads, one long sequence)
+        Profile("gated_delta_rule_fwd_t32768", "gdn::.*(solve_kernel|scan_kernel)", 2),
+    )),
 )
 BY_NAME = {family.name: family for family in FAMILIES}
 

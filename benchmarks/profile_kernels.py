@@ -113,6 +113,30 @@ def layer_norm_backward(rows: int, hidden: int):
     )
 
 
+def bench_decode_case(*args, **kwargs):
+    from benchmarks import bench_decode
+
+    return bench_decode.DecodeCase(*args, **kwargs)
+
+
+def decode(case):
+    """A bench_decode case's cache call (its inputs and ours)."""
+    from benchmarks import bench_decode
+
+    inputs = bench_decode.make_inputs(case, "cuda")
+    run = bench_decode.ours(case, "fwd")
+    return lambda: run(*inputs)
+
+
+def gated_delta_rule(batch: int, seq_len: int, k_heads: int, v_heads: int):
+    """bench_gated_delta_rule's forward (bf16, K = V = 128, l2norm, final state)."""
+    from benchmarks import bench_gated_delta_rule as bench
+
+    q, k, v, g, beta, _ = bench.make_inputs(bench.Case(batch, seq_len, k_heads, v_heads), "cuda")
+    inputs = [t.detach() for t in (q, k, v, g, beta)]
+    return lambda: bench.ours(*inputs)
+
+
 def causal_conv1d(batch: int, dim: int, seq_len: int, layout: str, backward: bool):
     """Mamba-2's short convolution (W = 4, bias, SiLU, bf16): x contiguous (B, D, L), or ("bld") a
     (B, L, D) tensor seen as (B, D, L); the output gradient in x's layout."""
@@ -161,6 +185,10 @@ CASES = {
     "causal_conv1d_fwd_bld_l4096": lambda: causal_conv1d(8, MAMBA2_CONV_DIM, 4096, "bld", backward=False),
     "causal_conv1d_bwd_bdl_l4096": lambda: causal_conv1d(8, MAMBA2_CONV_DIM, 4096, "bdl", backward=True),
     "causal_conv1d_bwd_bld_l4096": lambda: causal_conv1d(8, MAMBA2_CONV_DIM, 4096, "bld", backward=True),
+    # bench_decode's split-KV cases furthest from the copy bandwidth: ragged long caches, and four queries
+    "decode_paged_b8_l8k_57k": lambda: decode(bench_decode_case("paged", 8, 8192, 57344, block_size=128)),
+    "decode_paged_b16_nq4": lambda: decode(bench_decode_case("paged", 16, 4096, 12288, q_len=4, block_size=128)),
+    "gated_delta_rule_fwd_t32768": lambda: gated_delta_rule(1, 32768, 16, 32),
 }
 
 

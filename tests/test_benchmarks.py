@@ -56,7 +56,9 @@ def test_families_cli_lines(monkeypatch, capsys):
     skip = profile_kernels.WARMUP_CALLS
     assert capsys.readouterr().out.splitlines() == [
         f"attention_fwd_d128_n8192 forward_kernel {skip} 1",
-        f"attention_bwd_d128_n8192 attention::.*(statistics_kernel|dkdv_kernel|dq_convert_kernel) {3 * skip} 3"]
+        f"attention_bwd_d128_n8192 attention::.*(statistics_kernel|dkdv_kernel|dq_convert_kernel) {3 * skip} 3",
+        f"decode_paged_b8_l8k_57k attention::.*(prepare_kernel|forward_kernel|combine_kernel) {3 * skip} 3",
+        f"decode_paged_b16_nq4 attention::.*(prepare_kernel|forward_kernel|combine_kernel) {4 * skip} 4"]
 
 
 def test_families_default_to_those_with_kernels():
