@@ -247,7 +247,8 @@ def with_fa4(bench: common.Bench) -> tuple[common.Bench, str]:
 
 # ---------------------------------------------------------------------- the forward's other head dims
 
-# The forward kernel's head dims beyond 64 and 128 (its backward runs the reference there), against
+# The forward kernel's head dims beyond 64 and 128 (the backward: D = 128's kernels on padded copies at 96,
+# the reference at 192 and 256), against
 # cuDNN (and FA4 where it is installed): 16384 tokens, GQA 16/2 at D = 256 (Gemma's and Qwen3-Next's
 # attention, the anchor's shape), MHA at 96 and 192.
 HEAD_DIM_BENCH = dataclasses.replace(BENCH, name="attention_head_dims",

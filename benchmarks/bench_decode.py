@@ -22,8 +22,8 @@ Baselines:
          gathered into one outside the timing), with enable_gqa and no length mask: it reads the whole
          rectangle, the best SDPA does without a mask (a mask sends it to the math path)
 Ours is whatever serves tk.attention_with_kvcache on the device: on dense caches and paged ones in blocks
-of a multiple of 128 (the paged rows here) the attention forward kernel's packed variant (Nq = 1: a KV
-head's query heads as a task's rows, split-KV; not a dedicated decode kernel), else the PyTorch reference
+of a multiple of 128 (the paged rows here) the attention forward kernel's packed variant (Nq <= 16: a KV
+head's Nq x G query rows as a task's rows, split-KV; not a dedicated decode kernel), else the PyTorch reference
 (the results header records which). No append is timed (k = v = None): the cache is what a decode step reads.
 
   python3 -m benchmarks.bench_decode [--out DIR]

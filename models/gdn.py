@@ -21,8 +21,10 @@ cache, no padding mask, no packed documents.
 
 ``config.reference=True`` runs the same parameters on standard PyTorch ops: ``F.linear``,
 ``F.conv1d``, the gated delta rule as its token-by-token recurrence (fp32, fp64 for fp64 models),
-SDPA, RoPE and the norms written out. The tk path's ``tk.gated_delta_rule`` has no kernel yet: its
-PyTorch reference (chunked) runs on every device, so this model's mixers are not fast anywhere yet.
+SDPA, RoPE and the norms written out. The tk path's ``tk.gated_delta_rule`` runs its forward kernel on
+a GPU where it takes the inputs (bf16/fp16, K = V = 128: the 1b preset's head dim; slower than
+flash-linear-attention's) and its PyTorch reference (chunked) for the backward and everything else, so
+this model's mixers are not fast anywhere yet (the model has not been trained on a GPU).
 """
 
 from __future__ import annotations

@@ -43,8 +43,9 @@ state and the final recurrent state), and HF's own forward also takes packed seq
 keyword, which HF hands to the hub's fla kernels when they are installed) and a conv activation other than
 SiLU. The mixer is the same in every release of the range except for the cache argument and the cache
 questions, read as for Mamba-2 (5.17 groups q and k to the value heads in the mixer before the delta rule,
-5.24 inside it: the same function). ``tk.gated_delta_rule`` has no kernel yet: its reference serves
-every device.
+5.24 inside it: the same function). ``tk.gated_delta_rule`` runs its forward kernel on Hopper at
+K = V = 128 (bf16/fp16; slower than flash-linear-attention's) and its reference for the backward and
+everything else.
 
 Supported transformers: ``SUPPORTED_TRANSFORMERS`` (>=5.17.0,<6, the range of pyproject.toml's
 ``test`` extra; CI tests 5.17.0 and the newest release). The switches raise ImportError on another

@@ -228,8 +228,9 @@ def _masking_if_rewritable(arguments: dict, options: RewriteOptions) -> Optional
         return None
     if not (q.dtype == k.dtype == v.dtype and q.dtype in KERNEL_DTYPES):
         return None
-    # Both directions' kernels must take the head dim: the forward alone takes some (96, 192, 256) whose
-    # gradients would run the backward's reference in a training graph, and which SDPA was not measured against.
+    # Both directions' kernels must take the head dim: the forward alone takes 192 and 256, whose gradients
+    # would run the backward's reference in a training graph; 96's backward runs the D = 128 kernels on padded
+    # copies (not declared as a backward head dim); none of the three was measured against SDPA there.
     head_dim = q.shape[-1]
     if not (head_dim == k.shape[-1] == v.shape[-1]
             and all(options.kernel_takes(op, "head_dims", head_dim) for op in ("attention", "attention_bwd"))):

@@ -67,8 +67,12 @@ Varlen ops (packed sequences, FlashAttention's ``flash_attn_varlen_func`` layout
   On CUDA (csrc/torch/attention.cpp) one launch of the kernels' packed variant runs every sequence.
 
 The kernels serve bf16/fp16 with D = Dv in {64, 128}, forward and backward, with or without window,
-softcap and sinks, dense or packed; the forward also D = Dv in {96, 192, 256}, whose gradients run the
-backward's reference. Everything else runs the reference, which computes an exact softmax in fp32
+softcap and sinks, dense or packed; the forward also D = Dv in {96, 192, 256}. tk.attention's forward
+also runs Dv < D (MLA's (192, 128)) on v zero-padded to D, the output cropped, and its backward at D = 96
+the D = 128 kernels on zero-padded copies of q, k, v, out and grad_out; at 192 and 256, and with
+Dv != D, the backward runs the reference. tk.attention with one query row against 256 keys or more (no
+window, D = Dv a forward head dim) runs as tk.attention_with_kvcache's decode form
+(csrc/torch/attention.cpp). Everything else runs the reference, which computes an exact softmax in fp32
 (fp64 for fp64 inputs) over blocks of query rows, each against the keys its rows can see (a sliding
 window reads W + rows keys, not Nk), so that long sequences never hold more than
 ``_REFERENCE_BLOCK_BYTES`` of scores per block.

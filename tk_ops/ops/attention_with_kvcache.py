@@ -39,8 +39,9 @@ Op
 On a GPU, dense caches in bf16/fp16 (the attention forward kernel's head dims, D = Dv) run that kernel's
 packed variant (csrc/torch/attention.cpp): the B x Nq query rows as B
 sequences, each against the first cache_seqlens[b] + Nnew slots of its cache row, after a prepare kernel
-appends k and v (decoding, Nq = 1: each KV head's query heads as a task's rows, split-KV, and a kernel that
-combines the chunks by their lse); nothing is read on the host, so a decode step can be captured in a CUDA
+appends k and v (decoding, Nq <= 16 and no window: each KV head's Nq x G query rows as a task's rows,
+split-KV, with causal the last Nq - 1 keys a separate per-query-head tail call, and a kernel that combines
+the chunks and the tail by their lse); nothing is read on the host, so a decode step can be captured in a CUDA
 graph. Paged
 caches in blocks of a multiple of 128 positions run it too (a key block read from the page the table
 names); smaller blocks, and every other case, run the reference. It reads cache_seqlens and block_table on the host

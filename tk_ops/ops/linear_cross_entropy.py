@@ -52,7 +52,9 @@ Dtypes: x fp16, bf16, fp32 or fp64; weight and bias x's dtype; target int64. Ari
 reference, which raises otherwise). x and weight reach the ops with a unit last stride (other
 strides free); anything else is copied by the public function.
 
-CUDA kernels (csrc/torch/linear_cross_entropy.cpp; written, not yet run on a GPU) for bf16 and fp16 x
+CUDA kernels (csrc/torch/linear_cross_entropy.cpp; tested on the H200, where the forward measured
+1.04-1.05x torch.compile's unfused form and forward + backward 0.71-0.75x:
+benchmarks/results/linear_cross_entropy.md) for bf16 and fp16 x
 on an sm_90 GPU with H a multiple of 8 (rows 16-byte aligned, as the GEMM's TMA reads them), any N
 and V, every option: the project's GEMM writes a tile of logits in x's dtype (rows x all V in the
 forward, all N x a range of classes in the backward, about 2^27 elements), and one row kernel per tile
