@@ -132,7 +132,7 @@ std::tuple<at::Tensor, at::Tensor> gated_delta_rule_cuda(const at::Tensor& q, co
 
   at::Tensor o = at::empty(v.sizes(), v.options().memory_format(at::MemoryFormat::Contiguous));
   at::Tensor final_state = at::empty({p.sequences, value_heads, k.size(3), v.size(3)}, q.options().dtype(at::kFloat));
-  at::Tensor workspace = at::empty({gdn::workspace_bytes(p.chunks, value_heads, k.size(3), v.size(3))},
+  at::Tensor workspace = at::empty({gdn::workspace_bytes(p.chunks, k.size(2), value_heads, k.size(3), v.size(3))},
                                    q.options().dtype(at::kByte));
   p.o = o.data_ptr();
   p.final_state = final_state.data_ptr<float>();

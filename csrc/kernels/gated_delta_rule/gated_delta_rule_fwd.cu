@@ -5,7 +5,9 @@
 //   solve_kernel   one block per (chunk, value head), all at once: gamma = cumsum(g) within the chunk,
 //                  A = strictly-lower(beta_i exp(gamma_i - gamma_j) k_i . k_j), and by forward
 //                  substitution (I + A) X = [diag(beta exp(gamma)) K | diag(beta) V], X = [W | U0],
-//                  written to the workspace (W, U0 in q's dtype, gamma fp32).
+//                  written to the workspace (W, U0 in q's dtype, gamma fp32). The first value head of
+//                  each key head also writes the chunk's Q (normalised, times scale) and K (normalised)
+//                  there, so that the scan only copies its operands.
 //   scan_kernel    one block per (sequence, value head, SLICE columns of V), walking the chunks in
 //                  order with the block's S slice in fp32 registers (warp w owns K / 4 rows) and a
 //                  16-bit copy in shared memory as the B operand of the products by S:
@@ -13,17 +15,23 @@
 //                    O  = diag(exp(gamma)) Q S + (D o Q K^T) V'      D: the causal decays
 //                    S  = exp(gamma_last) S + (diag(exp(gamma_last - gamma)) K)^T V'
 //
-// q and k are normalised over K (use_qk_l2norm) and q scaled in fp32 as they are loaded, then rounded
-// to q's dtype, as every mma operand (W, U0, V', S's copy) is; products accumulate in fp32 (mma.sync
-// m16n8k16). Positions past a sequence's end load as zeros with g = beta = 0: they leave S unchanged
-// and their rows of O are not stored. The solve walks one column of X per thread in registers (the
-// columns are independent, so no barrier), 2016 fp32 FMAs a column; it runs once per chunk and head,
-// shared by the V slices.
+// q and k are normalised over K (use_qk_l2norm) and q scaled in fp32 as solve_kernel loads them, then
+// rounded to q's dtype, as every mma operand (W, U0, V', S's copy) is; products accumulate in fp32
+// (mma.sync m16n8k16). Positions past a sequence's end load as zeros with g = beta = 0 (so their Q, K,
+// W and U0 rows in the workspace are zeros and gamma stays flat): they leave S unchanged and their rows
+// of O are not stored. The solve walks one column of X per thread in registers (the columns are
+// independent, so no barrier), 2016 fp32 FMAs a column; it runs once per chunk and head, shared by the
+// V slices.
 //
 // Plan: 128 threads a block (4 warps: a chunk's 64 positions are 4 mma row blocks). solve_kernel
-// holds the chunk's keys, A in fp32 and the gates (33 KiB at K = 128); scan_kernel the chunk's Q, K,
-// W (16 KiB each at K = 128), U0 / V' and S's copy for its slice: with SLICE = 32 a Qwen3-Next layer
-// (32 value heads, K = V = 128) is 128 blocks per sequence, about one wave on 132 SMs at B = 1.
+// holds the chunk's keys, A in fp32 and the gates (34 KiB at K = 128). scan_kernel is one block per SM
+// (with SLICE = 32 a Qwen3-Next layer, 32 value heads and K = V = 128, is 128 blocks per sequence, about
+// one wave on 132 SMs at B = 1), so the latency of its loads is hidden by a pipeline, not by other
+// blocks: a ring of STAGES shared buffers, each one chunk's Q, K, W (16 KiB each at K = 128), U0 / V'
+// slice and gamma, filled by cp.async (16 bytes a thread, verbatim workspace tiles) STAGES - 1 chunks
+// ahead of the chunk being computed; plus S's copy. Each chunk step has two barriers: one after its
+// operands land (which also tells that every warp is done with the previous chunk, so its stage may be
+// refilled and S's copy was rewritten after its last read), one after V' is in shared memory.
 #include <cstdint>
 
 #include "gated_delta_rule.h"
@@ -40,7 +48,8 @@ constexpr int WARPS = CHUNK / BASE_TILE;  // one mma row block of a chunk per wa
 constexpr int THREADS = WARPS * WARP_THREADS;
 constexpr int SLICE = 32;                 // value columns per scan block
 constexpr int FEATURE_PIECE = 32;         // the K-extent of one step of a product over features
-constexpr int VECTOR_ELEMENTS = 8;        // 16-bit elements in one 16-byte load
+constexpr int VECTOR_BYTES = 16;          // one vector load, store or cp.async
+constexpr int VECTOR_ELEMENTS = VECTOR_BYTES / 2;  // 16-bit elements in one vector
 constexpr float L2NORM_EPS = 1e-6f;       // tk_ops' (fla's, Hugging Face's) l2norm epsilon
 constexpr int64_t MAX_ROWS = INT32_MAX;   // T and every position index fit an int
 
@@ -94,36 +103,55 @@ struct workspace_layout {
   float* gamma;  // (chunks, Hv, CHUNK)
   T* w;          // (chunks, Hv, CHUNK, D)
   T* u0;         // (chunks, Hv, CHUNK, D)
+  T* queries;    // (chunks, Hk, CHUNK, D): normalised, times scale
+  T* keys;       // (chunks, Hk, CHUNK, D): normalised
 
   __device__ explicit workspace_layout(const forward_problem& p) {
     const int64_t tiles = p.chunks * p.v.heads;
+    const int64_t key_tiles = p.chunks * p.q.heads;
     gamma = static_cast<float*>(p.workspace);
     w = reinterpret_cast<T*>(gamma + tiles * CHUNK);
     u0 = w + tiles * CHUNK * D;
+    queries = u0 + tiles * CHUNK * D;
+    keys = queries + key_tiles * CHUNK * D;
   }
+  // The index of a (chunk, value head) tile of gamma, W, U0 and of a (chunk, key head) tile of Q, K.
   __device__ static int64_t tile(const forward_problem& p, int64_t chunk, int head) {
     return chunk * p.v.heads + head;
+  }
+  __device__ static int64_t key_tile(const forward_problem& p, int64_t chunk, int key_head) {
+    return chunk * p.q.heads + key_head;
   }
 };
 
 // ------------------------------------------------------------------------------ loads
 
-// Rows [row0, row0 + valid) of one head of `view` into a CHUNK x D tile (zeros below), each row times
-// `multiplier` and, when normalising, divided by its norm (in fp32, rounded once). A row is D / 8
-// consecutive lanes of one warp, each one 16-byte load.
-template <typename T, int D>
-__device__ __forceinline__ void load_rows(shared_tile<T, CHUNK, D>& dst, const heads_view& view, int batch,
-                                          int64_t head, int64_t row0, int valid, bool normalise, float multiplier) {
+// Rows [row0, row0 + valid) of one head of `view` as a CHUNK x D tile (zeros below), each row times
+// `multiplier` and, when normalising, divided by its norm (in fp32, rounded once), handed 16 bytes at a
+// time to store(row, col, piece). A row is D / 8 consecutive lanes of one warp, each one 16-byte load.
+// Every load is issued before the first store: the compiler cannot tell a store from the rows' memory,
+// so interleaved, each load would wait for the store before it.
+template <typename T, int D, typename Store>
+__device__ __forceinline__ void load_rows(const heads_view& view, int batch, int64_t head, int64_t row0, int valid,
+                                          bool normalise, float multiplier, Store&& store) {
   constexpr int LANES_PER_ROW = D / VECTOR_ELEMENTS;
   constexpr int ROWS_PER_PASS = THREADS / LANES_PER_ROW;
+  constexpr int PASSES = CHUNK / ROWS_PER_PASS;
   static_assert(WARP_THREADS % LANES_PER_ROW == 0, "a row's lanes lie in one warp");
   const int part = threadIdx.x % LANES_PER_ROW;
+  const auto row_of_pass = [&](int pass) { return pass * ROWS_PER_PASS + int(threadIdx.x) / LANES_PER_ROW; };
+  uint4 raw[PASSES];
 #pragma unroll
-  for (int pass = 0; pass < CHUNK / ROWS_PER_PASS; ++pass) {
-    const int row = pass * ROWS_PER_PASS + threadIdx.x / LANES_PER_ROW;
-    uint4 raw = {0, 0, 0, 0};
-    if (row < valid) raw = *reinterpret_cast<const uint4*>(row_of<T>(view, batch, head, row0 + row) + part * VECTOR_ELEMENTS);
-    T* elements = reinterpret_cast<T*>(&raw);
+  for (int pass = 0; pass < PASSES; ++pass) {
+    const int row = row_of_pass(pass);
+    raw[pass] = {0, 0, 0, 0};
+    if (row < valid) {
+      raw[pass] = *reinterpret_cast<const uint4*>(row_of<T>(view, batch, head, row0 + row) + part * VECTOR_ELEMENTS);
+    }
+  }
+#pragma unroll
+  for (int pass = 0; pass < PASSES; ++pass) {
+    T* elements = reinterpret_cast<T*>(&raw[pass]);
     float values[VECTOR_ELEMENTS];
     float squares = 0.0f;
 #pragma unroll
@@ -138,19 +166,55 @@ __device__ __forceinline__ void load_rows(shared_tile<T, CHUNK, D>& dst, const h
     const float factor = normalise ? multiplier * rsqrtf(squares + L2NORM_EPS) : multiplier;
 #pragma unroll
     for (int e = 0; e < VECTOR_ELEMENTS; ++e) elements[e] = T(values[e] * factor);
-    *reinterpret_cast<uint4*>(&dst.at(row, part * VECTOR_ELEMENTS)) = raw;
+    store(row_of_pass(pass), part * VECTOR_ELEMENTS, raw[pass]);
   }
 }
 
-// A CHUNK x C tile from a row-major array (row stride in elements, a multiple of 8), 16 bytes a thread.
+// Asynchronous copies (cp.async): 16 bytes a thread from global to shared memory, through L2 only (.cg:
+// each tile is read once per block). A thread's copies complete in the groups it commits; wait<N>
+// returns when at most N of its groups are still in flight, and a barrier after it shows every
+// thread's landed copies to the block.
+namespace async_copy {
+
+__device__ __forceinline__ void vector(void* shared_dst, const void* global_src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], %2;\n" ::"r"(shared_address(shared_dst)), "l"(global_src),
+               "n"(VECTOR_BYTES)
+               : "memory");
+}
+
+__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+template <int PENDING>
+__device__ __forceinline__ void wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
+}
+
+// A CHUNK x C tile from a row-major array (row stride in elements, a multiple of 8), the block's
+// threads taking 16-byte pieces in turn.
 template <typename T, int C>
-__device__ __forceinline__ void copy_rows(shared_tile<T, CHUNK, C>& dst, const T* src, int row_stride) {
+__device__ __forceinline__ void rows(shared_tile<T, CHUNK, C>& dst, const T* src, int row_stride) {
   constexpr int VECTORS_PER_ROW = C / VECTOR_ELEMENTS;
-  for (int index = threadIdx.x; index < CHUNK * VECTORS_PER_ROW; index += THREADS) {
+  constexpr int PIECES_PER_THREAD = CHUNK * VECTORS_PER_ROW / THREADS;
+  static_assert(CHUNK * VECTORS_PER_ROW % THREADS == 0, "every thread copies as many pieces");
+#pragma unroll
+  for (int piece = 0; piece < PIECES_PER_THREAD; ++piece) {
+    const int index = piece * THREADS + int(threadIdx.x);
     const int row = index / VECTORS_PER_ROW, col = index % VECTORS_PER_ROW * VECTOR_ELEMENTS;
-    *reinterpret_cast<uint4*>(&dst.at(row, col)) = *reinterpret_cast<const uint4*>(src + int64_t(row) * row_stride + col);
+    vector(&dst.at(row, col), src + int64_t(row) * row_stride + col);
   }
 }
+
+// N contiguous floats (16-byte aligned at both ends), one piece each for the block's first threads.
+template <int N>
+__device__ __forceinline__ void floats(float (&dst)[N], const float* src) {
+  constexpr int FLOATS_PER_VECTOR = VECTOR_BYTES / int(sizeof(float));
+  static_assert(N % FLOATS_PER_VECTOR == 0 && N / FLOATS_PER_VECTOR <= THREADS, "one piece a thread at most");
+  if (threadIdx.x < N / FLOATS_PER_VECTOR) {
+    vector(dst + threadIdx.x * FLOATS_PER_VECTOR, src + threadIdx.x * FLOATS_PER_VECTOR);
+  }
+}
+
+}  // namespace async_copy
 
 // The dynamic shared memory of a block as `Shared`, aligned for its swizzled tiles.
 template <typename Shared>
@@ -182,8 +246,22 @@ struct solve_kernel {
     const sequence_span seq = span_of(p, sequence_of_chunk(p, chunk));
     const int64_t row0 = seq.start + (chunk - seq.first_chunk) * CHUNK;
     const int valid = min(CHUNK, int(seq.start + seq.length - row0));
+    const workspace_layout<T, D> out(p);
+    const int key_head = head / group;
+    // One value head of each key head writes the key head's Q and K tiles for the scan.
+    const bool writes_key_head = head % group == 0;
+    const int64_t key_tile_offset = workspace_layout<T, D>::key_tile(p, chunk, key_head) * CHUNK * D;
+    const auto piece_at = [](T* tile, int row, int col) { return reinterpret_cast<uint4*>(tile + row * D + col); };
 
-    load_rows(s.keys, p.k, seq.batch, head / group, row0, valid, p.l2norm, 1.0f);
+    if (writes_key_head) {  // Q before K: after the keys (their pieces live) it spills 16 bytes
+      load_rows<T, D>(p.q, seq.batch, key_head, row0, valid, p.l2norm, p.scale, [&](int row, int col, uint4 piece) {
+        *piece_at(out.queries + key_tile_offset, row, col) = piece;
+      });
+    }
+    load_rows<T, D>(p.k, seq.batch, key_head, row0, valid, p.l2norm, 1.0f, [&](int row, int col, uint4 piece) {
+      *reinterpret_cast<uint4*>(&s.keys.at(row, col)) = piece;
+      if (writes_key_head) *piece_at(out.keys + key_tile_offset, row, col) = piece;
+    });
     if (warp_id() == 0) {
       float g[2];
 #pragma unroll
@@ -223,7 +301,6 @@ struct solve_kernel {
     __syncthreads();
 
     // Forward substitution, one column of X = [W | U0] per thread: x_i = b_i - sum_{j<i} A_ij x_j.
-    const workspace_layout<T, D> out(p);
     const int64_t tile = workspace_layout<T, D>::tile(p, chunk, head);
     const T* values = row_of<T>(p.v, seq.batch, head, row0);
     for (int column = threadIdx.x; column < 2 * D; column += THREADS) {
@@ -268,19 +345,28 @@ template <typename T, int D>
 struct scan_kernel {
   static constexpr int STATE_ROWS = D / WARPS;  // the rows of S each warp keeps
   static constexpr int SLICES = D / SLICE;       // scan blocks per (sequence, head), adjacent in x
+  // Chunks whose operands are in shared memory at once: the one computed and STAGES - 1 in flight. Two
+  // stages already hold the block to one per SM (the scan's grid is about one wave anyway), so the third
+  // costs nothing and lets a chunk's loads take up to two chunk steps.
+  static constexpr int STAGES = 3;
   using chunk_tile = shared_tile<T, CHUNK, D>;
   using slice_tile = shared_tile<T, CHUNK, SLICE>;
   using state_copy_tile = shared_tile<T, D, SLICE>;
   using slice_rows = register_tile<float, BASE_TILE, SLICE>;  // a warp's 16 positions of a V slice
   using state_rows = register_tile<float, STATE_ROWS, SLICE>;
   static_assert(D % FEATURE_PIECE == 0 && STATE_ROWS % BASE_TILE == 0, "whole pieces and base tiles");
+  static_assert(STAGES >= 2, "a stage is refilled while another is computed");
+
+  struct chunk_operands {
+    chunk_tile queries, keys, w;
+    slice_tile values;               // U0, then V' = U0 - W S
+    alignas(VECTOR_BYTES) float gamma[CHUNK];
+  };
 
   struct shared {
-    chunk_tile queries, keys, w;
-    slice_tile values;           // U0, then V' = U0 - W S
-    state_copy_tile state_copy;  // S rounded to T: the B operand of W S and Q S
-    float gamma[CHUNK];
-    float to_end[CHUNK];         // exp(gamma_last - gamma_j)
+    chunk_operands stages[STAGES];   // chunk c in stages[c % STAGES]
+    state_copy_tile state_copy;      // S rounded to T: the B operand of W S and Q S
+    float to_end[CHUNK];             // exp(gamma_last - gamma_j)
   };
 
   // acc = rows [row0, row0 + 16) of `left` times S (its 16-bit copy).
@@ -301,12 +387,31 @@ struct scan_kernel {
     const int column0 = int(blockIdx.x) % SLICES * SLICE;
     const int head = blockIdx.y;
     const int n = int(blockIdx.x) / SLICES;
-    const int group = int(p.v.heads / p.q.heads);
+    const int key_head = head / int(p.v.heads / p.q.heads);
     const sequence_span seq = span_of(p, n);
     const workspace_layout<T, D> in(p);
     const int warp_row0 = BASE_TILE * warp_id();
     const int state_row0 = STATE_ROWS * warp_id();
     const int64_t state_offset = (int64_t(n) * p.v.heads + head) * D * D + int64_t(state_row0) * D + column0;
+    const int chunks = ceil_div(seq.length, CHUNK);
+
+    // Issues the copies of chunk c's operands into its stage (the workspace tiles hold zeros past the end).
+    const auto start_loading = [&](int c) {
+      chunk_operands& stage = s.stages[c % STAGES];
+      const int64_t tile = workspace_layout<T, D>::tile(p, seq.first_chunk + c, head) * CHUNK;
+      const int64_t key_tile = workspace_layout<T, D>::key_tile(p, seq.first_chunk + c, key_head) * CHUNK;
+      async_copy::rows(stage.queries, in.queries + key_tile * D, D);
+      async_copy::rows(stage.keys, in.keys + key_tile * D, D);
+      async_copy::rows(stage.w, in.w + tile * D, D);
+      async_copy::rows(stage.values, in.u0 + tile * D + column0, D);
+      async_copy::floats(stage.gamma, in.gamma + tile);
+    };
+    // One commit per chunk step, empty past the last chunk, so that "chunk c has landed" is always
+    // wait<STAGES - 2>: only the groups of chunks c + 1 .. c + STAGES - 2 may still be in flight.
+    for (int c = 0; c < STAGES - 1; ++c) {
+      if (c < chunks) start_loading(c);
+      async_copy::commit();
+    }
 
     state_rows state;
     if (p.initial_state != nullptr) {
@@ -314,47 +419,46 @@ struct scan_kernel {
     } else {
       warp::zero(state);
     }
-    const int chunks = ceil_div(seq.length, CHUNK);
     for (int c = 0; c < chunks; ++c) {
-      {  // S's copy for this chunk; the previous chunk's readers passed its last barrier
+      chunk_operands& operands = s.stages[c % STAGES];
+      {  // S's copy for this chunk; the previous chunk read it before its V' barrier, which all passed
         register_tile<T, STATE_ROWS, SLICE> copy;
         warp::copy(copy, state);
         warp::store(s.state_copy, copy, state_row0, 0);
       }
-      const int64_t row0 = seq.start + int64_t(c) * CHUNK;
-      const int valid = min(CHUNK, seq.length - c * CHUNK);
-      const int64_t tile = workspace_layout<T, D>::tile(p, seq.first_chunk + c, head);
-      load_rows(s.queries, p.q, seq.batch, head / group, row0, valid, p.l2norm, p.scale);
-      load_rows(s.keys, p.k, seq.batch, head / group, row0, valid, p.l2norm, 1.0f);
-      copy_rows(s.w, in.w + tile * CHUNK * D, D);
-      copy_rows(s.values, in.u0 + tile * CHUNK * D + column0, D);
-      if (warp_id() == 0) {
-        const float2 gamma = *reinterpret_cast<const float2*>(in.gamma + tile * CHUNK + 2 * lane_id());
-        const float gamma_last = __shfl_sync(ALL_LANES, gamma.y, WARP_THREADS - 1);
-        *reinterpret_cast<float2*>(&s.gamma[2 * lane_id()]) = gamma;
+      async_copy::wait<STAGES - 2>();
+      __syncthreads();  // chunk c's operands and S's copy are visible; every warp is done with chunk c - 1
+
+      // Chunk c - 1's stage is free: refill it STAGES - 1 chunks ahead.
+      if (c + STAGES - 1 < chunks) start_loading(c + STAGES - 1);
+      async_copy::commit();
+      if (warp_id() == 0) {  // read after the V' barrier; the previous chunk's readers passed the one above
+        const float2 gamma = *reinterpret_cast<const float2*>(&operands.gamma[2 * lane_id()]);
+        const float gamma_last = operands.gamma[CHUNK - 1];
         *reinterpret_cast<float2*>(&s.to_end[2 * lane_id()]) = {__expf(gamma_last - gamma.x), __expf(gamma_last - gamma.y)};
       }
-      __syncthreads();
+      const int64_t row0 = seq.start + int64_t(c) * CHUNK;
+      const int valid = min(CHUNK, seq.length - c * CHUNK);
 
       // V' = U0 - W S for the warp's positions, into the values tile (each warp its own rows).
       slice_rows updates;
-      times_state(updates, s.w, warp_row0, s.state_copy);
+      times_state(updates, operands.w, warp_row0, s.state_copy);
       {
         register_tile<T, BASE_TILE, SLICE> u0;
-        warp::load(u0, s.values, warp_row0, 0);
+        warp::load(u0, operands.values, warp_row0, 0);
         slice_rows u0_fp32;
         warp::copy(u0_fp32, u0);
         warp::sub(updates, u0_fp32, updates);
         register_tile<T, BASE_TILE, SLICE> rounded;
         warp::copy(rounded, updates);
-        warp::store(s.values, rounded, warp_row0, 0);
+        warp::store(operands.values, rounded, warp_row0, 0);
       }
 
       // O = diag(exp(gamma)) Q S + (D o Q K^T) V'.
       slice_rows out;
-      times_state(out, s.queries, warp_row0, s.state_copy);
+      times_state(out, operands.queries, warp_row0, s.state_copy);
       per_row_vector<slice_rows, float> decay;
-      warp::load(decay, s.gamma + warp_row0);
+      warp::load(decay, operands.gamma + warp_row0);
       warp::exp(decay, decay);
       warp::mul_row(out, out, decay);
       register_tile<float, BASE_TILE, CHUNK> scores;
@@ -363,30 +467,30 @@ struct scan_kernel {
       for (int f0 = 0; f0 < D; f0 += FEATURE_PIECE) {
         register_tile<T, BASE_TILE, FEATURE_PIECE> q;
         register_tile<T, CHUNK, FEATURE_PIECE> k;
-        warp::load(q, s.queries, warp_row0, f0);
-        warp::load(k, s.keys, 0, f0);
+        warp::load(q, operands.queries, warp_row0, f0);
+        warp::load(k, operands.keys, 0, f0);
         warp::mma_ABt(scores, q, k, scores);
       }
-      decay_causally(scores, warp_row0, s.gamma);
+      decay_causally(scores, warp_row0, operands.gamma);
       register_tile<T, BASE_TILE, CHUNK> probabilities;
       warp::copy(probabilities, scores);
-      __syncthreads();  // every warp's V' rows are in the values tile
+      __syncthreads();  // every warp's V' rows are in the values tile, and to_end is written
 
       register_tile<T, CHUNK, SLICE, register_layout::col> updates_all;
-      warp::load(updates_all, s.values, 0, 0);
+      warp::load(updates_all, operands.values, 0, 0);
       warp::mma_AB(out, probabilities, updates_all, out);
       const int64_t out_row = (seq.batch * p.q.rows + row0 + warp_row0) * p.v.heads + head;
       warp::store(static_cast<T*>(p.o) + out_row * D + column0, int(p.v.heads * D), out, valid - warp_row0);
 
       // S = exp(gamma_last) S + (diag(exp(gamma_last - gamma)) K)^T V', the warp's rows of S.
       register_tile<T, CHUNK, STATE_ROWS, register_layout::col> keys_to_end;
-      warp::load(keys_to_end, s.keys, 0, state_row0);
+      warp::load(keys_to_end, operands.keys, 0, state_row0);
       per_row_vector<decltype(keys_to_end), float> to_end;
       warp::load(to_end, s.to_end);
       warp::mul_row(keys_to_end, keys_to_end, to_end);
-      warp::mul(state, state, __expf(s.gamma[CHUNK - 1]));
+      warp::mul(state, state, __expf(operands.gamma[CHUNK - 1]));
       warp::mma_AtB(state, keys_to_end, updates_all, state);
-      __syncthreads();  // the tiles and S's copy are read; the next chunk overwrites them
+      // No barrier: the next chunk's first one orders this chunk's reads before any rewrite.
     }
     warp::store(p.final_state + state_offset, D, state);
   }
@@ -400,6 +504,7 @@ __global__ void __launch_bounds__(THREADS) kernel_entry(const __grid_constant__ 
 template <typename Kernel>
 cudaError_t launch_kernel(dim3 grid, const forward_problem& p, cudaStream_t stream) {
   constexpr int bytes = shared_bytes<typename Kernel::shared>;
+  static_assert(bytes <= pipeline::MAX_SHARED_BYTES_PER_BLOCK, "the block's shared memory exceeds an sm_90 block's");
   if (cudaError_t e = cudaFuncSetAttribute(kernel_entry<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
       e != cudaSuccess) {
     return e;
@@ -430,10 +535,12 @@ bool aligned_rows(const heads_view& view) {
 
 }  // namespace
 
-int64_t workspace_bytes(int64_t chunks, int64_t value_heads, int64_t key_dim, int64_t value_dim) {
-  const int64_t positions = chunks * value_heads * CHUNK;
+int64_t workspace_bytes(int64_t chunks, int64_t key_heads, int64_t value_heads, int64_t key_dim, int64_t value_dim) {
+  const int64_t positions = chunks * value_heads * CHUNK;  // of gamma, W and U0
+  const int64_t key_positions = chunks * key_heads * CHUNK;  // of Q and K
   constexpr int64_t element_bytes = 2;  // bf16 or fp16
-  return positions * int64_t(sizeof(float)) + positions * (key_dim + value_dim) * element_bytes;
+  return positions * (int64_t(sizeof(float)) + (key_dim + value_dim) * element_bytes) +
+         key_positions * 2 * key_dim * element_bytes;
 }
 
 std::string unsupported_reason(const forward_problem& p) {
