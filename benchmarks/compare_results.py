@@ -39,6 +39,9 @@ ROW_NAMES = {
     "fftconv": (("shape",), None),
     "mamba2": (("shape", "ours_chunk"), None),  # ours' time differs per chunk size
     "linear_attention": (("shape",), None),
+    "decode": (("shape",), None),
+    "gated_delta_rule": (("shape",), None),
+    "linear_cross_entropy": (("shape",), None),
 }
 PASS_IN_KEY = re.compile(r"(.+?)_(fwd_bwd|fwd|bwd)")
 
