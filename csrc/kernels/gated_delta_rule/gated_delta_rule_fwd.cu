@@ -53,7 +53,8 @@ constexpr int VECTOR_ELEMENTS = VECTOR_BYTES / 2;  // 16-bit elements in one vec
 constexpr float L2NORM_EPS = 1e-6f;       // tk_ops' (fla's, Hugging Face's) l2norm epsilon
 constexpr int64_t MAX_ROWS = INT32_MAX;   // T and every position index fit an int
 
-static_assert(CHUNK == 2 * WARP_THREADS, "warp 0 scans a chunk's gates two positions a lane");
+constexpr int GATES_PER_LANE = CHUNK / WARP_THREADS;  // one warp scans a chunk's gates
+static_assert(GATES_PER_LANE * WARP_THREADS == CHUNK, "a warp holds a chunk's gates, GATES_PER_LANE a lane");
 
 // ------------------------------------------------------------------------------ sequences
 
@@ -263,19 +264,19 @@ struct solve_kernel {
       if (writes_key_head) *piece_at(out.keys + key_tile_offset, row, col) = piece;
     });
     if (warp_id() == 0) {
-      float g[2];
+      float g[GATES_PER_LANE];
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int row = 2 * lane_id() + e;
+      for (int e = 0; e < GATES_PER_LANE; ++e) {
+        const int row = GATES_PER_LANE * lane_id() + e;
         g[e] = row < valid ? p.g[gate_index(p, seq.batch, row0 + row, head)] : 0.0f;
       }
       warp::inclusive_scan(g);
-      s.gamma[2 * lane_id()] = g[0];
-      s.gamma[2 * lane_id() + 1] = g[1];
+#pragma unroll
+      for (int e = 0; e < GATES_PER_LANE; ++e) s.gamma[GATES_PER_LANE * lane_id() + e] = g[e];
     } else if (warp_id() == 1) {
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int row = 2 * lane_id() + e;
+      for (int e = 0; e < GATES_PER_LANE; ++e) {
+        const int row = GATES_PER_LANE * lane_id() + e;
         s.beta[row] = row < valid ? p.beta[gate_index(p, seq.batch, row0 + row, head)] : 0.0f;
       }
     }
@@ -303,7 +304,8 @@ struct solve_kernel {
     // Forward substitution, one column of X = [W | U0] per thread: x_i = b_i - sum_{j<i} A_ij x_j.
     const int64_t tile = workspace_layout<T, D>::tile(p, chunk, head);
     const T* values = row_of<T>(p.v, seq.batch, head, row0);
-    for (int column = threadIdx.x; column < 2 * D; column += THREADS) {
+    constexpr int SOLVED_COLUMNS = 2 * D;  // W's D columns, then U0's
+    for (int column = threadIdx.x; column < SOLVED_COLUMNS; column += THREADS) {
       const bool key_column = column < D;
       const int col = key_column ? column : column - D;
       float x[CHUNK];
@@ -540,7 +542,7 @@ int64_t workspace_bytes(int64_t chunks, int64_t key_heads, int64_t value_heads, 
   const int64_t key_positions = chunks * key_heads * CHUNK;  // of Q and K
   constexpr int64_t element_bytes = 2;  // bf16 or fp16
   return positions * (int64_t(sizeof(float)) + (key_dim + value_dim) * element_bytes) +
-         key_positions * 2 * key_dim * element_bytes;
+         key_positions * 2 * key_dim * element_bytes;  // Q and K
 }
 
 std::string unsupported_reason(const forward_problem& p) {
