@@ -40,7 +40,7 @@
 // refilled and S's copy was rewritten after its last read), one after V' is in shared memory.
 #include <cstdint>
 
-#include "gated_delta_rule.h"
+#include "gated_delta_rule_common.cuh"
 #include "tk/tk.cuh"
 
 namespace tk::gdn {
@@ -54,26 +54,21 @@ constexpr int WARPS = CHUNK / BASE_TILE;  // one mma row block of a chunk per wa
 constexpr int THREADS = WARPS * WARP_THREADS;
 constexpr int SLICE = 32;                 // value columns per scan block
 constexpr int FEATURE_PIECE = 32;         // the K-extent of one step of a product over features
-constexpr int VECTOR_BYTES = 16;          // one vector load, store or cp.async
+constexpr int VECTOR_BYTES = ROW_VECTOR_BYTES;  // one vector load, store or cp.async
 constexpr int VECTOR_ELEMENTS = VECTOR_BYTES / 2;  // 16-bit elements in one vector
-constexpr float L2NORM_EPS = 1e-6f;       // tk_ops' (fla's, Hugging Face's) l2norm epsilon
 constexpr int64_t MAX_ROWS = INT32_MAX;   // T and every position index fit an int
 
 static_assert(CHUNK == 2 * WARP_THREADS, "warp 0 scans a chunk's gates two positions a lane");
 
 // ------------------------------------------------------------------------------ sequences
 
-struct sequence_span {
-  int batch;
-  int64_t start;        // first row in the (B, T) inputs
-  int length;
+struct sequence_span : sequence_rows {
   int64_t first_chunk;  // in the workspace
 };
 
 __device__ __forceinline__ sequence_span span_of(const forward_problem& p, int n) {
-  const int rows = int(p.q.rows);
-  if (p.cu_seqlens == nullptr) return {n, 0, rows, int64_t(n) * ceil_div(rows, CHUNK)};
-  return {0, p.cu_seqlens[n], p.cu_seqlens[n + 1] - p.cu_seqlens[n], p.first_chunks[n]};
+  const int64_t first_chunk = p.cu_seqlens == nullptr ? int64_t(n) * ceil_div(int(p.q.rows), CHUNK) : p.first_chunks[n];
+  return {rows_of_sequence(p, n), first_chunk};
 }
 
 // The sequence that holds workspace chunk `chunk`: the last n with first_chunks[n] <= chunk (empty
@@ -90,11 +85,6 @@ __device__ __forceinline__ int sequence_of_chunk(const forward_problem& p, int64
     }
   }
   return low;
-}
-
-template <typename T>
-__device__ __forceinline__ const T* row_of(const heads_view& view, int batch, int64_t head, int64_t row) {
-  return static_cast<const T*>(view.data) + batch * view.batch_stride + head * view.head_stride + row * view.row_stride;
 }
 
 // (t, head) of the (B, T, Hv) gates.
@@ -712,12 +702,6 @@ cudaError_t run(const forward_problem& p, cudaStream_t stream) {
   const int64_t blocks = int64_t(scan_kernel<T, D>::SLICES) * p.sequences;
   if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
   return launch_kernel<scan_kernel<T, D>>(dim3(unsigned(blocks), heads), p, stream);
-}
-
-bool aligned_rows(const heads_view& view) {
-  const auto multiple = [](int64_t stride) { return stride % VECTOR_ELEMENTS == 0; };
-  return reinterpret_cast<uintptr_t>(view.data) % sizeof(uint4) == 0 && multiple(view.batch_stride) &&
-         multiple(view.head_stride) && multiple(view.row_stride);
 }
 
 }  // namespace

@@ -30,7 +30,7 @@
 // tensor cores take over (RECURRENT_MAX_T).
 #include <cstdint>
 
-#include "gated_delta_rule.h"
+#include "gated_delta_rule_common.cuh"
 #include "tk/common.cuh"
 #include "tk/dispatch.h"
 
@@ -51,24 +51,7 @@ constexpr int SLICE = WARPS * WARP_COLUMNS;                   // value columns p
 // SM): 16 warps an SM keep 128 KiB of S loads in flight, several times an SM's share of the HBM
 // bandwidth-latency product (~4.8 TB/s x ~1 us / 132 SMs = ~36 KB).
 constexpr int MIN_BLOCKS_PER_SM = 4;
-constexpr int INPUT_VECTOR_BYTES = 16;                        // one load of q or k
-constexpr float L2NORM_EPS = 1e-6f;                           // tk_ops' (fla's, Hugging Face's) l2norm epsilon
 
-struct sequence_span {
-  int batch;
-  int64_t start;  // first row in the (B, T) inputs
-  int length;
-};
-
-__device__ __forceinline__ sequence_span span_of(const forward_problem& p, int n) {
-  if (p.cu_seqlens == nullptr) return {n, 0, int(p.q.rows)};
-  return {0, p.cu_seqlens[n], p.cu_seqlens[n + 1] - p.cu_seqlens[n]};
-}
-
-template <typename T>
-__device__ __forceinline__ const T* row_of(const heads_view& view, int batch, int64_t head, int64_t row) {
-  return static_cast<const T*>(view.data) + batch * view.batch_stride + head * view.head_stride + row * view.row_stride;
-}
 
 // The sum over the warp's row groups (the lanes of one column lane), in each of them.
 __device__ __forceinline__ float sum_over_row_groups(float x) {
@@ -82,7 +65,7 @@ __device__ __forceinline__ float sum_over_row_groups(float x) {
 // The thread's ROWS contiguous elements of a q or k row, in fp32.
 template <typename T, int ROWS>
 __device__ __forceinline__ void load_rows(const T* src, float (&x)[ROWS]) {
-  constexpr int PER_VECTOR = INPUT_VECTOR_BYTES / int(sizeof(T));
+  constexpr int PER_VECTOR = ROW_VECTOR_BYTES / int(sizeof(T));
   static_assert(ROWS % PER_VECTOR == 0, "a thread's rows are whole 16-byte vectors");
 #pragma unroll
   for (int piece = 0; piece < ROWS / PER_VECTOR; ++piece) {
@@ -131,7 +114,7 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS_PER_SM)
   const int row0 = lane_id() / COLUMN_LANES * ROWS;
   const int column0 = slice * SLICE + warp_id() * WARP_COLUMNS + lane_id() % COLUMN_LANES * STATE_VECTOR;
   const int key_head = head / (heads / int(p.q.heads));
-  const sequence_span seq = span_of(p, n);
+  const sequence_rows seq = rows_of_sequence(p, n);
   const int64_t state_offset = (int64_t(n) * heads + head) * D * D + int64_t(row0) * D + column0;
 
   float state[ROWS][STATE_VECTOR];
@@ -193,13 +176,6 @@ cudaError_t run(const forward_problem& p, cudaStream_t stream) {
   if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
   recurrent_kernel<T, D><<<unsigned(blocks), THREADS, 0, stream>>>(p);
   return cudaGetLastError();
-}
-
-bool aligned_rows(const heads_view& view) {
-  constexpr int64_t ELEMENTS_PER_VECTOR = INPUT_VECTOR_BYTES / 2;
-  const auto multiple = [](int64_t stride) { return stride % ELEMENTS_PER_VECTOR == 0; };
-  return reinterpret_cast<uintptr_t>(view.data) % INPUT_VECTOR_BYTES == 0 && multiple(view.batch_stride) &&
-         multiple(view.head_stride) && multiple(view.row_stride);
 }
 
 }  // namespace
