@@ -617,6 +617,20 @@ VARLEN_OPTIONS = (
 )
 
 
+def _varlen_graph() -> GraphSample:
+    """Forward and backward in one graph (inputs.attention.varlen_graph_step), replayed on new lengths of the
+    same count: the kernels read cu_seqlens on the device."""
+
+    def new_lengths(q, k, v, cu_seqlens_q, cu_seqlens_k, grad_out):
+        cu_q, cu_k = (torch.tensor(cu, dtype=torch.int32, device="cuda") for cu in ([0, 250, 300, 380],
+                                                                                    [0, 250, 280, 400]))
+        return (q, k, v, cu_q, cu_k, grad_out)
+
+    return GraphSample("forward-backward-new-lengths", ("attention_varlen", "attention_varlen_bwd"),
+                       attention_inputs.varlen_graph_inputs, attention_inputs.varlen_graph_step,
+                       new_values=new_lengths)
+
+
 def _varlen_forward(row, dtype=torch.float64, device="cpu", head_dim=16) -> Sample:
     name, causal, window_left, window_right, softcap, sinks = row
 
@@ -745,9 +759,8 @@ ATTENTION_VARLEN = OpInfo(
                      sinks=torch.randn(4, device="cuda")),
         "q", ("k", "cu_seqlens_q", "cu_seqlens_k", "sinks"),
     ),
-    graphs=(),
-    no_graph=_without_sample("reads cu_seqlens on the host (a device sync): not capturable", "attention_varlen",
-                             "attention_varlen_bwd"),
+    graphs=(_varlen_graph(),),
+    no_graph={},
     fallbacks=(),
     no_fallback=_without_sample("falls back per sequence through tk.attention / tk.attention_bwd (their samples)",
                                 "attention_varlen", "attention_varlen_bwd"),
@@ -2342,14 +2355,25 @@ def _gdn_kernel_step(q, k, v, g, beta, initial_state):
     return torch.ops.tk.gated_delta_rule(*_gdn_positional(q, k, v, g, beta, initial_state))
 
 
-def _gdn_fp32_fallback():
-    """fp32 inputs of the kernels' shape on the GPU: the reference, against itself in float64 on the CPU."""
+def _gdn_fallback(id, dtype, make_inputs) -> FallbackSample:
+    """CUDA inputs of the kernels' shape they leave to the reference, against itself in float64 on the CPU."""
     def expected(*inputs):
         return torch.ops.tk.gated_delta_rule(*_gdn_positional(*(t.detach().cpu().double() for t in inputs)))
 
-    return FallbackSample("fp32", ("gated_delta_rule",),
-                          lambda: _gdn_kernel_inputs(torch.float32, requires_grad=False),
-                          _gdn_kernel_step, expected, TOLERANCE[torch.float32])
+    return FallbackSample(id, ("gated_delta_rule",), make_inputs, _gdn_kernel_step, expected, TOLERANCE[dtype])
+
+
+def _gdn_misaligned_initial_state():
+    """bf16 kernel inputs with the initial state in a view 4 bytes past an 8-byte boundary (contiguous, so not
+    copied; the scan loads S in fp32 pairs)."""
+    *inputs, state = _gdn_kernel_inputs(torch.bfloat16, requires_grad=False)
+    return [*inputs, torch.empty(state.numel() + 1, device="cuda")[1:].view_as(state).copy_(state)]
+
+
+GDN_FALLBACKS = (
+    _gdn_fallback("fp32", torch.float32, lambda: _gdn_kernel_inputs(torch.float32, requires_grad=False)),
+    _gdn_fallback("bf16-misaligned-initial-state", torch.bfloat16, _gdn_misaligned_initial_state),
+)
 
 
 def _gdn_on_the_gpu():
@@ -2386,7 +2410,7 @@ GATED_DELTA_RULE = OpInfo(
     graphs=(GraphSample("kernels", ("gated_delta_rule",),
                         lambda: _gdn_kernel_inputs(torch.bfloat16, requires_grad=False), _gdn_kernel_step),),
     no_graph=_without_sample("no backward kernel yet: its reference serves every device", "gated_delta_rule_bwd"),
-    fallbacks=(_gdn_fp32_fallback(),),
+    fallbacks=GDN_FALLBACKS,
     no_fallback=_without_sample("no backward kernel yet: its reference serves every device", "gated_delta_rule_bwd"),
 )
 
