@@ -325,3 +325,21 @@ def test_kernel_decode_form_splits_and_combines(batch, capacity, with_sinks):
     case = make_case(lengths, 1, 1, capacity=capacity, q_heads=16, kv_heads=2, head_dim=128, dtype=torch.bfloat16,
                      device="cuda")
     check_kernel_call(case, with_sinks=with_sinks, softcap=5.0)
+
+
+@tk_testing.requires_kernel("attention_with_kvcache")
+@pytest.mark.parametrize("batch, capacity, q_len, kv_heads, block_size", [
+    (8, 20000, 1, 8, None), (8, 20000, 3, 8, 128), (300, 600, 1, 2, None), (520, 300, 1, 1, None)],
+    ids=["ragged", "ragged-paged-speculative", "two-row-tiles", "one-chunk-a-row"])
+def test_kernel_decode_form_cuts_chunks_by_length(batch, capacity, q_len, kv_heads, block_size):
+    """The decode form cuts the rows into chunks by their lengths on the device (about two tasks per SM over
+    all the keys, each row's chunks of one length, an empty row none, the combine finding a row's chunks from
+    the offsets the prepare wrote): ragged rows whose rounding makes the prepare search for a longer chunk,
+    rows over two of its 256-row passes, and more rows than it balances (one chunk a row), against float64;
+    empty, one-token and full rows."""
+    generator = torch.Generator().manual_seed(batch + capacity)
+    lengths = torch.randint(0, capacity, (batch,), generator=generator).tolist()
+    lengths[:3] = [0, 1, capacity - 1]
+    case = make_case(lengths, q_len, 1, capacity=capacity, block_size=block_size, q_heads=2 * kv_heads,
+                     kv_heads=kv_heads, head_dim=128, dtype=torch.bfloat16, device="cuda")
+    check_kernel_call(case, causal=True)
