@@ -25,7 +25,7 @@ ranges from a fraction of a millisecond to a fraction of a second). The header's
 what served our forward and backward (the CUDA kernels, or the PyTorch reference in a build
 without them).
 
-mamba_ssm (the carried .baselines, see gpu_session.sh) runs in the harness's Worker, a process of
+mamba_ssm (installed by benchmarks/wheels/baselines.sh) runs in the harness's Worker, a process of
 its own kept from row to row: a call that fails or kills it costs only its row, and without
 mamba_ssm the rows say why while ours is still measured. The worker keeps Triton's autotuning
 results on disk (TRITON_CACHE_AUTOTUNING=1): a new worker tunes again only the kernels whose

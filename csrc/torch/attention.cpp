@@ -444,6 +444,14 @@ struct kvcache_rows {
   bool decode = false, balanced = false;
 };
 
+// A packed call's metadata in an int32 buffer, as the prepare kernel writes it: cu_seqlens_q and cu_seqlens_k
+// (sequences + 1 each), then seqused_k (sequences).
+constexpr int64_t packed_metadata_ints(int64_t sequences) { return 3 * sequences + 2; }
+
+attn::packed_sequences packed_at(int* metadata, int64_t sequences, int64_t max_q, int64_t max_k) {
+  return {metadata, metadata + sequences + 1, sequences, max_q, max_k, metadata + 2 * (sequences + 1)};
+}
+
 // The decode form takes at most this many queries per sequence (speculative decoding's draft tokens); longer
 // query blocks (a chunked prefill) run per query head, where the work is the scores', not the reads'.
 constexpr int64_t DECODE_MAX_QUERIES = 16;
@@ -517,18 +525,17 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> attention_with_kvcache_kernels
     const int64_t kv_heads = k_cache.size(2), tail_rows = batch * rows.tail;
     q_rows = decode ? at::empty({rows.sequences * rows.max_q, kv_heads, q.size(3)}, q.options())
                     : q.reshape({batch * q_len, q.size(2), q.size(3)});
-    // cu_seqlens_q, cu_seqlens_k (sequences + 1 each), seqused_k (sequences); then the tail's (batch + 1,
-    // batch + 1, batch); then the decode form's chunk offsets (batch + 1)
-    const int64_t tail_metadata = rows.tail > 0 ? 3 * batch + 2 : 0, chunk_offsets = decode ? batch + 1 : 0;
-    metadata = at::empty({3 * rows.sequences + 2 + tail_metadata + chunk_offsets}, q.options().dtype(at::kInt));
+    // the call's packed metadata, then the tail's (one sequence per batch row), then the decode form's chunk
+    // offsets (batch + 1)
+    const int64_t call_ints = packed_metadata_ints(rows.sequences);
+    const int64_t tail_ints = rows.tail > 0 ? packed_metadata_ints(batch) : 0, chunk_offsets = decode ? batch + 1 : 0;
+    metadata = at::empty({call_ints + tail_ints + chunk_offsets}, q.options().dtype(at::kInt));
     const auto qv = packed_view_of(q_rows), kv = packed_view_of(*k_rows), vv = packed_view_of(*v_rows);
     if (qv && kv && vv) {
       attn::forward_problem p{element_of(q), causal && !decode, float(scale), *qv, *kv, *vv, nullptr, nullptr};
       // the decode form joins the sinks in its combine
       set_options(p, window_left, window_right, softcap, decode ? std::nullopt : sinks);
-      int* cu_q = metadata.data_ptr<int>();
-      p.packed = {cu_q, cu_q + rows.sequences + 1, rows.sequences, rows.max_q, capacity,
-                  cu_q + 2 * (rows.sequences + 1)};
+      p.packed = packed_at(metadata.data_ptr<int>(), rows.sequences, rows.max_q, capacity);
       if (paged) {
         p.packed.page_table = table.data_ptr<int>();
         p.packed.table_rows = batch;
@@ -547,8 +554,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> attention_with_kvcache_kernels
       if (tqv && tkv && tvv) {
         attn::forward_problem t{element_of(q), true, float(scale), *tqv, *tkv, *tvv, nullptr, nullptr};
         set_options(t, -1, -1, softcap, std::nullopt);
-        int* tail_cu_q = metadata.data_ptr<int>() + 3 * rows.sequences + 2;
-        t.packed = {tail_cu_q, tail_cu_q + batch + 1, batch, q_len, rows.tail, tail_cu_q + 2 * (batch + 1)};
+        t.packed = packed_at(metadata.data_ptr<int>() + call_ints, batch, q_len, rows.tail);
         if (attn::unsupported_reason(t).empty()) tail_plan = t;
       }
       // no tail, no decode form: the reference

@@ -199,12 +199,12 @@ table parse(const std::string& op, const std::string& text) {
 
 // ------------------------------------------------------------------------ the interpreter
 
-// The truth of an input in a condition: a tensor is there, a bool is true, a number is nonzero.
+// The truth of an input in a condition: a tensor is there, a bool is true, a float is nonzero (the tables'
+// conditions name tensors, bools and layer_norm's dropout_p).
 bool holds(const IValue& value) {
   if (value.isTensor()) return value.toTensor().defined();
   if (value.isBool()) return value.toBool();
   if (value.isDouble()) return value.toDouble() != 0;
-  if (value.isInt()) return value.toInt() != 0;
   return false;
 }
 

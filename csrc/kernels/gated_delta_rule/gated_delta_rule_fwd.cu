@@ -58,7 +58,8 @@ constexpr int VECTOR_BYTES = ROW_VECTOR_BYTES;  // one vector load, store or cp.
 constexpr int VECTOR_ELEMENTS = VECTOR_BYTES / 2;  // 16-bit elements in one vector
 constexpr int64_t MAX_ROWS = INT32_MAX;   // T and every position index fit an int
 
-static_assert(CHUNK == 2 * WARP_THREADS, "warp 0 scans a chunk's gates two positions a lane");
+constexpr int GATES_PER_LANE = CHUNK / WARP_THREADS;  // one warp scans a chunk's gates
+static_assert(GATES_PER_LANE * WARP_THREADS == CHUNK, "a warp holds a chunk's gates, GATES_PER_LANE a lane");
 
 // ------------------------------------------------------------------------------ sequences
 
@@ -402,18 +403,18 @@ struct solve_kernel {
       if (writes_key_head) *piece_at(out.keys + key_tile_offset, row, col) = piece;
     });
     if (warp_id() == 0) {
-      float g[2], beta[2];
+      float g[GATES_PER_LANE], beta[GATES_PER_LANE];
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int row = 2 * lane_id() + e;
+      for (int e = 0; e < GATES_PER_LANE; ++e) {
+        const int row = GATES_PER_LANE * lane_id() + e;
         const bool inside = row < valid;
         g[e] = inside ? p.g[gate_index(p, seq.batch, row0 + row, head)] : 0.0f;
         beta[e] = inside ? p.beta[gate_index(p, seq.batch, row0 + row, head)] : 0.0f;
       }
       warp::inclusive_scan(g);
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int row = 2 * lane_id() + e;
+      for (int e = 0; e < GATES_PER_LANE; ++e) {
+        const int row = GATES_PER_LANE * lane_id() + e;
         s.gamma[row] = g[e];
         s.beta[row] = beta[e];
         s.beta_decayed[row] = beta[e] * __expf(g[e]);
@@ -711,7 +712,7 @@ int64_t workspace_bytes(int64_t chunks, int64_t key_heads, int64_t value_heads, 
   const int64_t key_positions = chunks * key_heads * CHUNK;  // of Q and K
   constexpr int64_t element_bytes = 2;  // bf16 or fp16
   return positions * (int64_t(sizeof(float)) + (key_dim + value_dim) * element_bytes) +
-         key_positions * 2 * key_dim * element_bytes;
+         key_positions * 2 * key_dim * element_bytes;  // Q and K
 }
 
 std::string unsupported_reason(const forward_problem& p) {
