@@ -101,21 +101,22 @@ BENCH = common.Bench(
 )
 
 
-# (lengths of the packed sequences, or (B, T); Hk, Hv, dtype): T not a multiple of the chunk, grouped
-# value heads, packed sequences with an empty and a one-position one; every case with initial states.
-CHECK_CASES = [((2, 70), 2, 4, torch.bfloat16), ((0, 1, 59, 70), 2, 2, torch.bfloat16),
-               ((1, 257), 1, 2, torch.float16)]
+# (lengths of the packed sequences, or (B, T); Hk, Hv, dtype, K = V): T not a multiple of the chunk, grouped
+# value heads, packed sequences with an empty and a one-position one; every case with initial states. The
+# last three are the recurrent kernel's (no sequence longer than 16: a decode step, K = V = 64 too).
+CHECK_CASES = [((2, 70), 2, 4, torch.bfloat16, 128), ((0, 1, 59, 70), 2, 2, torch.bfloat16, 128),
+               ((1, 257), 1, 2, torch.float16, 128), ((5, 1), 2, 4, torch.bfloat16, 128),
+               ((3, 16), 1, 2, torch.float16, 64), ((0, 1, 5, 16), 2, 2, torch.bfloat16, 64)]
 
 
 def check() -> None:
     """The forward (o and the final states) against the op in float64 on the CPU (the correctness run
     compute-sanitizer watches); exits non-zero on a wrong result."""
     failures = []
-    for lengths, hk, hv, dtype in CHECK_CASES:
+    for lengths, hk, hv, dtype, d in CHECK_CASES:
         packed = len(lengths) > 2
         batch, total = (1, sum(lengths)) if packed else lengths
         sequences = len(lengths) if packed else batch
-        d = 128
         q, k = (torch.randn(batch, total, hk, d, device="cuda", dtype=dtype) for _ in range(2))
         v = torch.randn(batch, total, hv, d, device="cuda", dtype=dtype)
         g = -0.5 * torch.rand(batch, total, hv, device="cuda")
@@ -132,9 +133,10 @@ def check() -> None:
                                        **dict(options, initial_state=state.cpu().double()))
         err = max(common.relative_difference(a.cpu(), b) for a, b in zip(got, want))
         status = "ok" if err < 2e-2 else "WRONG"
-        print(f"gated_delta_rule {'packed ' if packed else ''}{lengths} Hk={hk} Hv={hv} {dtype}: rel err {err:.2e} {status}")
+        print(f"gated_delta_rule {'packed ' if packed else ''}{lengths} Hk={hk} Hv={hv} D={d} {dtype}: "
+              f"rel err {err:.2e} {status}")
         if status != "ok":
-            failures.append(f"{lengths} Hk={hk} Hv={hv} {dtype}: {err:.2e}")
+            failures.append(f"{lengths} Hk={hk} Hv={hv} D={d} {dtype}: {err:.2e}")
     common.finish_check(f"gated_delta_rule check on {tk_ops.backends()['gated_delta_rule']}", failures)
 
 

@@ -3,7 +3,8 @@ torch.compile) and Liger's fused linear cross-entropy, in the same run.
 
 Shapes (bf16 x (N, H) and weight (V, H), int64 targets with 1/16 of them ignore_index, mean reduction):
 N = 16384 tokens (a 1B step's batch), H = 2048 and 4096 against Llama 3's vocabulary V = 128256, and
-H = 4096 against V = 32000; passes fwd and fwd+bwd (the loss and the gradients of x and weight).
+H = 4096 against V = 32000; passes fwd (the loss alone, as evaluation computes it: x and weight require no
+grad) and fwd+bwd (the loss and the gradients of x and weight, as training does).
 TFLOP/s count the GEMMs: 2 N H V forward, 3x that forward + backward (the logits, then the gradients
 of x and weight), as Liger counts them. Each case's row also has the peak memory each implementation
 allocates beyond its inputs for one forward + backward (``peak_gib``: the unfused form holds N x V
@@ -16,8 +17,9 @@ Baselines:
             it imports: benchmarks/wheels/baselines.sh)
 Ours is whatever serves tk.linear_cross_entropy on the device (tk_ops.backends() says which; the
 results header records it): with the extension, the GEMM and row kernels of
-csrc/torch/linear_cross_entropy.cpp (whose backward recomputes the logits: 4x the forward's GEMM
-FLOPs, though the TFLOP/s here count 3x, as Liger's do).
+csrc/torch/linear_cross_entropy.cpp: fwd the forward alone (one GEMM); fwd+bwd, for this mean reduction,
+the forward that computes the gradients (tk::linear_cross_entropy_with_grads: three GEMMs, as Liger's)
+and a backward that scales them.
 
   python3 -m benchmarks.bench_linear_cross_entropy [--out DIR] [--pass fwd|fwd+bwd]
   python3 -m benchmarks.bench_linear_cross_entropy --dry-run [--out DIR]   # CPU, tiny shapes
@@ -61,11 +63,12 @@ CASES = [Case(16384, 2048, 128256), Case(16384, 4096, 128256), Case(16384, 4096,
 DRY_RUN_CASES = [Case(37, 24, 1000), Case(64, 16, 300)]
 
 
-def make_inputs(case: Case, device) -> tuple:
-    """x (N, H) and weight (V, H) requiring grad (weight ~ N(0, 1 / H): logits of unit size), targets (N,)
-    with every IGNORED_EVERY-th ignored, and the loss's gradient (a scalar)."""
-    x = torch.randn(case.tokens, case.hidden, device=device).to(DTYPE).requires_grad_()
-    weight = (torch.randn(case.vocab, case.hidden, device=device) / case.hidden**0.5).to(DTYPE).requires_grad_()
+def make_inputs(case: Case, device, requires_grad: bool = True) -> tuple:
+    """x (N, H) and weight (V, H) (weight ~ N(0, 1 / H): logits of unit size), requiring grad unless not
+    ``requires_grad``, targets (N,) with every IGNORED_EVERY-th ignored, and the loss's gradient (a scalar)."""
+    x = torch.randn(case.tokens, case.hidden, device=device).to(DTYPE).requires_grad_(requires_grad)
+    weight = (torch.randn(case.vocab, case.hidden, device=device) / case.hidden**0.5).to(DTYPE)
+    weight.requires_grad_(requires_grad)
     target = torch.randint(0, case.vocab, (case.tokens,), device=device)
     target[::IGNORED_EVERY] = IGNORE_INDEX
     return x, weight, target, torch.ones((), device=device)
@@ -117,7 +120,7 @@ BENCH = common.Bench(
     "linear_cross_entropy", "LM head + cross-entropy: tk_ops vs unfused PyTorch / Liger (bf16)",
     ours=common.stepped("tk_ops", ours, DIFFERENTIABLE),
     baselines=tuple(common.stepped(name, PROVIDERS[name], DIFFERENTIABLE) for name in ("eager", "compiled", "liger")),
-    inputs=lambda case, pass_, device: make_inputs(case, device), passes=PASSES,
+    inputs=lambda case, pass_, device: make_inputs(case, device, requires_grad=pass_ != "fwd"), passes=PASSES,
     set_bytes=lambda case, pass_, inputs: common.tensor_bytes(inputs), max_sets=2,
     timer=functools.partial(common.time_ms, warmup=2, rounds=5, batch=2),
     tolerance=2e-2,
@@ -126,9 +129,12 @@ BENCH = common.Bench(
 )
 
 
-# (N, H, V, options): odd sizes, a V past one tile of classes in the backward, every option
+# (N, H, V, options): odd sizes, a V past one tile of classes in the backward, every option; "mean" and "sum"
+# compute the gradients in the forward, the last over three tiles of rows (128 rows of 2^20 + 8 classes a
+# tile), so that grad_W's fp32 sum is added to by the accumulating GEMM
 CHECK_CASES = [(37, 24, 1001, {}), (130, 64, 50257, dict(label_smoothing=0.1, softcap=30.0)),
-               (300, 128, 3001, dict(reduction="sum", bias=True)), (5, 16, 77, dict(reduction="none"))]
+               (300, 128, 3001, dict(reduction="sum", bias=True)), (5, 16, 77, dict(reduction="none")),
+               (300, 16, (1 << 20) + 5, dict(bias=True))]
 
 
 def check() -> None:

@@ -5,6 +5,7 @@ attention, Based, Mamba-2 and Hyena on tk_ops, and each on its peers' layers.
                                             [--variants llama-tk,...] [--steps 3] [--warmup 2] [--compile]
                                             [--mixer-share] [--out DIR]
     python -m benchmarks.bench_long_context --dry-run [--variants ...] [--out DIR]   # CPU, nano preset, tiny sizes
+    python -m benchmarks.bench_long_context --plot-from benchmarks/results/long_context.json
 
 Variants (model-path): llama-tk, based-tk, mamba2-tk and hyena-tk on tk_ops; llama-reference and
 hyena-reference, the reference paths that are these models' peers (SDPA, torch.fft); based-peer
@@ -28,29 +29,29 @@ peak memory, the tk ops that ran their PyTorch reference at that N (``fallbacks`
 takes, e.g. tk.fftconv above N = 16384), and with --mixer-share the mixers' share of the step
 (a second round of eager steps with the mixer timer). A step that runs out of memory leaves a row
 with error "out of memory" and the variant goes on with the next N; any other failure leaves its
-error (a peer that does not import: every row of its variant says so). Writes DIR/long_context.json
-(default benchmarks/results, rows of the variants and lengths not run kept) after each variant and
-DIR/long_context.png: tokens/s against N (log2 axis), a model per colour, tk_ops solid, the peers dashed.
+error (a peer that does not import: every row of its variant says so). On benchmarks/common.py's
+harness for runs of whole models: after each variant it writes long_context.json into
+benchmarks/results and --out (a dry run into --out only), the rows of the variants and lengths not
+run kept from the file there, each row with the date, GPU and commit of its run, and
+long_context.png: tokens/s against N (log2 axis), a model per colour, tk_ops solid, the peers dashed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
-import subprocess
 import sys
 import tempfile
 from typing import Optional
 
 import torch
 
-from benchmarks.common import RESULTS, environment
-from benchmarks.mixer_share import measure_row, merge_rows
+from benchmarks import common
+from benchmarks.mixer_share import measure_row
 from models.peers import PEER_OPS, versions
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+NAME = "long_context"
 MODEL_COLORS = {"llama": "tab:gray", "based": "tab:orange", "mamba2": "tab:green", "hyena": "tab:purple"}
 DEFAULT_VARIANTS = (
     "llama-tk", "llama-reference", "based-tk", "based-peer", "mamba2-tk", "mamba2-peer", "hyena-tk", "hyena-reference",
@@ -59,7 +60,7 @@ VARIANTS = DEFAULT_VARIANTS + ("based-reference", "mamba2-reference")
 # the reference paths that are their model's peers: drawn as the peers are
 PEER_REFERENCES = ("llama-reference", "hyena-reference")
 SEQ_LENS = tuple(2**k for k in range(11, 17))  # 2k .. 64k
-TOKENS_PER_STEP = 65536
+DEFAULTS = dict(preset="small", tokens=65536, seq_lens=SEQ_LENS, warmup=2, steps=3)
 DRY_RUN = dict(preset="nano", tokens=128, seq_lens=(32, 64), warmup=1, steps=1)
 ROW_KEY = ("variant", "preset", "seq_len", "tokens_per_step", "compile")
 
@@ -77,16 +78,20 @@ def peer_of(variant: str) -> Optional[str]:
     return "SDPA" if variant == "llama-reference" else PEER_OPS[model] if variant in PEER_REFERENCES else None
 
 
+def row_key(variant: str, seq_len: int, args) -> dict:
+    """What a row of the variant at seq_len is, before (or without) its measurement."""
+    model, impl = split_variant(variant)
+    return {
+        "variant": variant, "model": model, "impl": impl, "peer": peer_of(variant), "preset": args.preset,
+        "seq_len": seq_len, "batch_size": args.tokens // seq_len, "tokens_per_step": args.tokens, "compile": args.compile,
+    }  # fmt: skip
+
+
 def run_worker(variant: str, args) -> None:
     """Every sequence length of one variant, in this process; one JSON line per row into args.rows_file."""
-    model, impl = split_variant(variant)
     device = torch.device("cpu" if args.dry_run else "cuda")
     for seq_len in args.seq_lens:
-        key = {
-            "variant": variant, "model": model, "impl": impl, "peer": peer_of(variant), "preset": args.preset,
-            "seq_len": seq_len, "batch_size": args.tokens // seq_len, "tokens_per_step": args.tokens,
-            "compile": args.compile,
-        }  # fmt: skip
+        key = row_key(variant, seq_len, args)
         row = measure_row(
             key, device, warmup=args.warmup, steps=args.steps, compile=args.compile, mixer_share=args.mixer_share
         )
@@ -98,7 +103,7 @@ def run_worker(variant: str, args) -> None:
 
 def run_variant(variant: str, args) -> list[dict]:
     """A worker process for the variant; its rows, and for the lengths it did not reach (it died) rows
-    with the worker's exit status and last line on stderr."""
+    with the worker's exit status and the line of its stderr that names what failed."""
     with tempfile.TemporaryDirectory() as scratch:
         rows_file = pathlib.Path(scratch) / "rows.jsonl"
         command = [
@@ -109,30 +114,25 @@ def run_variant(variant: str, args) -> list[dict]:
             *(["--dry-run"] if args.dry_run else []),
         ]  # fmt: skip
         print(f"[{variant}] {' '.join(command[1:])}", flush=True)
-        env = {**os.environ, "TRITON_CACHE_AUTOTUNING": "1"}  # mamba_ssm's autotuning, kept for the next process
-        result = subprocess.run(command, cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True)
-        sys.stderr.write(result.stderr)
+        status, failure = common.run_process(command)
         rows = [json.loads(line) for line in rows_file.read_text().splitlines()] if rows_file.exists() else []
-    if result.returncode != 0:
-        lines = [line for line in result.stderr.splitlines() if line.strip()]
-        error = f"worker exit status {result.returncode}: {lines[-1] if lines else ''}"
-        model, impl = split_variant(variant)
+    if status != 0:
         done = {row["seq_len"] for row in rows}
-        rows += [
-            {"variant": variant, "model": model, "impl": impl, "peer": peer_of(variant), "preset": args.preset,
-             "seq_len": n, "batch_size": args.tokens // n, "tokens_per_step": args.tokens, "compile": args.compile,
-             "error": error}
-            for n in args.seq_lens if n not in done
-        ]  # fmt: skip
+        error = f"worker exit status {status}: {failure}"
+        rows += [{**row_key(variant, n, args), "error": error} for n in args.seq_lens if n not in done]
     return rows
 
 
-def plot(rows: list[dict], path: pathlib.Path, title: str) -> None:
+def plot(document: dict, path: pathlib.Path) -> None:
+    """The rows of the document's preset, tokens per step and mode (other runs' rows merged into the file
+    aside): tokens/s against N, and with --mixer-share the mixers' share of the step."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    run = (document["preset"], document["tokens_per_step"], document.get("compile", False))
+    rows = [row for row in document["rows"] if (row["preset"], row["tokens_per_step"], row["compile"]) == run]
     shares = [row for row in rows if "mixer_share" in row]
     fig, axes = plt.subplots(1, 2 if shares else 1, figsize=(14 if shares else 8, 5), squeeze=False)
     speed_axis = axes[0][0]
@@ -167,46 +167,34 @@ def plot(rows: list[dict], path: pathlib.Path, title: str) -> None:
     if shares:
         axes[0][1].set_ylabel("mixers' share of the step (%)")
         axes[0][1].set_title("sequence mixers (with their projections)")
-    fig.suptitle(title)
+    preset, tokens, compiled = run
+    per_step = f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
+    fig.suptitle(f"{preset} presets, {per_step} tokens per step, {'compiled' if compiled else 'eager'}, "
+                 f"{document.get('gpu') or 'CPU (dry run)'}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
 def parse_args(argv: Optional[list[str]] = None):
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = common.arguments(__doc__, check=False, dry_run="CPU, nano preset, N = 32 and 64, 128 tokens per step, timed on the CPU")
     parser.add_argument(
         "--variants", action="append",
         help=f"comma-separated subset of {', '.join(VARIANTS)}, repeatable (default: the first eight)",
     )  # fmt: skip
     parser.add_argument("--preset", help="the models.train preset of every model (default small; --dry-run: nano)")
-    parser.add_argument("--tokens", type=int, help=f"tokens per step (default {TOKENS_PER_STEP})")
+    parser.add_argument("--tokens", type=int, help=f"tokens per step (default {DEFAULTS['tokens']})")
     parser.add_argument("--seq-lens", help="comma-separated sequence lengths (default 2048, 4096, ..., 65536)")
     parser.add_argument("--steps", type=int, help="timed steps per length (default 3)")
     parser.add_argument("--warmup", type=int, help="steps before the timed ones (default 2)")
     parser.add_argument("--compile", action="store_true", help="torch.compile each block (not with --mixer-share)")
     parser.add_argument("--mixer-share", action="store_true", help="also time the mixers (eager)")
-    parser.add_argument("--dry-run", action="store_true", help="CPU, nano preset, N = 32 and 64, 128 tokens per step")
-    parser.add_argument(
-        "--out", type=pathlib.Path, help="directory for long_context.json / .png (default benchmarks/results; "
-        "a dry run writes only where --out says)",
-    )
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--rows-file", type=pathlib.Path, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    defaults = {**dict(preset="small", tokens=TOKENS_PER_STEP, seq_lens=SEQ_LENS, warmup=2, steps=3),
-                **(DRY_RUN if args.dry_run else {})}  # fmt: skip
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    args = common.with_defaults(parser.parse_args(argv), DEFAULTS, DRY_RUN)
     if isinstance(args.seq_lens, str):
         args.seq_lens = tuple(int(n) for n in args.seq_lens.split(",") if n)
-    args.variants = tuple(v for v in ",".join(args.variants or DEFAULT_VARIANTS).split(",") if v)
-    if set(args.variants) - set(VARIANTS):
-        unknown = sorted(set(args.variants) - set(VARIANTS))
-        parser.error(f"unknown variants {unknown}: choose from {', '.join(VARIANTS)}")
+    args.variants = common.names_of(parser, args.variants, VARIANTS, DEFAULT_VARIANTS, "variants")
     if any(args.tokens % n for n in args.seq_lens):
         parser.error(f"every sequence length must divide --tokens ({args.tokens}), got {args.seq_lens}")
     if args.compile and args.mixer_share:
@@ -216,26 +204,18 @@ def parse_args(argv: Optional[list[str]] = None):
 
 def main(argv: Optional[list[str]] = None) -> list[dict]:
     args = parse_args(argv)
+    if args.plot_from:
+        common.replot(args.plot_from, plot)
+        return []
     if args.worker:
         run_worker(args.worker, args)
         return []
-    out = args.out or (None if args.dry_run else RESULTS)
-    header = {**environment(), "peers": versions(), "tokens_per_step": args.tokens, "preset": args.preset}
+    out_dirs = common.results_dirs(args.out, args.dry_run)
+    header = dict(peers=versions(), tokens_per_step=args.tokens, preset=args.preset, compile=args.compile)
     rows: list[dict] = []
     for variant in args.variants:
         rows += run_variant(variant, args)
-        if out:
-            out.mkdir(parents=True, exist_ok=True)
-            all_rows = merge_rows(out / "long_context.json", rows, ROW_KEY)
-            (out / "long_context.json").write_text(json.dumps({**header, "rows": all_rows}, indent=1) + "\n")
-    if out:
-        run = (args.preset, args.tokens, args.compile)
-        shown = [row for row in all_rows if (row["preset"], row["tokens_per_step"], row["compile"]) == run]
-        tokens = f"{args.tokens // 1024}k" if args.tokens % 1024 == 0 else str(args.tokens)
-        mode = "compiled" if args.compile else "eager"
-        title = f"{args.preset} presets, {tokens} tokens per step, {mode}, {header['gpu'] or 'CPU (dry run)'}"
-        plot(shown, out / "long_context.png", title)
-        print(f"wrote {out / 'long_context.json'} and {out / 'long_context.png'}")
+        common.write_and_plot(NAME, common.merged_rows(NAME, rows, out_dirs, ROW_KEY), out_dirs, plot, **header)
     return rows
 
 

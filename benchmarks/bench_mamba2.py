@@ -306,8 +306,7 @@ def main(argv=None) -> None:
     torch.manual_seed(0)
     if args.worker:
         return common.serve(BENCH, Shape, args.dry_run, mamba_ssm_versions)
-    env = {"TRITON_CACHE_AUTOTUNING": "1"}
-    with contextlib.closing(common.Worker("benchmarks.bench_mamba2", args.dry_run, env)) as worker:
+    with contextlib.closing(common.Worker("benchmarks.bench_mamba2", args.dry_run, common.TRITON_AUTOTUNING_CACHE)) as worker:
         bench = dataclasses.replace(BENCH, baselines=tuple(map(worker.provider, BENCH.baselines)),
                                     sweep=("chunk", tuple(args.chunks)))
 

@@ -3,6 +3,8 @@
     python -m benchmarks.bench_training [--steps 100] [--variants tk-compile,reference-compile] [--out DIR]
     python -m benchmarks.bench_training --models based,mamba2,hyena [--preset 1b] [--steps 60]
     python -m benchmarks.bench_training --multi-gpu [--steps 30] [--out DIR]     # on a machine of 2 GPUs
+    python -m benchmarks.bench_training --dry-run --data DIR [--models ...] [--out DIR]  # CPU, nano presets, 2 steps
+    python -m benchmarks.bench_training --plot-from benchmarks/results/training.json
 
 Each variant is one ``python -m models.train --model M --preset P`` run in its own process (fresh
 memory and compile caches) for the same number of steps from the same initial weights on the
@@ -16,39 +18,37 @@ Hyena's peer layers are their reference path (SDPA, torch.fft). ``--models`` (de
 From each run's summary.json it keeps tokens/s and MFU (averaged over the steps after the first
 three, which include compilation and autotuning), peak memory and the loss curves; a run that fails
 (out of memory, a peer that does not import) leaves a row with its error (the last exception line it
-wrote to stderr, or its last line). It writes DIR/training.json, one row per (model, preset, variant) with the run's date, GPU
-and commit, merged with the rows already there (those of a model and preset run again are kept only
-at the same --steps), and per model and preset: ``speedup``, tk-compile over reference-compile
+wrote to stderr, or its last line). On benchmarks/common.py's harness for runs of whole models:
+after each run it writes training.json into benchmarks/results and --out (a dry run into --out
+only), one row per (model, preset, variant) with the date, GPU and commit of its run, merged with the
+rows of the file there (those of a model and preset run again are kept only at the same --steps),
+and per model and preset: ``speedup``, tk-compile over reference-compile
 tokens/s; ``speedup_eager``; ``speedup_vs_peer`` and ``speedup_vs_peer_eager`` against the peer
 variants where they exist; ``loss_gap``, the largest difference between the variants' train losses,
 each averaged over the last quarter of the steps (curves that agree within noise give a gap of a
-few 0.01 nats). DIR/training.png has, per model and preset, the loss curves and the tokens/s.
+few 0.01 nats). training.png has, per model and preset, the loss curves and the tokens/s.
 
 ``--multi-gpu`` runs the data-parallel variants instead and writes multi_gpu.json / .png: one GPU
 with ``--grad-accum 2`` against two GPUs under torchrun (NCCL) with DDP and with FSDP2, which see
 the same batches, so their per-step losses should agree to rounding (``max_step_gap``).
 
 Needs the prepared data (``python -m models.data prepare``, carried as ``.data/``), a GPU, and for
-the peer variants the carried peer packages (``.baselines``, see gpu_session.sh). On a CPU the same
-runs go through (fp32, no MFU), which the tests use with the nano presets.
+the peer variants the carried peer packages (``.baselines``, see gpu_session.sh). ``--dry-run`` runs
+them on the CPU (fp32, no MFU; the nano presets for 2 steps unless --preset and --steps say
+otherwise, every step timed).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import pathlib
-import re
-import subprocess
 import sys
 import time
 from typing import Optional
 
-from benchmarks.common import RESULTS, environment
+from benchmarks import common
 from models.peers import PEER_IS_REFERENCE, PEER_OPS, versions
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 MODELS = ("llama", "based", "mamba2", "hyena")
 VARIANTS = {
     "tk-eager": [],
@@ -65,6 +65,12 @@ MULTI_GPU_VARIANTS = {
     "tk-fsdp-2gpu": ["--parallel", "fsdp"],
 }
 DATA_PARALLEL_PROCESSES = 2
+ROW_KEY = ("model", "preset", "variant")
+DEFAULTS = dict(preset="1b", steps=100)
+DRY_RUN = dict(preset="nano", steps=2)
+# models.train on the CPU, with every step in the tokens/s average (a dry run has too few to leave some out)
+DRY_RUN_TRAIN_ARGS = ["--device", "cpu", "--timing-warmup", "0"]
+TITLE = "training throughput: each model's variants on the same weights and batches"
 PATH_COLORS = {"tk_ops": "tab:orange", "reference": "tab:gray", "peer": "tab:blue"}
 
 
@@ -88,44 +94,29 @@ def launcher(train_args: list[str]) -> list[str]:
     return [sys.executable]
 
 
-# A traceback's closing line: "module.Name: message" for an exception class named ...Error, ...Exception
-# or ...Unavailable (compiler errors end with source lines and a caret after it).
-EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Unavailable)\b")
-
-
-def failure_line(stderr: str) -> str:
-    """The line of a failed run's stderr that names what failed."""
-    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
-    exceptions = [line for line in lines if EXCEPTION_LINE.match(line)]
-    return (exceptions or lines or [""])[-1]
-
-
-def run_variant(model: str, name: str, args, run: dict) -> dict:
+def run_variant(model: str, name: str, args) -> dict:
     """One models.train run; its row (with ``error`` and no timings when it failed)."""
-    out = REPO_ROOT / "runs" / f"bench-training-{model}-{args.preset}-{name}"
+    out = common.ROOT / "runs" / f"bench-training-{model}-{args.preset}-{name}"
     variant_args = {**VARIANTS, **MULTI_GPU_VARIANTS}[name]
     command = [
         *launcher(variant_args), "-m", "models.train", "--model", model, "--preset", args.preset,
         "--steps", str(args.steps), "--warmup", str(max(1, args.steps // 10)), "--eval-every", str(args.steps),
         "--data", str(args.data), "--out", str(out), "--no-save", "--no-progress", "--sample-tokens", "0",
-        *variant_args, *args.train_args,
+        *variant_args, *(DRY_RUN_TRAIN_ARGS if args.dry_run else []), *args.train_args,
     ]  # fmt: skip
     print(f"[{model} {name}] {' '.join(command)}", flush=True)
     (out / "summary.json").unlink(missing_ok=True)
     started = time.perf_counter()
-    # mamba_ssm's Triton autotuning, kept on disk for the next process (as bench_mamba2 does)
-    env = {**os.environ, "TRITON_CACHE_AUTOTUNING": "1"}
-    result = subprocess.run(command, cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True)
-    sys.stderr.write(result.stderr)
+    status, failure = common.run_process(command)
     row = {
         "model": model, "preset": args.preset, "variant": name,
         "path": "peer" if "--peer" in variant_args else "reference" if "--reference" in variant_args else "tk_ops",
         "compile": "--compile" in variant_args, "tokens_per_s": None, "mfu": None, "max_memory_gib": None,
         "wall_s": round(time.perf_counter() - started, 1), "parameters": None, "tokens_per_step": None,
-        "train_loss": [], "eval_loss": [], "command": " ".join(command[1:]), "steps": args.steps, **run,
+        "train_loss": [], "eval_loss": [], "command": " ".join(command[1:]), "steps": args.steps,
     }  # fmt: skip
-    if result.returncode != 0:
-        return {**row, "error": failure_line(result.stderr) or f"exit status {result.returncode}"}
+    if status != 0:
+        return {**row, "error": failure or f"exit status {status}"}
     summary = json.loads((out / "summary.json").read_text())
     return {
         **row,
@@ -189,43 +180,25 @@ def group_summary(key: tuple[str, str], rows: list[dict]) -> dict:
     }  # fmt: skip
 
 
-def previous_rows(path: pathlib.Path) -> list[dict]:
-    """The rows of an earlier results file; rows written before the file held several models get the
-    model, preset, date, GPU and commit of that file's header."""
-    if not path.exists():
-        return []
-    document = json.loads(path.read_text())
-    model, _, preset = (document.get("model") or "llama 1b").partition(" ")
-    run = {"date": document.get("date"), "gpu": document.get("gpu"), "commit": document.get("commit")}
-    return [{"model": model, "preset": preset, **run, **row} for row in document.get("rows", [])]
-
-
-def merged(previous: list[dict], new_rows: list[dict], order: list[str]) -> list[dict]:
-    """The new rows, and the previous ones they do not replace: every row of another model or preset,
-    and those of the models and presets run now that have the same steps and another variant."""
-    replaced = {(*group_key(row), row["variant"]) for row in new_rows}
-    steps = {group_key(row): row["steps"] for row in new_rows}
-    kept = [
-        row for row in previous
-        if (*group_key(row), row["variant"]) not in replaced and steps.get(group_key(row), row["steps"]) == row["steps"]
-    ]  # fmt: skip
+def in_order(rows: list[dict], variants: list[str]) -> list[dict]:
+    """The rows by model (MODELS' order), preset and variant (the order of variants)."""
     def position(row: dict) -> tuple:
         model, variant = row["model"], row["variant"]
         return (
             MODELS.index(model) if model in MODELS else len(MODELS), model, row["preset"],
-            order.index(variant) if variant in order else len(order), variant,
+            variants.index(variant) if variant in variants else len(variants), variant,
         )  # fmt: skip
 
-    return sorted(kept + new_rows, key=position)
+    return sorted(rows, key=position)
 
 
-def plot(rows: list[dict], path: pathlib.Path, title: str) -> None:
+def plot(document: dict, path: pathlib.Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    found = groups(rows)
+    found = groups(document["rows"])
     fig, axes = plt.subplots(
         len(found), 2, figsize=(12, 4.5 * len(found)), gridspec_kw={"width_ratios": [3, 2]}, squeeze=False
     )
@@ -261,19 +234,19 @@ def plot(rows: list[dict], path: pathlib.Path, title: str) -> None:
         bars.set_ylabel("thousand tokens / s")
         bars.set_title("throughput")
         bars.tick_params(axis="x", labelrotation=20)
-    fig.suptitle(title)
+    fig.suptitle(TITLE)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def main(argv: Optional[list[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=100)
+def parse_args(argv: Optional[list[str]] = None):
+    parser = common.arguments(__doc__, check=False, dry_run="CPU, the nano presets for 2 steps, timed on the CPU")
+    parser.add_argument("--steps", type=int, help="default 100; --dry-run: 2")
     parser.add_argument(
         "--models", action="append", help=f"comma-separated subset of {', '.join(MODELS)}, repeatable (default llama)"
     )
-    parser.add_argument("--preset", default="1b", help="the models.train preset of every model run")
+    parser.add_argument("--preset", help="the models.train preset of every model run (default 1b; --dry-run: nano)")
     parser.add_argument(
         "--variants", action="append",
         help=f"comma-separated subset of {', '.join(VARIANTS)}, repeatable (default: all of a model's; peer-* only "
@@ -282,33 +255,17 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument(
         "--multi-gpu", action="store_true", help=f"run {', '.join(MULTI_GPU_VARIANTS)} instead (2 GPUs)"
     )
-    parser.add_argument("--data", type=pathlib.Path, default=REPO_ROOT / ".data" / "kjv")
-    parser.add_argument(
-        "--out", type=pathlib.Path, default=RESULTS, help="directory for training.json and training.png"
-    )
+    parser.add_argument("--data", type=pathlib.Path, default=common.ROOT / ".data" / "kjv")
     parser.add_argument("train_args", nargs="*", help="extra models.train arguments, after --")
-    args = parser.parse_args(argv)
-    known = MULTI_GPU_VARIANTS if args.multi_gpu else VARIANTS
-    names = [name for name in ",".join(args.variants or known).split(",") if name]
-    unknown = set(names) - known.keys()
-    if unknown:
-        parser.error(f"unknown variants {sorted(unknown)}: choose from {sorted(known)}")
-    models = [model for model in ",".join(args.models or ["llama"]).split(",") if model]
-    if set(models) - set(MODELS):
-        parser.error(f"unknown models {sorted(set(models) - set(MODELS))}: choose from {', '.join(MODELS)}")
+    args = common.with_defaults(parser.parse_args(argv), DEFAULTS, DRY_RUN)
+    known = list(MULTI_GPU_VARIANTS if args.multi_gpu else VARIANTS)
+    args.variants = common.names_of(parser, args.variants, known, known, "variants")
+    args.models = common.names_of(parser, args.models, MODELS, ["llama"], "models")
+    return args
 
-    stem = "multi_gpu" if args.multi_gpu else "training"
-    path = args.out / f"{stem}.json"
-    header = environment()
-    run = {key: header[key] for key in ("date", "gpu", "commit")}
-    new_rows = [run_variant(model, name, args, run) for model in models for name in variants_of(model, names)]
-    rows = merged(previous_rows(path), new_rows, list(known))
-    summaries = [group_summary(key, group) for key, group in groups(rows).items()]
-    document = {**header, "peers": versions(), "models": summaries, "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(document, indent=1) + "\n")
-    plot(rows, args.out / f"{stem}.png", "training throughput: each model's variants on the same weights and batches")
-    for row in rows:
+
+def print_rows(document: dict) -> None:
+    for row in document["rows"]:
         if "error" in row:
             outcome = f"failed: {row['error']}"
         else:
@@ -316,9 +273,29 @@ def main(argv: Optional[list[str]] = None) -> None:
             speed = f"{row['tokens_per_s']:>10,.0f}" if row["tokens_per_s"] else f"{'-':>10}"
             outcome = f"{speed} tokens/s  MFU {mfu:>6}  final loss {tail_mean(row):.3f}"
         print(f"{row['model']:>7} {row['preset']:>5} {row['variant']:>18}: {outcome}")
-    for summary in summaries:
+    for summary in document["models"]:
         print(json.dumps(summary))
-    print(f"wrote {path} and {args.out / f'{stem}.png'}")
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parse_args(argv)
+    if args.plot_from:
+        return common.replot(args.plot_from, plot)
+    name = "multi_gpu" if args.multi_gpu else "training"
+    out_dirs = common.results_dirs(args.out, args.dry_run)
+    order = list({**VARIANTS, **MULTI_GPU_VARIANTS})
+    new_rows, document = [], None
+
+    def kept(row: dict) -> bool:  # a stored row of a model and preset run again only at the same --steps
+        return group_key(row) not in map(group_key, new_rows) or row["steps"] == args.steps
+
+    for model, variant in [(model, variant) for model in args.models for variant in variants_of(model, args.variants)]:
+        new_rows.append(run_variant(model, variant, args))  # the file rewritten after each: a cut-short call keeps it
+        rows = in_order(common.merged_rows(name, new_rows, out_dirs, ROW_KEY, kept), order)
+        summaries = [group_summary(key, group) for key, group in groups(rows).items()]
+        document = common.write_and_plot(name, rows, out_dirs, plot, peers=versions(), models=summaries)
+    if document is not None:
+        print_rows(document)
 
 
 if __name__ == "__main__":

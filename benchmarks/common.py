@@ -19,6 +19,12 @@ provider called once per set and nothing timed.
 A bench may sweep a setting of every provider (`Bench.sweep`, e.g. the chunk size): rows at each value
 and a row of each side at its own fastest; record each side's peak memory (`Bench.peak_memory`); and
 measure a baseline in a process of its own that lives from row to row (`Worker`, `serve`).
+
+Benches of whole training runs (bench_training, bench_long_context) have rows of their own (tokens/s
+of a model variant) and share the rest: the command line (`arguments`, `with_defaults`, `names_of`),
+their runs in child processes (`run_process`: a failed run's row names what failed), and a results
+file that later runs add to (`merged_rows`: each row keeps the date, GPU and commit of its run;
+`write_and_plot`, `replot`).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import math
 import os
 import pathlib
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -174,16 +181,18 @@ def environment() -> dict:
     }
 
 
-def write_results(name: str, rows: list[dict], out_dirs: Sequence[pathlib.Path] = (RESULTS,), **header) -> list[pathlib.Path]:
-    """Write {header..., environment, rows} as <dir>/<name>.json; returns the paths."""
+def write_results(name: str, rows: list[dict], out_dirs: Sequence[pathlib.Path] = (RESULTS,), **header) -> dict:
+    """Write {environment, header..., rows} as <dir>/<name>.json; returns that document."""
     document = {**environment(), **header, "rows": rows}
-    paths = []
     for directory in out_dirs:
         directory.mkdir(parents=True, exist_ok=True)
-        path = directory / f"{name}.json"
-        path.write_text(json.dumps(document, indent=1) + "\n")
-        paths.append(path)
-    return paths
+        (directory / f"{name}.json").write_text(json.dumps(document, indent=1) + "\n")
+    return document
+
+
+def results_dirs(out: Optional[pathlib.Path], dry_run: bool) -> list[pathlib.Path]:
+    """Where a run writes NAME.json and NAME.png: benchmarks/results and `out`; a dry run into `out` only."""
+    return ([] if dry_run else [RESULTS]) + ([out] if out else [])
 
 
 def copy_bandwidth_gbps() -> float:
@@ -581,7 +590,7 @@ def run(bench: Bench, cases: Sequence, *, device="cuda", passes: Optional[Sequen
         return []
     dry_run = device != "cuda"
     timer = run_once if dry_run else bench.timer
-    out_dirs = ([] if dry_run else [RESULTS]) + ([out] if out else [])
+    out_dirs = results_dirs(out, dry_run)
     passes = passes or bench.passes
     if copy_gbps is not None:
         header = {**copy_ceiling_header(copy_gbps), **header}
@@ -724,6 +733,62 @@ def serve(bench: Bench, case_type: type, dry_run: bool, ready: Callable[[], dict
             torch.cuda.empty_cache()  # the other process's turn next: leave it the memory
 
 
+# ------------------------------------------------------- benches of whole runs (training, long context)
+
+# Each row of a results file that later runs add to keeps the date, GPU and commit of the run that wrote it.
+RUN_FIELDS = ("date", "gpu", "commit")
+
+
+def merged_rows(name: str, rows: list[dict], out_dirs: Sequence[pathlib.Path], key_fields: Sequence[str],
+                keep: Callable[[dict], bool] = lambda row: True) -> list[dict]:
+    """The rows of NAME.json in the first of out_dirs that `rows` do not replace (the same values of
+    key_fields) and `keep` accepts, then `rows` with this run's RUN_FIELDS (a stored row without its own
+    gets its file's)."""
+    path = out_dirs[0] / f"{name}.json" if out_dirs else None
+    stored = []
+    if path is not None and path.exists():
+        document = json.loads(path.read_text())
+        stored = [row | {field: document.get(field) for field in RUN_FIELDS if field not in row} for row in document["rows"]]
+    run = {field: value for field, value in environment().items() if field in RUN_FIELDS}
+    replaced = {tuple(row.get(field) for field in key_fields) for row in rows}
+    kept = [row for row in stored if tuple(row.get(field) for field in key_fields) not in replaced and keep(row)]
+    return kept + [row | run for row in rows]
+
+
+def write_and_plot(name: str, rows: list[dict], out_dirs: Sequence[pathlib.Path],
+                   plot_document: Callable[[dict, pathlib.Path], None], **header) -> dict:
+    """write_results, then plot_document(the document, NAME.png) in each of out_dirs; the document."""
+    document = write_results(name, rows, out_dirs, **header)
+    for directory in out_dirs:
+        plot_document(document, directory / f"{name}.png")
+    return document
+
+
+# Triton's autotuning results kept on disk, so that the next process (a worker, a training run) tunes
+# only the kernels it has not met (mamba_ssm's).
+TRITON_AUTOTUNING_CACHE = {"TRITON_CACHE_AUTOTUNING": "1"}
+# A traceback's closing line: "module.Name: message" for an exception class named ...Error, ...Exception
+# or ...Unavailable (compiler errors end with source lines and a caret after it).
+EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Unavailable)\b")
+
+
+def failure_line(stderr: str) -> str:
+    """The line of a failed process's stderr that names what failed."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    exceptions = [line for line in lines if EXCEPTION_LINE.match(line)]
+    return (exceptions or lines or [""])[-1]
+
+
+def run_process(command: Sequence[str]) -> tuple[int, str]:
+    """A bench's child process (a training run, a worker) from the repository root, with
+    TRITON_AUTOTUNING_CACHE (the environment may override it) and its stderr passed through: its exit
+    status and, where it failed, failure_line of its stderr."""
+    result = subprocess.run(command, cwd=ROOT, env={**TRITON_AUTOTUNING_CACHE, **os.environ}, stderr=subprocess.PIPE,
+                            text=True)
+    sys.stderr.write(result.stderr)
+    return result.returncode, failure_line(result.stderr) if result.returncode else ""
+
+
 # ------------------------------------------------------------------------------------ table and plot
 
 
@@ -828,15 +893,15 @@ def bar_panel(ax, rows: Sequence[dict], title: str, tick: Callable[[dict], str],
 # ------------------------------------------------------------------------------- the command line
 
 
-def arguments(description: Optional[str], passes: Sequence[str] = (), check: bool = True) -> argparse.ArgumentParser:
-    """The options every bench shares: --out, --dry-run, --plot-from, --check (a bench with a
-    correctness sweep) and --pass (into args.passes; a bench that times several `passes`)."""
+def arguments(description: Optional[str], passes: Sequence[str] = (), check: bool = True,
+              dry_run: str = "CPU, tiny cases, nothing timed: every provider runs, the rows print") -> argparse.ArgumentParser:
+    """The options every bench shares: --out, --dry-run (what the bench's does), --plot-from, --check (a
+    bench with a correctness sweep) and --pass (into args.passes; a bench that times several `passes`)."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=pathlib.Path, help="also write the results and plot into this folder")
     if check:
         parser.add_argument("--check", action="store_true", help="only the correctness sweep")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="CPU, tiny cases, nothing timed: every provider runs, the rows print (JSON and plot into --out)")
+    parser.add_argument("--dry-run", action="store_true", help=f"{dry_run} (JSON and plot into --out only)")
     parser.add_argument("--plot-from", type=pathlib.Path, help="only redraw the plot next to this results file")
     if passes:
         parser.add_argument("--pass", dest="passes", choices=passes, action="append",
@@ -849,12 +914,35 @@ def without_gpu(args: argparse.Namespace, bench: Bench, dry_run_cases: Sequence,
     dry_run_cases on the CPU, header() the results file's fields beside the environment's): True where one
     of them ran."""
     if args.plot_from:
-        document = json.loads(args.plot_from.read_text())
-        plot(document["rows"], args.plot_from.with_suffix(".png"), bench.title, document.get("gpu") or "CPU", bench.panel,
-             bench.tick)
+        replot(args.plot_from, lambda document, path: plot(document["rows"], path, bench.title, document.get("gpu") or "CPU",
+                                                           bench.panel, bench.tick))
     elif args.dry_run:
         run(bench, dry_run_cases, device="cpu", passes=getattr(args, "passes", None), out=args.out, **header())
     return bool(args.plot_from or args.dry_run)
+
+
+def replot(results: pathlib.Path, plot_document: Callable[[dict, pathlib.Path], None]) -> None:
+    """--plot-from: plot_document(the results file's document, the .png beside it)."""
+    plot_document(json.loads(results.read_text()), results.with_suffix(".png"))
+
+
+def with_defaults(args: argparse.Namespace, defaults: dict, dry_run_defaults: dict) -> argparse.Namespace:
+    """args with each option of defaults that was left out (None) at its default, a dry run's where it has one."""
+    for name, value in {**defaults, **(dry_run_defaults if args.dry_run else {})}.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+def names_of(parser: argparse.ArgumentParser, given: Optional[Sequence[str]], known: Sequence[str],
+             default: Sequence[str], what: str) -> list[str]:
+    """The names of a repeatable option of comma-separated names (default where it is not given); a usage
+    error for a name not among known."""
+    names = [name for name in ",".join(given or default).split(",") if name]
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        parser.error(f"unknown {what} {unknown}: choose from {', '.join(known)}")
+    return names
 
 
 def finish_check(summary: str, failures: Sequence[str], exit_on_failure: bool = True) -> None:

@@ -19,14 +19,13 @@ Per model: ``step_ms`` (the mean of --steps steps without hooks, after --warmup)
 hooked_step_ms, and the peak memory. ``--impl`` picks the path: tk (tk_ops), reference (plain
 PyTorch) or peer (models/peers.py; for Llama and Hyena their reference path). Writes
 DIR/mixer_share.json (default benchmarks/results), merged with the rows of other models, paths and
-shapes.
+shapes (each row with the date, GPU and commit of its run).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import pathlib
 import time
 import warnings
@@ -34,7 +33,7 @@ from typing import Callable, Optional
 
 import torch
 
-from benchmarks.common import RESULTS, describe_error, environment
+from benchmarks.common import RESULTS, describe_error, merged_rows, write_results
 from models import train
 from models.parallel import Runtime, parallelize
 from models.peers import PEER_IS_REFERENCE, PEER_OPS
@@ -215,13 +214,6 @@ def measure_row(key: dict, device: torch.device, **options) -> dict:
     return row
 
 
-def merge_rows(path: pathlib.Path, rows: list[dict], key_fields: tuple[str, ...]) -> list[dict]:
-    """The rows of ``path``'s file that ``rows`` do not replace (same values of key_fields), then ``rows``."""
-    previous = json.loads(path.read_text())["rows"] if path.exists() else []
-    replaced = {tuple(row[k] for k in key_fields) for row in rows}
-    return [row for row in previous if tuple(row.get(k) for k in key_fields) not in replaced] + rows
-
-
 def main(argv: Optional[list[str]] = None) -> list[dict]:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -250,11 +242,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
         rows.append(row)
         share = f"mixer share {row['mixer_share']:.1%}" if "mixer_share" in row else row["error"]
         print(f"{model:>7} {args.impl:>9} N={key['seq_len']:>6} B={key['batch_size']:>3}: {share}", flush=True)
-    path = args.out / "mixer_share.json"
-    args.out.mkdir(parents=True, exist_ok=True)
-    all_rows = merge_rows(path, rows, ("model", "impl", "preset", "seq_len", "batch_size"))
-    path.write_text(json.dumps({**environment(), "rows": all_rows}, indent=1) + "\n")
-    print(f"wrote {path}")
+    all_rows = merged_rows("mixer_share", rows, [args.out], ("model", "impl", "preset", "seq_len", "batch_size"))
+    write_results("mixer_share", all_rows, [args.out])
+    print(f"wrote {args.out / 'mixer_share.json'}")
     return rows
 
 

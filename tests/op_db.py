@@ -617,6 +617,20 @@ VARLEN_OPTIONS = (
 )
 
 
+def _varlen_graph() -> GraphSample:
+    """Forward and backward in one graph (inputs.attention.varlen_graph_step), replayed on new lengths of the
+    same count: the kernels read cu_seqlens on the device."""
+
+    def new_lengths(q, k, v, cu_seqlens_q, cu_seqlens_k, grad_out):
+        cu_q, cu_k = (torch.tensor(cu, dtype=torch.int32, device="cuda") for cu in ([0, 250, 300, 380],
+                                                                                    [0, 250, 280, 400]))
+        return (q, k, v, cu_q, cu_k, grad_out)
+
+    return GraphSample("forward-backward-new-lengths", ("attention_varlen", "attention_varlen_bwd"),
+                       attention_inputs.varlen_graph_inputs, attention_inputs.varlen_graph_step,
+                       new_values=new_lengths)
+
+
 def _varlen_forward(row, dtype=torch.float64, device="cpu", head_dim=16) -> Sample:
     name, causal, window_left, window_right, softcap, sinks = row
 
@@ -745,9 +759,8 @@ ATTENTION_VARLEN = OpInfo(
                      sinks=torch.randn(4, device="cuda")),
         "q", ("k", "cu_seqlens_q", "cu_seqlens_k", "sinks"),
     ),
-    graphs=(),
-    no_graph=_without_sample("reads cu_seqlens on the host (a device sync): not capturable", "attention_varlen",
-                             "attention_varlen_bwd"),
+    graphs=(_varlen_graph(),),
+    no_graph={},
     fallbacks=(),
     no_fallback=_without_sample("falls back per sequence through tk.attention / tk.attention_bwd (their samples)",
                                 "attention_varlen", "attention_varlen_bwd"),
@@ -2342,14 +2355,25 @@ def _gdn_kernel_step(q, k, v, g, beta, initial_state):
     return torch.ops.tk.gated_delta_rule(*_gdn_positional(q, k, v, g, beta, initial_state))
 
 
-def _gdn_fp32_fallback():
-    """fp32 inputs of the kernels' shape on the GPU: the reference, against itself in float64 on the CPU."""
+def _gdn_fallback(id, dtype, make_inputs) -> FallbackSample:
+    """CUDA inputs of the kernels' shape they leave to the reference, against itself in float64 on the CPU."""
     def expected(*inputs):
         return torch.ops.tk.gated_delta_rule(*_gdn_positional(*(t.detach().cpu().double() for t in inputs)))
 
-    return FallbackSample("fp32", ("gated_delta_rule",),
-                          lambda: _gdn_kernel_inputs(torch.float32, requires_grad=False),
-                          _gdn_kernel_step, expected, TOLERANCE[torch.float32])
+    return FallbackSample(id, ("gated_delta_rule",), make_inputs, _gdn_kernel_step, expected, TOLERANCE[dtype])
+
+
+def _gdn_misaligned_initial_state():
+    """bf16 kernel inputs with the initial state in a view 4 bytes past an 8-byte boundary (contiguous, so not
+    copied; the scan loads S in fp32 pairs)."""
+    *inputs, state = _gdn_kernel_inputs(torch.bfloat16, requires_grad=False)
+    return [*inputs, torch.empty(state.numel() + 1, device="cuda")[1:].view_as(state).copy_(state)]
+
+
+GDN_FALLBACKS = (
+    _gdn_fallback("fp32", torch.float32, lambda: _gdn_kernel_inputs(torch.float32, requires_grad=False)),
+    _gdn_fallback("bf16-misaligned-initial-state", torch.bfloat16, _gdn_misaligned_initial_state),
+)
 
 
 def _gdn_on_the_gpu():
@@ -2386,7 +2410,7 @@ GATED_DELTA_RULE = OpInfo(
     graphs=(GraphSample("kernels", ("gated_delta_rule",),
                         lambda: _gdn_kernel_inputs(torch.bfloat16, requires_grad=False), _gdn_kernel_step),),
     no_graph=_without_sample("no backward kernel yet: its reference serves every device", "gated_delta_rule_bwd"),
-    fallbacks=(_gdn_fp32_fallback(),),
+    fallbacks=GDN_FALLBACKS,
     no_fallback=_without_sample("no backward kernel yet: its reference serves every device", "gated_delta_rule_bwd"),
 )
 
@@ -2433,10 +2457,25 @@ def _lce_samples(id, dtype, with_bias, options, masks=((True, True, True),), dev
     )
 
 
+def _lce_with_grads_samples(id, dtype, with_bias, options, masks=((True, True, True),), device="cpu"):
+    """tk.linear_cross_entropy_with_grads (the forward that computes the gradients; "mean" or "sum"), one opcheck
+    per output mask."""
+    return tuple(
+        Sample(f"linear_cross_entropy_with_grads-{id}-{''.join('1' if m else '0' for m in mask)}",
+               "linear_cross_entropy_with_grads",
+               lambda mask=mask: (*_lce_args(dtype, with_bias, options, device=device), list(mask)), _small_tiles)
+        for mask in masks
+    )
+
+
 def _lce_kernel_samples(dtype):
     return (*_lce_samples("bias-smoothing-softcap-mean", dtype, True, (0.1, 5.0, "mean"),
                           masks=((True, True, True), (False, True, False), (True, False, True)), device="cuda"),
-            *_lce_samples("none", dtype, False, (0.0, None, "none"), device="cuda"))
+            *_lce_samples("none", dtype, False, (0.0, None, "none"), device="cuda"),
+            *_lce_with_grads_samples("bias-smoothing-softcap-mean", dtype, True, (0.1, 5.0, "mean"),
+                                     masks=((True, True, True), (False, True, False), (True, False, True)),
+                                     device="cuda"),
+            *_lce_with_grads_samples("sum", dtype, False, (0.0, None, "sum"), device="cuda"))
 
 
 def _lce_graph() -> GraphSample:
@@ -2462,6 +2501,26 @@ def _lce_graph() -> GraphSample:
                        new_values=new_values)
 
 
+def _lce_with_grads_graph() -> GraphSample:
+    """The forward that computes the gradients (GEMMs, the accumulating one among them, row passes, sums) in one
+    graph; every input read anew on replay, over 3 tiles of rows (V = 2^20 + 5: 128 rows a tile)."""
+
+    def make_inputs():
+        x, weight, bias, target = linear_cross_entropy_inputs.make_inputs(300, 16, (1 << 20) + 5,
+                                                                          dtype=torch.bfloat16, device="cuda")
+        return x, weight, bias, target
+
+    def step(x, weight, bias, target):
+        return torch.ops.tk.linear_cross_entropy_with_grads(x, weight, target, bias, LCE_IGNORE_INDEX, 0.1, 4.0,
+                                                            "mean", [True] * 3)
+
+    def new_values(x, weight, bias, target):
+        return (torch.randn_like(x), torch.randn_like(weight) / 4, torch.randn_like(bias),
+                torch.randint_like(target, 0, weight.shape[0]))
+
+    return GraphSample("with-grads", ("linear_cross_entropy_with_grads",), make_inputs, step, new_values=new_values)
+
+
 def _lce_fallback(id, dtype, hidden) -> FallbackSample:
     """Loss and gradients on CUDA inputs the kernels leave to the reference (fp32; H not a multiple of 8)."""
     options = dict(label_smoothing=0.1, softcap=4.0, reduction="sum")
@@ -2481,6 +2540,29 @@ def _lce_fallback(id, dtype, hidden) -> FallbackSample:
 
     return FallbackSample(id, ("linear_cross_entropy", "linear_cross_entropy_bwd"), make_inputs, loss_and_gradients,
                           float64, TOLERANCE[dtype])
+
+
+def _lce_with_grads_fallback() -> FallbackSample:
+    """tk.linear_cross_entropy_with_grads called on fp32 CUDA inputs (the public function takes it for inputs the
+    kernels serve only): its reference twin, the loss and the gradients of the loss against float64."""
+    options = dict(label_smoothing=0.1, softcap=4.0, reduction="mean")
+
+    def make_inputs():
+        return linear_cross_entropy_inputs.make_inputs(37, 16, 101, dtype=torch.float32, device="cuda")
+
+    def call(x, weight, bias, target):
+        loss, _, *grads = torch.ops.tk.linear_cross_entropy_with_grads(
+            x, weight, target, bias, LCE_IGNORE_INDEX, options["label_smoothing"], options["softcap"],
+            options["reduction"], [True] * 3)
+        return (loss, *grads)
+
+    def float64(x, weight, bias, target):
+        leaves = [t.detach().cpu().double().requires_grad_() for t in (x, weight, bias)]
+        loss = linear_cross_entropy_inputs.float64_loss(leaves[0], leaves[1], target.cpu(), leaves[2], **options)
+        return (loss, *torch.autograd.grad(loss, leaves))
+
+    return FallbackSample("with-grads-fp32", ("linear_cross_entropy_with_grads",), make_inputs, call, float64,
+                          TOLERANCE[torch.float32])
 
 
 class _LMHeadLoss(torch.nn.Module):
@@ -2573,12 +2655,17 @@ def _lce_on_the_gpu():
 
 LINEAR_CROSS_ENTROPY = OpInfo(
     name="linear_cross_entropy",
-    functions={"linear_cross_entropy": ("linear_cross_entropy", "linear_cross_entropy_bwd")},
+    functions={"linear_cross_entropy": ("linear_cross_entropy", "linear_cross_entropy_bwd",
+                                        "linear_cross_entropy_with_grads")},
     samples=(
         *_lce_samples("fp64-bias-smoothing-softcap-mean", torch.float64, True, (0.1, 5.0, "mean"),
                       masks=((True, True, True), (False, True, False), (True, False, True))),
         *_lce_samples("fp32-sum", torch.float32, False, (0.0, None, "sum")),
         *_lce_samples("bf16-bias-smoothing-none", torch.bfloat16, True, (0.2, None, "none")),
+        *_lce_with_grads_samples("fp64-bias-smoothing-softcap-mean", torch.float64, True, (0.1, 5.0, "mean"),
+                                 masks=((True, True, True), (False, True, False), (True, False, True))),
+        *_lce_with_grads_samples("fp32-sum", torch.float32, False, (0.0, None, "sum")),
+        *_lce_with_grads_samples("bf16-bias-smoothing-sum", torch.bfloat16, True, (0.2, None, "sum")),
     ),
     kernel_dtypes=KERNEL_16_BIT,
     kernel_samples=_lce_kernel_samples,
@@ -2592,15 +2679,23 @@ LINEAR_CROSS_ENTROPY = OpInfo(
                           x, weight, target, bias=bias, reduction="none"),
                       lambda: _lce_compile_inputs((3, 5)), ("linear_cross_entropy", "linear_cross_entropy_bwd"),
                       loss=_random_projection),
+        # the op the public function takes on the kernels' inputs (CUDA only), called directly: its autograd
+        # (the stored gradients times the output gradient, 16-bit ones through fp32 chunks) under AOTAutograd
+        CompileSample("with-grads-bf16-sum",
+                      lambda x, weight, bias, target: 0.3 * torch.ops.tk.linear_cross_entropy_with_grads(
+                          x, weight, target, bias, LCE_IGNORE_INDEX, 0.1, 4.0, "sum", [True] * 3)[0],
+                      lambda: list(_lce_args(torch.bfloat16, True, ())[i] for i in (0, 1, 3, 2)),
+                      ("linear_cross_entropy_with_grads",), tol=1e-2),
     ),
     export=(ExportSample("lm-head", _LMHeadLoss,
                          lambda: (torch.randn(2, 5, 9), torch.randint(0, 23, (2, 5))), ("linear_cross_entropy",)),),
     bad_inputs=_lce_bad_inputs(),
     device_mismatches=_device_mismatches(tk_ops.linear_cross_entropy, _lce_on_the_gpu, "x",
                                          ("weight", "target", "bias")),
-    graphs=(_lce_graph(),),
+    graphs=(_lce_graph(), _lce_with_grads_graph()),
     no_graph={},
-    fallbacks=(_lce_fallback("fp32", torch.float32, 16), _lce_fallback("bf16-H-20", torch.bfloat16, 20)),
+    fallbacks=(_lce_fallback("fp32", torch.float32, 16), _lce_fallback("bf16-H-20", torch.bfloat16, 20),
+               _lce_with_grads_fallback()),
     no_fallback={},
 )
 

@@ -1,8 +1,9 @@
 """tk_ops.attention_with_kvcache against a float64 definition built from tk_ops.attention on each sequence's
 gathered cache (tests/inputs/attention_with_kvcache.py): dense and paged caches, ragged cache lengths (empty
 and full ones), appends across block boundaries, Nq from 1 to 16, GQA, every option; the caches after the
-call, NaN canaries in every unused slot; torch.compile's handling of the in-place append. The op contract
-(opcheck, export, bad inputs): tests/op_db.py."""
+call, NaN canaries in every unused slot; torch.compile's handling of the in-place append; decode steps
+replayed from a CUDA graph. The op contract (opcheck, export, bad inputs, a CUDA graph of one call, the
+reference serving small paged blocks): tests/op_db.py."""
 
 from __future__ import annotations
 
@@ -207,7 +208,7 @@ def test_compiled_calls_write_the_caches_as_eager_calls_do(layout):
 # ------------------------------------------------------------------------------------ the CUDA kernel
 # Dense caches, and paged ones in blocks of a multiple of 128 positions, run the attention forward kernel's
 # packed variant (csrc/torch/attention.cpp): sequence b is its Nq query rows against the first
-# cache_seqlens[b] + Nnew positions of its cache. Smaller paged blocks run the reference.
+# cache_seqlens[b] + Nnew positions of its cache. Smaller paged blocks run the reference (op_db's fallback).
 
 
 def on_cpu(case: KVCacheCase) -> KVCacheCase:
@@ -277,14 +278,6 @@ def test_kernel_paged_cache_against_float64(block_size, q_len, new_len, with_sin
 
 
 @tk_testing.requires_kernel("attention_with_kvcache")
-def test_kernel_leaves_small_paged_blocks_to_the_reference():
-    """Blocks of fewer than 128 positions (a key block would span pages) run the reference."""
-    case = make_case([3, 9, 0], 4, 4, capacity=13, block_size=4, head_dim=64, dtype=torch.bfloat16, device="cuda")
-    with tk_testing.runs_the_references("attention_with_kvcache"):
-        tk_ops.attention_with_kvcache(**case.arguments())
-
-
-@tk_testing.requires_kernel("attention_with_kvcache")
 def test_kernel_decode_steps_replay_in_a_cuda_graph():
     """A captured decode step (append one token, attend) replayed with new q, k, v and cache_seqlens moved on
     the device gives, step after step, the outputs and caches of eager calls (no host read of
@@ -292,10 +285,9 @@ def test_kernel_decode_steps_replay_in_a_cuda_graph():
     case = make_case([5, 0, 30], 1, 1, capacity=40, q_heads=8, kv_heads=2, head_dim=128, dtype=torch.bfloat16,
                      device="cuda")
     eager = case.clone()
-    tk_ops.attention_with_kvcache(**case.clone().arguments())  # warm up (launch setup) on copies
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = tk_ops.attention_with_kvcache(**case.arguments())
+    tk_ops.attention_with_kvcache(**case.clone().arguments())  # warm up (launch setup) on copies: a call appends
+    graph, captured = tk_testing.capture_cuda_graph(lambda: tk_ops.attention_with_kvcache(**case.arguments()),
+                                                    warm_up=False)
     for _ in range(4):
         for live, mirror in ((case.q, eager.q), (case.k, eager.k), (case.v, eager.v)):
             mirror.copy_(torch.randn_like(mirror))
@@ -333,3 +325,21 @@ def test_kernel_decode_form_splits_and_combines(batch, capacity, with_sinks):
     case = make_case(lengths, 1, 1, capacity=capacity, q_heads=16, kv_heads=2, head_dim=128, dtype=torch.bfloat16,
                      device="cuda")
     check_kernel_call(case, with_sinks=with_sinks, softcap=5.0)
+
+
+@tk_testing.requires_kernel("attention_with_kvcache")
+@pytest.mark.parametrize("batch, capacity, q_len, kv_heads, block_size", [
+    (8, 20000, 1, 8, None), (8, 20000, 3, 8, 128), (300, 600, 1, 2, None), (520, 300, 1, 1, None)],
+    ids=["ragged", "ragged-paged-speculative", "two-row-tiles", "one-chunk-a-row"])
+def test_kernel_decode_form_cuts_chunks_by_length(batch, capacity, q_len, kv_heads, block_size):
+    """The decode form cuts the rows into chunks by their lengths on the device (about two tasks per SM over
+    all the keys, each row's chunks of one length, an empty row none, the combine finding a row's chunks from
+    the offsets the prepare wrote): ragged rows whose rounding makes the prepare search for a longer chunk,
+    rows over two of its 256-row passes, and more rows than it balances (one chunk a row), against float64;
+    empty, one-token and full rows."""
+    generator = torch.Generator().manual_seed(batch + capacity)
+    lengths = torch.randint(0, capacity, (batch,), generator=generator).tolist()
+    lengths[:3] = [0, 1, capacity - 1]
+    case = make_case(lengths, q_len, 1, capacity=capacity, block_size=block_size, q_heads=2 * kv_heads,
+                     kv_heads=kv_heads, head_dim=128, dtype=torch.bfloat16, device="cuda")
+    check_kernel_call(case, causal=True)

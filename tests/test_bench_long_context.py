@@ -9,11 +9,12 @@ import json
 import subprocess
 import sys
 import time
+from unittest.mock import ANY
 
 import pytest
 import torch
 
-from benchmarks import bench_long_context, mixer_share
+from benchmarks import bench_long_context, common, mixer_share
 from models import train
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -37,6 +38,10 @@ def test_dry_run_measures_every_variant_and_length(tmp_path, fake_peers, monkeyp
         assert row["fallbacks"] == []  # the CPU runs every tk op's reference without a warning
     assert rows[("based-peer", 32)]["peer"] == "fla-core parallel_based" and rows[("based-tk", 32)]["peer"] is None
     assert rows[("hyena-reference", 64)]["peer"].startswith("torch.fft")
+    assert all(row["gpu"] is None and row["commit"] == document["commit"] for row in rows.values())
+    assert (tmp_path / "long_context.png").read_bytes()[:8] == PNG
+    (tmp_path / "long_context.png").unlink()
+    bench_long_context.main(["--plot-from", str(tmp_path / "long_context.json")])  # redrawn from the results file
     assert (tmp_path / "long_context.png").read_bytes()[:8] == PNG
 
 
@@ -62,7 +67,7 @@ def test_a_dead_worker_leaves_rows_for_the_lengths_it_did_not_reach(monkeypatch)
             f.write(json.dumps({"variant": "mamba2-peer", "seq_len": 32, "tokens_per_s": 1.0}) + "\n")
         return subprocess.CompletedProcess(command, -6, stderr="RuntimeError: CUDA error: an illegal memory access\n")
 
-    monkeypatch.setattr(bench_long_context.subprocess, "run", dies_after_one_length)
+    monkeypatch.setattr(common.subprocess, "run", dies_after_one_length)
     first, second = bench_long_context.run_variant("mamba2-peer", args)
     assert first["seq_len"] == 32 and "error" not in first
     assert second["seq_len"] == 64 and second["batch_size"] == 2 and second["peer"].startswith("mamba_ssm")
@@ -70,11 +75,16 @@ def test_a_dead_worker_leaves_rows_for_the_lengths_it_did_not_reach(monkeypatch)
 
 
 def test_merged_rows_replace_only_what_was_measured_again(tmp_path):
-    path = tmp_path / "long_context.json"
+    """A stored row keeps its run's GPU and commit (its file's, where it has none of its own); a new row gets this run's."""
     old = [{"variant": "based-tk", "seq_len": n, "tokens_per_s": n} for n in (32, 64)]
-    path.write_text(json.dumps({"rows": old}))
+    stored = {"date": "2026-01-01", "gpu": "H100", "commit": "a37fcb9", "rows": old}
+    (tmp_path / "long_context.json").write_text(json.dumps(stored))
     new = [{"variant": "based-tk", "seq_len": 64, "tokens_per_s": 1}]
-    assert mixer_share.merge_rows(path, new, ("variant", "seq_len")) == [old[0], new[0]]
+    run = {key: common.environment()[key] for key in ("gpu", "commit")}
+    merged = common.merged_rows("long_context", new, [tmp_path], ("variant", "seq_len"))
+    assert [{key: row[key] for key in (*old[0], "gpu", "commit")} for row in merged] == [
+        {**old[0], "gpu": "H100", "commit": "a37fcb9"}, {**new[0], **run}]
+    assert common.merged_rows("long_context", new, [], ("variant", "seq_len"))[0]["tokens_per_s"] == 1  # no file: new rows
 
 
 def test_mixer_timer_counts_the_mixers_and_nothing_else():
@@ -109,4 +119,4 @@ def test_mixer_share_cli_writes_its_rows(tmp_path):
          "--out", str(tmp_path)]
     )  # fmt: skip
     assert row["seq_len"] == 32 and row["batch_size"] == 4 and 0 < row["mixer_share"] < 1
-    assert json.loads((tmp_path / "mixer_share.json").read_text())["rows"] == [row]
+    assert json.loads((tmp_path / "mixer_share.json").read_text())["rows"] == [row | {"date": ANY, "gpu": None, "commit": ANY}]

@@ -1,4 +1,4 @@
-"""benchmarks.bench_training on the CPU: the nano presets for 2 steps, each variant a models.train
+"""benchmarks.bench_training's dry run (the nano presets for 2 steps on the CPU), each variant a models.train
 process, the peer variants on the fakes of tests/fake_peers: the rows of the new models next to the
 H100's Llama rows of the committed file (written before the file held several models), the
 comparisons per model, a failed run's row, the plot."""
@@ -26,10 +26,7 @@ def data_dir(tmp_path_factory):
 
 
 def bench(data_dir, out, *options: str) -> dict:
-    bench_training.main(
-        ["--preset", "nano", "--steps", "2", "--data", str(data_dir), "--out", str(out), *options,
-         "--", "--device", "cpu", "--timing-warmup", "0"]
-    )  # fmt: skip
+    bench_training.main(["--dry-run", "--data", str(data_dir), "--out", str(out), *options])
     return json.loads((out / "training.json").read_text())
 
 
@@ -66,8 +63,8 @@ triton.compiler.errors.CompilationError: at 84:15:
         b_dq = tl.dot(b_ds, b_k, b_dq)
                ^
 """
-    assert bench_training.failure_line(stderr) == "triton.compiler.errors.CompilationError: at 84:15:"
-    assert bench_training.failure_line("killed\n") == "killed"
+    assert common.failure_line(stderr) == "triton.compiler.errors.CompilationError: at 84:15:"
+    assert common.failure_line("killed\n") == "killed"
 
 
 def test_a_failed_run_leaves_a_row_with_its_error(data_dir, tmp_path, monkeypatch):

@@ -1,8 +1,10 @@
 """tk.gated_delta_rule's numerics: the chunked reference (forward and its hand-written backward) against the
 float64 token-by-token recurrence of tests/inputs/gated_delta_rule.py, on odd lengths, grouped heads, packed
 sequences, states, the l2norm, strided views and bf16 inputs. The op contract (opcheck, compile, export, bad
-inputs) is tests/op_db.py's. The CPU cases run the reference; the GPU cases at the end run the CUDA forward
-(bf16/fp16, K = V = 128) against the float64 recurrence, its backward staying the reference."""
+inputs, a CUDA graph, the inputs the kernels leave to the reference) is tests/op_db.py's. The CPU cases run the
+reference; the GPU cases at the end run the CUDA forward (bf16/fp16: the chunked kernels at K = V = 128, the
+recurrent one for sequences of at most 16 positions at K = V in {64, 128}) against the float64 recurrence,
+its backward staying the reference."""
 
 from __future__ import annotations
 
@@ -243,7 +245,10 @@ def _kernel_inputs(B, T, Hk, Hv, initial, dtype, states=None):
                                   gate_dtype=torch.float32, device="cuda")
 
 
-def _check_kernel_forward(inputs, dtype, *, cu_seqlens=None, use_qk_l2norm=False):
+def _check_kernel_forward(inputs, dtype, *, cu_seqlens=None, use_qk_l2norm=False, tolerances=None):
+    """o and the final states against the float64 recurrence, within ``tolerances`` (of o, of the final
+    states; default KERNEL_TOLERANCE[dtype] for both)."""
+    o_tolerance, state_tolerance = tolerances or (KERNEL_TOLERANCE[dtype],) * 2
     _poison_allocator(4 * inputs["v"].numel() * 4)
     with tk_testing.runs_the_kernels("gated_delta_rule"):
         o, final = gdn_inputs.call(inputs, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
@@ -251,8 +256,8 @@ def _check_kernel_forward(inputs, dtype, *, cu_seqlens=None, use_qk_l2norm=False
     o_exact, final_exact = gdn_inputs.recurrence(exact, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
     assert o.dtype == dtype and final.dtype == torch.float32
     assert torch.isfinite(o).all() and torch.isfinite(final).all()
-    assert_rel_close(o, o_exact, KERNEL_TOLERANCE[dtype], "o")
-    assert_rel_close(final, final_exact, KERNEL_TOLERANCE[dtype], "final state")
+    assert_rel_close(o, o_exact, o_tolerance, "o")
+    assert_rel_close(final, final_exact, state_tolerance, "final state")
 
 
 @tk_testing.requires_kernel("gated_delta_rule")
@@ -311,22 +316,6 @@ def test_kernel_forward_more_sequences_than_a_grid_dimension_holds():
 
 
 @tk_testing.requires_kernel("gated_delta_rule")
-def test_kernel_forward_misaligned_initial_state_runs_the_reference():
-    """An initial_state view 4 bytes past an 8-byte boundary (the scan loads S in fp32 pairs) goes to the
-    reference, which matches the kernels on an aligned copy."""
-    torch.manual_seed(0)
-    inputs = _kernel_inputs(1, 70, 1, 2, True, torch.bfloat16)
-    state = inputs["initial_state"]
-    misaligned = torch.empty(state.numel() + 1, device="cuda")[1:].view_as(state).copy_(state)
-    with tk_testing.runs_the_references("gated_delta_rule"):
-        o, final = gdn_inputs.call(dict(inputs, initial_state=misaligned), use_qk_l2norm=True)
-    with tk_testing.runs_the_kernels("gated_delta_rule"):
-        o_kernels, final_kernels = gdn_inputs.call(inputs, use_qk_l2norm=True)
-    assert_rel_close(o_kernels, o.float(), KERNEL_TOLERANCE[torch.bfloat16], "o")
-    assert_rel_close(final_kernels, final, KERNEL_TOLERANCE[torch.bfloat16], "final state")
-
-
-@tk_testing.requires_kernel("gated_delta_rule")
 def test_kernel_forward_backward_runs_the_reference():
     """The backward (the reference, recomputing from the inputs) works after the kernel's forward."""
     torch.manual_seed(0)
@@ -336,3 +325,163 @@ def test_kernel_forward_backward_runs_the_reference():
     (o.float().square().sum() + final.sum()).backward()
     for name, t in leaves.items():
         assert t.grad is not None and torch.isfinite(t.grad).all(), name
+
+
+# ------------------------------------------------------------------------------ CUDA forward, recurrent path
+
+# Sequences of at most RECURRENT_MAX_T positions (csrc/kernels/gated_delta_rule/gated_delta_rule.h) run the
+# recurrent kernel, all in fp32 with o rounded once: o's error is the rounding of its dtype (relative
+# 2^-8 for bf16, 2^-11 for fp16, at most per element, ~0.6 of that in norm), the state's that of fp32
+# arithmetic with the fast exp and rsqrt (~1e-6 over 16 steps).
+RECURRENT_MAX_T = 16
+RECURRENT_TOLERANCE = {torch.bfloat16: (5e-3, 1e-4), torch.float16: (1e-3, 1e-4)}  # (o, final state)
+RECURRENT_DIMS = [64, 128]  # K = V
+
+# (id, Hk, Hv, initial, l2norm)
+RECURRENT_HEADS = [("Hv-over-Hk-1", 2, 2, False, False), ("Hv-over-Hk-2-initial-l2norm", 1, 2, True, True)]
+
+
+def _recurrent_inputs(B, T, Hk, Hv, D, initial, dtype, states=None):
+    return gdn_inputs.make_inputs(B, T, Hk, Hv, D, D, initial=initial, states=states, dtype=dtype,
+                                  gate_dtype=torch.float32, device="cuda")
+
+
+@tk_testing.requires_kernel("gated_delta_rule")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("D", RECURRENT_DIMS, ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("T", [1, 2, 7, RECURRENT_MAX_T], ids=lambda t: f"T{t}")
+@parametrize_with_ids("Hk, Hv, initial, l2norm", RECURRENT_HEADS)
+def test_kernel_recurrent_matches_recurrence(dtype, D, T, Hk, Hv, initial, l2norm):
+    torch.manual_seed(0)
+    _check_kernel_forward(_recurrent_inputs(3, T, Hk, Hv, D, initial, dtype), dtype, use_qk_l2norm=l2norm,
+                          tolerances=RECURRENT_TOLERANCE[dtype])
+
+
+@tk_testing.requires_kernel("gated_delta_rule")
+@pytest.mark.parametrize("D", RECURRENT_DIMS, ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("initial", [False, True], ids=["zero-state", "initial-state"])
+def test_kernel_recurrent_packed_sequences(D, initial):
+    """cu_seqlens with sequences of 0 (first and last: the state passes through), 1, 5 and 16 positions."""
+    torch.manual_seed(0)
+    lengths = [0, 5, 1, RECURRENT_MAX_T, 0]
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    inputs = _recurrent_inputs(1, sum(lengths), 2, 4, D, initial, torch.bfloat16, states=len(lengths))
+    _check_kernel_forward(inputs, torch.bfloat16, cu_seqlens=cu_seqlens, use_qk_l2norm=True,
+                          tolerances=RECURRENT_TOLERANCE[torch.bfloat16])
+
+
+@tk_testing.requires_kernel("gated_delta_rule")
+@pytest.mark.parametrize("D", RECURRENT_DIMS, ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("T", [1, 7])
+def test_kernel_recurrent_strided_views(D, T):
+    """q, k, v as views into one fused projection (B, T, 2 Hk D + Hv D), g and beta strided, the initial state
+    a transposed view: the kernel reads them in place, matching contiguous copies bit for bit and the
+    float64 recurrence."""
+    torch.manual_seed(0)
+    B, Hk, Hv = 2, 2, 4
+    fused = torch.randn(B, T, 2 * Hk * D + Hv * D, device="cuda", dtype=torch.float16)
+    q, k, v = fused.split([Hk * D, Hk * D, Hv * D], dim=-1)
+    q, k, v = q.unflatten(-1, (Hk, D)), k.unflatten(-1, (Hk, D)), v.unflatten(-1, (Hv, D))
+    gates = torch.stack([-0.5 * torch.rand(B, T, Hv, device="cuda"), 0.05 + 0.9 * torch.rand(B, T, Hv, device="cuda")],
+                        dim=-1)
+    g, beta = gates[..., 0], gates[..., 1]  # views, every other element
+    initial = torch.randn(B, Hv, D, D, device="cuda").transpose(2, 3)
+    views = (q, k, v, g, beta, initial)
+    assert not any(t.is_contiguous() for t in views)
+    with tk_testing.runs_the_kernels("gated_delta_rule"):
+        o, final = gdn_inputs.call(dict(zip(gdn_inputs.NAMES, views)), use_qk_l2norm=True)
+        o_copy, final_copy = gdn_inputs.call(dict(zip(gdn_inputs.NAMES, (t.contiguous() for t in views))),
+                                             use_qk_l2norm=True)
+    torch.testing.assert_close(o, o_copy, rtol=0, atol=0)
+    torch.testing.assert_close(final, final_copy, rtol=0, atol=0)
+    exact = {name: t.double() for name, t in zip(gdn_inputs.NAMES, views)}
+    o_exact, final_exact = gdn_inputs.recurrence(exact, use_qk_l2norm=True)
+    o_tolerance, state_tolerance = RECURRENT_TOLERANCE[torch.float16]
+    assert_rel_close(o, o_exact, o_tolerance, "o")
+    assert_rel_close(final, final_exact, state_tolerance, "final state")
+
+
+@tk_testing.requires_kernel("gated_delta_rule")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_kernel_recurrent_and_chunked_paths_agree(dtype):
+    """17 positions (the chunked kernels) against 16 (the recurrent one) then a decode step of 1 from its final
+    state (the recurrent one again): the same outputs and final state, within the chunked kernels' budget."""
+    torch.manual_seed(0)
+    T = RECURRENT_MAX_T + 1
+    inputs = _recurrent_inputs(2, T, 1, 2, KERNEL_DIM, True, dtype)
+    prefix = {name: t if name == "initial_state" else t[:, : T - 1] for name, t in inputs.items()}
+    with tk_testing.runs_the_kernels("gated_delta_rule"):
+        o_chunked, final_chunked = gdn_inputs.call(inputs, use_qk_l2norm=True)
+        o_prefix, state = gdn_inputs.call(prefix, use_qk_l2norm=True)
+        step = {name: state if name == "initial_state" else t[:, T - 1 :] for name, t in inputs.items()}
+        o_step, final_step = gdn_inputs.call(step, use_qk_l2norm=True)
+    assert_rel_close(torch.cat([o_prefix, o_step], dim=1), o_chunked, KERNEL_TOLERANCE[dtype], "o")
+    assert_rel_close(final_step, final_chunked, KERNEL_TOLERANCE[dtype], "final state")
+
+
+@tk_testing.requires_kernel("gated_delta_rule")
+def test_kernel_recurrent_head_dim_64_only_up_to_its_length():
+    """K = V = 64 runs a kernel (the recurrent one) while no sequence is longer than 16, the reference beyond
+    (the chunked kernels take K = V = 128 only), also when one packed sequence is 17 long."""
+    torch.manual_seed(0)
+    with tk_testing.runs_the_kernels("gated_delta_rule"):
+        gdn_inputs.call(_recurrent_inputs(1, RECURRENT_MAX_T, 1, 1, 64, False, torch.bfloat16))
+    with tk_testing.runs_the_references("gated_delta_rule"):
+        gdn_inputs.call(_recurrent_inputs(1, RECURRENT_MAX_T + 1, 1, 1, 64, False, torch.bfloat16))
+    lengths = [1, RECURRENT_MAX_T + 1]
+    cu_seqlens = torch.tensor([0, 1, sum(lengths)], dtype=torch.int32, device="cuda")
+    with tk_testing.runs_the_references("gated_delta_rule"):
+        gdn_inputs.call(_recurrent_inputs(1, sum(lengths), 1, 1, 64, False, torch.bfloat16), cu_seqlens=cu_seqlens)
+
+
+@tk_testing.requires_kernel("gated_delta_rule")
+@pytest.mark.parametrize("D", RECURRENT_DIMS, ids=lambda d: f"D{d}")
+def test_kernel_recurrent_state_8_but_not_16_byte_aligned(D):
+    """An initial_state view 8 bytes past a 16-byte boundary (the recurrent kernel loads S in float4): at
+    K = V = 128 the chunked kernels take it (8-byte aligned pairs), at 64 the reference; both match the
+    float64 recurrence."""
+    torch.manual_seed(0)
+    inputs = _recurrent_inputs(2, 1, 1, 2, D, True, torch.bfloat16)
+    state = inputs["initial_state"]
+    shifted = torch.empty(state.numel() + 2, device="cuda")[2:].view_as(state).copy_(state)
+    assert shifted.data_ptr() % 16 == 8
+    path = tk_testing.runs_the_kernels if D == KERNEL_DIM else tk_testing.runs_the_references
+    with path("gated_delta_rule"):
+        o, final = gdn_inputs.call(dict(inputs, initial_state=shifted), use_qk_l2norm=True)
+    o_exact, final_exact = gdn_inputs.recurrence({name: t.double() for name, t in inputs.items()},
+                                                 use_qk_l2norm=True)
+    assert_rel_close(o, o_exact, KERNEL_TOLERANCE[torch.bfloat16], "o")
+    assert_rel_close(final, final_exact, KERNEL_TOLERANCE[torch.bfloat16], "final state")
+
+
+@tk_testing.requires_kernel("gated_delta_rule")
+def test_kernel_recurrent_decode_steps_replay_in_a_cuda_graph():
+    """A captured decode step (T = 1, the state carried from step to step) replayed with new q, k, v, g and
+    beta gives, step after step, the outputs and states of eager calls, bit for bit."""
+    torch.manual_seed(0)
+    B, Hk, Hv, D = 4, 2, 4, KERNEL_DIM
+    live = _recurrent_inputs(B, 1, Hk, Hv, D, True, torch.bfloat16)
+    eager = {name: t.clone() for name, t in live.items()}
+
+    def step(inputs):
+        return gdn_inputs.call(inputs, use_qk_l2norm=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step({name: t.clone() for name, t in live.items()})  # warm up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_captured, final_captured = step(live)
+    for _ in range(3):
+        fresh = _recurrent_inputs(B, 1, Hk, Hv, D, False, torch.bfloat16)
+        for name in gdn_inputs.NAMES[:5]:
+            live[name].copy_(fresh[name])
+            eager[name].copy_(fresh[name])
+        graph.replay()
+        o_eager, final_eager = step(eager)
+        torch.testing.assert_close(o_captured, o_eager, rtol=0, atol=0)
+        torch.testing.assert_close(final_captured, final_eager, rtol=0, atol=0)
+        live["initial_state"].copy_(final_captured)
+        eager["initial_state"].copy_(final_eager)

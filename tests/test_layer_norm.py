@@ -12,7 +12,8 @@ import torch
 import tk_ops
 from inputs.layer_norm import EPS, make_inputs
 from tk_ops.ops.layer_norm import dropout_hash, dropout_keep_mask
-from tk_testing import TOLERANCE, assert_rel_close, on_gpu_rows, on_gpu_with_canary, requires_kernel
+from tk_testing import (TOLERANCE, assert_rel_close, capture_cuda_graph, on_gpu_rows, on_gpu_with_canary,
+                        requires_kernel)
 
 # Odd row counts and hidden sizes that are no multiple of 8; one 1-D input, one 4-D input.
 SHAPES = [(37,), (5, 100), (3, 7, 37), (2, 3, 5, 19)]
@@ -364,14 +365,8 @@ def test_kernel_cuda_graph_draws_fresh_masks_per_replay():
     x = (torch.rand(129, 1000, device="cuda") + 0.5).bfloat16()
     zeros = torch.zeros_like(x)
     weight, bias = torch.ones(1000, device="cuda", dtype=torch.bfloat16), None
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        tk_ops.layer_norm(x, weight, bias, residual=zeros, dropout_p=p, return_residual=True)  # warm-up
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        _, h = tk_ops.layer_norm(x, weight, bias, residual=zeros, dropout_p=p, return_residual=True)
+    graph, (_, h) = capture_cuda_graph(
+        lambda: tk_ops.layer_norm(x, weight, bias, residual=zeros, dropout_p=p, return_residual=True))
     masks = []
     for _ in range(3):
         graph.replay()

@@ -15,8 +15,8 @@ from torch.profiler import ProfilerActivity, profile
 import tk_ops
 from inputs.linear_cross_entropy import float64_loss, make_inputs
 from tk_ops.ops import linear_cross_entropy as linear_cross_entropy_module
-from tk_testing import (TOLERANCE, assert_rel_close, check_matches_contiguous_copies, parametrize_with_ids,
-                        rel_err, requires_kernel, runs_the_kernels)
+from tk_testing import (TOLERANCE, RecordTkCalls, assert_rel_close, check_matches_contiguous_copies,
+                        parametrize_with_ids, rel_err, requires_kernel, runs_the_kernels)
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -231,9 +231,65 @@ def test_memory_stays_far_below_the_logits():
     assert backward_peak < logits_bytes / 4, backward_peak
 
 
+@pytest.mark.usefixtures("small_tiles")
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@parametrize_with_ids("with_bias, label_smoothing, softcap", OPTIONS)
+def test_with_grads_op_backward_scales_the_stored_gradients(reduction, with_bias, label_smoothing, softcap):
+    """tk.linear_cross_entropy_with_grads (what the public function calls on the kernels' inputs when a backward
+    follows): its loss is the forward's, its gradients those of the loss itself, and its autograd backward returns
+    them times the output gradient."""
+    x, weight, bias, target = make_inputs(N, H, V, with_bias=with_bias, requires_grad=True)
+    options = (-100, label_smoothing, softcap, reduction)
+    loss, lse, *stored = torch.ops.tk.linear_cross_entropy_with_grads(x, weight, target, bias, *options, [True] * 3)
+    plain_loss, plain_lse = torch.ops.tk.linear_cross_entropy(x, weight, target, bias, *options)
+    torch.testing.assert_close(loss, plain_loss, rtol=0, atol=0)
+    torch.testing.assert_close(lse, plain_lse, rtol=0, atol=0)
+    leaves = [t for t in (x, weight, bias) if t is not None]
+    reference_leaves = [t.detach().clone().requires_grad_() for t in leaves]
+    expected = float64_loss(*reference_leaves[:2], target, *reference_leaves[2:], reduction=reduction,
+                            label_smoothing=label_smoothing, softcap=softcap)
+    for name, got, want in zip(("x", "weight", "bias"), stored,
+                                 torch.autograd.grad(expected, reference_leaves, retain_graph=True)):
+        assert_rel_close(got, want, 1e-12, f"stored grad_{name}")
+    grad = torch.tensor(-0.37, dtype=torch.float64)
+    grads = torch.autograd.grad(loss, leaves, grad)
+    for name, got, want in zip(("x", "weight", "bias"), grads, torch.autograd.grad(expected, reference_leaves, grad)):
+        assert_rel_close(got, want, 1e-12, f"grad_{name}")
+    with pytest.raises(ValueError, match="reduction must be 'mean' or 'sum'"):
+        torch.ops.tk.linear_cross_entropy_with_grads(x, weight, target, bias, -100, 0.0, None, "none", [True] * 3)
+
+
+def test_with_grads_op_leaves_out_what_is_not_asked():
+    x, weight, bias, target = make_inputs(N, H, V, requires_grad=True)
+    _, _, grad_x, grad_weight, grad_bias = torch.ops.tk.linear_cross_entropy_with_grads(
+        x, weight, target, bias, -100, 0.0, None, "mean", [False, True, False])
+    assert grad_x.shape == (0,) and grad_bias.shape == (0,) and grad_weight.shape == weight.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_scaled_rounds_once_with_the_output_gradient_in_fp32(monkeypatch, dtype):
+    """g * G for a 16-bit G: g is not rounded to 16 bits first (1/3 is not a bf16 number), and the chunks of
+    rows (here of 3 rows) cover G."""
+    monkeypatch.setattr(linear_cross_entropy_module, "SCALE_CHUNK_ELEMENTS", 3 * 7)
+    gradient = torch.randn(10, 7).to(dtype)
+    grad = torch.tensor(1 / 3)
+    expected = (gradient.double() * grad.double()).to(dtype)
+    torch.testing.assert_close(linear_cross_entropy_module._scaled(gradient, grad), expected, rtol=0, atol=0)
+
+
+def test_the_public_function_computes_gradients_in_the_forward_only_on_the_kernels_inputs():
+    """On the CPU (the reference), without grad, for "none" or without an input that asks for a gradient: the
+    forward op alone, its backward recomputing the logits."""
+    x, weight, bias, target = make_inputs(N, H, V, requires_grad=True)
+    assert linear_cross_entropy_module._gradients_in_the_forward(x, weight, bias, "mean") is None
+    with RecordTkCalls() as recorder:
+        tk_ops.linear_cross_entropy(x, weight, target, bias=bias).backward()
+    assert set(recorder.calls) == {"linear_cross_entropy", "linear_cross_entropy_bwd"}
+
+
 # ------------------------------------------------------------------------------------------- CUDA kernels
 
-LCE_OPS = ("linear_cross_entropy", "linear_cross_entropy_bwd")
+LCE_OPS = ("linear_cross_entropy", "linear_cross_entropy_bwd", "linear_cross_entropy_with_grads")
 requires_kernels = requires_kernel("linear_cross_entropy")
 KERNEL_DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 # The kernels' GEMM rounds the logits to x's dtype (as F.linear(x, W).float() does): about 2^-9 |z| a logit in
@@ -344,7 +400,9 @@ def test_kernels_fp16_gradients_at_least_as_accurate_as_the_unfused_form(reducti
     leaves = [t for t in (x, weight, bias) if t is not None]
     reference_leaves = [t.detach().cpu().double().requires_grad_() for t in leaves]
     expected = float64_loss(*reference_leaves[:2], target.cpu(), *reference_leaves[2:], softcap=softcap, **options)
-    grad = torch.randn_like(expected)
+    # "mean" and "sum" compute the gradients in the forward and round g G once more in the backward: a power of
+    # two (a loss scale) keeps that exact; test_kernels_with_grads_* check other g against float64.
+    grad = torch.randn_like(expected) if reduction == "none" else torch.tensor(-2.0, dtype=torch.float64)
     expected_grads = torch.autograd.grad(expected, reference_leaves, grad)
 
     def fused(x, weight, bias=None):
@@ -429,8 +487,9 @@ def test_kernels_read_row_strided_x_in_place():
 
 @requires_kernels
 def test_kernels_memory_stays_far_below_the_logits():
-    """bf16 logits of 2 GiB (16384 rows by 65536 classes): the forward and the backward each peak under a quarter
-    of them (a tile is 256 MiB), and what the forward leaves for the backward is the lse, N floats."""
+    """bf16 logits of 2 GiB (16384 rows by 65536 classes), reduction "none" (the backward recomputes the logits):
+    the forward and the backward each peak under a quarter of them (a tile is 256 MiB), and what the forward
+    leaves for the backward is the lse and the losses, N floats each."""
     rows, hidden, vocab = 16384, 256, 65536
     x, weight, _, target = make_inputs(rows, hidden, vocab, dtype=torch.bfloat16, with_bias=False,
                                        requires_grad=True, device="cuda")
@@ -439,12 +498,81 @@ def test_kernels_memory_stays_far_below_the_logits():
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     with runs_the_kernels(*LCE_OPS):
+        loss = tk_ops.linear_cross_entropy(x, weight, target, reduction="none")
+        forward_peak = torch.cuda.max_memory_allocated() - before
+        kept = torch.cuda.memory_allocated() - before
+        torch.cuda.reset_peak_memory_stats()
+        loss.sum().backward()
+    backward_peak = torch.cuda.max_memory_allocated() - before
+    assert forward_peak < logits_bytes / 4, forward_peak
+    assert kept <= 2 * rows * 4 + 1024, kept  # lse and the losses (the allocator's 512-byte blocks)
+    assert backward_peak < logits_bytes / 4, backward_peak
+
+
+@requires_kernels
+def test_kernels_with_grads_memory():
+    """The same with "mean": the forward computes the gradients (a tile of 2^28 logits, 512 MiB, and grad_W's fp32
+    sum) and leaves them for the backward, grad_x and grad_weight in bf16 ((N + V) H 2 bytes); each peak stays
+    under a quarter of the logits plus those gradients."""
+    rows, hidden, vocab = 16384, 256, 65536
+    x, weight, _, target = make_inputs(rows, hidden, vocab, dtype=torch.bfloat16, with_bias=False,
+                                       requires_grad=True, device="cuda")
+    logits_bytes = rows * vocab * 2
+    gradients_bytes = (rows + vocab) * hidden * 2
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    with runs_the_kernels(*LCE_OPS), RecordTkCalls() as recorder:
         loss = tk_ops.linear_cross_entropy(x, weight, target)
         forward_peak = torch.cuda.max_memory_allocated() - before
         kept = torch.cuda.memory_allocated() - before
         torch.cuda.reset_peak_memory_stats()
         loss.backward()
     backward_peak = torch.cuda.max_memory_allocated() - before
-    assert forward_peak < logits_bytes / 4, forward_peak
-    assert kept <= rows * 4 + 1024, kept  # lse, and the loss (the allocator's 512-byte blocks)
-    assert backward_peak < logits_bytes / 4, backward_peak
+    assert set(recorder.calls) == {"linear_cross_entropy_with_grads"}
+    assert forward_peak < logits_bytes / 4 + 3 * gradients_bytes, forward_peak
+    assert kept <= gradients_bytes + rows * 4 + 4096, kept  # the gradients, lse, the loss
+    assert backward_peak < logits_bytes / 4 + 3 * gradients_bytes, backward_peak
+
+
+@requires_kernels
+def test_kernels_with_grads_only_when_a_backward_follows():
+    """The with-grads op for "mean" and "sum" on inputs asking for gradients; the forward op alone without grad
+    mode or without such inputs, and for "none" (whose backward recomputes the logits)."""
+    x, weight, bias, target = make_inputs(GPU_N, GPU_H, GPU_V, dtype=torch.bfloat16, device="cuda")
+
+    def ops_called(x, weight, reduction="mean", grad=True):
+        with RecordTkCalls() as recorder, torch.set_grad_enabled(grad):
+            loss = tk_ops.linear_cross_entropy(x, weight, target, bias=bias, reduction=reduction)
+            if loss.requires_grad:
+                loss.sum().backward()
+        return set(recorder.calls)
+
+    with runs_the_kernels(*LCE_OPS):
+        with_grads = {"linear_cross_entropy_with_grads"}
+        assert ops_called(x.requires_grad_(), weight) == with_grads
+        assert ops_called(x.detach(), weight.requires_grad_(), reduction="sum") == with_grads
+        assert ops_called(x.requires_grad_(), weight, reduction="none") == {"linear_cross_entropy",
+                                                                             "linear_cross_entropy_bwd"}
+        assert ops_called(x.requires_grad_(), weight, grad=False) == {"linear_cross_entropy"}
+        assert ops_called(x.detach(), weight.detach()) == {"linear_cross_entropy"}
+
+
+@requires_kernels
+@KERNEL_DTYPES
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@parametrize_with_ids("with_bias, label_smoothing, softcap", [("plain", False, 0.0, None),
+                                                              ("smoothing-softcap-bias", True, 0.3, 4.0)])
+def test_kernels_with_grads_across_tiles_of_rows(poisoned_allocations, dtype, reduction, with_bias, label_smoothing,
+                                                 softcap):
+    """V = 2^20 + 5 classes: 128 rows a tile of 2^28 logits, so 300 rows are three tiles (128 + 128 + 44), grad_W
+    summed over them by the accumulating GEMM, whose output tiles end past H = 16 columns and past V's last
+    5 rows; ignored rows in the first tile and the last; a random output gradient (not a power of two) against
+    float64."""
+    vocab = (1 << 20) + 5
+    x, weight, bias, target = make_inputs(300, 16, vocab, dtype=dtype, with_bias=with_bias, ignored=7, device="cuda")
+    target[-5:] = torch.tensor([-100, vocab - 1, 0, 128, -100])
+    with runs_the_kernels(*LCE_OPS), RecordTkCalls() as recorder:
+        check_against_float64(x, weight, bias, target, KERNEL_LOSS_TOLERANCE[dtype], KERNEL_GRAD_TOLERANCE[dtype],
+                              reduction=reduction, label_smoothing=label_smoothing, softcap=softcap)
+    assert set(recorder.calls) == {"linear_cross_entropy_with_grads"}

@@ -106,15 +106,7 @@ def test_cuda_graph_replays_as_eager(sample):
     with sample.context():
         inputs = list(sample.make_inputs())
         first_values = [] if sample.changed == 0 else [t.clone() for t in _outputs(sample.step(*inputs))]
-        if sample.warm_up:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                sample.step(*inputs)  # warm-up outside the capture
-            torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            replayed = _outputs(sample.step(*inputs))
+        graph, replayed = tk_testing.capture_cuda_graph(lambda: _outputs(sample.step(*inputs)), sample.warm_up)
         new_values = sample.make_inputs() if sample.new_values is None else sample.new_values(*inputs)
         for static, value in zip(inputs, new_values, strict=True):
             if value is not static:

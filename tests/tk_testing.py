@@ -81,6 +81,22 @@ def runs_the_references(*op_names: str):
         assert any(f"tk.{name} has no" in message for message in messages), f"tk.{name} gave no reference warning"
 
 
+def capture_cuda_graph(step: Callable[[], object], warm_up: bool = True) -> tuple[torch.cuda.CUDAGraph, object]:
+    """``step()`` captured in a CUDA graph, after one call on a side stream unless not ``warm_up`` (as
+    torch.cuda.graphs asks: a first call's lazy setup must not be captured). Returns the graph and what the
+    captured ``step()`` returned: the tensors each replay writes."""
+    if warm_up:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    return graph, captured
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in float64 (NaN anywhere gives inf)."""
     out64, ref64 = out.detach().double().cpu(), ref.detach().double().cpu()

@@ -416,11 +416,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd_
 // blocks of a multiple of 128 positions: the cache (B_cache, Nmax, Hkv, D) as packed rows, each sequence's
 // span a row's Nmax slots (or a chunk of them) and its keys the first cache_seqlens[b] + Nnew of them
 // (FlashAttention's seqused_k); the queries as below (kvcache_rows). One launch before the kernel appends
-// k and v and writes the packed sequences' metadata (attn::launch_prepare), one after it combines the
-// decode form's chunks. Nothing is read on the host (no sync: a decode step can be captured in a CUDA
-// graph). The contents of cache_seqlens are the caller's contract, as with FlashAttention: appended
-// positions are clamped into the sequence's own row and the kernel's reads to the cache, so no content
-// makes a call touch memory outside the caches.
+// k and v and writes the packed sequences' metadata (attn::launch_prepare; the decode form's chunks cut by
+// every row's length there), one after it combines the decode form's chunks. Nothing is read on the host
+// (no sync: a decode step can be captured in a CUDA graph). The contents of cache_seqlens are the caller's
+// contract, as with FlashAttention: appended positions are clamped into the sequence's own row and the
+// kernel's reads to the cache, so no content makes a call touch memory outside the caches.
 
 // A dense cache (B_cache, Nmax, H, X), or a paged one (num_blocks, block_size, H, X), as packed rows
 // (B_cache * Nmax or num_blocks * block_size, H, X), or nothing if its rows are not one stride apart.
@@ -433,15 +433,15 @@ std::optional<at::Tensor> cache_rows(const at::Tensor& cache) {
 // How a call's queries meet the cache in the kernel (kernels/attention/kvcache.h has the two forms'
 // packed sequences). Decode form (Nq <= DECODE_MAX_QUERIES and no window: every query sees the prefix of
 // the keys, so its rows need no mask there): each K/V block is read once per KV head for its Nq x G
-// query rows (G = Hq / Hkv) instead of once per query head; the cache row is cut into `splits` chunks
-// (split-KV) when B x Hkv tasks would leave SMs idle; with a causal mask the last Nq - 1 keys are a
-// separate tail call. The chunks and the tail are combined by their lse afterwards, where the sinks (one
-// per query head) join. Host arithmetic only: the rows themselves are made on the device
-// (attn::launch_prepare).
+// query rows (G = Hq / Hkv) instead of once per query head; the cache rows are cut into chunks (split-KV),
+// about target_chunks over the batch by the rows' lengths on the device (balanced; many rows: one chunk
+// each), `sequences` the most any lengths make; with a causal mask the last Nq - 1 keys are a separate tail call. The chunks and the tail are
+// combined by their lse afterwards, where the sinks (one per query head) join. Host arithmetic only: the
+// rows themselves are made on the device (attn::launch_prepare).
 struct kvcache_rows {
-  int64_t sequences = 0, max_q = 0, splits = 1, chunk = 0, group = 1;
+  int64_t sequences = 0, max_q = 0, target_chunks = 0, group = 1;
   int64_t tail = 0;  // the decode form's causal tail (kvcache.h): Nq - 1 keys, or none
-  bool decode = false;
+  bool decode = false, balanced = false;
 };
 
 // A packed call's metadata in an int32 buffer, as the prepare kernel writes it: cu_seqlens_q and cu_seqlens_k
@@ -468,10 +468,10 @@ kvcache_rows rows_for(const at::Tensor& q, int64_t kv_heads, int64_t capacity, b
   int sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q.get_device()));
   const attn::decode_split split = attn::decode_split_for(batch, kv_heads, capacity, sms);
-  r.splits = split.splits;
-  r.chunk = split.chunk;
+  r.balanced = split.balanced;
+  r.target_chunks = split.target_chunks;
   r.group = q_heads / kv_heads;
-  r.sequences = batch * r.splits;
+  r.sequences = split.sequences;
   r.max_q = r.group * q_len;
   r.tail = causal ? q_len - 1 : 0;
   return r;
@@ -525,9 +525,11 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> attention_with_kvcache_kernels
     const int64_t kv_heads = k_cache.size(2), tail_rows = batch * rows.tail;
     q_rows = decode ? at::empty({rows.sequences * rows.max_q, kv_heads, q.size(3)}, q.options())
                     : q.reshape({batch * q_len, q.size(2), q.size(3)});
-    // the call's packed metadata, then the tail's (one sequence per batch row)
+    // the call's packed metadata, then the tail's (one sequence per batch row), then the decode form's chunk
+    // offsets (batch + 1)
     const int64_t call_ints = packed_metadata_ints(rows.sequences);
-    metadata = at::empty({call_ints + (rows.tail > 0 ? packed_metadata_ints(batch) : 0)}, q.options().dtype(at::kInt));
+    const int64_t tail_ints = rows.tail > 0 ? packed_metadata_ints(batch) : 0, chunk_offsets = decode ? batch + 1 : 0;
+    metadata = at::empty({call_ints + tail_ints + chunk_offsets}, q.options().dtype(at::kInt));
     const auto qv = packed_view_of(q_rows), kv = packed_view_of(*k_rows), vv = packed_view_of(*v_rows);
     if (qv && kv && vv) {
       attn::forward_problem p{element_of(q), causal && !decode, float(scale), *qv, *kv, *vv, nullptr, nullptr};
@@ -579,9 +581,10 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> attention_with_kvcache_kernels
     call.page_rows = k_cache.size(1);
     call.pages = k_cache.size(0);
   }
+  call.sequences = rows.sequences;
   call.decode = rows.decode;
-  call.splits = rows.splits;
-  call.chunk = rows.chunk;
+  call.balanced = rows.balanced;
+  call.target_chunks = rows.target_chunks;
   if (tail_plan) {
     call.tail = rows.tail;
     call.k_tail = k_tail.data_ptr();
@@ -597,6 +600,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> attention_with_kvcache_kernels
   call.cu_seqlens_q = const_cast<int*>(plan->packed.cu_seqlens_q);
   call.cu_seqlens_k = const_cast<int*>(plan->packed.cu_seqlens_k);
   call.seqused_k = const_cast<int*>(plan->packed.seqused_k);
+  if (rows.decode) call.chunk_offsets = metadata.data_ptr<int>() + metadata.numel() - (batch + 1);
   const int64_t heads = q_rows.size(1), total = q_rows.size(0), value_dim = v_cache.size(3);
   at::Tensor out = at::empty({total, heads, value_dim}, q.options());
   at::Tensor lse = at::empty({heads, total}, q.options().dtype(at::kFloat));
@@ -621,8 +625,8 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> attention_with_kvcache_kernels
   }
   at::Tensor combined = at::empty({batch, q_len, q.size(2), value_dim}, q.options());
   at::Tensor combined_lse = at::empty({batch, q.size(2), q_len}, q.options().dtype(at::kFloat));
-  attn::kvcache_combine combine{element_of(q), batch, q_len, q.size(2), k_cache.size(2), value_dim, rows.splits,
-                                out.data_ptr(), lse.data_ptr<float>()};
+  attn::kvcache_combine combine{element_of(q), batch, q_len, q.size(2), k_cache.size(2), value_dim,
+                                rows.sequences, call.chunk_offsets, out.data_ptr(), lse.data_ptr<float>()};
   if (tail_plan) {
     combine.tail_out = tail_out.data_ptr();
     combine.tail_lse = tail_lse.data_ptr<float>();

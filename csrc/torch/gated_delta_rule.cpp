@@ -1,17 +1,19 @@
-// CUDA kernel of tk::gated_delta_rule (the forward) on the chunked gated delta rule kernels
-// (csrc/kernels/gated_delta_rule). The backward stays the reference (tk::gated_delta_rule_bwd, which
-// recomputes from the inputs).
+// CUDA kernels of tk::gated_delta_rule (the forward; csrc/kernels/gated_delta_rule): the recurrent one
+// when no sequence is longer than RECURRENT_MAX_T (decoding), the chunked ones otherwise. The backward
+// stays the reference (tk::gated_delta_rule_bwd, which recomputes from the inputs).
 //
 // The entry re-checks its arguments, describes q, k, v to the kernels as they are stored ((B, T, H, D)
 // read as (B, H, T, D), any strides with a unit last stride), brings g and beta to contiguous fp32 and
 // initial_state to contiguous, checks cu_seqlens' contents on the host (one device sync, as the
-// reference, which raises the same ValueError) and launches on the current stream. What the kernels
-// cannot take (fp32/fp64, K or V other than 128, rows that are not 16-byte aligned, an initial_state
-// view that is not 8-byte aligned, another GPU, empty inputs) goes to the reference twin
-// tk::gated_delta_rule_ref, which warns once.
+// reference, which raises the same ValueError) and launches on the current stream. A short problem
+// the recurrent kernel cannot take (an initial_state view 8- but not 16-byte aligned) goes to the
+// chunked ones. What neither takes (fp32/fp64, K or V other than 128 except K = V = 64 up to
+// RECURRENT_MAX_T, rows that are not 16-byte aligned, an initial_state view that is not 8-byte aligned,
+// another GPU, empty inputs) goes to the reference twin tk::gated_delta_rule_ref, which warns once.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -102,40 +104,55 @@ std::tuple<at::Tensor, at::Tensor> gated_delta_rule_cuda(const at::Tensor& q, co
   p.v = *vv;
   const std::optional<at::Tensor> initial = initial_state ? std::optional(initial_state->contiguous()) : std::nullopt;
   p.initial_state = initial ? initial->data_ptr<float>() : nullptr;
-  if (!gdn::unsupported_reason(p).empty()) return fallback();
+  const bool recurrent_takes = gdn::recurrent_unsupported_reason(p).empty();
+  const bool chunked_takes = gdn::unsupported_reason(p).empty();
+  if (!recurrent_takes && !chunked_takes) return fallback();
 
   const int64_t seq_len = q.size(1), value_heads = v.size(2);
+  const std::vector<int> bounds = cu_seqlens ? checked_bounds(*cu_seqlens, seq_len) : std::vector<int>{};
+  int64_t longest = seq_len;
+  if (cu_seqlens) {
+    longest = 0;
+    for (size_t n = 0; n + 1 < bounds.size(); ++n) longest = std::max<int64_t>(longest, bounds[n + 1] - bounds[n]);
+  }
+  const bool recurrent = recurrent_takes && longest <= gdn::RECURRENT_MAX_T;
+  if (!recurrent && !chunked_takes) return fallback();
+
   const at::Tensor g32 = g.to(at::kFloat).contiguous(), beta32 = beta.to(at::kFloat).contiguous();
   p.g = g32.data_ptr<float>();
   p.beta = beta32.data_ptr<float>();
   p.scale = float(scale);
   p.l2norm = use_qk_l2norm;
+  p.sequences = int(cu_seqlens ? bounds.size() - 1 : q.size(0));
 
+  const at::TensorOptions ints = at::TensorOptions().dtype(at::kInt);
   at::Tensor device_bounds, device_first_chunks;
   if (cu_seqlens) {
-    const std::vector<int> bounds = checked_bounds(*cu_seqlens, seq_len);
+    device_bounds = at::tensor(bounds, ints).to(q.device());
+    p.cu_seqlens = device_bounds.data_ptr<int>();
+  }
+  at::Tensor o = at::empty(v.sizes(), v.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor final_state = at::empty({p.sequences, value_heads, k.size(3), v.size(3)}, q.options().dtype(at::kFloat));
+  p.o = o.data_ptr();
+  p.final_state = final_state.data_ptr<float>();
+  if (recurrent) {
+    tk::registration::launch_on(q, [&](cudaStream_t stream) { return gdn::launch_recurrent(p, stream); });
+    return {o, final_state};
+  }
+
+  if (cu_seqlens) {
     std::vector<int> first_chunks(bounds.size(), 0);
     for (size_t n = 0; n + 1 < bounds.size(); ++n) {
       first_chunks[n + 1] = first_chunks[n] + (bounds[n + 1] - bounds[n] + gdn::CHUNK - 1) / gdn::CHUNK;
     }
-    const at::TensorOptions ints = at::TensorOptions().dtype(at::kInt);
-    device_bounds = at::tensor(bounds, ints).to(q.device());
     device_first_chunks = at::tensor(first_chunks, ints).to(q.device());
-    p.cu_seqlens = device_bounds.data_ptr<int>();
     p.first_chunks = device_first_chunks.data_ptr<int>();
-    p.sequences = int(bounds.size() - 1);
     p.chunks = first_chunks.back();
   } else {
-    p.sequences = int(q.size(0));
     p.chunks = q.size(0) * ((seq_len + gdn::CHUNK - 1) / gdn::CHUNK);
   }
-
-  at::Tensor o = at::empty(v.sizes(), v.options().memory_format(at::MemoryFormat::Contiguous));
-  at::Tensor final_state = at::empty({p.sequences, value_heads, k.size(3), v.size(3)}, q.options().dtype(at::kFloat));
   at::Tensor workspace = at::empty({gdn::workspace_bytes(p.chunks, k.size(2), value_heads, k.size(3), v.size(3))},
                                    q.options().dtype(at::kByte));
-  p.o = o.data_ptr();
-  p.final_state = final_state.data_ptr<float>();
   p.workspace = workspace.data_ptr();
   tk::registration::launch_on(q, [&](cudaStream_t stream) { return gdn::launch(p, stream); });
   return {o, final_state};

@@ -1,8 +1,18 @@
-// CUDA kernels of tk::linear_cross_entropy and tk::linear_cross_entropy_bwd: the Hopper GEMM and the
-// row kernel (kernels/linear_cross_entropy), tile by tile, never holding the (N, V) logits.
+// CUDA kernels of tk::linear_cross_entropy, tk::linear_cross_entropy_bwd and
+// tk::linear_cross_entropy_with_grads: the Hopper GEMM and the row kernel (kernels/linear_cross_entropy),
+// tile by tile, never holding the (N, V) logits.
 //
 //   forward   per tile of rows, every class: logits = x_rows W^T + b (GEMM, in x's dtype), then the
 //             loss pass writes the rows' lse and loss; the reduction sums the losses
+//   with grads  the forward ("mean" and "sum": the output gradient is one scalar, applied later), and per
+//             tile of rows, after the loss pass: the gradient pass with g = 1 ("sum") or 1 / count
+//             ("mean"), over `unit`, then
+//               grad_x_rows = unit dlogits W      complete (K = V): written straight into grad_x
+//               grad_W     += unit dlogits^T x_rows  an fp32 sum over the tiles of rows, added by the GEMM's
+//                                                 epilogue (accumulates_c); cast to W's dtype at the end
+//               grad_b     += column sums of dlogits, in fp32, times unit at the end
+//             three GEMMs of 2 N V H flops where the forward and the backward take four (the backward
+//             recomputes the logits)
 //   backward  per tile of classes, every row: logits = x W_c^T + b_c, the gradient pass overwrites
 //             them with d loss / d logits over `unit` (the row gradients g / unit folded in), then
 //               grad_W_c = unit dlogits^T x     complete (K = N): written straight into grad_weight
@@ -47,6 +57,13 @@ using tk::gemm::stored_matrix;
 // logits against a 128k vocabulary). Larger tiles mean fewer passes over grad_x's fp32 sum in the
 // backward (each about 10 N H bytes), smaller ones less memory.
 constexpr int64_t TILE_ELEMENTS = int64_t(1) << 27;
+// The same for the forward that computes the gradients: twice as many rows per tile (512 MiB in bf16).
+// Each tile of rows costs a pass over grad_W's fp32 sum (the accumulating epilogue reads and writes it:
+// 8 V H bytes, 2.1 GB at H = 2048, V = 128256), and grad_x's GEMM of a tile has rows / 128 x H / 256
+// output tiles: 2048 rows give 128 at H = 2048, one wave of the H200's 132 SMs, where 1024 rows give 64
+// (half the SMs idle, or narrow tiles at 0.75 of the rate). Memory at H = 4096, V = 128256: the tile and
+// grad_W's fp32 sum, 0.5 + 2 GiB.
+constexpr int64_t GRADS_TILE_ELEMENTS = int64_t(1) << 28;
 // Tiles are cut at whole output tiles of the GEMM (kernels/gemm/gemm.cuh, tile_plan: 128 x 256).
 constexpr int64_t GEMM_TILE_ROWS = 128;
 constexpr int64_t GEMM_TILE_COLS = 256;
@@ -54,8 +71,8 @@ constexpr int64_t GEMM_TILE_COLS = 256;
 int64_t round_down(int64_t value, int64_t multiple) { return value / multiple * multiple; }
 
 // Rows per forward tile (every class of each row), at least one GEMM tile of rows.
-int64_t forward_tile_rows(int64_t rows, int64_t padded_vocab) {
-  return std::min(rows, std::max(GEMM_TILE_ROWS, round_down(TILE_ELEMENTS / padded_vocab, GEMM_TILE_ROWS)));
+int64_t forward_tile_rows(int64_t rows, int64_t padded_vocab, int64_t tile_elements = TILE_ELEMENTS) {
+  return std::min(rows, std::max(GEMM_TILE_ROWS, round_down(tile_elements / padded_vocab, GEMM_TILE_ROWS)));
 }
 
 // Classes per backward tile (every row), at least one GEMM tile of columns: for more than 2^19 rows
@@ -100,6 +117,16 @@ at::Tensor unit_exponent(const at::Tensor& row_grad, const at::Tensor& counted) 
   return exponent - DLOGITS_EXPONENT;  // frexp: 2^(exponent - 1) <= largest < 2^exponent
 }
 
+// (g / unit per row, unit): the gradient g reaching each row's loss (the output gradient grad, over the
+// number of counted rows under "mean") over the power of two unit (DLOGITS_EXPONENT), both on the device.
+std::pair<at::Tensor, at::Tensor> scaled_row_gradients(const at::Tensor& grad, const at::Tensor& counted,
+                                                       c10::string_view reduction) {
+  at::Tensor row_grad = grad.to(at::kFloat).expand(counted.sizes());
+  if (reduction == "mean") row_grad = row_grad / counted.sum();
+  const at::Tensor exponent = unit_exponent(row_grad, counted);
+  return {(row_grad * power_of_two(-exponent)).contiguous(), power_of_two(exponent)};
+}
+
 // Rows [first, first + count) of a row-major matrix, as the GEMM reads it.
 stored_matrix rows_of(const at::Tensor& t, int64_t first, int64_t count) {
   return {static_cast<const char*>(t.data_ptr()) + first * t.stride(0) * t.element_size(), count, t.size(1),
@@ -135,6 +162,25 @@ struct tile_gemms {
     return {element_of(x), classes, x.size(1), rows, {tile, rows, classes, tile_stride}, major::mn,
             rows_of(x, 0, rows), major::mn, out, x.size(1), nullptr, unit};
   }
+
+  // With grads, per tile of rows [r0, r0 + rows) holding every class:
+  // grad_x[rows] = unit (dlogits W): (rows x V) (V x H), written once (K = V) in x's dtype at `out` (grad_x's
+  // row r0)
+  tk::gemm::problem grad_x_rows(int64_t rows, int64_t vocab, void* tile, int64_t tile_stride, void* out,
+                                const float* unit) const {
+    tk::gemm::problem p = grad_x(rows, 0, vocab, tile, tile_stride, out);
+    p.c_scale = unit;
+    return p;
+  }
+
+  // grad_W (fp32, V x H) += unit (dlogits^T x_rows): (V x rows) (rows x H), the tile read transposed
+  tk::gemm::problem grad_weight_sum(int64_t r0, int64_t rows, int64_t vocab, void* tile, int64_t tile_stride,
+                                    float* sum, const float* unit) const {
+    tk::gemm::problem p{element_of(x), vocab, x.size(1), rows, {tile, rows, vocab, tile_stride}, major::mn,
+                        rows_of(x, r0, rows), major::mn, sum, x.size(1), nullptr, unit};
+    p.accumulates_c = true;
+    return p;
+  }
 };
 
 // The one place that decides between the kernels and the reference: x (and so weight and bias) bf16
@@ -154,7 +200,8 @@ bool kernels_take(const at::Tensor& x, const at::Tensor& weight, const std::opti
   const int64_t stride = lce::tile_row_stride(classes);
   for (const tk::gemm::problem& p : {gemms.logits(0, rows, 0, classes, nullptr, stride),
                                      gemms.grad_x(rows, 0, classes, nullptr, stride, nullptr),
-                                     gemms.grad_weight(rows, classes, nullptr, stride, nullptr, nullptr)}) {
+                                     gemms.grad_weight(rows, classes, nullptr, stride, nullptr, nullptr),
+                                     gemms.grad_weight_sum(0, rows, classes, nullptr, stride, nullptr, nullptr)}) {
     if (!tk::gemm::unsupported_reason(p).empty()) return false;
   }
   return true;
@@ -185,6 +232,28 @@ lce::tile_problem row_problem(lce::row_pass pass, const at::Tensor& tile, int64_
   p.label_smoothing = label_smoothing;
   p.softcap = softcap.value_or(0.0);
   return p;
+}
+
+// The forward's work on the tile of rows [r0, r0 + count) (every class): the logits GEMM into `tile`, then the
+// loss pass, which writes the rows' lse and loss. Returns the row problem, for a gradient pass on the tile.
+lce::tile_problem logits_and_loss(const tile_gemms& gemms, const at::Tensor& tile, int64_t r0, int64_t count,
+                                  const at::Tensor& targets, int64_t ignore_index, double label_smoothing,
+                                  std::optional<double> softcap, const at::Tensor& lse, const at::Tensor& loss_rows) {
+  const int64_t vocab = gemms.weight.size(0);
+  run_gemm(gemms.logits(r0, count, 0, vocab, tile.data_ptr(), tile.stride(0)), gemms.x);
+  lce::tile_problem p = row_problem(lce::row_pass::loss, tile, count, 0, vocab, vocab,
+                                    targets.data_ptr<int64_t>() + r0, ignore_index, label_smoothing, softcap);
+  p.lse = lse.data_ptr<float>() + r0;
+  p.loss = loss_rows.data_ptr<float>() + r0;
+  run_rows(p, gemms.x);
+  return p;
+}
+
+// "sum" or "mean" of the rows' losses: 0 / 0 = NaN for "mean" when every row is ignored, as PyTorch.
+at::Tensor reduced(const at::Tensor& loss_rows, const at::Tensor& targets, int64_t ignore_index,
+                   c10::string_view reduction) {
+  const at::Tensor total = loss_rows.sum();
+  return reduction == "sum" ? total : total / (targets != ignore_index).sum();
 }
 
 bool is_reduction(c10::string_view reduction) {
@@ -238,18 +307,11 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_cuda(const at::Tensor& x
   const at::Tensor loss_rows = at::empty({rows}, x.options().dtype(at::kFloat));
   const tile_gemms gemms{x, weight, bias};
   for (int64_t r0 = 0; r0 < rows; r0 += tile_rows) {
-    const int64_t count = std::min(tile_rows, rows - r0);
-    run_gemm(gemms.logits(r0, count, 0, vocab, tile.data_ptr(), tile.stride(0)), x);
-    lce::tile_problem p = row_problem(lce::row_pass::loss, tile, count, 0, vocab, vocab,
-                                      targets.data_ptr<int64_t>() + r0, ignore_index, label_smoothing, softcap);
-    p.lse = lse.data_ptr<float>() + r0;
-    p.loss = loss_rows.data_ptr<float>() + r0;
-    run_rows(p, x);
+    logits_and_loss(gemms, tile, r0, std::min(tile_rows, rows - r0), targets, ignore_index, label_smoothing, softcap,
+                    lse, loss_rows);
   }
   if (reduction == "none") return {loss_rows, lse};
-  const at::Tensor total = loss_rows.sum();
-  if (reduction == "sum") return {total, lse};
-  return {total / (targets != ignore_index).sum(), lse};  // 0 / 0 = NaN when every row is ignored, as PyTorch
+  return {reduced(loss_rows, targets, ignore_index, reduction), lse};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_bwd_cuda(
@@ -280,11 +342,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_bwd_cuda(
   // g: the gradient reaching each row's loss (the kernel writes zeros on ignored rows whatever g is), over
   // unit (DLOGITS_EXPONENT).
   const at::Tensor counted = targets != ignore_index;
-  at::Tensor row_grad = grad.to(at::kFloat).expand({rows});
-  if (reduction == "mean") row_grad = row_grad / counted.sum();
-  const at::Tensor exponent = unit_exponent(row_grad, counted);
-  const at::Tensor unit = power_of_two(exponent);
-  row_grad = (row_grad * power_of_two(-exponent)).contiguous();
+  const auto [row_grad, unit] = scaled_row_gradients(grad, counted, reduction);
 
   const int64_t tile_classes = backward_tile_classes(rows, vocab);
   const at::Tensor tile = at::empty({rows, lce::tile_row_stride(tile_classes)}, x.options());
@@ -323,9 +381,83 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_bwd_cuda(
   return {grad_x, grad_weight, grad_bias};
 }
 
+// The forward that also computes the gradients of the loss itself (output gradient 1), for "mean" and
+// "sum": the autograd backward multiplies them by the output gradient. Per tile of rows (every class):
+// the logits GEMM, the loss pass, the gradient pass in place, grad_x's rows (K = V, written once) and
+// grad_W's fp32 sum (K = the tile's rows, added by the GEMM's epilogue), grad_b's fp32 column sums.
+// Memory beyond inputs and outputs: the tile (GRADS_TILE_ELEMENTS of x's dtype), 8 bytes a row, grad_W's
+// fp32 sum (4 V H bytes) while the tiles run, and with a bias 8 V bytes.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_with_grads_cuda(
+    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& target, const std::optional<at::Tensor>& bias,
+    int64_t ignore_index, double label_smoothing, std::optional<double> softcap, c10::string_view reduction,
+    std::array<bool, 3> output_mask) {
+  const char* op = "tk::linear_cross_entropy_with_grads";
+  check_inputs(op, x, weight, target, bias, label_smoothing, softcap, reduction);
+  TORCH_CHECK_VALUE(reduction != "none", op,
+                    ": reduction must be 'mean' or 'sum' (with 'none' the output gradient is one per row, "
+                    "not known in the forward), got 'none'");
+  if (!kernels_take(x, weight, bias)) {
+    return fallback<&linear_cross_entropy_with_grads_cuda>("tk::linear_cross_entropy_with_grads_ref", x, weight,
+                                                           target, bias, ignore_index, label_smoothing, softcap,
+                                                           reduction, output_mask);
+  }
+  const int64_t rows = x.size(0), vocab = weight.size(0);
+  const bool want_x = output_mask[0], want_weight = output_mask[1], want_bias = output_mask[2] && bias.has_value();
+  const bool want_any = want_x || want_weight || want_bias;
+  const at::Tensor targets = target.contiguous();
+  const at::Tensor counted = targets != ignore_index;
+  // g = 1 ("sum") or 1 / count ("mean"; inf when every row is ignored, where it reaches no gradient) on
+  // every row, over unit.
+  const auto [row_grad, unit] =
+      scaled_row_gradients(at::ones({}, x.options().dtype(at::kFloat)), counted, reduction);
+
+  const int64_t tile_rows = forward_tile_rows(rows, lce::tile_row_stride(vocab), GRADS_TILE_ELEMENTS);
+  at::Tensor tile = at::empty({tile_rows, lce::tile_row_stride(vocab)}, x.options());
+  const at::Tensor lse = at::empty({rows}, x.options().dtype(at::kFloat));
+  const at::Tensor loss_rows = at::empty({rows}, x.options().dtype(at::kFloat));
+  at::Tensor grad_x = x.new_empty({0}), grad_weight = x.new_empty({0}), grad_bias = x.new_empty({0});
+  at::Tensor grad_weight_sum, grad_bias_sum;
+  if (want_x) grad_x = at::empty(x.sizes(), x.options());
+  if (want_weight) grad_weight_sum = at::zeros(weight.sizes(), weight.options().dtype(at::kFloat));
+  if (want_bias) grad_bias_sum = at::zeros({vocab}, x.options().dtype(at::kFloat));
+
+  const tile_gemms gemms{x, weight, bias};
+  for (int64_t r0 = 0; r0 < rows; r0 += tile_rows) {
+    const int64_t count_r = std::min(tile_rows, rows - r0);
+    lce::tile_problem p = logits_and_loss(gemms, tile, r0, count_r, targets, ignore_index, label_smoothing, softcap,
+                                          lse, loss_rows);
+    if (!want_any) continue;
+    p.pass = lce::row_pass::gradient;
+    p.loss = nullptr;
+    p.row_grad = row_grad.data_ptr<float>() + r0;
+    run_rows(p, x);
+    if (want_x) {
+      void* rows_r = static_cast<char*>(grad_x.data_ptr()) + r0 * grad_x.stride(0) * grad_x.element_size();
+      run_gemm(gemms.grad_x_rows(count_r, vocab, tile.data_ptr(), tile.stride(0), rows_r, unit.data_ptr<float>()),
+               x);
+    }
+    if (want_weight) {
+      run_gemm(gemms.grad_weight_sum(r0, count_r, vocab, tile.data_ptr(), tile.stride(0),
+                                     grad_weight_sum.data_ptr<float>(), unit.data_ptr<float>()),
+               x);
+    }
+    if (want_bias) {
+      grad_bias_sum.add_(at::sum(tile.narrow(0, 0, count_r).narrow(1, 0, vocab), {0}, /*keepdim=*/false, at::kFloat));
+    }
+  }
+  tile.reset();  // freed before grad_W's cast, the peak: its fp32 sum and its copy in W's dtype
+  if (want_weight) {
+    grad_weight = grad_weight_sum.to(weight.scalar_type());
+    grad_weight_sum.reset();
+  }
+  if (want_bias) grad_bias = grad_bias_sum.mul_(unit).to(bias->scalar_type());
+  return {reduced(loss_rows, targets, ignore_index, reduction), lse, grad_x, grad_weight, grad_bias};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(tk, CUDA, m) {
   m.impl("linear_cross_entropy", &linear_cross_entropy_cuda);
   m.impl("linear_cross_entropy_bwd", &linear_cross_entropy_bwd_cuda);
+  m.impl("linear_cross_entropy_with_grads", &linear_cross_entropy_with_grads_cuda);
 }

@@ -1,4 +1,5 @@
-"""tk.attention's inputs (tests/op_db.py and tests/test_attention.py)."""
+"""tk.attention's and tk.attention_varlen's inputs (tests/op_db.py, tests/test_attention.py and
+tests/test_attention_features.py)."""
 
 from __future__ import annotations
 
@@ -48,3 +49,26 @@ def make_varlen(q_lengths, k_lengths, q_heads=4, kv_heads=2, head_dim=16, value_
     q, k, v = (torch.randn(shape, dtype=dtype, device=device).requires_grad_(requires_grad) for shape in (
         (sum(q_lengths), q_heads, head_dim), (sum(k_lengths), kv_heads, head_dim), (sum(k_lengths), kv_heads, value_dim)))
     return q, k, v, cu_q, cu_k, max(max(q_lengths), 1), max(max(k_lengths), 1)
+
+
+# Packed sequences captured in a CUDA graph: the kernels read cu_seqlens on the device, so a replay follows
+# the lengths copied into them (of the same count, none longer than the captured max_seqlen).
+VARLEN_GRAPH_LENGTHS = ([100, 30, 250], [120, 30, 250])
+VARLEN_GRAPH_MAX_SEQLEN = 250
+
+
+def varlen_graph_inputs() -> list[torch.Tensor]:
+    """q, k, v, cu_seqlens_q, cu_seqlens_k of VARLEN_GRAPH_LENGTHS (bf16, D = 64, on the GPU) and a grad_out."""
+    q, k, v, cu_q, cu_k, _, _ = make_varlen(*VARLEN_GRAPH_LENGTHS, head_dim=64, dtype=torch.bfloat16, device="cuda",
+                                            requires_grad=False)
+    return [q, k, v, cu_q, cu_k, torch.randn_like(q)]
+
+
+def varlen_graph_step(q, k, v, cu_seqlens_q, cu_seqlens_k, grad_out) -> tuple[torch.Tensor, ...]:
+    """out, lse and the gradients of q, k, v: causal with a window of 64, the deterministic backward (the
+    one-pass dq's sums come in no fixed order, so replays could not equal eager calls bitwise)."""
+    arguments = (cu_seqlens_q, cu_seqlens_k, VARLEN_GRAPH_MAX_SEQLEN, VARLEN_GRAPH_MAX_SEQLEN, True, 64**-0.5, 64, -1,
+                 0.0, None, True)
+    out, lse = torch.ops.tk.attention_varlen(q, k, v, *arguments)
+    grad_q, grad_k, grad_v, _ = torch.ops.tk.attention_varlen_bwd(grad_out, None, q, k, v, out, lse, *arguments)
+    return out, lse, grad_q, grad_k, grad_v

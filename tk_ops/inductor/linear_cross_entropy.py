@@ -11,7 +11,9 @@ calls as written, with every argument::
     loss   = F.cross_entropy(logits, target, ...)        before or after the cast, or none
 
 and the chain becomes one call of ``tk_ops.linear_cross_entropy`` on x's rows, whose autograd puts
-``tk.linear_cross_entropy`` and ``tk.linear_cross_entropy_bwd`` in the forward and backward graphs.
+``tk.linear_cross_entropy`` and ``tk.linear_cross_entropy_bwd`` in the forward and backward graphs (or,
+on the CUDA kernels' inputs with "mean" or "sum", ``tk.linear_cross_entropy_with_grads`` in the forward
+graph and the scaling of its gradients in the backward one).
 
 Why it is exact, node by node:
   * the linear is ``F.linear(x, weight, bias)``: logits (..., V) = x weight^T + bias;

@@ -32,20 +32,35 @@ Backward op
       -> (Tensor grad_x, Tensor grad_weight, Tensor grad_bias)
   grad has the loss's shape. A gradient not asked for (output_mask False), and grad_bias without a
   bias, comes back empty (shape (0,)). Each gradient has its input's dtype.
+Forward op with the gradients
+  tk::linear_cross_entropy_with_grads(Tensor x, Tensor weight, Tensor target, Tensor? bias, int ignore_index,
+                                      float label_smoothing, float? softcap, str reduction, bool[3] output_mask)
+      -> (Tensor loss, Tensor lse, Tensor grad_x, Tensor grad_weight, Tensor grad_bias)
+  reduction "mean" or "sum" only; loss and lse as the forward op's, the gradients those of the loss itself
+  (output gradient 1; empty where not asked for, as the backward op's), not differentiable. Its autograd
+  backward returns the output gradient g times them (g in fp32, each product rounded once to the
+  gradient's dtype).
 
-The backward recomputes the logits rather than the forward computing the gradients at once (as
-Liger-Kernel's fused linear cross-entropy does, keeping grad_x and grad_weight for the backward to
-scale). Recomputing costs one more GEMM over the logits (4 instead of 3 of 2NVH FLOPs each), and
-buys memory where it is scarcest: between forward and backward the op keeps only lse (N floats)
-besides x, W and the targets, which the model holds anyway, where the other way keeps grad_x and
-grad_weight (V H values: 1 GiB in bf16, 2 GiB in fp32 for Llama-3's 128256 x 4096 head) from the end
-of the forward, when a training step's activations peak, to the head's backward. Measured with torch.profiler's CPU
-allocation events (fp32, N = 4096, H = 256, V = 8192: logits of 128 MiB, x 4 MiB, W 8 MiB, the
-default tiles of 16 MiB): this reference's forward peaks at 16.1 MiB above its inputs and leaves
-16 KiB (lse) behind, its backward peaks at 32.0 MiB (a tile plus the gradients); the same tiles with
-the gradients computed in the forward leave 12.0 MiB behind the forward. Recomputing also gives
-reduction "none" its per-row output gradient for free, and costs nothing beyond the loss where no
-backward follows.
+Recompute or store: both, chosen by the public function. The logits can be recomputed in the
+backward (tk::linear_cross_entropy, then tk::linear_cross_entropy_bwd), or the gradients computed in
+the forward while each tile of logits is at hand and kept for the backward to scale (as
+Liger-Kernel's fused linear cross-entropy does: tk::linear_cross_entropy_with_grads). Recomputing
+costs one more GEMM over the logits (4 instead of 3 of 2NVH FLOPs each: forward + backward 58.9 ms at
+N = 16384, H = 2048, V = 128256 on an H200, four GEMMs of about 14.5 ms), and buys memory where it is
+scarcest: between forward and backward the op keeps only lse (N floats) besides x, W and the targets,
+which the model holds anyway, where storing keeps grad_x and grad_weight ((N + V) H values in x's
+dtype: V H 2 + N H 2 bytes in bf16, 1.0 + 0.125 GiB for Llama-3's 128256 x 4096 head and 16k rows)
+from the end of the forward, when a training step's activations peak, to the head's backward.
+Measured with torch.profiler's CPU allocation events (fp32, N = 4096, H = 256, V = 8192: logits of
+128 MiB, x 4 MiB, W 8 MiB, the default tiles of 16 MiB): this reference's forward peaks at 16.1 MiB
+above its inputs and leaves 16 KiB (lse) behind, its backward peaks at 32.0 MiB (a tile plus the
+gradients); the same tiles with the gradients computed in the forward leave 12.0 MiB behind the
+forward. The public function stores (three GEMMs) where the CUDA kernels serve the inputs (bf16 or
+fp16 CUDA tensors, H a multiple of 8, the extension loaded), a backward will follow (grad mode on, x
+or weight requiring grad) and the output gradient is one scalar ("mean", "sum": the gradients of the
+loss itself are then g times those computed with g = 1); it recomputes for reduction "none" (a
+per-row output gradient is not known in the forward), on the reference (where the fourth GEMM costs
+less than the memory), and costs nothing beyond the loss where no backward follows.
 
 Dtypes: x fp16, bf16, fp32 or fp64; weight and bias x's dtype; target int64. Arithmetic in fp32
 (fp64 for fp64 inputs). Target values other than ignore_index must lie in [0, V) (checked by the
@@ -53,8 +68,9 @@ reference, which raises otherwise). x and weight reach the ops with a unit last 
 strides free); anything else is copied by the public function.
 
 CUDA kernels (csrc/torch/linear_cross_entropy.cpp; tested on the H200, where the forward measured
-1.04-1.05x torch.compile's unfused form and forward + backward 0.71-0.75x:
-benchmarks/results/linear_cross_entropy.md) for bf16 and fp16 x
+1.04-1.05x torch.compile's unfused form and forward + backward 0.71-0.75x with the logits recomputed:
+benchmarks/results/linear_cross_entropy.md; the gradients in the forward are not measured yet) for bf16
+and fp16 x
 on an sm_90 GPU with H a multiple of 8 (rows 16-byte aligned, as the GEMM's TMA reads them), any N
 and V, every option: the project's GEMM writes a tile of logits in x's dtype (rows x all V in the
 forward, all N x a range of classes in the backward, about 2^27 elements), and one row kernel per tile
@@ -72,6 +88,18 @@ alone, as here. Rounding the logits to x's dtype changes a bf16 loss by about 2^
 in the unfused form, well inside bf16's own error on x and W; the gradients go through x's dtype
 anyway (the GEMMs' operands): within their dtype's rounding, in fp16 closer to float64 than the
 unfused fp16 form, whose d loss / d logits with "mean" over many rows are mostly subnormal.
+With the gradients in the forward (tk::linear_cross_entropy_with_grads), per tile of rows x all V (2^28
+elements: 2048 rows at V = 128256, so that grad_x's GEMM fills the SMs at H = 2048 and grad_W's fp32
+sum is read and written half as often): the logits GEMM, the loss pass, the gradient pass in place
+with g = 1 ("sum") or 1 / count ("mean", count on the device), the same unit, then grad_x[rows] = unit
+(dr / unit) W (K = V, written once in x's dtype) and grad_W += unit (dr / unit)^T x[rows] (K = the
+tile's rows: the GEMM's accumulating epilogue adds its fp32 result into grad_W's fp32 sum, read and
+written once a tile of rows, 8 V H bytes), grad_b's fp32 column sums; grad_W is cast to W's dtype at
+the end. Memory beyond inputs and outputs: the tile (512 MiB in bf16), grad_W's fp32 sum (4 V H bytes)
+and, at the end, its copy in W's dtype: at H = 4096, V = 128256, N = 16384 about 3.1 GiB at the peak
+(the unfused form peaks at 23.5); what it leaves for the backward is grad_x and grad_weight, V H 2 +
+N H 2 bytes in bf16 (1.1 GiB there). The backward's g times them rounds once more (g in fp32), exactly
+so for a power of two g (1, a loss scale).
 A target outside [0, V) (not ignore_index) gives NaN for its row there instead of an error (checking
 would stall the GPU stream). Everything else (fp32, fp64, H not a multiple of 8, another GPU, empty
 inputs, a bias with a non-unit stride) runs the reference (csrc/torch/linear_cross_entropy.cpp,
@@ -259,6 +287,37 @@ linear_cross_entropy_op = _library.define(
     reference=_linear_cross_entropy_reference,
     fake=_linear_cross_entropy_fake,
 )
+def _linear_cross_entropy_with_grads_reference(
+    x, weight, target, bias, ignore_index, label_smoothing, softcap, reduction, output_mask
+):
+    """The forward and the gradients of the loss itself (output gradient 1): the reference's forward, then its
+    backward (the same tiles walked twice: correctness first, the memory of the gradients is the same)."""
+    _check_with_grads_reduction(reduction)
+    loss, lse = _linear_cross_entropy_reference(x, weight, target, bias, ignore_index, label_smoothing, softcap,
+                                                reduction)
+    grads = _linear_cross_entropy_bwd_reference(
+        torch.ones((), dtype=loss.dtype, device=loss.device), x, weight, target, bias, lse, ignore_index,
+        label_smoothing, softcap, reduction, output_mask,
+    )
+    return (loss, lse, *grads)
+
+
+def _linear_cross_entropy_with_grads_fake(
+    x, weight, target, bias, ignore_index, label_smoothing, softcap, reduction, output_mask
+):
+    _check_with_grads_reduction(reduction)
+    loss, lse = _linear_cross_entropy_fake(x, weight, target, bias, ignore_index, label_smoothing, softcap, reduction)
+    grads = _linear_cross_entropy_bwd_fake(None, x, weight, target, bias, lse, ignore_index, label_smoothing, softcap,
+                                           reduction, output_mask)
+    return (loss, lse, *grads)
+
+
+def _check_with_grads_reduction(reduction: str) -> None:
+    if reduction not in ("mean", "sum"):
+        raise ValueError("tk::linear_cross_entropy_with_grads: reduction must be 'mean' or 'sum' (with 'none' the "
+                         f"output gradient is one per row, not known in the forward), got {reduction!r}")
+
+
 linear_cross_entropy_bwd_op = _library.define(
     "linear_cross_entropy_bwd",
     "(Tensor grad, Tensor x, Tensor weight, Tensor target, Tensor? bias, Tensor lse, int ignore_index,"
@@ -266,6 +325,14 @@ linear_cross_entropy_bwd_op = _library.define(
     " -> (Tensor grad_x, Tensor grad_weight, Tensor grad_bias)",
     reference=_linear_cross_entropy_bwd_reference,
     fake=_linear_cross_entropy_bwd_fake,
+)
+linear_cross_entropy_with_grads_op = _library.define(
+    "linear_cross_entropy_with_grads",
+    "(Tensor x, Tensor weight, Tensor target, Tensor? bias, int ignore_index, float label_smoothing,"
+    " float? softcap, str reduction, bool[3] output_mask)"
+    " -> (Tensor loss, Tensor lse, Tensor grad_x, Tensor grad_weight, Tensor grad_bias)",
+    reference=_linear_cross_entropy_with_grads_reference,
+    fake=_linear_cross_entropy_with_grads_fake,
 )
 
 
@@ -297,6 +364,49 @@ def _linear_cross_entropy_backward(ctx, grad, grad_lse):
 
 
 _library.register_autograd(linear_cross_entropy_op, _linear_cross_entropy_backward, _setup_context)
+
+
+def _setup_context_with_grads(ctx, inputs, output):
+    _, _, target, bias, *_ = inputs
+    _, lse, grad_x, grad_weight, grad_bias = output
+    ctx.mark_non_differentiable(lse, grad_x, grad_weight, grad_bias)
+    ctx.save_for_backward(grad_x, grad_weight, grad_bias)
+    ctx.has_bias = bias is not None
+
+
+# Elements per chunk of _scaled's fp32 temporaries (256 MiB).
+SCALE_CHUNK_ELEMENTS = 1 << 26
+
+
+def _scaled(gradient: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """grad * gradient in gradient's dtype, rounded once, grad (a 0-dim tensor) taken in fp32: a 16-bit
+    tensor times a 0-dim fp32 tensor would round grad to 16 bits first. 16-bit gradients go through fp32
+    in chunks of rows in eager, so that the temporary (one chunk's) stays small beside grad_weight; with
+    symbolic sizes (torch.compile's dynamic shapes) in one expression, which Inductor fuses into one
+    kernel without a temporary."""
+    if gradient.dtype not in (torch.float16, torch.bfloat16):
+        return gradient * grad.to(gradient.dtype)
+    if not isinstance(gradient.shape[0], int):
+        return (gradient.float() * grad).to(gradient.dtype)
+    out = torch.empty_like(gradient)
+    rows = max(1, SCALE_CHUNK_ELEMENTS // max(1, gradient[0].numel()))
+    for start in range(0, gradient.shape[0], rows):
+        torch.mul(gradient[start:start + rows].float(), grad, out=out[start:start + rows])  # fp32, rounded on store
+    return out
+
+
+def _linear_cross_entropy_with_grads_backward(ctx, grad, *_):
+    grad_x, grad_weight, grad_bias = ctx.saved_tensors
+    wanted = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[3])
+    # A gradient asked for here was computed in the forward (the public function's output_mask follows
+    # requires_grad); one that is empty was not asked for there.
+    stored = (grad_x, grad_weight, grad_bias)
+    scaled = [_scaled(g, grad) if want and g.numel() else None for want, g in zip(wanted, stored)]
+    return (scaled[0], scaled[1], None, scaled[2], None, None, None, None, None)
+
+
+_library.register_autograd(linear_cross_entropy_with_grads_op, _linear_cross_entropy_with_grads_backward,
+                           _setup_context_with_grads)
 
 
 # ----------------------------------------------------------------------------------- public API
@@ -353,8 +463,33 @@ def linear_cross_entropy(
         raise ValueError(f"target must have x's shape without its last dim {tuple(x.shape[:-1])}, "
                          f"got shape {tuple(target.shape)}")
     rows = x.reshape(-1, x.shape[-1])
-    loss, _ = linear_cross_entropy_op(
+    arguments = (
         _checks.unit_last_stride(rows), _checks.unit_last_stride(weight), target.reshape(-1), bias,
         ignore_index, float(label_smoothing), None if softcap is None else float(softcap), reduction,
     )
+    output_mask = _gradients_in_the_forward(x, weight, bias, reduction)
+    if output_mask is not None:
+        return linear_cross_entropy_with_grads_op(*arguments, output_mask)[0]
+    loss, _ = linear_cross_entropy_op(*arguments)
     return loss.view(target.shape) if reduction == "none" else loss
+
+
+def _gradients_in_the_forward(x, weight, bias, reduction) -> Optional[list[bool]]:
+    """The output mask of tk::linear_cross_entropy_with_grads (grad_x, grad_weight, grad_bias), or None for
+    tk::linear_cross_entropy: the gradients are computed in the forward when a backward will follow (grad
+    mode on, x or weight requiring grad), the output gradient is one scalar ("mean", "sum") and the CUDA
+    kernels serve the inputs (bf16 or fp16 CUDA tensors, H a multiple of 8, the extension loaded: the
+    checks of kernels_take in csrc/torch/linear_cross_entropy.cpp that the public function can make; on
+    another GPU than sm_90 the op's reference runs, computing the same). Everything here is static under
+    torch.compile (dtype, device, requires_grad, grad mode, a module global), so that the choice is traced
+    rather than a graph break."""
+    if reduction == "none" or not torch.is_grad_enabled():
+        return None
+    mask = [x.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad]
+    if not (mask[0] or mask[1]):
+        return None
+    if not (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and x.shape[-1] % 8 == 0):
+        return None
+    if _library.EXTENSION is None:
+        return None
+    return mask

@@ -50,4 +50,17 @@ std::string unsupported_reason(const forward_problem& p);
 // Launch on `stream`; return the first launch error.
 cudaError_t launch(const forward_problem& p, cudaStream_t stream);
 
+// The recurrent path (gated_delta_rule_recurrent.cu) for short sequences, as in decoding: the state in
+// registers, stepped position by position in fp32, K = V in {64, 128}. It reads what launch does but
+// first_chunks, chunks and workspace; it takes any length, but its FMAs grow with every position while
+// the chunked kernels' tensor cores amortise theirs, so the caller takes it only when no sequence is
+// longer than RECURRENT_MAX_T.
+constexpr int RECURRENT_MAX_T = 16;
+
+// Empty when the recurrent kernel can run the problem (its dtype, q, k, v and initial_state); otherwise why not.
+std::string recurrent_unsupported_reason(const forward_problem& p);
+
+// Launch the recurrent kernel on `stream`; return the launch error.
+cudaError_t launch_recurrent(const forward_problem& p, cudaStream_t stream);
+
 }  // namespace tk::gdn

@@ -3,11 +3,11 @@
 // chunked algorithm and its names). Two launches on one stream:
 //
 //   solve_kernel   one block per (chunk, value head), all at once: gamma = cumsum(g) within the chunk,
-//                  A = strictly-lower(beta_i exp(gamma_i - gamma_j) k_i . k_j), and by forward
-//                  substitution (I + A) X = [diag(beta exp(gamma)) K | diag(beta) V], X = [W | U0],
-//                  written to the workspace (W, U0 in q's dtype, gamma fp32). The first value head of
-//                  each key head also writes the chunk's Q (normalised, times scale) and K (normalised)
-//                  there, so that the scan only copies its operands.
+//                  A = strictly-lower(beta_i exp(gamma_i - gamma_j) k_i . k_j), its inverse
+//                  T = (I + A)^-1 by 16 x 16 blocks, and X = [W | U0] = T [diag(beta exp(gamma)) K |
+//                  diag(beta) V] on tensor cores, written to the workspace (W, U0 in q's dtype, gamma
+//                  fp32). The first value head of each key head also writes the chunk's Q (normalised,
+//                  times scale) and K (normalised) there, so that the scan only copies its operands.
 //   scan_kernel    one block per (sequence, value head, SLICE columns of V), walking the chunks in
 //                  order with the block's S slice in fp32 registers (warp w owns K / 4 rows) and a
 //                  16-bit copy in shared memory as the B operand of the products by S:
@@ -19,14 +19,20 @@
 // rounded to q's dtype, as every mma operand (W, U0, V', S's copy) is; products accumulate in fp32
 // (mma.sync m16n8k16). Positions past a sequence's end load as zeros with g = beta = 0 (so their Q, K,
 // W and U0 rows in the workspace are zeros and gamma stays flat): they leave S unchanged and their rows
-// of O are not stored. The solve walks one column of X per thread in registers (the columns are
-// independent, so no barrier), 2016 fp32 FMAs a column; it runs once per chunk and head, shared by the
-// V slices.
+// of O are not stored. The solve runs once per chunk and head, shared by the V slices. Its inverse is
+// fp32 to about 16 bits: T's 16 x 16 diagonal blocks by substitution in fp32 (a lane a column), the
+// blocks below by block forward substitution, T_wc = -sum_{c <= m < w} (T_ww A_wm) T_mc, products on
+// tensor cores from hi + lo bf16 parts of both operands (three mmas a product); T diag(factor) is then
+// rounded to q's dtype once, as the A operand of X's product with K or V as they are (a CPU emulation
+// on the tests' inputs: o's error 5-15% above a solve in fp32, within a half of the tolerances).
 //
-// Plan: 128 threads a block (4 warps: a chunk's 64 positions are 4 mma row blocks). solve_kernel
-// holds the chunk's keys, A in fp32 and the gates (34 KiB at K = 128). scan_kernel is one block per SM
-// (with SLICE = 32 a Qwen3-Next layer, 32 value heads and K = V = 128, is 128 blocks per sequence, about
-// one wave on 132 SMs at B = 1), so the latency of its loads is hidden by a pipeline, not by other
+// Plan: 128 threads a block (4 warps: a chunk's 64 positions are 4 mma row blocks; warp w owns row
+// block w of A, T and X). solve_kernel holds the chunk's keys and values, the gates and T in fp32
+// (51 KiB at K = 128: 4 blocks an SM), V's copy (cp.async) issued first to land while the keys load
+// and T is computed; each warp keeps its rows of T in registers for X, and shares them through shared
+// memory with the warps below, a barrier after each block distance w - c but the last. scan_kernel is
+// one block per SM (with SLICE = 32 a Qwen3-Next layer, 32 value heads and K = V = 128, is 128 blocks
+// per sequence, about one wave on 132 SMs at B = 1), so the latency of its loads is hidden by a pipeline, not by other
 // blocks: a ring of STAGES shared buffers, each one chunk's Q, K, W (16 KiB each at K = 128), U0 / V'
 // slice and gamma, filled by cp.async (16 bytes a thread, verbatim workspace tiles) STAGES - 1 chunks
 // ahead of the chunk being computed; plus S's copy. Each chunk step has two barriers: one after its
@@ -34,7 +40,7 @@
 // refilled and S's copy was rewritten after its last read), one after V' is in shared memory.
 #include <cstdint>
 
-#include "gated_delta_rule.h"
+#include "gated_delta_rule_common.cuh"
 #include "tk/tk.cuh"
 
 namespace tk::gdn {
@@ -48,9 +54,8 @@ constexpr int WARPS = CHUNK / BASE_TILE;  // one mma row block of a chunk per wa
 constexpr int THREADS = WARPS * WARP_THREADS;
 constexpr int SLICE = 32;                 // value columns per scan block
 constexpr int FEATURE_PIECE = 32;         // the K-extent of one step of a product over features
-constexpr int VECTOR_BYTES = 16;          // one vector load, store or cp.async
+constexpr int VECTOR_BYTES = ROW_VECTOR_BYTES;  // one vector load, store or cp.async
 constexpr int VECTOR_ELEMENTS = VECTOR_BYTES / 2;  // 16-bit elements in one vector
-constexpr float L2NORM_EPS = 1e-6f;       // tk_ops' (fla's, Hugging Face's) l2norm epsilon
 constexpr int64_t MAX_ROWS = INT32_MAX;   // T and every position index fit an int
 
 constexpr int GATES_PER_LANE = CHUNK / WARP_THREADS;  // one warp scans a chunk's gates
@@ -58,17 +63,13 @@ static_assert(GATES_PER_LANE * WARP_THREADS == CHUNK, "a warp holds a chunk's ga
 
 // ------------------------------------------------------------------------------ sequences
 
-struct sequence_span {
-  int batch;
-  int64_t start;        // first row in the (B, T) inputs
-  int length;
+struct sequence_span : sequence_rows {
   int64_t first_chunk;  // in the workspace
 };
 
 __device__ __forceinline__ sequence_span span_of(const forward_problem& p, int n) {
-  const int rows = int(p.q.rows);
-  if (p.cu_seqlens == nullptr) return {n, 0, rows, int64_t(n) * ceil_div(rows, CHUNK)};
-  return {0, p.cu_seqlens[n], p.cu_seqlens[n + 1] - p.cu_seqlens[n], p.first_chunks[n]};
+  const int64_t first_chunk = p.cu_seqlens == nullptr ? int64_t(n) * ceil_div(int(p.q.rows), CHUNK) : p.first_chunks[n];
+  return {rows_of_sequence(p, n), first_chunk};
 }
 
 // The sequence that holds workspace chunk `chunk`: the last n with first_chunks[n] <= chunk (empty
@@ -85,11 +86,6 @@ __device__ __forceinline__ int sequence_of_chunk(const forward_problem& p, int64
     }
   }
   return low;
-}
-
-template <typename T>
-__device__ __forceinline__ const T* row_of(const heads_view& view, int batch, int64_t head, int64_t row) {
-  return static_cast<const T*>(view.data) + batch * view.batch_stride + head * view.head_stride + row * view.row_stride;
 }
 
 // (t, head) of the (B, T, Hv) gates.
@@ -191,9 +187,11 @@ __device__ __forceinline__ void wait() {
 }
 
 // A CHUNK x C tile from a row-major array (row stride in elements, a multiple of 8), the block's
-// threads taking 16-byte pieces in turn.
+// threads taking 16-byte pieces in turn; rows from valid_rows on are zeros (plain stores, which the
+// same barrier as the copies shows to the block).
 template <typename T, int C>
-__device__ __forceinline__ void rows(shared_tile<T, CHUNK, C>& dst, const T* src, int row_stride) {
+__device__ __forceinline__ void rows(shared_tile<T, CHUNK, C>& dst, const T* src, int row_stride,
+                                     int valid_rows = CHUNK) {
   constexpr int VECTORS_PER_ROW = C / VECTOR_ELEMENTS;
   constexpr int PIECES_PER_THREAD = CHUNK * VECTORS_PER_ROW / THREADS;
   static_assert(CHUNK * VECTORS_PER_ROW % THREADS == 0, "every thread copies as many pieces");
@@ -201,7 +199,11 @@ __device__ __forceinline__ void rows(shared_tile<T, CHUNK, C>& dst, const T* src
   for (int piece = 0; piece < PIECES_PER_THREAD; ++piece) {
     const int index = piece * THREADS + int(threadIdx.x);
     const int row = index / VECTORS_PER_ROW, col = index % VECTORS_PER_ROW * VECTOR_ELEMENTS;
-    vector(&dst.at(row, col), src + int64_t(row) * row_stride + col);
+    if (row < valid_rows) {
+      vector(&dst.at(row, col), src + int64_t(row) * row_stride + col);
+    } else {
+      *reinterpret_cast<uint4*>(&dst.at(row, col)) = {0, 0, 0, 0};
+    }
   }
 }
 
@@ -230,14 +232,148 @@ constexpr int shared_bytes = int(sizeof(Shared) + alignof(Shared));  // room to 
 
 // ------------------------------------------------------------------------------ solve
 
+// A float tile as hi + lo bf16 parts (lo = the rounding error of hi): products of the parts recover
+// about 16 significant bits where one bf16 rounding keeps 8, in bf16 for its fp32 exponent range (the
+// inverse's entries span the decays' range, which fp16 would flush).
+template <register_tile_type Float>
+struct split_tile {
+  using part = register_tile<bf16, Float::rows, Float::cols, Float::layout>;
+  part hi, lo;
+
+  split_tile() = default;
+  __device__ explicit split_tile(const Float& x) {
+    warp::copy(hi, x);
+    Float rest;
+    warp::copy(rest, hi);
+    warp::sub(rest, x, rest);
+    warp::copy(lo, rest);
+  }
+};
+
+// d += a b (mma_AB) or a b^T (mma_ABt) from split operands: hi hi + hi lo + lo hi (lo lo is below fp32's
+// rounding of the sum).
+template <bool B_TRANSPOSED, register_tile_type D, typename A, typename B>
+__device__ __forceinline__ void mma_split(D& d, const A& a, const B& b) {
+  const auto product = [&](const auto& left, const auto& right) {
+    if constexpr (B_TRANSPOSED) {
+      warp::mma_ABt(d, left, right, d);
+    } else {
+      warp::mma_AB(d, left, right, d);
+    }
+  };
+  product(a.lo, b.hi);
+  product(a.hi, b.lo);
+  product(a.hi, b.hi);
+}
+
 template <typename T, int D>
 struct solve_kernel {
+  static constexpr int BLOCKS = CHUNK / BASE_TILE;  // 16-position blocks of a chunk; warp w owns block w
+  // Padding of the inverse's fp32 rows: 8 floats make a warp's row-pair accesses (8 rows x 8 columns)
+  // fall in 32 distinct banks.
+  static constexpr int INVERSE_STRIDE = CHUNK + 8;
+  static constexpr int SOLVED_PIECE = 32;  // columns of W or U0 a warp accumulates at once
+  using block_tile = register_tile<float, BASE_TILE, BASE_TILE>;
+  using split_block = split_tile<block_tile>;
+  using split_block_col = split_tile<register_tile<float, BASE_TILE, BASE_TILE, register_layout::col>>;
+  using inverse_rows = register_tile<float, BASE_TILE, CHUNK>;  // a warp's 16 rows of T
+  static_assert(BLOCKS == WARPS, "one block row of the chunk per warp");
+  static_assert(D % SOLVED_PIECE == 0, "whole pieces");
+
   struct shared {
     shared_tile<T, CHUNK, D> keys;
+    shared_tile<T, CHUNK, D> values;  // V, copied asynchronously while the rest is computed
     float gamma[CHUNK];
     float beta[CHUNK];
-    float a[CHUNK][CHUNK];  // k_i . k_j, then A (strictly lower; read only below the diagonal)
+    float beta_decayed[CHUNK];  // beta exp(gamma): W's column factors of T
+    // A's diagonal blocks, each replaced by its inverse, then the blocks of T below the diagonal.
+    float inverse[CHUNK][INVERSE_STRIDE];
   };
+
+  // Block (row, col) of the inverse in shared memory, as a pointer for warp::load and warp::store.
+  __device__ static float* inverse_block(shared& s, int row, int col) {
+    return &s.inverse[BASE_TILE * row][BASE_TILE * col];
+  }
+
+  // beta_i exp(gamma_i - gamma_j) times the dot products `dots` of rows i and columns j from i0, j0 (j < i):
+  // a 16 x 16 block of A (transposed when i runs along the columns), zero on and above the diagonal.
+  template <bool TRANSPOSED>
+  __device__ static void scale_to_solve_matrix(block_tile& dots, int i0, int j0, const shared& s) {
+    for_each_pair<block_tile>([&](int, int, int q) {
+      float2& pair = dots.pairs[0][0][q];
+#pragma unroll
+      for (int e = 0; e < fragment::PAIR; ++e) {
+        const fragment::coord at = fragment::pair_element_coord<block_tile::layout>(q, e);
+        const int i = i0 + (TRANSPOSED ? at.col : at.row), j = j0 + (TRANSPOSED ? at.row : at.col);
+        float& dot = e == 0 ? pair.x : pair.y;
+        dot = j < i ? dot * s.beta[i] * __expf(s.gamma[i] - s.gamma[j]) : 0.0f;
+      }
+    });
+  }
+
+  // The 16 x 16 block c of 16-bit tile `tile` (c constant once unrolled).
+  template <register_tile_type Tile>
+  __device__ static register_tile<typename Tile::element, BASE_TILE, BASE_TILE> block_of(const Tile& tile, int c) {
+    register_tile<typename Tile::element, BASE_TILE, BASE_TILE> block;
+#pragma unroll
+    for (int q = 0; q < fragment::QUADRANTS; ++q) block.pairs[0][0][q] = tile.pairs[0][c][q];
+    return block;
+  }
+
+  // Block c of a warp's rows of T = `block`, for c known only at run time: a loop over constant indices
+  // keeps the rows in registers (an index at run time would put them in local memory).
+  __device__ static void set_block(inverse_rows& rows, int c, const block_tile& block) {
+#pragma unroll
+    for (int b = 0; b < BLOCKS; ++b) {
+      if (b != c) continue;
+#pragma unroll
+      for (int q = 0; q < fragment::QUADRANTS; ++q) rows.pairs[0][b][q] = block.pairs[0][0][q];
+    }
+  }
+
+  // (I + A_ww)^-1 for the warp's diagonal block, in place of A_ww: lane l solves column l % 16 by
+  // substitution in fp32 (lanes 16-31 repeat lanes 0-15 and store nothing).
+  __device__ static void invert_diagonal_block(shared& s) {
+    float* block = inverse_block(s, warp_id(), warp_id());
+    const int column = lane_id() % BASE_TILE;
+    float x[BASE_TILE];
+#pragma unroll
+    for (int i = 0; i < BASE_TILE; ++i) {
+      float sum = i == column ? 1.0f : 0.0f;
+#pragma unroll
+      for (int j = 0; j < i; ++j) sum = fmaf(-block[i * INVERSE_STRIDE + j], x[j], sum);
+      x[i] = sum;
+    }
+    __syncwarp();  // every lane has read A_ww before it is overwritten
+    if (lane_id() < BASE_TILE) {
+#pragma unroll
+      for (int i = 0; i < BASE_TILE; ++i) block[i * INVERSE_STRIDE + column] = x[i];
+    }
+  }
+
+  // Rows [16w, 16w + 16) of X = T diag(factor) B (B: the keys or the values tile) into `dst` (row stride D).
+  __device__ static void solved_rows(T* dst, const inverse_rows& t_rows, const float* factor,
+                                     const shared_tile<T, CHUNK, D>& b) {
+    per_col_vector<inverse_rows, float> column_factor;
+    warp::load(column_factor, factor);
+    inverse_rows scaled;
+    warp::mul_col(scaled, t_rows, column_factor);
+    register_tile<T, BASE_TILE, CHUNK> left;  // T's only rounding: the product's A operand
+    warp::copy(left, scaled);
+#pragma unroll
+    for (int n0 = 0; n0 < D; n0 += SOLVED_PIECE) {
+      register_tile<float, BASE_TILE, SOLVED_PIECE> acc;
+      warp::zero(acc);
+#pragma unroll
+      for (int c = 0; c < BLOCKS; ++c) {
+        if (c > warp_id()) continue;  // T is zero right of the diagonal block
+        register_tile<T, BASE_TILE, SOLVED_PIECE, register_layout::col> rhs;
+        warp::load(rhs, b, BASE_TILE * c, n0);
+        warp::mma_AB(acc, block_of(left, c), rhs, acc);
+      }
+      warp::store(dst + n0, D, acc);
+    }
+  }
 
   __device__ static void run(const forward_problem& p) {
     shared& s = shared_as<shared>();
@@ -254,6 +390,9 @@ struct solve_kernel {
     const int64_t key_tile_offset = workspace_layout<T, D>::key_tile(p, chunk, key_head) * CHUNK * D;
     const auto piece_at = [](T* tile, int row, int col) { return reinterpret_cast<uint4*>(tile + row * D + col); };
 
+    // V first: its copies fly while the keys are loaded and T is computed.
+    async_copy::rows(s.values, row_of<T>(p.v, seq.batch, head, row0), int(p.v.row_stride), valid);
+    async_copy::commit();
     if (writes_key_head) {  // Q before K: after the keys (their pieces live) it spills 16 bytes
       load_rows<T, D>(p.q, seq.batch, key_head, row0, valid, p.l2norm, p.scale, [&](int row, int col, uint4 piece) {
         *piece_at(out.queries + key_tile_offset, row, col) = piece;
@@ -264,64 +403,101 @@ struct solve_kernel {
       if (writes_key_head) *piece_at(out.keys + key_tile_offset, row, col) = piece;
     });
     if (warp_id() == 0) {
-      float g[GATES_PER_LANE];
+      float g[GATES_PER_LANE], beta[GATES_PER_LANE];
 #pragma unroll
       for (int e = 0; e < GATES_PER_LANE; ++e) {
         const int row = GATES_PER_LANE * lane_id() + e;
-        g[e] = row < valid ? p.g[gate_index(p, seq.batch, row0 + row, head)] : 0.0f;
+        const bool inside = row < valid;
+        g[e] = inside ? p.g[gate_index(p, seq.batch, row0 + row, head)] : 0.0f;
+        beta[e] = inside ? p.beta[gate_index(p, seq.batch, row0 + row, head)] : 0.0f;
       }
       warp::inclusive_scan(g);
 #pragma unroll
-      for (int e = 0; e < GATES_PER_LANE; ++e) s.gamma[GATES_PER_LANE * lane_id() + e] = g[e];
-    } else if (warp_id() == 1) {
-#pragma unroll
       for (int e = 0; e < GATES_PER_LANE; ++e) {
         const int row = GATES_PER_LANE * lane_id() + e;
-        s.beta[row] = row < valid ? p.beta[gate_index(p, seq.batch, row0 + row, head)] : 0.0f;
+        s.gamma[row] = g[e];
+        s.beta[row] = beta[e];
+        s.beta_decayed[row] = beta[e] * __expf(g[e]);
       }
     }
     __syncthreads();
 
-    // k_i . k_j for the warp's 16 rows i and every 16-key block j at or below them.
-    const int warp_row0 = BASE_TILE * warp_id();
-    register_tile<T, BASE_TILE, D> rows;
-    warp::load(rows, s.keys, warp_row0, 0);
-    for (int key0 = 0; key0 <= warp_row0; key0 += BASE_TILE) {
-      register_tile<T, BASE_TILE, D> keys;
-      warp::load(keys, s.keys, key0, 0);
-      register_tile<float, BASE_TILE, BASE_TILE> dots;
+    // T = (I + A)^-1 by blocks of 16 (A_wc: block row w, column c): with T_ww = (I + A_ww)^-1, block
+    // forward substitution gives T_wc = -T_ww sum_{c <= m < w} A_wm T_mc for c < w. Warp w computes
+    // its row's A_ww, then T_ww A_wm for m < w, then T_wc in order of distance w - c, each
+    // distance after a barrier (it reads the T_mc of smaller distances that other warps wrote). The
+    // off-diagonal products run on tensor cores from hi + lo bf16 parts, at about fp32 accuracy.
+    const int w = warp_id();
+    const int warp_row0 = BASE_TILE * w;
+    split_block a_blocks[BLOCKS - 1];  // A_wm for m < w (as A_wm^T, mma_ABt's N x K operand), then T_ww A_wm
+    {
+      register_tile<T, BASE_TILE, D> rows;
+      warp::load(rows, s.keys, warp_row0, 0);
+#pragma unroll
+      for (int m = 0; m < BLOCKS - 1; ++m) {
+        if (m >= w) continue;
+        register_tile<T, BASE_TILE, D> keys;
+        warp::load(keys, s.keys, BASE_TILE * m, 0);
+        block_tile dots;  // k_m k_w^T
+        warp::zero(dots);
+        warp::mma_ABt(dots, keys, rows, dots);
+        scale_to_solve_matrix<true>(dots, warp_row0, BASE_TILE * m, s);
+        a_blocks[m] = split_block(dots);
+      }
+      block_tile dots;
       warp::zero(dots);
-      warp::mma_ABt(dots, rows, keys, dots);
-      warp::store(&s.a[warp_row0][key0], CHUNK, dots);
+      warp::mma_ABt(dots, rows, rows, dots);
+      scale_to_solve_matrix<false>(dots, warp_row0, warp_row0, s);
+      warp::store(inverse_block(s, w, w), INVERSE_STRIDE, dots);
     }
-    __syncthreads();
-    for (int index = threadIdx.x; index < CHUNK * CHUNK; index += THREADS) {
-      const int i = index / CHUNK, j = index % CHUNK;
-      if (j < i) s.a[i][j] *= s.beta[i] * __expf(s.gamma[i] - s.gamma[j]);
-    }
-    __syncthreads();
+    __syncwarp();  // the lanes' A_ww stores are visible to the warp
+    invert_diagonal_block(s);
+    // The values' copies, issued first, have had the keys' loads and A to land.
+    async_copy::wait<0>();
+    __syncthreads();  // every T_mm is in shared memory (and V)
 
-    // Forward substitution, one column of X = [W | U0] per thread: x_i = b_i - sum_{j<i} A_ij x_j.
-    const int64_t tile = workspace_layout<T, D>::tile(p, chunk, head);
-    const T* values = row_of<T>(p.v, seq.batch, head, row0);
-    constexpr int SOLVED_COLUMNS = 2 * D;  // W's D columns, then U0's
-    for (int column = threadIdx.x; column < SOLVED_COLUMNS; column += THREADS) {
-      const bool key_column = column < D;
-      const int col = key_column ? column : column - D;
-      float x[CHUNK];
+    inverse_rows t_rows;
+    warp::zero(t_rows);
+    {
+      block_tile diagonal;
+      warp::load(diagonal, inverse_block(s, w, w), INVERSE_STRIDE);
+      set_block(t_rows, w, diagonal);
+      const split_block diagonal_parts(diagonal);
 #pragma unroll
-      for (int i = 0; i < CHUNK; ++i) {
-        const float b = key_column ? s.beta[i] * __expf(s.gamma[i]) * float(s.keys.at(i, col))
-                                   : (i < valid ? s.beta[i] * float(values[i * p.v.row_stride + col]) : 0.0f);
-        float sum = b;
-#pragma unroll
-        for (int j = 0; j < i; ++j) sum = fmaf(-s.a[i][j], x[j], sum);
-        x[i] = sum;
+      for (int m = 0; m < BLOCKS - 1; ++m) {
+        if (m >= w) continue;
+        block_tile product;
+        warp::zero(product);
+        mma_split<true>(product, diagonal_parts, a_blocks[m]);
+        a_blocks[m] = split_block(product);
       }
-      T* dst = (key_column ? out.w : out.u0) + tile * CHUNK * D + col;
-#pragma unroll
-      for (int i = 0; i < CHUNK; ++i) dst[i * D] = T(x[i]);
     }
+#pragma unroll
+    for (int distance = 1; distance < BLOCKS; ++distance) {
+      const int c = w - distance;
+      if (c >= 0) {
+        block_tile sum;
+        warp::zero(sum);
+#pragma unroll
+        for (int m = 0; m < BLOCKS - 1; ++m) {
+          if (m < c || m >= w) continue;
+          register_tile<float, BASE_TILE, BASE_TILE, register_layout::col> below;  // T_mc
+          warp::load(below, inverse_block(s, m, c), INVERSE_STRIDE);
+          mma_split<false>(sum, a_blocks[m], split_block_col(below));
+        }
+        warp::neg(sum, sum);
+        set_block(t_rows, c, sum);
+        warp::store(inverse_block(s, w, c), INVERSE_STRIDE, sum);
+      }
+      // T_wc is read at distances above this one; after the last, T stays in the warps' registers.
+      if (distance < BLOCKS - 1) __syncthreads();
+    }
+
+    // X = [W | U0] = T [diag(beta exp(gamma)) K | diag(beta) V], the warp's rows.
+    const int64_t tile = workspace_layout<T, D>::tile(p, chunk, head);
+    const int64_t rows_offset = (tile * CHUNK + warp_row0) * D;
+    solved_rows(out.w + rows_offset, t_rows, s.beta_decayed, s.keys);
+    solved_rows(out.u0 + rows_offset, t_rows, s.beta, s.values);
     if (threadIdx.x < CHUNK) out.gamma[tile * CHUNK + threadIdx.x] = s.gamma[threadIdx.x];
   }
 };
@@ -529,12 +705,6 @@ cudaError_t run(const forward_problem& p, cudaStream_t stream) {
   return launch_kernel<scan_kernel<T, D>>(dim3(unsigned(blocks), heads), p, stream);
 }
 
-bool aligned_rows(const heads_view& view) {
-  const auto multiple = [](int64_t stride) { return stride % VECTOR_ELEMENTS == 0; };
-  return reinterpret_cast<uintptr_t>(view.data) % sizeof(uint4) == 0 && multiple(view.batch_stride) &&
-         multiple(view.head_stride) && multiple(view.row_stride);
-}
-
 }  // namespace
 
 int64_t workspace_bytes(int64_t chunks, int64_t key_heads, int64_t value_heads, int64_t key_dim, int64_t value_dim) {
@@ -550,7 +720,10 @@ std::string unsupported_reason(const forward_problem& p) {
   if (!head_dims::contains(p.q.dim) || p.v.dim != p.q.dim) return "the kernels take K = V in " + head_dims::names();
   if (p.q.heads <= 0 || p.v.heads % p.q.heads != 0) return "Hv must be a multiple of Hk";
   if (p.q.rows > MAX_ROWS || p.q.batch * p.q.rows * p.v.heads > MAX_ROWS) return "B T Hv must fit an int";
-  if (!aligned_rows(p.q) || !aligned_rows(p.k)) return "q and k rows must be 16-byte aligned (strides multiples of 8)";
+  // q and k load 16 bytes a lane, v is copied 16 bytes at a time (cp.async).
+  if (!aligned_rows(p.q) || !aligned_rows(p.k) || !aligned_rows(p.v)) {
+    return "q, k and v rows must be 16-byte aligned (strides multiples of 8)";
+  }
   // The scan loads S a pair of fp32 a lane (warp::load of a row-layout float tile).
   if (reinterpret_cast<uintptr_t>(p.initial_state) % sizeof(float2) != 0) return "initial_state must be 8-byte aligned";
   return "";

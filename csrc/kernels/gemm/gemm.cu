@@ -10,9 +10,18 @@ using majors = one_of<major::k, major::mn>;
 constexpr operand_major operand_major_of(major m) { return m == major::k ? operand_major::k : operand_major::mn; }
 
 // Runs f.template operator()<K>() for the gemm_kernel variant of the problem (element type, A and
-// B major-ness, bias, tile plan: narrow_tile_plan where faster_with_narrow_tiles expects it to win, C scale).
+// B major-ness, bias, tile plan: narrow_tile_plan where faster_with_narrow_tiles expects it to win, C scale;
+// or the accumulating variants).
 template <typename F>
 auto with_kernel(const problem& p, F&& f) {
+  if (p.accumulates_c) {
+    // fp32 C += A B [* c_scale]: instantiated for the one layout it serves (A and B MN-major, no bias, the
+    // default tiles); unsupported_reason_for turns the other problems down.
+    return dispatch<kernel_dtypes, flags>([&]<element_type E, bool SCALES_C>() {
+      return f.template operator()<
+          gemm_kernel<element_t<E>, operand_major::mn, operand_major::mn, false, accumulating<tile_plan>, SCALES_C>>();
+    }, p.dtype, p.c_scale != nullptr);
+  }
   return dispatch<kernel_dtypes, majors, majors, flags, flags, flags>(
       [&]<element_type E, major A, major B, bool BIAS, bool NARROW, bool SCALES_C>() {
         using plan = std::conditional_t<NARROW, narrow_tile_plan, tile_plan>;

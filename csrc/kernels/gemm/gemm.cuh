@@ -4,7 +4,9 @@
 //   producer (1 warpgroup)      TMA: A tile (128 x 64) and B tile (64 x 256) into a ring of stages
 //   consumers (2 warpgroups)    wgmma: each owns 64 rows of the tile, acc (64 x 256 fp32) += A B
 //   epilogue (consumers)        + bias, * c_scale, convert, stmatrix into swizzled staging, TMA store;
-//                               the store drains while the next tile's mainloop runs
+//                               the store drains while the next tile's mainloop runs. Or, under an
+//                               accumulating plan (accumulating<Plan>), C (fp32) += acc straight from
+//                               the registers: each element read and written by the thread that holds it
 //
 // Tails need no code: TMA zero-fills what lies past M, N or K on load (zeros add nothing to the
 // products) and drops what lies past M or N on store.
@@ -41,6 +43,8 @@ struct tile_plan {
   static constexpr int consumer_registers = 232;
   // Speed of a k-step per output element, relative to this plan (see narrow_tile_plan).
   static constexpr double relative_rate = 1.0;
+  // Whether the epilogue adds the product into an fp32 C instead of writing C (accumulating below).
+  static constexpr bool accumulates_c = false;
 };
 
 // The plan for problems with too few 128 x 256 tiles to occupy the SMs, chosen by
@@ -65,6 +69,30 @@ struct narrow_tile_plan : tile_plan {
   // case that is close.
   static constexpr double relative_rate = 0.75;
 };
+
+// Plan with an epilogue that adds the fp32 accumulator into an fp32 C (C += A B [* c_scale]) where the
+// default one writes C in the element type through TMA. A plan rather than a flag of gemm_kernel's own, so
+// that the existing kernels keep their template arguments (their names and code unchanged). Registers: the
+// accumulator (128) plus one batch of C's old values (2 per pair): accumulate_batch base tiles of 16 x 16
+// per warp at a time, 4 pairs each, all their loads issued before the first add (the stores of a batch
+// may alias the next batch's loads as far as the compiler knows, so each batch is one round trip to memory:
+// 4 per 128 x 256 tile against a k-loop of 16 k-steps or more where it is used).
+template <typename Base>
+struct accumulating : Base {
+  static constexpr bool accumulates_c = true;
+  static constexpr int accumulate_batch = 4;
+};
+
+// Where an accumulating epilogue adds: C's fp32 elements, rows row_stride elements apart. A base of the
+// kernel's params (empty for the other plans: a member, even [[no_unique_address]], grew the device-side
+// parameter block of every kernel from 512 to 936 bytes under nvcc 13.0, a base leaves it as it was).
+struct accumulation_target {
+  struct {
+    float* data;
+    int64_t row_stride;
+  } c_sum;
+};
+struct no_accumulation_target {};
 
 // An operand tile of MN x K elements as shared memory holds it for the given major-ness.
 template <typename T, int MN, int K, operand_major MAJOR, int BOX_ROWS>
@@ -105,7 +133,8 @@ struct gemm_kernel {
     accumulator acc;
   };
 
-  struct params {
+  // c_sum (accumulating plans only, whose C is no tensor map: params.c unused) comes from the base.
+  struct params : std::conditional_t<Plan::accumulates_c, accumulation_target, no_accumulation_target> {
     CUtensorMap a;  // A as stored, boxes of a_tile
     CUtensorMap b;
     CUtensorMap c;
@@ -131,7 +160,7 @@ struct gemm_kernel {
   __device__ static void prefetch(const params& p) {
     tma::prefetch_descriptor(p.a);
     tma::prefetch_descriptor(p.b);
-    tma::prefetch_descriptor(p.c);
+    if constexpr (!Plan::accumulates_c) tma::prefetch_descriptor(p.c);
   }
 
   __device__ static void load(const params& p, pipeline::output_tile tile, int i, int, stage& s, mbarrier& full) {
@@ -178,6 +207,10 @@ struct gemm_kernel {
       warp::add_col(state.acc, state.acc, bias);
     }
     if constexpr (SCALES_C) warp::mul(state.acc, state.acc, *p.c_scale);
+    if constexpr (Plan::accumulates_c) {
+      accumulate(p, row0, n0, state.acc);
+      return;
+    }
     const bool issuer = is_warpgroup_leader();
     const barrier_id staging_barrier = barrier_after(barrier_id::consumer_store, ctx.consumer);
     // Each task's chunks fill the slots a whole number of times, so every task starts at slot 0.
@@ -195,6 +228,44 @@ struct gemm_kernel {
         stores.commit(issuer);
       }(), ...);
     }(std::make_integer_sequence<int, Plan::block_n / Plan::store_cols>{});
+  }
+
+  // C[rows of this consumer, n0 : n0 + 256] += acc, fp32: this warp's 16 rows, each lane's pairs (two
+  // adjacent columns of a row, one 8-byte access) read in batches of Plan::accumulate_batch base tiles, then
+  // added and written back; pairs past M or N are left alone (N even: a pair is inside or outside whole).
+  // L2 only (.cg): a tile's C is touched once per launch.
+  __device__ static void accumulate(const params& p, int row0, int n0, const accumulator& acc) {
+    constexpr int batch = Plan::accumulate_batch;
+    static_assert(accumulator::row_blocks == 1 && accumulator::col_blocks % batch == 0,
+                  "a warp's accumulator is one row of base tiles, cut into whole batches");
+    const int warp_row0 = row0 + warpgroup::warp_row();
+    const int rows_left = p.m - warp_row0;
+    const int cols_left = p.n - n0;
+    float* origin = p.c_sum.data + int64_t(warp_row0) * p.c_sum.row_stride + n0;
+#pragma unroll
+    for (int first = 0; first < accumulator::col_blocks; first += batch) {
+      float2* at[batch][fragment::QUADRANTS];
+      float2 old[batch][fragment::QUADRANTS];
+#pragma unroll
+      for (int b = 0; b < batch; ++b) {
+#pragma unroll
+        for (int q = 0; q < fragment::QUADRANTS; ++q) {
+          const fragment::coord c = fragment::pair_element_coord<register_layout::row>(q, 0);
+          const int col = BASE_TILE * (first + b) + c.col;
+          const bool inside = c.row < rows_left && col < cols_left;
+          at[b][q] = inside ? reinterpret_cast<float2*>(origin + int64_t(c.row) * p.c_sum.row_stride + col) : nullptr;
+          if (inside) old[b][q] = __ldcg(at[b][q]);
+        }
+      }
+#pragma unroll
+      for (int b = 0; b < batch; ++b) {
+#pragma unroll
+        for (int q = 0; q < fragment::QUADRANTS; ++q) {
+          const float2 add = acc.pairs[0][first + b][q];
+          if (at[b][q] != nullptr) __stcg(at[b][q], make_float2(old[b][q].x + add.x, old[b][q].y + add.y));
+        }
+      }
+    }
   }
 
   // The last stores must have read shared memory before the block exits and frees it.
@@ -230,6 +301,17 @@ std::string unsupported_reason_for(const problem& p) {
   if (std::string r = tma_unsupported_reason<typename K::a_tile>(layout_of<T>(p.a)); !r.empty()) return "A: " + r;
   if (std::string r = tma_unsupported_reason<typename K::b_tile>(layout_of<T>(p.b)); !r.empty()) return "B: " + r;
   if (p.c_row_stride < p.n) return "C's rows must be at least N elements apart";
+  if constexpr (K::plan::accumulates_c) {
+    if (!p.accumulates_c) return "this kernel adds into C (accumulates_c)";
+    if (p.bias != nullptr) return "accumulating into C takes no bias";
+    if (p.a_major != major::mn || p.b_major != major::mn) return "accumulating into C takes A and B MN-major";
+    if (p.n % 2 != 0 || p.c_row_stride % 2 != 0 || reinterpret_cast<uintptr_t>(p.c) % sizeof(float2) != 0) {
+      return "an fp32 C to accumulate into needs N and its row stride even and 8-byte alignment";
+    }
+    return {};
+  } else {
+    if (p.accumulates_c) return "this kernel writes C (no accumulates_c)";
+  }
   if (std::string r = tma_unsupported_reason<typename K::c_tile>(layout_of<T>(p.c, p.m, p.n, p.c_row_stride));
       !r.empty()) {
     return "C: " + r;
@@ -272,7 +354,12 @@ cudaError_t launch_with(const problem& p, cudaStream_t stream) {
   typename K::params params;
   params.a = make_tma_map<typename K::a_tile>(layout_of<T>(p.a));
   params.b = make_tma_map<typename K::b_tile>(layout_of<T>(p.b));
-  params.c = make_tma_map<typename K::c_tile>(layout_of<T>(p.c, p.m, p.n, p.c_row_stride));
+  if constexpr (Plan::accumulates_c) {
+    params.c = {};
+    params.c_sum = {static_cast<float*>(p.c), p.c_row_stride};
+  } else {
+    params.c = make_tma_map<typename K::c_tile>(layout_of<T>(p.c, p.m, p.n, p.c_row_stride));
+  }
   params.bias = static_cast<const T*>(p.bias);
   params.c_scale = p.c_scale;
   params.m = int(p.m);
