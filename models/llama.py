@@ -176,6 +176,7 @@ class LlamaAttention(torch.nn.Module):
             out = tk_ops.attention_with_kvcache(
                 q.transpose(1, 2), cache.k_cache, cache.v_cache, k.transpose(1, 2), v.transpose(1, 2),
                 cache_seqlens=cache.cache_seqlens, block_table=cache.block_table, causal=True, window=self.window,
+                check_contents=False,  # the cache's own bookkeeping: no device sync per layer and step
             )
             return self.o_proj(out.reshape(batch, seq_len, -1))
         out = tk_ops.attention(q, k, v, causal=True, window=self.window)

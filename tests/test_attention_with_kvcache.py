@@ -156,8 +156,8 @@ def test_forward_only_outputs_never_require_grad_and_the_caches_versions_move():
 
 
 def test_bad_contents_raise_before_the_cache_is_written():
-    """The op itself (below the public function's CPU-only content checks, the path GPU tensors take) raises
-    for an out-of-range block, with the caches untouched."""
+    """The op itself (below the public function's content checks: the reference's own) raises for an
+    out-of-range block, with the caches untouched."""
     case = make_case([3, 6], 1, 2, capacity=8, block_size=4)
     case.block_table[1, 1] = 99
     before = case.clone()
@@ -302,13 +302,45 @@ def test_kernel_decode_steps_replay_in_a_cuda_graph():
 
 @tk_testing.requires_kernel("attention_with_kvcache")
 def test_kernel_bad_lengths_stay_in_their_rows():
-    """cache_seqlens past the capacity or negative (the caller's contract on a GPU, unchecked there) neither
-    fault nor write outside the sequences' own cache rows: the spare rows keep their NaN."""
+    """cache_seqlens past the capacity or negative (unchecked by the op itself, as with check_contents=False or
+    in a CUDA graph) neither fault nor write outside the sequences' own cache rows: the spare rows keep their NaN."""
     case = make_case([3, 6, 2], 1, 2, capacity=8, head_dim=64, dtype=torch.bfloat16, device="cuda")
     case.cache_seqlens.copy_(torch.tensor([-5, 1000, 7], dtype=torch.int32))
     torch.ops.tk.attention_with_kvcache(*case.op_arguments())
     torch.cuda.synchronize()
     assert case.k_cache[3:].isnan().all() and case.v_cache[3:].isnan().all()
+
+
+@tk_testing.requires_kernel("attention_with_kvcache")
+@pytest.mark.parametrize("layout, bad, message", [
+    ("dense", "length", r"cache_seqlens\[1\] \+ Nnew \(8 \+ 2\) must be at most the cache's capacity"),
+    ("paged", "length", r"cache_seqlens\[0\] \+ Nnew \(255 \+ 2\) must be at most the cache's capacity"),
+    ("paged", "negative", r"cache_seqlens"),
+    ("paged", "block", r"block_table\[1, 0\] must be a block index in \[0, num_blocks = 6\)"),
+], ids=["dense-capacity", "paged-capacity", "paged-negative", "paged-block"])
+def test_kernel_eager_calls_check_the_contents_first(layout, bad, message):
+    """On a GPU in eager mode the public function reads cache_seqlens and block_table (one device sync) and
+    raises a ValueError before anything is written; check_contents=False skips the read (the caller's
+    promise, FlashAttention's contract) and the kernels keep every write inside the caches."""
+    block_size = 128 if layout == "paged" else None
+    case = make_case([3, 5], 1, 2, capacity=256 if block_size else 9, block_size=block_size, head_dim=64,
+                     dtype=torch.bfloat16, device="cuda")
+    if bad == "length":
+        case.cache_seqlens[1 if layout == "dense" else 0] = 8 if layout == "dense" else 255
+    elif bad == "negative":
+        case.cache_seqlens[0] = -1
+    else:
+        case.block_table[1, 0] = 6
+    before = case.clone()
+    with pytest.raises(ValueError, match=message):
+        tk_ops.attention_with_kvcache(**case.arguments())
+    torch.testing.assert_close(case.k_cache, before.k_cache, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(case.v_cache, before.v_cache, rtol=0, atol=0, equal_nan=True)
+    if bad != "block":  # an unchecked out-of-pool block is clamped into the pool, so it may write a block
+        tk_ops.attention_with_kvcache(**case.arguments(), check_contents=False)
+        torch.cuda.synchronize()
+        if layout == "dense":
+            assert case.k_cache[2:].isnan().all() and case.v_cache[2:].isnan().all()
 
 
 @tk_testing.requires_kernel("attention_with_kvcache")

@@ -99,6 +99,18 @@ def check_dim(name: str, t: torch.Tensor, dim: int, expected: int, what: str) ->
         )
 
 
+def may_read_contents(index: torch.Tensor, *, device_sync: bool) -> bool:
+    """Whether a public function may read an index tensor's values on the host to check them: in eager
+    mode (not traced by torch.compile or torch.export: no graph break, no fake tensor), and on the CPU, or,
+    where the caller accepts a device sync, on a GPU while no CUDA graph is being captured (a host read
+    there is an error, and a replay would not repeat it)."""
+    if torch.compiler.is_compiling() or isinstance(index, torch._subclasses.fake_tensor.FakeTensor):
+        return False
+    if index.device.type == "cpu":
+        return True
+    return device_sync and not (index.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
 def unit_last_stride(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """Kernels accept any strides with a unit last stride; anything else is copied, never misread.
     None (an absent optional input) stays None; a contiguous tensor, the common case, is returned

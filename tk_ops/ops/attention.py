@@ -645,16 +645,6 @@ def _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
             raise ValueError(f"{name} must be >= 1, got {value}")
 
 
-def _reads_contents_without_sync(cu_seqlens: torch.Tensor) -> bool:
-    """Whether the public function may read cu_seqlens' values: eager (not traced by torch.compile or
-    torch.export, so no graph break) and on the CPU (no device sync)."""
-    return (
-        not torch.compiler.is_compiling()
-        and cu_seqlens.device.type == "cpu"
-        and not isinstance(cu_seqlens, torch._subclasses.fake_tensor.FakeTensor)
-    )
-
-
 def attention_varlen(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -701,7 +691,7 @@ def attention_varlen(
     _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)
     options = mask_options(q, q.shape[2], q.shape[1], causal=causal, scale=scale, window=window, softcap=softcap,
                            sinks=sinks)
-    if _reads_contents_without_sync(cu_seqlens_q):
+    if _checks.may_read_contents(cu_seqlens_q, device_sync=False):
         sequence_bounds("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
         sequence_bounds("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
     if deterministic is None:

@@ -237,6 +237,7 @@ def attention_with_kvcache(
     softcap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
     return_lse: bool = False,
+    check_contents: bool = True,
 ):
     """Attention of q (B, Nq, Hq, D) against each sequence's KV cache, after appending k, v to it in place
     (FlashAttention's ``flash_attn_with_kvcache``; the math in the module docstring).
@@ -256,13 +257,15 @@ def attention_with_kvcache(
 
     Checks. Types, shapes, dtypes, devices and options raise before anything runs. The contents (every
     cache_seqlens >= 0 with cache_seqlens + Nnew at most the capacity, Nmax or max_blocks * block_size;
-    every block_table entry a sequence uses in [0, num_blocks)) are checked here only where that costs no
-    device sync and no graph break: an int cache_seqlens always (capacity only), tensors in eager mode on
-    the CPU. The reference, which serves every device today, reads them anyway and raises the same
-    ValueError before it writes anything. The CUDA kernel (dense caches) does not read them on the host: as
-    in FlashAttention, valid contents are the caller's promise there (bad ones give unspecified numbers,
-    clamped so that nothing outside the caches is touched). Under torch.compile pass a tensor:
-    an int is specialised, one graph per value.
+    every block_table entry a sequence uses in [0, num_blocks)) raise a ValueError before anything is
+    written, in eager mode: an int cache_seqlens always, tensors read on the host, which on a GPU costs a
+    device sync (``check_contents=False`` skips it, as a caller that keeps its own cache consistent may;
+    models/llama.py does). While a CUDA graph is being captured and under torch.compile they are not read
+    (that would break the capture or the graph): there, as in FlashAttention, valid contents are the
+    caller's promise, and the kernels clamp every index so that nothing outside the caches is read or
+    written whatever the tensors hold (a bad row gets unspecified numbers). The reference reads them
+    anyway and raises the same ValueError. Under torch.compile pass a tensor: an int is specialised, one
+    graph per value.
     """
     _check_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale)
     options = attention_module.mask_options(q, q.shape[3], q.shape[2], causal=causal, scale=scale, window=window,
@@ -271,7 +274,7 @@ def attention_with_kvcache(
     if not isinstance(cache_seqlens, torch.Tensor):
         check_lengths([cache_seqlens] * batch, new_len, k_cache, block_table)
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
-    if attention_module._reads_contents_without_sync(cache_seqlens):
+    if check_contents and _checks.may_read_contents(cache_seqlens, device_sync=True):
         _check_contents(cache_seqlens, block_table, new_len, k_cache)
     out, lse = attention_with_kvcache_op(
         _checks.unit_last_stride(q),

@@ -452,16 +452,6 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, q: torch.Tensor) -> None:
         )
 
 
-def _reads_contents_without_sync(cu_seqlens: torch.Tensor) -> bool:
-    """Whether the public function may read cu_seqlens' values: eager (not traced by torch.compile or
-    torch.export, so no graph break) and on the CPU (no device sync)."""
-    return (
-        not torch.compiler.is_compiling()
-        and cu_seqlens.device.type == "cpu"
-        and not isinstance(cu_seqlens, torch._subclasses.fake_tensor.FakeTensor)
-    )
-
-
 def _check_arguments(q, k, v, g, beta, scale, initial_state, cu_seqlens) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         _checks.check_tensor(name, t, ndim=4)
@@ -493,7 +483,7 @@ def _check_arguments(q, k, v, g, beta, scale, initial_state, cu_seqlens) -> None
     if cu_seqlens is not None:
         _check_cu_seqlens(cu_seqlens, q)
         states = cu_seqlens.shape[0] - 1
-        if _reads_contents_without_sync(cu_seqlens):
+        if _checks.may_read_contents(cu_seqlens, device_sync=False):
             sequence_bounds(cu_seqlens, seq_len)
     if initial_state is not None:
         state_dtype = _checks.compute_dtype(v.dtype)
