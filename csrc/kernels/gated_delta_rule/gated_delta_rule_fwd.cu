@@ -22,7 +22,7 @@
 // accumulate in fp32 (mma.sync m16n8k16). Positions past a sequence's end load as zeros with
 // g = beta = 0 (so their Q, K, W, U0 and P rows in the workspace are zeros and gamma stays flat): they
 // leave S unchanged and their rows of O are not stored. The solve runs once per chunk and head, shared
-// by the V slices (so is P, which each slice's block computed for itself before). Its inverse is
+// by the V slices (P too: no scan block computes Q K^T). Its inverse is
 // fp32 to about 16 bits: T's 16 x 16 diagonal blocks by substitution in fp32 (a lane a column), the
 // blocks below by block forward substitution, T_wc = -sum_{c <= m < w} (T_ww A_wm) T_mc, products on
 // tensor cores from hi + lo bf16 parts of both operands (three mmas a product); T diag(factor) is then
