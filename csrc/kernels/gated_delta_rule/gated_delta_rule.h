@@ -39,9 +39,9 @@ struct forward_problem {
 constexpr int CHUNK = 64;
 
 // Bytes of workspace for `chunks` chunks (every sequence's own ceil(length / CHUNK)): per chunk and
-// value head the solved W (CHUNK x K) and U0 (CHUNK x V) in q's dtype and the cumulative log decays
-// (CHUNK fp32); per chunk and key head the normalised Q (times scale) and K (CHUNK x K each) in q's
-// dtype, which the scan copies as they are.
+// value head the solved W (CHUNK x K) and U0 (CHUNK x V) and the decayed causal scores P (CHUNK x CHUNK)
+// in q's dtype and the cumulative log decays (CHUNK fp32); per chunk and key head the normalised Q
+// (times scale) and K (CHUNK x K each) in q's dtype, which the scan copies as they are.
 int64_t workspace_bytes(int64_t chunks, int64_t key_heads, int64_t value_heads, int64_t key_dim, int64_t value_dim);
 
 // Empty when the kernels can run the problem (its dtype, q, k, v and initial_state); otherwise why not.

@@ -5,39 +5,45 @@
 //   solve_kernel   one block per (chunk, value head), all at once: gamma = cumsum(g) within the chunk,
 //                  A = strictly-lower(beta_i exp(gamma_i - gamma_j) k_i . k_j), its inverse
 //                  T = (I + A)^-1 by 16 x 16 blocks, and X = [W | U0] = T [diag(beta exp(gamma)) K |
-//                  diag(beta) V] on tensor cores, written to the workspace (W, U0 in q's dtype, gamma
-//                  fp32). The first value head of each key head also writes the chunk's Q (normalised,
-//                  times scale) and K (normalised) there, so that the scan only copies its operands.
+//                  diag(beta) V] on tensor cores, and the chunk's decayed causal scores
+//                  P = D o Q K^T (D_ij = exp(gamma_i - gamma_j) for j <= i, else 0), written to the
+//                  workspace (W, U0, P in q's dtype, gamma fp32). The first value head of each key
+//                  head also writes the chunk's Q (normalised, times scale) and K (normalised) there, so
+//                  that the scan only copies its operands.
 //   scan_kernel    one block per (sequence, value head, SLICE columns of V), walking the chunks in
-//                  order with the block's S slice in fp32 registers (warp w owns K / 4 rows) and a
-//                  16-bit copy in shared memory as the B operand of the products by S:
-//                    V' = U0 - W S                       (warp w: positions 16w .. 16w + 15)
-//                    O  = diag(exp(gamma)) Q S + (D o Q K^T) V'      D: the causal decays
-//                    S  = exp(gamma_last) S + (diag(exp(gamma_last - gamma)) K)^T V'
+//                  order with the block's S slice in fp32 registers and a 16-bit copy in shared memory
+//                  as the B operand of the products by S:
+//                    V' = U0 - W S
+//                    O  = diag(exp(gamma)) Q S + P V'
+//                    S  = exp(gamma_last) S + K^T diag(exp(gamma_last - gamma)) V'
 //
 // q and k are normalised over K (use_qk_l2norm) and q scaled in fp32 as solve_kernel loads them, then
-// rounded to q's dtype, as every mma operand (W, U0, V', S's copy) is; products accumulate in fp32
-// (mma.sync m16n8k16). Positions past a sequence's end load as zeros with g = beta = 0 (so their Q, K,
-// W and U0 rows in the workspace are zeros and gamma stays flat): they leave S unchanged and their rows
-// of O are not stored. The solve runs once per chunk and head, shared by the V slices. Its inverse is
+// rounded to q's dtype, as every mma operand (W, U0, P, V' and its decayed copy, S's copy) is; products
+// accumulate in fp32 (mma.sync m16n8k16). Positions past a sequence's end load as zeros with
+// g = beta = 0 (so their Q, K, W, U0 and P rows in the workspace are zeros and gamma stays flat): they
+// leave S unchanged and their rows of O are not stored. The solve runs once per chunk and head, shared
+// by the V slices (P too: no scan block computes Q K^T). Its inverse is
 // fp32 to about 16 bits: T's 16 x 16 diagonal blocks by substitution in fp32 (a lane a column), the
 // blocks below by block forward substitution, T_wc = -sum_{c <= m < w} (T_ww A_wm) T_mc, products on
 // tensor cores from hi + lo bf16 parts of both operands (three mmas a product); T diag(factor) is then
 // rounded to q's dtype once, as the A operand of X's product with K or V as they are (a CPU emulation
 // on the tests' inputs: o's error 5-15% above a solve in fp32, within a half of the tolerances).
 //
-// Plan: 128 threads a block (4 warps: a chunk's 64 positions are 4 mma row blocks; warp w owns row
-// block w of A, T and X). solve_kernel holds the chunk's keys and values, the gates and T in fp32
-// (51 KiB at K = 128: 4 blocks an SM), V's copy (cp.async) issued first to land while the keys load
-// and T is computed; each warp keeps its rows of T in registers for X, and shares them through shared
-// memory with the warps below, a barrier after each block distance w - c but the last. scan_kernel is
-// one block per SM (with SLICE = 32 a Qwen3-Next layer, 32 value heads and K = V = 128, is 128 blocks
-// per sequence, about one wave on 132 SMs at B = 1), so the latency of its loads is hidden by a pipeline, not by other
-// blocks: a ring of STAGES shared buffers, each one chunk's Q, K, W (16 KiB each at K = 128), U0 / V'
-// slice and gamma, filled by cp.async (16 bytes a thread, verbatim workspace tiles) STAGES - 1 chunks
-// ahead of the chunk being computed; plus S's copy. Each chunk step has two barriers: one after its
-// operands land (which also tells that every warp is done with the previous chunk, so its stage may be
-// refilled and S's copy was rewritten after its last read), one after V' is in shared memory.
+// Plan: a chunk's 64 positions are ROW_BLOCKS = 4 mma row blocks. solve_kernel: 4 warps, warp w owns
+// row block w of P, A, T and X; it holds the chunk's keys and values, the gates and T in fp32, Q in T's
+// space before T (52 KiB at K = 128: 4 blocks an SM, registers held to 128 for them), V's copy
+// (cp.async) issued first to land while Q and K load and P and T are computed; each warp keeps its rows
+// of T in registers for X, and shares them through shared memory with the warps below, a barrier after
+// each block distance w - c but the last. scan_kernel: 8 warps, two a scheduler, warp w computing row
+// block w % 4 in half w / 4 of the slice's columns and keeping those columns of S's rows
+// [32 (w % 4), 32 (w % 4) + 32); one block per SM (with SLICE = 32 a Qwen3-Next layer, 32 value heads
+// and K = V = 128, is 128 blocks per sequence, about one wave on 132 SMs at B = 1), so the latency of
+// its loads is hidden by a pipeline, not by other blocks: a ring of STAGES shared buffers, each one
+// chunk's Q, K, W (16 KiB each at K = 128), U0 / V' slice, P and gamma, filled by cp.async (16 bytes a
+// thread, verbatim workspace tiles) STAGES - 1 chunks ahead of the chunk being computed; plus S's copy
+// and V''s decayed copy. Each chunk step has two barriers: one after its operands land (which also
+// tells that every warp is done with the previous chunk, so its stage may be refilled and S's and V''s
+// copies were rewritten after their last reads), one after V' and its decayed copy are in shared memory.
 #include <cstdint>
 
 #include "gated_delta_rule_common.cuh"
@@ -47,11 +53,10 @@ namespace tk::gdn {
 namespace {
 
 using kernel_dtypes = one_of<element_type::bf16, element_type::fp16>;
-// K = V. 64 compiles but spills 12 bytes in scan_kernel (168 registers, a 16-byte stack frame): not taken yet.
+// K = V. 64 compiles without spills (scan_kernel 138 registers) but is not taken yet: no GPU test has run it.
 using head_dims = one_of<128>;
 
-constexpr int WARPS = CHUNK / BASE_TILE;  // one mma row block of a chunk per warp
-constexpr int THREADS = WARPS * WARP_THREADS;
+constexpr int ROW_BLOCKS = CHUNK / BASE_TILE;  // mma row blocks of a chunk
 constexpr int SLICE = 32;                 // value columns per scan block
 constexpr int FEATURE_PIECE = 32;         // the K-extent of one step of a product over features
 constexpr int VECTOR_BYTES = ROW_VECTOR_BYTES;  // one vector load, store or cp.async
@@ -102,6 +107,7 @@ struct workspace_layout {
   T* u0;         // (chunks, Hv, CHUNK, D)
   T* queries;    // (chunks, Hk, CHUNK, D): normalised, times scale
   T* keys;       // (chunks, Hk, CHUNK, D): normalised
+  T* scores;     // (chunks, Hv, CHUNK, CHUNK): P = D o Q K^T, the decayed causal scores
 
   __device__ explicit workspace_layout(const forward_problem& p) {
     const int64_t tiles = p.chunks * p.v.heads;
@@ -111,6 +117,7 @@ struct workspace_layout {
     u0 = w + tiles * CHUNK * D;
     queries = u0 + tiles * CHUNK * D;
     keys = queries + key_tiles * CHUNK * D;
+    scores = keys + key_tiles * CHUNK * D;
   }
   // The index of a (chunk, value head) tile of gamma, W, U0 and of a (chunk, key head) tile of Q, K.
   __device__ static int64_t tile(const forward_problem& p, int64_t chunk, int head) {
@@ -128,7 +135,7 @@ struct workspace_layout {
 // time to store(row, col, piece). A row is D / 8 consecutive lanes of one warp, each one 16-byte load.
 // Every load is issued before the first store: the compiler cannot tell a store from the rows' memory,
 // so interleaved, each load would wait for the store before it.
-template <typename T, int D, typename Store>
+template <typename T, int D, int THREADS, typename Store>
 __device__ __forceinline__ void load_rows(const heads_view& view, int batch, int64_t head, int64_t row0, int valid,
                                           bool normalise, float multiplier, Store&& store) {
   constexpr int LANES_PER_ROW = D / VECTOR_ELEMENTS;
@@ -187,9 +194,9 @@ __device__ __forceinline__ void wait() {
 }
 
 // A CHUNK x C tile from a row-major array (row stride in elements, a multiple of 8), the block's
-// threads taking 16-byte pieces in turn; rows from valid_rows on are zeros (plain stores, which the
-// same barrier as the copies shows to the block).
-template <typename T, int C>
+// THREADS threads taking 16-byte pieces in turn; rows from valid_rows on are zeros (plain stores, which
+// the same barrier as the copies shows to the block).
+template <int THREADS, typename T, int C>
 __device__ __forceinline__ void rows(shared_tile<T, CHUNK, C>& dst, const T* src, int row_stride,
                                      int valid_rows = CHUNK) {
   constexpr int VECTORS_PER_ROW = C / VECTOR_ELEMENTS;
@@ -208,7 +215,7 @@ __device__ __forceinline__ void rows(shared_tile<T, CHUNK, C>& dst, const T* src
 }
 
 // N contiguous floats (16-byte aligned at both ends), one piece each for the block's first threads.
-template <int N>
+template <int THREADS, int N>
 __device__ __forceinline__ void floats(float (&dst)[N], const float* src) {
   constexpr int FLOATS_PER_VECTOR = VECTOR_BYTES / int(sizeof(float));
   static_assert(N % FLOATS_PER_VECTOR == 0 && N / FLOATS_PER_VECTOR <= THREADS, "one piece a thread at most");
@@ -231,6 +238,22 @@ template <typename Shared>
 constexpr int shared_bytes = int(sizeof(Shared) + alignof(Shared));  // room to align the start
 
 // ------------------------------------------------------------------------------ solve
+
+// scores_ij *= exp(gamma_i - gamma_j) where j <= i, 0 above the diagonal (i: rows from row0, j: columns
+// from col0).
+template <register_tile_type Tile>
+__device__ __forceinline__ void decay_causally(Tile& scores, int row0, int col0, const float (&gamma)[CHUNK]) {
+  for_each_pair<Tile>([&](int br, int bc, int q) {
+    float2& pair = scores.pairs[br][bc][q];
+#pragma unroll
+    for (int e = 0; e < fragment::PAIR; ++e) {
+      const fragment::coord at = fragment::pair_element_coord<Tile::layout>(q, e);
+      const int i = row0 + BASE_TILE * br + at.row, j = col0 + BASE_TILE * bc + at.col;
+      float& score = e == 0 ? pair.x : pair.y;
+      score = j <= i ? score * __expf(gamma[i] - gamma[j]) : 0.0f;
+    }
+  });
+}
 
 // A float tile as hi + lo bf16 parts (lo = the rounding error of hi): products of the parts recover
 // about 16 significant bits where one bf16 rounding keeps 8, in bf16 for its fp32 exponent range (the
@@ -268,16 +291,18 @@ __device__ __forceinline__ void mma_split(D& d, const A& a, const B& b) {
 
 template <typename T, int D>
 struct solve_kernel {
-  static constexpr int BLOCKS = CHUNK / BASE_TILE;  // 16-position blocks of a chunk; warp w owns block w
+  static constexpr int BLOCKS = ROW_BLOCKS;  // 16-position blocks of a chunk; warp w owns block w
+  static constexpr int THREADS = BLOCKS * WARP_THREADS;
   // Padding of the inverse's fp32 rows: 8 floats make a warp's row-pair accesses (8 rows x 8 columns)
   // fall in 32 distinct banks.
   static constexpr int INVERSE_STRIDE = CHUNK + 8;
   static constexpr int SOLVED_PIECE = 32;  // columns of W or U0 a warp accumulates at once
+  static constexpr int SCORES_PIECE = 32;  // columns of P a warp accumulates at once
+  static constexpr int BLOCKS_PER_SM = 4;  // as its shared memory allows; registers held to it (128)
   using block_tile = register_tile<float, BASE_TILE, BASE_TILE>;
   using split_block = split_tile<block_tile>;
   using split_block_col = split_tile<register_tile<float, BASE_TILE, BASE_TILE, register_layout::col>>;
   using inverse_rows = register_tile<float, BASE_TILE, CHUNK>;  // a warp's 16 rows of T
-  static_assert(BLOCKS == WARPS, "one block row of the chunk per warp");
   static_assert(D % SOLVED_PIECE == 0, "whole pieces");
 
   struct shared {
@@ -286,8 +311,11 @@ struct solve_kernel {
     float gamma[CHUNK];
     float beta[CHUNK];
     float beta_decayed[CHUNK];  // beta exp(gamma): W's column factors of T
-    // A's diagonal blocks, each replaced by its inverse, then the blocks of T below the diagonal.
-    float inverse[CHUNK][INVERSE_STRIDE];
+    union {
+      shared_tile<T, CHUNK, D> queries;  // Q (normalised, times scale) for P, first
+      // then A's diagonal blocks, each replaced by its inverse, then the blocks of T below the diagonal
+      float inverse[CHUNK][INVERSE_STRIDE];
+    };
   };
 
   // Block (row, col) of the inverse in shared memory, as a pointer for warp::load and warp::store.
@@ -375,6 +403,30 @@ struct solve_kernel {
     }
   }
 
+  // Rows [16w, 16w + 16) of P = D o Q K^T, the scan's decayed causal scores, into `dst` (row stride
+  // CHUNK), SCORES_PIECE columns at a time; pieces right of the warp's diagonal block are zeros.
+  __device__ static void decayed_scores(T* dst, const shared& s) {
+    const int warp_row0 = BASE_TILE * warp_id();
+#pragma unroll
+    for (int n0 = 0; n0 < CHUNK; n0 += SCORES_PIECE) {
+      register_tile<float, BASE_TILE, SCORES_PIECE> scores;
+      warp::zero(scores);
+      if (n0 < warp_row0 + BASE_TILE) {
+        // Not unrolled: four pieces' operands at once would pass the registers of BLOCKS_PER_SM blocks.
+#pragma unroll 1
+        for (int f0 = 0; f0 < D; f0 += FEATURE_PIECE) {
+          register_tile<T, BASE_TILE, FEATURE_PIECE> q;
+          register_tile<T, SCORES_PIECE, FEATURE_PIECE> k;
+          warp::load(q, s.queries, warp_row0, f0);
+          warp::load(k, s.keys, n0, f0);
+          warp::mma_ABt(scores, q, k, scores);
+        }
+        decay_causally(scores, warp_row0, n0, s.gamma);
+      }
+      warp::store(dst + n0, CHUNK, scores);
+    }
+  }
+
   __device__ static void run(const forward_problem& p) {
     shared& s = shared_as<shared>();
     const int64_t chunk = blockIdx.x;
@@ -390,15 +442,14 @@ struct solve_kernel {
     const int64_t key_tile_offset = workspace_layout<T, D>::key_tile(p, chunk, key_head) * CHUNK * D;
     const auto piece_at = [](T* tile, int row, int col) { return reinterpret_cast<uint4*>(tile + row * D + col); };
 
-    // V first: its copies fly while the keys are loaded and T is computed.
-    async_copy::rows(s.values, row_of<T>(p.v, seq.batch, head, row0), int(p.v.row_stride), valid);
+    // V first: its copies fly while Q and K are loaded and P and T are computed.
+    async_copy::rows<THREADS>(s.values, row_of<T>(p.v, seq.batch, head, row0), int(p.v.row_stride), valid);
     async_copy::commit();
-    if (writes_key_head) {  // Q before K: after the keys (their pieces live) it spills 16 bytes
-      load_rows<T, D>(p.q, seq.batch, key_head, row0, valid, p.l2norm, p.scale, [&](int row, int col, uint4 piece) {
-        *piece_at(out.queries + key_tile_offset, row, col) = piece;
-      });
-    }
-    load_rows<T, D>(p.k, seq.batch, key_head, row0, valid, p.l2norm, 1.0f, [&](int row, int col, uint4 piece) {
+    load_rows<T, D, THREADS>(p.q, seq.batch, key_head, row0, valid, p.l2norm, p.scale, [&](int row, int col, uint4 piece) {
+      *reinterpret_cast<uint4*>(&s.queries.at(row, col)) = piece;
+      if (writes_key_head) *piece_at(out.queries + key_tile_offset, row, col) = piece;
+    });
+    load_rows<T, D, THREADS>(p.k, seq.batch, key_head, row0, valid, p.l2norm, 1.0f, [&](int row, int col, uint4 piece) {
       *reinterpret_cast<uint4*>(&s.keys.at(row, col)) = piece;
       if (writes_key_head) *piece_at(out.keys + key_tile_offset, row, col) = piece;
     });
@@ -420,7 +471,11 @@ struct solve_kernel {
         s.beta_decayed[row] = beta[e] * __expf(g[e]);
       }
     }
-    __syncthreads();
+    __syncthreads();  // Q, K and the gates are in shared memory
+
+    const int64_t scores_row0 = workspace_layout<T, D>::tile(p, chunk, head) * CHUNK + BASE_TILE * warp_id();
+    decayed_scores(out.scores + scores_row0 * CHUNK, s);
+    __syncthreads();  // every warp has read Q, whose space the inverse takes
 
     // T = (I + A)^-1 by blocks of 16 (A_wc: block row w, column c): with T_ww = (I + A_ww)^-1, block
     // forward substitution gives T_wc = -T_ww sum_{c <= m < w} A_wm T_mc for c < w. Warp w computes
@@ -504,60 +559,66 @@ struct solve_kernel {
 
 // ------------------------------------------------------------------------------ scan
 
-// scores_ij *= exp(gamma_i - gamma_j) where j <= i, 0 above the diagonal (i: rows from row0).
-template <register_tile_type Tile>
-__device__ __forceinline__ void decay_causally(Tile& scores, int row0, const float (&gamma)[CHUNK]) {
-  for_each_pair<Tile>([&](int br, int bc, int q) {
-    float2& pair = scores.pairs[br][bc][q];
-#pragma unroll
-    for (int e = 0; e < fragment::PAIR; ++e) {
-      const fragment::coord at = fragment::pair_element_coord<Tile::layout>(q, e);
-      const int i = row0 + BASE_TILE * br + at.row, j = BASE_TILE * bc + at.col;
-      float& score = e == 0 ? pair.x : pair.y;
-      score = j <= i ? score * __expf(gamma[i] - gamma[j]) : 0.0f;
-    }
-  });
-}
-
 template <typename T, int D>
 struct scan_kernel {
-  static constexpr int STATE_ROWS = D / WARPS;  // the rows of S each warp keeps
+  // Warp w computes positions [16 r, 16 r + 16) of a chunk (r = w % ROW_BLOCKS) in the columns
+  // [WARP_COLUMNS g, WARP_COLUMNS (g + 1)) of the block's slice (g = w / ROW_BLOCKS), and keeps rows
+  // [STATE_ROWS r, STATE_ROWS (r + 1)) of S in those columns: two warps a scheduler.
+  static constexpr int COLUMN_GROUPS = 2;
+  static constexpr int THREADS = ROW_BLOCKS * COLUMN_GROUPS * WARP_THREADS;
+  static constexpr int WARP_COLUMNS = SLICE / COLUMN_GROUPS;
+  static constexpr int STATE_ROWS = D / ROW_BLOCKS;
   static constexpr int SLICES = D / SLICE;       // scan blocks per (sequence, head), adjacent in x
   // Chunks whose operands are in shared memory at once: the one computed and STAGES - 1 in flight. Two
   // stages already hold the block to one per SM (the scan's grid is about one wave anyway), so the third
   // costs nothing and lets a chunk's loads take up to two chunk steps.
   static constexpr int STAGES = 3;
+  static constexpr int BLOCKS_PER_SM = 1;  // its stages fill an SM's shared memory
   using chunk_tile = shared_tile<T, CHUNK, D>;
   using slice_tile = shared_tile<T, CHUNK, SLICE>;
   using state_copy_tile = shared_tile<T, D, SLICE>;
-  using slice_rows = register_tile<float, BASE_TILE, SLICE>;  // a warp's 16 positions of a V slice
-  using state_rows = register_tile<float, STATE_ROWS, SLICE>;
+  using warp_rows = register_tile<float, BASE_TILE, WARP_COLUMNS>;  // a warp's 16 positions of its columns
+  using state_rows = register_tile<float, STATE_ROWS, WARP_COLUMNS>;
   static_assert(D % FEATURE_PIECE == 0 && STATE_ROWS % BASE_TILE == 0, "whole pieces and base tiles");
+  static_assert(WARP_COLUMNS % BASE_TILE == 0, "whole base tiles");
   static_assert(STAGES >= 2, "a stage is refilled while another is computed");
 
   struct chunk_operands {
     chunk_tile queries, keys, w;
-    slice_tile values;               // U0, then V' = U0 - W S
+    slice_tile values;                    // U0, then V' = U0 - W S
+    shared_tile<T, CHUNK, CHUNK> scores;  // P = D o Q K^T (the solve's)
     alignas(VECTOR_BYTES) float gamma[CHUNK];
   };
 
   struct shared {
     chunk_operands stages[STAGES];   // chunk c in stages[c % STAGES]
     state_copy_tile state_copy;      // S rounded to T: the B operand of W S and Q S
-    float to_end[CHUNK];             // exp(gamma_last - gamma_j)
+    slice_tile values_to_end;        // diag(exp(gamma_last - gamma)) V' rounded to T: S's update's B operand
   };
 
-  // acc = rows [row0, row0 + 16) of `left` times S (its 16-bit copy).
-  __device__ static void times_state(slice_rows& acc, const chunk_tile& left, int row0, const state_copy_tile& state) {
-    warp::zero(acc);
+  // by_w, by_q = rows [row0, row0 + 16) of W and of Q times S's columns [col0, col0 + WARP_COLUMNS)
+  // (its 16-bit copy), each piece of S loaded once.
+  __device__ static void times_state(warp_rows& by_w, warp_rows& by_q, const chunk_operands& operands, int row0,
+                                     int col0, const state_copy_tile& state) {
+    warp::zero(by_w);
+    warp::zero(by_q);
 #pragma unroll
     for (int f0 = 0; f0 < D; f0 += FEATURE_PIECE) {
+      register_tile<T, FEATURE_PIECE, WARP_COLUMNS, register_layout::col> b;
+      warp::load(b, state, f0, col0);
       register_tile<T, BASE_TILE, FEATURE_PIECE> a;
-      register_tile<T, FEATURE_PIECE, SLICE, register_layout::col> b;
-      warp::load(a, left, row0, f0);
-      warp::load(b, state, f0, 0);
-      warp::mma_AB(acc, a, b, acc);
+      warp::load(a, operands.w, row0, f0);
+      warp::mma_AB(by_w, a, b, by_w);
+      warp::load(a, operands.queries, row0, f0);
+      warp::mma_AB(by_q, a, b, by_q);
     }
+  }
+
+  // `rows` rounded to T into `tile` at (row0, col0).
+  __device__ static void store_rounded(slice_tile& tile, const warp_rows& rows, int row0, int col0) {
+    register_tile<T, BASE_TILE, WARP_COLUMNS> rounded;
+    warp::copy(rounded, rows);
+    warp::store(tile, rounded, row0, col0);
   }
 
   __device__ static void run(const forward_problem& p) {
@@ -568,9 +629,12 @@ struct scan_kernel {
     const int key_head = head / int(p.v.heads / p.q.heads);
     const sequence_span seq = span_of(p, n);
     const workspace_layout<T, D> in(p);
-    const int warp_row0 = BASE_TILE * warp_id();
-    const int state_row0 = STATE_ROWS * warp_id();
-    const int64_t state_offset = (int64_t(n) * p.v.heads + head) * D * D + int64_t(state_row0) * D + column0;
+    const int row_block = warp_id() % ROW_BLOCKS;
+    const int warp_row0 = BASE_TILE * row_block;
+    const int warp_col0 = WARP_COLUMNS * (warp_id() / ROW_BLOCKS);  // in the slice
+    const int state_row0 = STATE_ROWS * row_block;
+    const int64_t state_offset =
+        (int64_t(n) * p.v.heads + head) * D * D + int64_t(state_row0) * D + column0 + warp_col0;
     const int chunks = ceil_div(seq.length, CHUNK);
 
     // Issues the copies of chunk c's operands into its stage (the workspace tiles hold zeros past the end).
@@ -578,11 +642,12 @@ struct scan_kernel {
       chunk_operands& stage = s.stages[c % STAGES];
       const int64_t tile = workspace_layout<T, D>::tile(p, seq.first_chunk + c, head) * CHUNK;
       const int64_t key_tile = workspace_layout<T, D>::key_tile(p, seq.first_chunk + c, key_head) * CHUNK;
-      async_copy::rows(stage.queries, in.queries + key_tile * D, D);
-      async_copy::rows(stage.keys, in.keys + key_tile * D, D);
-      async_copy::rows(stage.w, in.w + tile * D, D);
-      async_copy::rows(stage.values, in.u0 + tile * D + column0, D);
-      async_copy::floats(stage.gamma, in.gamma + tile);
+      async_copy::rows<THREADS>(stage.queries, in.queries + key_tile * D, D);
+      async_copy::rows<THREADS>(stage.keys, in.keys + key_tile * D, D);
+      async_copy::rows<THREADS>(stage.w, in.w + tile * D, D);
+      async_copy::rows<THREADS>(stage.values, in.u0 + tile * D + column0, D);
+      async_copy::rows<THREADS>(stage.scores, in.scores + tile * CHUNK, CHUNK);
+      async_copy::floats<THREADS>(stage.gamma, in.gamma + tile);
     };
     // One commit per chunk step, empty past the last chunk, so that "chunk c has landed" is always
     // wait<STAGES - 2>: only the groups of chunks c + 1 .. c + STAGES - 2 may still be in flight.
@@ -600,9 +665,9 @@ struct scan_kernel {
     for (int c = 0; c < chunks; ++c) {
       chunk_operands& operands = s.stages[c % STAGES];
       {  // S's copy for this chunk; the previous chunk read it before its V' barrier, which all passed
-        register_tile<T, STATE_ROWS, SLICE> copy;
+        register_tile<T, STATE_ROWS, WARP_COLUMNS> copy;
         warp::copy(copy, state);
-        warp::store(s.state_copy, copy, state_row0, 0);
+        warp::store(s.state_copy, copy, state_row0, warp_col0);
       }
       async_copy::wait<STAGES - 2>();
       __syncthreads();  // chunk c's operands and S's copy are visible; every warp is done with chunk c - 1
@@ -610,64 +675,51 @@ struct scan_kernel {
       // Chunk c - 1's stage is free: refill it STAGES - 1 chunks ahead.
       if (c + STAGES - 1 < chunks) start_loading(c + STAGES - 1);
       async_copy::commit();
-      if (warp_id() == 0) {  // read after the V' barrier; the previous chunk's readers passed the one above
-        const float2 gamma = *reinterpret_cast<const float2*>(&operands.gamma[2 * lane_id()]);
-        const float gamma_last = operands.gamma[CHUNK - 1];
-        *reinterpret_cast<float2*>(&s.to_end[2 * lane_id()]) = {__expf(gamma_last - gamma.x), __expf(gamma_last - gamma.y)};
-      }
       const int64_t row0 = seq.start + int64_t(c) * CHUNK;
       const int valid = min(CHUNK, seq.length - c * CHUNK);
+      per_row_vector<warp_rows, float> gamma;
+      warp::load(gamma, operands.gamma + warp_row0);
+      const float gamma_last = operands.gamma[CHUNK - 1];
 
-      // V' = U0 - W S for the warp's positions, into the values tile (each warp its own rows).
-      slice_rows updates;
-      times_state(updates, operands.w, warp_row0, s.state_copy);
+      // V' = U0 - W S for the warp's positions and columns into the values tile, and scaled by
+      // exp(gamma_last - gamma) for S's update (the previous chunk's readers passed the barrier above);
+      // Q S.
+      warp_rows updates, out;
+      times_state(updates, out, operands, warp_row0, warp_col0, s.state_copy);
       {
-        register_tile<T, BASE_TILE, SLICE> u0;
-        warp::load(u0, operands.values, warp_row0, 0);
-        slice_rows u0_fp32;
+        register_tile<T, BASE_TILE, WARP_COLUMNS> u0;
+        warp::load(u0, operands.values, warp_row0, warp_col0);
+        warp_rows u0_fp32;
         warp::copy(u0_fp32, u0);
         warp::sub(updates, u0_fp32, updates);
-        register_tile<T, BASE_TILE, SLICE> rounded;
-        warp::copy(rounded, updates);
-        warp::store(operands.values, rounded, warp_row0, 0);
+        store_rounded(operands.values, updates, warp_row0, warp_col0);
+        per_row_vector<warp_rows, float> to_end;
+        warp::sub(to_end, gamma_last, gamma);
+        warp::exp(to_end, to_end);
+        warp::mul_row(updates, updates, to_end);
+        store_rounded(s.values_to_end, updates, warp_row0, warp_col0);
       }
 
-      // O = diag(exp(gamma)) Q S + (D o Q K^T) V'.
-      slice_rows out;
-      times_state(out, operands.queries, warp_row0, s.state_copy);
-      per_row_vector<slice_rows, float> decay;
-      warp::load(decay, operands.gamma + warp_row0);
-      warp::exp(decay, decay);
-      warp::mul_row(out, out, decay);
-      register_tile<float, BASE_TILE, CHUNK> scores;
-      warp::zero(scores);
-#pragma unroll
-      for (int f0 = 0; f0 < D; f0 += FEATURE_PIECE) {
-        register_tile<T, BASE_TILE, FEATURE_PIECE> q;
-        register_tile<T, CHUNK, FEATURE_PIECE> k;
-        warp::load(q, operands.queries, warp_row0, f0);
-        warp::load(k, operands.keys, 0, f0);
-        warp::mma_ABt(scores, q, k, scores);
-      }
-      decay_causally(scores, warp_row0, operands.gamma);
+      // O = diag(exp(gamma)) Q S + P V'.
+      warp::exp(gamma, gamma);
+      warp::mul_row(out, out, gamma);
+      __syncthreads();  // every warp's rows of V' and of its scaled copy are in shared memory
+
       register_tile<T, BASE_TILE, CHUNK> probabilities;
-      warp::copy(probabilities, scores);
-      __syncthreads();  // every warp's V' rows are in the values tile, and to_end is written
-
-      register_tile<T, CHUNK, SLICE, register_layout::col> updates_all;
-      warp::load(updates_all, operands.values, 0, 0);
+      warp::load(probabilities, operands.scores, warp_row0, 0);
+      register_tile<T, CHUNK, WARP_COLUMNS, register_layout::col> updates_all;
+      warp::load(updates_all, operands.values, 0, warp_col0);
       warp::mma_AB(out, probabilities, updates_all, out);
       const int64_t out_row = (seq.batch * p.q.rows + row0 + warp_row0) * p.v.heads + head;
-      warp::store(static_cast<T*>(p.o) + out_row * D + column0, int(p.v.heads * D), out, valid - warp_row0);
+      warp::store(static_cast<T*>(p.o) + out_row * D + column0 + warp_col0, int(p.v.heads * D), out,
+                  valid - warp_row0);
 
-      // S = exp(gamma_last) S + (diag(exp(gamma_last - gamma)) K)^T V', the warp's rows of S.
-      register_tile<T, CHUNK, STATE_ROWS, register_layout::col> keys_to_end;
-      warp::load(keys_to_end, operands.keys, 0, state_row0);
-      per_row_vector<decltype(keys_to_end), float> to_end;
-      warp::load(to_end, s.to_end);
-      warp::mul_row(keys_to_end, keys_to_end, to_end);
-      warp::mul(state, state, __expf(operands.gamma[CHUNK - 1]));
-      warp::mma_AtB(state, keys_to_end, updates_all, state);
+      // S = exp(gamma_last) S + K^T diag(exp(gamma_last - gamma)) V', the warp's rows and columns of S.
+      register_tile<T, CHUNK, STATE_ROWS, register_layout::col> keys;
+      warp::load(keys, operands.keys, 0, state_row0);
+      warp::load(updates_all, s.values_to_end, 0, warp_col0);
+      warp::mul(state, state, __expf(gamma_last));
+      warp::mma_AtB(state, keys, updates_all, state);
       // No barrier: the next chunk's first one orders this chunk's reads before any rewrite.
     }
     warp::store(p.final_state + state_offset, D, state);
@@ -675,7 +727,9 @@ struct scan_kernel {
 };
 
 template <typename Kernel>
-__global__ void __launch_bounds__(THREADS) kernel_entry(const __grid_constant__ forward_problem p) {
+__global__ void __launch_bounds__(Kernel::THREADS, Kernel::BLOCKS_PER_SM)
+    kernel_entry(const __grid_constant__ forward_problem p) {
+  __builtin_assume(threadIdx.x < Kernel::THREADS);  // folds the bounds of the helpers' per-thread pieces
   Kernel::run(p);
 }
 
@@ -687,7 +741,7 @@ cudaError_t launch_kernel(dim3 grid, const forward_problem& p, cudaStream_t stre
       e != cudaSuccess) {
     return e;
   }
-  kernel_entry<Kernel><<<grid, THREADS, bytes, stream>>>(p);
+  kernel_entry<Kernel><<<grid, Kernel::THREADS, bytes, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -708,10 +762,10 @@ cudaError_t run(const forward_problem& p, cudaStream_t stream) {
 }  // namespace
 
 int64_t workspace_bytes(int64_t chunks, int64_t key_heads, int64_t value_heads, int64_t key_dim, int64_t value_dim) {
-  const int64_t positions = chunks * value_heads * CHUNK;  // of gamma, W and U0
+  const int64_t positions = chunks * value_heads * CHUNK;  // of gamma, W, U0 and P
   const int64_t key_positions = chunks * key_heads * CHUNK;  // of Q and K
   constexpr int64_t element_bytes = 2;  // bf16 or fp16
-  return positions * (int64_t(sizeof(float)) + (key_dim + value_dim) * element_bytes) +
+  return positions * (int64_t(sizeof(float)) + (key_dim + value_dim + CHUNK) * element_bytes) +
          key_positions * 2 * key_dim * element_bytes;  // Q and K
 }
 
