@@ -2,7 +2,8 @@
 the TMA store ring, publishing shared memory to the async proxy, turn rotations.
 
 The kernels (tests/core/core_kernels.cu) are built on first use with torch.utils.cpp_extension; every
-test here needs a Hopper GPU and skips elsewhere.
+test here needs a Hopper GPU and skips elsewhere. That build also checks, by static_assert, which kernels
+the template's contract (pipeline::pipeline_kernel) accepts and which it rejects.
 """
 
 from __future__ import annotations

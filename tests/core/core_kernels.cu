@@ -9,6 +9,7 @@
 //   store_ring_tiles tiles written one after another through a TMA store ring of 1..3 slots
 //   publish_tile     two warpgroups' ordinary stores, published to one thread's TMA store
 //   turn_order       the order in which 1..3 warpgroups take the turns of a turn rotation
+//   pipeline_kernel  (compile time) which kernels the template's contract accepts and which it rejects
 #include "core_kernels.h"
 #include "tk/tk.cuh"
 
@@ -462,6 +463,48 @@ cudaError_t tma_round_trip_boxes(const round_trip_args& a, cudaStream_t stream) 
 }
 
 }  // namespace
+
+// ------------------------------------------------------------ the template's contract (compile time)
+
+// pipeline_kernel, which launch checks: the test kernels above fill it in. The probes are
+// declarations only (the checks never call them; outside the anonymous namespace, so that unused
+// declarations draw no warning): the members every kernel needs but compute; then compute and a
+// store added; then a store taking its context by non-const reference, which the template could
+// not call and would otherwise skip without a word.
+static_assert(pipeline::pipeline_kernel<bare_sum_kernel> && pipeline::pipeline_kernel<pipeline_sum_kernel<2, 2>>);
+
+struct probe_without_compute {
+  static constexpr int stages = 1;
+  static constexpr int consumer_warpgroups = 1;
+  static constexpr int producer_registers = 40;
+  static constexpr int consumer_registers = 232;
+  struct stage {
+    shared_tile<bf16, 64, 64> x;
+  };
+  static constexpr uint32_t stage_bytes[] = {sizeof(stage)};
+  struct consumer_state {};
+  struct params {
+    pipeline::grouped_tile_order order;
+  };
+  __host__ __device__ static pipeline::grouped_tile_order tasks(const params& p);
+  __device__ static int iterations(const params& p, pipeline::output_tile tile);
+  __device__ static void load(const params& p, pipeline::output_tile tile, int i, int part, stage& s, mbarrier& full);
+};
+struct probe_with_store : probe_without_compute {
+  using context = pipeline::task_context<probe_with_store>;
+  __device__ static void compute(const context& ctx, consumer_state& state, pipeline::stage_inputs<probe_with_store>& in);
+  __device__ static void store(const context& ctx, consumer_state& state);
+};
+struct probe_with_mutable_store : probe_without_compute {
+  using context = pipeline::task_context<probe_with_mutable_store>;
+  __device__ static void compute(const context& ctx, consumer_state& state,
+                                 pipeline::stage_inputs<probe_with_mutable_store>& in);
+  __device__ static void store(context& ctx, consumer_state& state);
+};
+static_assert(!pipeline::has_compute<probe_without_compute> && !pipeline::pipeline_kernel<probe_without_compute>);
+static_assert(pipeline::has_store<probe_with_store> && pipeline::pipeline_kernel<probe_with_store>);
+static_assert(!pipeline::store_if_named<probe_with_mutable_store> && pipeline::has_compute<probe_with_mutable_store> &&
+              !pipeline::pipeline_kernel<probe_with_mutable_store>);
 
 cudaError_t tma_round_trip(const round_trip_args& a, cudaStream_t stream) {
   return a.box_rows == 16 ? tma_round_trip_boxes<16>(a, stream) : tma_round_trip_boxes<64>(a, stream);

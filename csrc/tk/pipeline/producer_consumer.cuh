@@ -32,7 +32,10 @@
 //   [finish(params, scratch&, consumer)]                                   before the block exits
 //
 // An optional hook that a kernel leaves out is not called (the has_* concepts below detect them):
-// a kernel whose compute stores its own results as it goes writes no empty store.
+// a kernel whose compute stores its own results as it goes writes no empty store. The concept
+// pipeline_kernel<K> is this list; launch checks it part by part, so that a kernel is told which
+// member it lacks, and a member named like an optional hook but not callable as one (say, a store
+// taking its context by non-const reference) is an error, not a hook silently skipped.
 //
 // Kernels that share a plan and tiles (a backward's two gradient kernels) are best members of the
 // shared class template, defined out of line and deriving from it (linear_attention_bwd.cu): their
@@ -42,6 +45,7 @@
 
 #include <cuda_runtime.h>
 
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <iterator>
@@ -126,6 +130,67 @@ concept has_finish = requires(const typename K::params& params, scratch_of<K>& s
   K::finish(params, scratch, consumer);
 };
 
+// The required members.
+template <typename K>
+concept has_plan = requires {
+  { K::stages } -> std::convertible_to<int>;
+  { K::consumer_warpgroups } -> std::convertible_to<int>;
+  { K::producer_registers } -> std::convertible_to<int>;
+  { K::consumer_registers } -> std::convertible_to<int>;
+};
+template <typename K>
+concept has_tasks = requires(const typename K::params& params, const task_of<K>& task) {
+  { K::iterations(params, task) } -> std::convertible_to<int>;
+};
+template <typename K>
+concept has_stage_loads = requires(const typename K::params& params, const task_of<K>& task, int iteration, int part,
+                                   typename K::stage& stage, mbarrier& full) {
+  { K::stage_bytes[0] } -> std::convertible_to<uint32_t>;
+  K::load(params, task, iteration, part, stage, full);
+};
+template <typename K>
+concept has_compute = requires(const task_context<K>& ctx, typename K::consumer_state& state, stage_inputs<K>& inputs) {
+  K::compute(ctx, state, inputs);
+};
+template <typename K>
+concept has_resident_loads = requires(const typename K::params& params, const task_of<K>& task,
+                                      resident_of<K>& resident, mbarrier& full) {
+  { K::resident_bytes } -> std::convertible_to<uint32_t>;
+  K::load_resident(params, task, resident, full);
+};
+template <typename K>
+concept resident_loads_if_resident = !has_resident<K> || has_resident_loads<K>;
+
+// A member named like an optional hook must be callable as that hook, which the template would
+// otherwise skip without a word. (&K::hook names one non-template member; an overloaded or
+// templated one is left to its has_* concept.)
+template <typename K> concept prefetch_if_named = !requires { &K::prefetch; } || has_prefetch<K>;
+template <typename K> concept init_if_named = !requires { &K::init; } || has_init<K>;
+template <typename K> concept store_if_named = !requires { &K::store; } || has_store<K>;
+template <typename K> concept finish_if_named = !requires { &K::finish; } || has_finish<K>;
+
+// The whole contract; launch checks it part by part, so that a kernel is told what it lacks.
+template <typename K>
+concept pipeline_kernel = has_plan<K> && has_tasks<K> && has_stage_loads<K> && has_compute<K> &&
+                          resident_loads_if_resident<K> && prefetch_if_named<K> && init_if_named<K> &&
+                          store_if_named<K> && finish_if_named<K>;
+
+template <typename K>
+constexpr void check_pipeline_kernel() {
+  static_assert(has_plan<K>, "the plan needs stages, consumer_warpgroups, producer_registers, consumer_registers");
+  static_assert(has_tasks<K>, "the kernel needs tasks(params), a task order, and iterations(params, task) -> int");
+  static_assert(has_stage_loads<K>,
+                "the kernel needs stage, stage_bytes[] and load(params, task, iteration, part, stage&, mbarrier&)");
+  static_assert(has_compute<K>,
+                "the kernel needs compute(const task_context<K>&, consumer_state&, stage_inputs<K>&)");
+  static_assert(resident_loads_if_resident<K>,
+                "resident tiles need resident_bytes and load_resident(params, task, resident&, mbarrier&)");
+  static_assert(prefetch_if_named<K>, "prefetch is not callable as the hook prefetch(params)");
+  static_assert(init_if_named<K>, "init is not callable as the hook init(params, scratch&, consumer)");
+  static_assert(store_if_named<K>, "store is not callable as the hook store(const task_context<K>&, consumer_state&)");
+  static_assert(finish_if_named<K>, "finish is not callable as the hook finish(params, scratch&, consumer)");
+}
+
 template <typename K>
 __global__ void __launch_bounds__(block_threads<K>, blocks_per_sm<K>()) producer_consumer_kernel(const __grid_constant__ typename K::params params) {
   static_assert(K::stages >= 1, "at least one stage");
@@ -190,6 +255,7 @@ constexpr size_t kernel_shared_bytes = shared_bytes<kernel_storage<K>>;
 // Launch K on `grid` blocks: K::tasks(params).count() for one block per task, or persistent_grid().
 template <typename K>
 cudaError_t launch(const typename K::params& params, int grid, cudaStream_t stream) {
+  check_pipeline_kernel<K>();
   return launch(producer_consumer_kernel<K>, dim3(grid), block_threads<K>, kernel_shared_bytes<K>, stream, params);
 }
 
