@@ -59,7 +59,7 @@ Memory: O(B T H (K + V) + B T H Q) per pass; with cu_seqlens the sequences are l
 side, padded to the longest, so O(N max_len ...) instead of O(T ...).
 
 CUDA kernels: the forward for bf16/fp16 q, k, v with K = V = 128 (csrc/kernels/gated_delta_rule; tested on
-the H200, 1.00-1.22x flash-linear-attention's forward there: benchmarks/results/gated_delta_rule.md), and where
+the H200, 1.33-1.76x flash-linear-attention's forward there: benchmarks/results/gated_delta_rule.md), and where
 no sequence is longer than 16 (decoding) a recurrent kernel at K = V in {64, 128} (the state stepped in
 registers, in fp32; tested on the H200, not yet benchmarked); every other forward runs the reference (on a GPU with a
 one-time warning), and so does the backward.
