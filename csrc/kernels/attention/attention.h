@@ -33,7 +33,7 @@ using tk::element_type;
 // The backward's plans hold dK and dV of 64 keys x D in a consumer's registers, which fits up to
 // D = 128; beyond, its gradients run the reference (attention_bwd_ref).
 using forward_head_dims = one_of<64, 96, 128, 192, 256>;
-using backward_head_dims = one_of<64, 128>;
+using backward_head_dims = one_of<64, 128, 192, 256>;
 
 using tk::heads_view;
 
