@@ -10,15 +10,19 @@
 //                                 S = Q K^T (SS), online softmax in registers, O += P V (P from
 //                                 registers, RS)
 //   backward  (attention_bwd.cu)  1. per-row statistics: lse in base 2, delta = rowsum(dO * O) - dlse
-//                                 2. dK, dV: a block owns 128 keys of one K/V head (resident K, V)
-//                                    and streams the query tiles (64 rows at D = 128, 128 at
-//                                    D = 64: dkdv_plan) of every query head of its
-//                                    group, so GQA sums stay in registers (no atomics, deterministic)
-//                                 3. dQ, by default in the same pass: each step's dQ partial is
-//                                    added into an fp32 accumulator by bulk reductions, then
-//                                    converted; or (deterministic) a block owns 128 query rows
-//                                    (resident Q, dO) and streams K/V blocks, so dQ is summed in
-//                                    registers too
+//                                 2. dK, dV: a block owns 128 keys of one K/V head (resident K, V;
+//                                    64 keys beyond D = 128) and streams the query tiles (64 rows
+//                                    at D >= 128, 128 at D = 64: dkdv_plan) of every query head of
+//                                    its group, so GQA sums stay in registers (no atomics,
+//                                    deterministic)
+//                                 3. dQ, by default in the same pass (up to D = 128): each step's dQ
+//                                    partial is added into an fp32 accumulator by bulk reductions,
+//                                    then converted; or (deterministic, and always beyond D = 128) a
+//                                    block owns 128 query rows (64 beyond D = 128; resident Q, dO) and
+//                                    streams K/V blocks, so dQ is summed in registers too
+//                                 Beyond D = 128 both consumers share a block's 64 rows and split
+//                                 each gradient's columns (column_split), exchanging their halves
+//                                 of the scores through shared memory
 //
 // Scores live in the log2 domain: s2 = scale * log2(e) * q.k, p = exp2(s2 - max2), so exponentials
 // are single ex2 instructions. The backward scales its scores with one multiply; the forward takes

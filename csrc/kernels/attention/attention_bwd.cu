@@ -11,6 +11,11 @@
 //                       their rows' lse2 and delta) of every query head of the group:
 //                         S^T = K Q^T, dP^T = V dO^T (SS);  P^T = exp2(S^T - lse2);  dV += P^T dO (RS)
 //                         dS^T = P^T (dP^T - delta);  dK += dS^T Q (RS)
+//                       Beyond D = 128 (column_split) a block owns 64 keys, both consumers': each
+//                       forms S^T, dP^T, P^T and dS^T for half of a 64-row query tile, writes its
+//                       halves of P^T and dS^T to shared memory, and after a barrier takes half of
+//                       dV's and dK's columns: dV[:, half] += P^T dO[:, half], dK[:, half] +=
+//                       dS^T Q[:, half] (SS). Recompute only; dq_kernel splits the same way.
 // then, for dQ, either
 //   accumulated (one pass, the default): the dkdv kernel also writes each step's dS^T to shared
 //                       memory, forms the step's dQ partial dS K (SS; each consumer one part of
@@ -22,6 +27,9 @@
 //   recomputed (deterministic): dq_kernel, a block owning 128 query rows that streams K/V blocks
 //                       and recomputes S = Q K^T, dP = dO V^T;  dS = P (dP - delta);  dQ += dS K
 //                       in registers: no atomics, bitwise reproducible, ~40% more tensor work.
+//                       Beyond D = 128 a block owns 64 rows, both consumers': each forms S and dP
+//                       of half of a 64-key stage, dS goes through shared memory, and each sums
+//                       half of dQ's columns.
 //
 // The forward's options (attention.h) have their backward here. The window takes the gradient kernels'
 // windowed variants, a softcap their softcapped ones (window and softcap; backward_features), and the
