@@ -559,7 +559,8 @@ CHECK_SHAPES = [  # (B, Hq, Hkv, Nq, Nk, D, causal): tails, Nq != Nk, GQA, rows 
     (1, 2, 2, 17, 33, 128, True),
     (2, 4, 2, 130, 70, 64, True),
     (1, 2, 1, 200, 300, 128, False),
-    (1, 4, 2, 200, 300, 96, True),  # the forward's other head dims (their gradients: the reference)
+    (1, 4, 2, 200, 300, 96, True),  # the other head dims (gradients: 96 on the padded D = 128 kernels, 192
+    # and 256 on the split-column plans)
     (1, 2, 1, 130, 200, 192, False),
     (1, 4, 1, 100, 333, 256, True),
 ]
@@ -574,6 +575,7 @@ CHECK_OPTION_SHAPES = [
     (1, 2, 2, 260, 300, 128, True, 100, -1, 0.0),
     (1, 2, 1, 200, 260, 64, True, -1, -1, 3.0),
     (1, 2, 1, 150, 260, 256, True, 60, -1, 2.0),
+    (1, 4, 2, 130, 260, 192, True, -1, -1, 0.0),
 ]
 
 
