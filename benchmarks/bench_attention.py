@@ -247,13 +247,13 @@ def with_fa4(bench: common.Bench) -> tuple[common.Bench, str]:
 
 # ---------------------------------------------------------------------- the forward's other head dims
 
-# The forward kernel's head dims beyond 64 and 128 (the backward: D = 128's kernels on padded copies at 96,
-# the reference at 192 and 256), against
+# The kernels' head dims beyond 64 and 128, forward and backward (the backward: D = 128's kernels on padded
+# copies at 96, the split-column plans at 192 and 256, recompute; its default method), against
 # cuDNN (and FA4 where it is installed): 16384 tokens, GQA 16/2 at D = 256 (Gemma's and Qwen3-Next's
 # attention, the anchor's shape), MHA at 96 and 192.
 HEAD_DIM_BENCH = dataclasses.replace(BENCH, name="attention_head_dims",
-                                     title="Attention forward at D = 96, 192, 256: tk_ops vs SDPA cuDNN / flash (bf16)",
-                                     passes=("fwd",))
+                                     title="Attention at D = 96, 192, 256: tk_ops vs SDPA cuDNN / flash (bf16)",
+                                     passes=("fwd", "bwd"))
 HEAD_DIM_CASES = [Case("head_dims", 2, q_heads, kv_heads, 8192, head_dim, causal)
                   for head_dim, q_heads, kv_heads in ((96, 16, 16), (192, 16, 16), (256, 16, 2))
                   for causal in (False, True)]
@@ -559,7 +559,8 @@ CHECK_SHAPES = [  # (B, Hq, Hkv, Nq, Nk, D, causal): tails, Nq != Nk, GQA, rows 
     (1, 2, 2, 17, 33, 128, True),
     (2, 4, 2, 130, 70, 64, True),
     (1, 2, 1, 200, 300, 128, False),
-    (1, 4, 2, 200, 300, 96, True),  # the forward's other head dims (their gradients: the reference)
+    (1, 4, 2, 200, 300, 96, True),  # the other head dims (gradients: 96 on the padded D = 128 kernels, 192
+    # and 256 on the split-column plans)
     (1, 2, 1, 130, 200, 192, False),
     (1, 4, 1, 100, 333, 256, True),
 ]
@@ -574,6 +575,7 @@ CHECK_OPTION_SHAPES = [
     (1, 2, 2, 260, 300, 128, True, 100, -1, 0.0),
     (1, 2, 1, 200, 260, 64, True, -1, -1, 3.0),
     (1, 2, 1, 150, 260, 256, True, 60, -1, 2.0),
+    (1, 4, 2, 130, 260, 192, True, -1, -1, 0.0),
 ]
 
 
@@ -798,14 +800,14 @@ def main(argv=None) -> None:
     parser.add_argument("--varlen", action="store_true",
                         help="instead: packed documents (attention_varlen) against FlexAttention (attention_varlen.json)")
     parser.add_argument("--head-dims", action="store_true",
-                        help="instead: the forward at D = 96, 192, 256 against cuDNN and FA4 (attention_head_dims.json)")
+                        help="instead: D = 96, 192, 256, forward and backward, against cuDNN and FA4 (attention_head_dims.json)")
     args = parser.parse_args(argv)
     if args.head_dims:
         bench, fa4 = with_fa4(HEAD_DIM_BENCH)
         if common.without_gpu(args, bench, DRY_RUN_HEAD_DIM_CASES):
             return
-        common.run(bench, HEAD_DIM_CASES, out=args.out, passes=["fwd"], fa4=fa4,
-                   flops="fwd 4 B H Nq Nk D (halved when causal); bf16")
+        common.run(bench, HEAD_DIM_CASES, out=args.out, fa4=fa4,
+                   flops="fwd 4 B H Nq Nk D (halved when causal), bwd 2.5x fwd; bf16")
         return
     if args.varlen:
         if common.without_gpu(args, VARLEN_BENCH, DRY_RUN_VARLEN_CASES):

@@ -449,8 +449,8 @@ def _attention_options_graph(head_dim: int) -> GraphSample:
 
 def _attention_options_beyond_the_kernels(head_dim: int, ops: tuple[str, ...]) -> FallbackSample:
     """Gradients with a window, a softcap and sinks on CUDA at a head dim the kernels of ``ops`` do not take
-    (D = 80: neither direction; D = 256: the backward, whose dK/dV do not fit its plan): those ops run their
-    references (the backward's recomputes the probabilities from q, k, v and the sinks)."""
+    (D = 80: neither direction): those ops run their references (the backward's recomputes the probabilities
+    from q, k, v and the sinks)."""
     options = dict(causal=True, window=(20, -1), softcap=2.0)
 
     def make_inputs():
@@ -591,12 +591,11 @@ ATTENTION = OpInfo(
         tk_ops.attention, lambda: dict(zip("qkv", (t.cuda() for t in _attention_inputs())), sinks=torch.randn(4).cuda()),
         "q", ("k", "sinks")
     ),
-    graphs=(*(_attention_graph(head_dim, method) for head_dim in (64, 128)
+    graphs=(*(_attention_graph(head_dim, method) for head_dim in (64, 128, 256)
               for method in attention_inputs.BACKWARD_METHODS),
             *(_attention_options_graph(head_dim) for head_dim in (64, 128))),
     no_graph={},
-    fallbacks=(_attention_options_beyond_the_kernels(80, ("attention", "attention_bwd")),
-               _attention_options_beyond_the_kernels(256, ("attention_bwd",))),
+    fallbacks=(_attention_options_beyond_the_kernels(80, ("attention", "attention_bwd")),),
     no_fallback={},
 )
 

@@ -236,32 +236,35 @@ def use_backward_method(monkeypatch, method: str) -> bool:
 
 
 
+# The head dims of the forward kernel; the backward kernels take all but 96 (which runs them zero-padded
+# to 128: test_kernel_backward_at_a_padded_head_dim). 192 and 256 split the gradient columns between the
+# consumers (attention.cuh, column_split): their own kernels, recompute only.
+FORWARD_HEAD_DIMS = [64, 96, 128, 192, 256]
+BACKWARD_HEAD_DIMS = [64, 128, 192, 256]
+
+
 @tk_testing.requires_kernel("attention")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", BACKWARD_HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("q_len, key_len", [(1, 1), (17, 17), (1000, 1000), (4097, 4097), (300, 1000), (1000, 300)])
 @pytest.mark.parametrize("method", BACKWARD_METHODS)
 def test_kernel_against_float64(monkeypatch, dtype, head_dim, causal, q_len, key_len, method):
     deterministic = use_backward_method(monkeypatch, method)
     inputs = make_qkv(1, 4, 2, q_len, key_len, head_dim, dtype=dtype, device="cuda")
-    check_against_naive(*inputs, causal, deterministic=deterministic)
+    with tk_testing.runs_the_kernels("attention", "attention_bwd"):
+        check_against_naive(*inputs, causal, deterministic=deterministic)
 
 
 @tk_testing.requires_kernel("attention")
 @pytest.mark.parametrize("q_heads, kv_heads", [(8, 1), (6, 6)], ids=["mqa", "mha"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", BACKWARD_HEAD_DIMS)
 @pytest.mark.parametrize("method", BACKWARD_METHODS)
 def test_kernel_head_groups(monkeypatch, q_heads, kv_heads, head_dim, method):
     deterministic = use_backward_method(monkeypatch, method)
     inputs = make_qkv(2, q_heads, kv_heads, 333, 333, head_dim, dtype=torch.bfloat16, device="cuda")
-    check_against_naive(*inputs, True, deterministic=deterministic)
-
-
-# The head dims of the forward kernel; the backward kernels take 64 and 128 (the others' gradients run the
-# reference: test_kernel_backward_beyond_its_head_dims).
-FORWARD_HEAD_DIMS = [64, 96, 128, 192, 256]
-FORWARD_ONLY_HEAD_DIMS = [96, 192, 256]
+    with tk_testing.runs_the_kernels("attention", "attention_bwd"):
+        check_against_naive(*inputs, True, deterministic=deterministic)
 
 
 def keys_in_layout(batch, kv_heads, key_len, head_dim, layout):
@@ -326,48 +329,40 @@ def test_kernel_one_query_row_never_runs_the_cache_reference():
 
 @tk_testing.requires_kernel("attention")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_kernel_value_head_dim_below_the_key_head_dim(causal):
-    """(D, Dv) = (192, 128), MLA's: the forward runs the D = 192 kernel on v padded to 192 and cut back (no
-    warning), its gradients the reference; together they match float64 (GQA, Nq != Nk, tails)."""
+@pytest.mark.parametrize("method", BACKWARD_METHODS)
+def test_kernel_value_head_dim_below_the_key_head_dim(monkeypatch, causal, method):
+    """(D, Dv) = (192, 128), MLA's: the forward runs the D = 192 kernel on v padded to 192 and cut back, the
+    backward the D = 192 kernels on v, out and grad_out padded to 192 and dv cut back (no warning); together
+    they match float64 (GQA, Nq != Nk, tails)."""
+    deterministic = use_backward_method(monkeypatch, method)
     q, k, v = make_qkv(2, 4, 2, 300, 333, 192, value_dim=128, dtype=torch.bfloat16, device="cuda")
-    with tk_testing.runs_the_kernels("attention"):
+    with tk_testing.runs_the_kernels("attention", "attention_bwd"):
         out = tk_ops.attention(q.detach(), k.detach(), v.detach(), causal=causal)
-    assert out.shape == (2, 4, 300, 128) and out.is_contiguous()
-    with tk_testing.runs_the_references("attention_bwd"):
-        check_against_naive(q, k, v, causal)
-
-
-# Head dims the backward runs on its kernels zero-padded to a larger one (csrc/torch/attention.cpp).
-PADDED_BACKWARD_HEAD_DIMS = [96]
+        assert out.shape == (2, 4, 300, 128) and out.is_contiguous()
+        _, _, (grad_q, grad_k, grad_v) = check_against_naive(q, k, v, causal, deterministic=deterministic)
+    assert grad_v.shape == v.shape and grad_k.shape == k.shape and grad_q.shape == q.shape
 
 
 @tk_testing.requires_kernel("attention")
-@pytest.mark.parametrize("head_dim", FORWARD_ONLY_HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_kernel_backward_beyond_its_head_dims(head_dim, causal):
-    """At head dims only the forward kernel takes, the forward runs it (no warning) and the gradients run
-    the backward kernels on zero-padded copies (96) or its reference (which warns), together matching float64
-    (GQA, Nq != Nk, tails)."""
-    q, k, v = make_qkv(2, 4, 2, 300, 333, head_dim, dtype=torch.bfloat16, device="cuda")
-    with tk_testing.runs_the_kernels("attention"):
-        tk_ops.attention(q.detach(), k.detach(), v.detach(), causal=causal)
-    if head_dim in PADDED_BACKWARD_HEAD_DIMS:
-        with tk_testing.runs_the_kernels("attention", "attention_bwd"):
-            check_against_naive(q, k, v, causal)
-    else:
-        with tk_testing.runs_the_references("attention_bwd"):
-            check_against_naive(q, k, v, causal)
+def test_kernel_backward_at_a_padded_head_dim(causal):
+    """At D = 96, which only the forward kernel takes, the forward runs it (no warning) and the gradients run
+    the backward kernels on zero-padded copies (D = 128), together matching float64 (GQA, Nq != Nk, tails)."""
+    q, k, v = make_qkv(2, 4, 2, 300, 333, 96, dtype=torch.bfloat16, device="cuda")
+    with tk_testing.runs_the_kernels("attention", "attention_bwd"):
+        check_against_naive(q, k, v, causal)
 
 
 @tk_testing.requires_kernel("attention")
 @pytest.mark.parametrize("method", BACKWARD_METHODS)
-def test_kernel_padded_backward_with_options_and_strided_views(monkeypatch, method):
-    """The padded backward (D = 96) with a window, a softcap and sinks, on (B, N, H, D) views: gradients of q,
-    k, v and the sinks against float64 autograd of the reference."""
+@pytest.mark.parametrize("head_dim", [96, 192, 256])
+def test_kernel_backward_with_options_on_strided_views(monkeypatch, method, head_dim):
+    """The padded backward (D = 96) and the split one (192, 256) with a window, a softcap and sinks, on
+    (B, N, H, D) views: gradients of q, k, v and the sinks against float64 autograd of the reference."""
     from test_attention_features import check_against_naive as check_options, dense_call, dense_naive
 
     deterministic = use_backward_method(monkeypatch, method)
-    q, k, v = (torch.randn(2, n, h, 96, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+    q, k, v = (torch.randn(2, n, h, head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
                for n, h in ((400, 4), (500, 2), (500, 2)))
     sinks = torch.randn(4, device="cuda", requires_grad=True)
     options = dict(causal=True, window=(120, -1), softcap=5.0)
@@ -457,7 +452,7 @@ def test_kernel_forward_query_block_edges(dtype, head_dim, causal, q_len, key_le
 
 
 @tk_testing.requires_kernel("attention")
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", BACKWARD_HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("q_len, key_len", [(193, 193), (385, 300)])
 @pytest.mark.parametrize("method", BACKWARD_METHODS)
@@ -490,6 +485,29 @@ def test_kernel_dkdv_query_steps_at_head_dim_64(monkeypatch, dtype, causal, q_le
     deterministic = use_backward_method(monkeypatch, method)
     inputs = make_qkv(batch, q_heads, kv_heads, q_len, key_len, 64, dtype=dtype, device="cuda")
     check_against_naive(*inputs, causal, deterministic=deterministic)
+
+
+# The split plans beyond D = 128 (attention.cuh, column_split): a dK/dV block owns 64 keys and each consumer
+# forms S^T of half a 64-query step; a dQ block owns 64 rows and each consumer forms S of half a 64-key
+# stage; both write their halves of the scores to shared memory and own half of each gradient's columns
+# (D = 192: 96 each, its tiles swizzled by 64 bytes). Lengths around multiples of 32 and 64 (halves that
+# hold only rows or keys past the end; causal diagonals that cross one consumer's half and not the
+# other's; rows that see no key), GQA with two query heads per key block.
+SPLIT_STEP_SHAPES = [(31, 33), (32, 96), (33, 65), (64, 64), (65, 127), (97, 200), (200, 97), (129, 31)]
+
+
+@tk_testing.requires_kernel("attention")
+@pytest.mark.parametrize("head_dim", [192, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("q_len, key_len", SPLIT_STEP_SHAPES)
+@pytest.mark.parametrize("method", BACKWARD_METHODS)
+def test_kernel_split_column_step_edges(monkeypatch, head_dim, dtype, causal, q_len, key_len, method):
+    """Gradients against float64 where the split plans' 32-row halves and 64-row blocks end."""
+    deterministic = use_backward_method(monkeypatch, method)
+    inputs = make_qkv(2, 4, 2, q_len, key_len, head_dim, dtype=dtype, device="cuda")
+    with tk_testing.runs_the_kernels("attention", "attention_bwd"):
+        check_against_naive(*inputs, causal, deterministic=deterministic)
 
 
 # Scales the forward's scale-and-subtract FFMA must handle (the default 1/sqrt(D) is everywhere above):

@@ -586,9 +586,14 @@ def check_kernel_backward(shape, head_dim, dtype, method, sinks=None, **options)
                              2 * tol)
 
 
+# The backward kernels' head dims: 192 and 256 split the gradient columns between the consumers
+# (attention.cuh, column_split), a plan of their own.
+BACKWARD_HEAD_DIMS = [64, 128, 192, 256]
+
+
 @tk_testing.requires_kernel("attention_bwd")
 @pytest.mark.parametrize("method", BACKWARD_METHODS)
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", BACKWARD_HEAD_DIMS)
 @tk_testing.parametrize_with_ids("shape", KERNEL_SHAPES)
 @pytest.mark.parametrize("softcap, with_sinks", KERNEL_SCORES, ids=["plain", "softcap", "sinks", "softcap-sinks"])
 @pytest.mark.parametrize("causal, window", KERNEL_MASKS, ids=[mask_id(mask) for mask in KERNEL_MASKS])
@@ -604,14 +609,14 @@ def test_kernel_backward_options_against_float64(causal, window, softcap, with_s
 
 @tk_testing.requires_kernel("attention_bwd")
 @pytest.mark.parametrize("method", BACKWARD_METHODS)
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", BACKWARD_HEAD_DIMS)
 def test_kernel_backward_options_in_fp16(head_dim, method):
     check_kernel_backward((2, 4, 2, 333, 333), head_dim, torch.float16, method, sinks=kernel_sinks(4), causal=True,
                           window=(150, -1), softcap=3.0)
 
 
 @tk_testing.requires_kernel("attention_bwd")
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", BACKWARD_HEAD_DIMS)
 def test_kernel_backward_never_reads_query_tiles_outside_the_window(head_dim):
     """2048 queries against 2048 keys with a causal window of 100: the gradients of the first 128 keys come from
     queries 0..227 only. q, dO and the statistics of every later query set to NaN change nothing there, and
@@ -689,7 +694,7 @@ KERNEL_VARLEN_OPTIONS = [
 @tk_testing.requires_kernel("attention_varlen")
 @pytest.mark.parametrize("method", BACKWARD_METHODS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", BACKWARD_HEAD_DIMS)
 @pytest.mark.parametrize("causal, window, softcap, with_sinks", [row[1:] for row in KERNEL_VARLEN_OPTIONS],
                          ids=[row[0] for row in KERNEL_VARLEN_OPTIONS])
 @tk_testing.parametrize_with_ids("q_lengths, k_lengths", KERNEL_VARLEN_LENGTHS)

@@ -486,7 +486,7 @@ def test_head_dims_are_the_ones_the_kernels_declare(monkeypatch, declared_head_d
 @requires_kernel("attention")
 def test_the_extension_declares_the_attention_head_dims():
     assert tk_ops._library.kernel_support("attention") == {"head_dims": (64, 96, 128, 192, 256)}
-    assert tk_ops._library.kernel_support("attention_bwd") == {"head_dims": (64, 128)}
+    assert tk_ops._library.kernel_support("attention_bwd") == {"head_dims": (64, 128, 192, 256)}
     assert tk_ops._library.kernel_support("no_such_op") == {}
 
 

@@ -264,6 +264,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
       grad_out.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type() &&
       (!sinks.has_value() || kernel_sinks(*sinks, q, q.size(1)))) {
     // (after the checks above: padding a wrong-sized out or grad_out would hide, or crop, it)
+    // Dv < D (MLA's (192, 128)), as the forward: the kernels of head dim D on v, out and grad_out zero-padded
+    // to D (the padding adds nothing to dO v^T or rowsum(dO o)), dv cut back to Dv (its padding columns are
+    // P^T times dO's zero columns).
+    if (v.size(3) < q.size(3) && attn::backward_head_dims::contains(q.size(3))) {
+      const auto pad = [&](const at::Tensor& t) { return at::constant_pad_nd(t, {0, q.size(3) - t.size(3)}); };
+      const auto [grad_q, grad_k, grad_v, grad_sinks] =
+          attention_bwd_cuda(pad(grad_out), grad_lse, q, k, pad(v), pad(out), lse, causal, scale, deterministic,
+                             window_left, window_right, softcap, sinks);
+      return {grad_q, grad_k, grad_v.narrow(3, 0, v.size(3)).contiguous(), grad_sinks};
+    }
     if (const auto padded = padded_backward_head_dim(q, v)) {
       const auto pad = [&](const at::Tensor& t) { return at::constant_pad_nd(t, {0, *padded - t.size(3)}); };
       const auto [grad_q, grad_k, grad_v, grad_sinks] =

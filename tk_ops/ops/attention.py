@@ -66,11 +66,13 @@ Varlen ops (packed sequences, FlashAttention's ``flash_attn_varlen_func`` layout
       -> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_sinks), the formulas above.
   On CUDA (csrc/torch/attention.cpp) one launch of the kernels' packed variant runs every sequence.
 
-The kernels serve bf16/fp16 with D = Dv in {64, 128}, forward and backward, with or without window,
-softcap and sinks, dense or packed; the forward also D = Dv in {96, 192, 256}. tk.attention's forward
-also runs Dv < D (MLA's (192, 128)) on v zero-padded to D, the output cropped, and its backward at D = 96
-the D = 128 kernels on zero-padded copies of q, k, v, out and grad_out; at 192 and 256, and with
-Dv != D, the backward runs the reference. tk.attention with one query row against 256 keys or more (no
+The kernels serve bf16/fp16 with D = Dv in {64, 128, 192, 256}, forward and backward, with or without
+window, softcap and sinks, dense or packed; the forward also D = Dv = 96 (at 192 and 256 the backward
+splits each gradient's columns between its two consumer warpgroups, recompute method only; written, not
+yet run on a GPU). tk.attention also runs Dv < D (MLA's (192, 128)) on v zero-padded to D, the output
+cropped (the backward: v, out and grad_out padded, dv cropped), and its backward at D = 96 the D = 128
+kernels on zero-padded copies of q, k, v, out and grad_out; attention_varlen with Dv != D or at D = 96
+runs the reference backward. tk.attention with one query row against 256 keys or more (no
 window, D = Dv a forward head dim) runs as tk.attention_with_kvcache's decode form
 (csrc/torch/attention.cpp). Everything else runs the reference, which computes an exact softmax in fp32
 (fp64 for fp64 inputs) over blocks of query rows, each against the keys its rows can see (a sliding
@@ -682,9 +684,9 @@ def attention_varlen(
     access outside the tensors. The reference (CPU, and what the kernels do not take) reads the
     lengths anyway and raises the same ValueErrors as the checks here.
 
-    On Hopper with bf16/fp16 and D = Dv in {64, 128}: one launch of the attention kernels' packed
-    variant (forward, and the backward's kernels), tasks of (sequence, head, 128-row block) up to
-    max_seqlen. Elsewhere the reference: a loop over the sequences, each the dense reference, exact in
+    On Hopper with bf16/fp16 and D = Dv in {64, 128, 192, 256} (the forward also 96): one launch of the
+    attention kernels' packed variant (forward, and the backward's kernels), tasks of (sequence, head,
+    row block) up to max_seqlen. Elsewhere the reference: a loop over the sequences, each the dense reference, exact in
     fp32 (fp64 for fp64 inputs).
     """
     q, k, v = autocast_inputs(q, k, v)

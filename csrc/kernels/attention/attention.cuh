@@ -10,15 +10,19 @@
 //                                 S = Q K^T (SS), online softmax in registers, O += P V (P from
 //                                 registers, RS)
 //   backward  (attention_bwd.cu)  1. per-row statistics: lse in base 2, delta = rowsum(dO * O) - dlse
-//                                 2. dK, dV: a block owns 128 keys of one K/V head (resident K, V)
-//                                    and streams the query tiles (64 rows at D = 128, 128 at
-//                                    D = 64: dkdv_plan) of every query head of its
-//                                    group, so GQA sums stay in registers (no atomics, deterministic)
-//                                 3. dQ, by default in the same pass: each step's dQ partial is
-//                                    added into an fp32 accumulator by bulk reductions, then
-//                                    converted; or (deterministic) a block owns 128 query rows
-//                                    (resident Q, dO) and streams K/V blocks, so dQ is summed in
-//                                    registers too
+//                                 2. dK, dV: a block owns 128 keys of one K/V head (resident K, V;
+//                                    64 keys beyond D = 128) and streams the query tiles (64 rows
+//                                    at D >= 128, 128 at D = 64: dkdv_plan) of every query head of
+//                                    its group, so GQA sums stay in registers (no atomics,
+//                                    deterministic)
+//                                 3. dQ, by default in the same pass (up to D = 128): each step's dQ
+//                                    partial is added into an fp32 accumulator by bulk reductions,
+//                                    then converted; or (deterministic, and always beyond D = 128) a
+//                                    block owns 128 query rows (64 beyond D = 128; resident Q, dO) and
+//                                    streams K/V blocks, so dQ is summed in registers too
+//                                 Beyond D = 128 both consumers share a block's 64 rows and split
+//                                 each gradient's columns (column_split), exchanging their halves
+//                                 of the scores through shared memory
 //
 // Scores live in the log2 domain: s2 = scale * log2(e) * q.k, p = exp2(s2 - max2), so exponentials
 // are single ex2 instructions. The backward scales its scores with one multiply; the forward takes
@@ -95,22 +99,62 @@ struct forward_plan : forward_split<D> {
 };
 static_assert(KEY_BLOCK_ALIGNMENT % forward_plan<128>::block_kv == 0 && KEY_BLOCK_ALIGNMENT % forward_plan<256>::block_kv == 0);
 
-// The dK/dV kernel's step: block_q queries against the block's 128 keys (64 per consumer). D = 128:
-// 64 queries (one wgmma N of S^T = K Q^T per consumer). D = 64: 128 queries, FlashAttention-3's
+// Beyond this head dim the backward's plans split the gradient columns between the consumers
+// (column_split below): dK and dV (or dQ) of 64 rows x D fp32 in one consumer's registers are 64 D / 64
+// registers a thread each, which fits beside the scores only up to D = 128.
+constexpr int MAX_UNSPLIT_HEAD_DIM = 128;
+
+// How a backward kernel at head dim D shares a step between its two consumers.
+//   D <= 128  each consumer owns 64 rows of the block's gradient (dK/dV: its 64 keys; dQ: its 64
+//             queries) and all D columns, and forms its own rows' scores: nothing is exchanged
+//   D > 128   both consumers own the same 64 rows, consumer c the columns [c D / 2, (c + 1) D / 2)
+//             of each gradient (64 x 128 fp32 at D = 256: 64 registers, as D = 128's whole rows), so
+//             dK and dV (or dQ) fit; each forms half the step's score columns (S^T and dP^T of its
+//             half of the queries, or S and dP of its half of the keys), writes its half of P^T and
+//             dS^T (or dS) to shared memory, and the gradient products read them whole from there (SS)
+//             after a barrier. FlashAttention-3's hdim-256 backward splits the same way (its dK^T, dV^T
+//             by rows of D per warpgroup, P and dS through shared memory).
+// The tiles that a gradient product reads at a column offset take the widest swizzle whose span
+// divides half a row (64 B at D = 192: half a row is 96 columns, not a whole 128-byte panel), so that
+// each consumer's columns start on a panel; at D <= 128 that is the default swizzle.
+template <int D>
+struct column_split {
+  static constexpr bool splits = D > MAX_UNSPLIT_HEAD_DIM;
+  static constexpr int parts = splits ? attention_plan::consumer_warpgroups : 1;
+  static constexpr int cols = D / parts;  // gradient columns per consumer
+  template <typename T>
+  static constexpr swizzle_mode swizzle = widest_swizzle(cols * int(sizeof(T)));
+};
+
+// A backward tile of ROWS rows of head dim D, swizzled for column_split<D>.
+template <typename T, int ROWS, int D>
+using head_tile = shared_tile<T, ROWS, D, column_split<D>::template swizzle<T>>;
+
+// The dK/dV kernel's step: block_q queries against the block's keys (64 per consumer, or 64 shared by
+// both beyond D = 128: column_split). D = 128 and beyond: 64 queries (one wgmma N of S^T = K Q^T per
+// consumer, or two halves of 32). D = 64: 128 queries, FlashAttention-3's
 // hdim-64 tile (128 x 128, two MMA warpgroups, S^T / dP^T per warpgroup, dV and dK from
 // registers): a step's tensor work per query is half that of D = 128 while its fixed costs (stage
 // wait and release, schedule, descriptors, barriers, the dQ partial's staging and reduction) are the
 // same, so doubling the queries per step halves their share. Per consumer thread S^T and dP^T are
 // 64 fp32 each (64 keys x 128 queries), so lse2 and delta are held spread over the warp (4
 // registers each) and shuffled to where they are used, as FA3 does, instead of 2 x 32 registers.
+// Beyond D = 128 a stage of 64 queries' Q and dO is 48 or 64 KB: two stages beside K and V (32 KB at
+// D = 256) and the shared P^T and dS^T of each stage (16 KB) take 225 KB at D = 256.
 template <int D>
 struct dkdv_plan : attention_plan {
-  static constexpr int block_kv = consumer_warpgroups * rows_per_consumer;
+  using split = column_split<D>;
+  static constexpr int key_tiles = split::splits ? 1 : consumer_warpgroups;  // resident 64-key tiles
+  static constexpr int block_kv = key_tiles * rows_per_consumer;
   static constexpr int block_q = D == 64 ? 128 : 64;  // wgmma N of S^T = K Q^T: 64 keys x block_q queries per consumer
-  static constexpr int stages = D == 128 ? 2 : 3;
+  static constexpr int consumer_queries = block_q / split::parts;  // the S^T columns a consumer forms
+  static constexpr int stages = D == 64 ? 3 : 2;
   // The one-pass kernel's stages: its dS^T exchange (4 x 16 KB at D = 64) and partial staging
   // (2 x 16 KB) leave room for two stages of 128 queries (33 KB each) at D = 64 (three: 232 KB > 227 KB).
+  // Beyond D = 128 the partial staging (64 KB) has no room at all: those head dims take the recompute
+  // method (one_pass in attention_bwd.cu).
   static constexpr int one_pass_stages = 2;
+  static constexpr bool has_one_pass = !split::splits;
   static constexpr bool statistics_from_shared = block_q > warpgroup::WGMMA_M;
   // dV += P^T dO issued after dS^T is formed (FA3's order) rather than before the dP^T wait: at
   // block_q = 128 the packed P^T (32 registers) beside the fp32 S^T, dP^T, dK and dV (64 + 64 + 64)
@@ -141,23 +185,33 @@ template <int D>
 struct dq_partial_plan {
   static constexpr int rows = warpgroup::WGMMA_M;
   static constexpr int row_parts = dkdv_plan<D>::block_q / rows;
-  static constexpr int column_parts = D == 128 ? 2 : 1;
+  static constexpr int column_parts = attention_plan::consumer_warpgroups / row_parts;
   static constexpr int part_cols = D / column_parts;
   static_assert(row_parts * column_parts == attention_plan::consumer_warpgroups, "one part per consumer");
 };
 
+// The recompute method's dQ kernel: a block owns 128 query rows (64 per consumer) and streams key blocks of
+// 128; beyond D = 128 (column_split) it owns 64 rows, both consumers' (each forms S and dP of half of a
+// stage's 64 keys), as a stage of 128 keys' K and V would be 128 KB there.
 template <int D>
 struct dq_plan : attention_plan {
-  static constexpr int block_q = consumer_warpgroups * rows_per_consumer;
-  static constexpr int block_kv = 128;
+  using split = column_split<D>;
+  static constexpr int query_tiles = split::splits ? 1 : consumer_warpgroups;  // resident 64-row tiles
+  static constexpr int block_q = query_tiles * rows_per_consumer;
+  static constexpr int block_kv = split::splits ? rows_per_consumer : 128;
+  static constexpr int consumer_keys = block_kv / split::parts;  // the S columns a consumer forms
   static constexpr int stages = 2;
 };
+
+// The smallest query block of the backward's kernels: the most blocks a grid has per sequence.
+constexpr int MIN_BACKWARD_BLOCK_Q = dq_plan<256>::block_q;
 
 // The backward's per-row statistics (STATISTICS_ROW_MULTIPLE, attention.h) are padded to whole query
 // blocks of every backward kernel. The forward's lse is not padded ((B, Hq, Nq), rows >= Nq never
 // stored), so its block_q (192 at D = 64) need not divide this.
 static_assert(STATISTICS_ROW_MULTIPLE % dq_plan<128>::block_q == 0 && STATISTICS_ROW_MULTIPLE % dq_plan<64>::block_q == 0 &&
-              STATISTICS_ROW_MULTIPLE % dkdv_plan<128>::block_q == 0 && STATISTICS_ROW_MULTIPLE % dkdv_plan<64>::block_q == 0);
+              STATISTICS_ROW_MULTIPLE % dq_plan<256>::block_q == 0 && STATISTICS_ROW_MULTIPLE % dkdv_plan<128>::block_q == 0 &&
+              STATISTICS_ROW_MULTIPLE % dkdv_plan<64>::block_q == 0 && STATISTICS_ROW_MULTIPLE % dkdv_plan<256>::block_q == 0);
 
 // ------------------------------------------------------------------------------------ masking
 
@@ -455,17 +509,17 @@ __device__ __forceinline__ void store_outputs(Id written, const int (&index)[4],
 }
 
 // The end of a consumer's task in a packed sequence (its rows from `start` in the packed (total, heads,
-// D) tensor, `length` of them): the rows past the sequence's end belong to the next one, and a TMA store
-// would clip only at the tensor's end, so each warp stores its own rows of the accumulator below the end
-// from registers, from the sequence's row `row` on.
+// head_dim) tensor, `length` of them): the rows past the sequence's end belong to the next one, and a TMA
+// store would clip only at the tensor's end, so each warp stores its own rows of the accumulator below the
+// end from registers, from the sequence's row `row` on, into the columns from col0 on.
 template <typename T, typename Accumulator>
 __device__ __forceinline__ void store_packed_rows(void* packed, int heads, int head, int start, int length, int row,
-                                                  const Accumulator& acc) {
-  constexpr int D = Accumulator::cols;
-  const int row_stride = heads * D;
+                                                  const Accumulator& acc, int head_dim = Accumulator::cols,
+                                                  int col0 = 0) {
+  const int row_stride = heads * head_dim;
   const int warp_row = row + warpgroup::warp_row();
-  warp::store(static_cast<T*>(packed) + int64_t(start + warp_row) * row_stride + head * D, row_stride, acc,
-              length - warp_row);
+  warp::store(static_cast<T*>(packed) + int64_t(start + warp_row) * row_stride + head * head_dim + col0, row_stride,
+              acc, length - warp_row);
 }
 
 // --------------------------------------------------------------------------- host: layouts
@@ -485,7 +539,7 @@ std::string shape_reason(const heads_view& q, const heads_view& k, const heads_v
   if (k.heads < 1 || q.heads % k.heads != 0) return "Hq must be a multiple of Hkv";
   if (q.batch < 1 || q.rows < 1 || k.rows < 1) return "every size must be at least 1";
   if (q.rows > MAX_SEQUENCE || k.rows > MAX_SEQUENCE) return "sequence lengths must fit TMA coordinates";
-  const int64_t blocks = ceil_div<int64_t>(std::max(q.rows, k.rows), dq_plan<128>::block_q);
+  const int64_t blocks = ceil_div<int64_t>(std::max(q.rows, k.rows), MIN_BACKWARD_BLOCK_Q);
   if (q.batch * q.heads * blocks > MAX_GRID_TASKS) return "B * Hq * (row blocks) must fit one grid";
   return {};
 }

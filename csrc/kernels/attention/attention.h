@@ -30,10 +30,12 @@ using tk::element_type;
 
 // The head dims the kernels are instantiated for (D = Dv); unsupported_reason rejects the others. Here
 // rather than in attention.cuh so that the registration declares them to Python (kernel_support.h).
-// The backward's plans hold dK and dV of 64 keys x D in a consumer's registers, which fits up to
-// D = 128; beyond, its gradients run the reference (attention_bwd_ref).
+// The backward's plans hold dK and dV (or dQ) of 64 rows x D in a consumer's registers up to D = 128;
+// at 192 and 256 the two consumers own the same 64 rows and half of the columns each (column_split,
+// attention.cuh; written and compiled, not yet run on a GPU). D = 96 runs the D = 128 backward on
+// zero-padded copies (csrc/torch/attention.cpp).
 using forward_head_dims = one_of<64, 96, 128, 192, 256>;
-using backward_head_dims = one_of<64, 128>;
+using backward_head_dims = one_of<64, 128, 192, 256>;
 
 using tk::heads_view;
 
@@ -98,6 +100,8 @@ struct forward_problem {
 //   one_pass   the dK/dV pass adds each step's dq partial into an fp32 accumulator with bulk
 //              reductions in varying order (dq reproducible only to fp32 rounding), then converts
 //   fastest    whichever measured faster for the shape (one_pass() in attention_bwd.cu)
+// Beyond D = 128 only recompute exists (the one-pass dQ partials have no room in shared memory beside the
+// split plans' tiles): one_pass and fastest run it there.
 enum class backward_method { fastest, recompute, one_pass };
 
 struct backward_problem {

@@ -11,6 +11,11 @@
 //                       their rows' lse2 and delta) of every query head of the group:
 //                         S^T = K Q^T, dP^T = V dO^T (SS);  P^T = exp2(S^T - lse2);  dV += P^T dO (RS)
 //                         dS^T = P^T (dP^T - delta);  dK += dS^T Q (RS)
+//                       Beyond D = 128 (column_split) a block owns 64 keys, both consumers': each
+//                       forms S^T, dP^T, P^T and dS^T for half of a 64-row query tile, writes its
+//                       halves of P^T and dS^T to shared memory, and after a barrier takes half of
+//                       dV's and dK's columns: dV[:, half] += P^T dO[:, half], dK[:, half] +=
+//                       dS^T Q[:, half] (SS). Recompute only; dq_kernel splits the same way.
 // then, for dQ, either
 //   accumulated (one pass, the default): the dkdv kernel also writes each step's dS^T to shared
 //                       memory, forms the step's dQ partial dS K (SS; each consumer one part of
@@ -22,6 +27,9 @@
 //   recomputed (deterministic): dq_kernel, a block owning 128 query rows that streams K/V blocks
 //                       and recomputes S = Q K^T, dP = dO V^T;  dS = P (dP - delta);  dQ += dS K
 //                       in registers: no atomics, bitwise reproducible, ~40% more tensor work.
+//                       Beyond D = 128 a block owns 64 rows, both consumers': each forms S and dP
+//                       of half of a 64-key stage, dS goes through shared memory, and each sums
+//                       half of dQ's columns.
 //
 // The forward's options (attention.h) have their backward here. The window takes the gradient kernels'
 // windowed variants, a softcap their softcapped ones (window and softcap; backward_features), and the
@@ -274,50 +282,69 @@ struct no_options {};
 template <typename T, int D, dq_method DQ, backward_features FEATURES>
 struct dkdv_kernel : dkdv_plan<D> {
   using plan = dkdv_plan<D>;
+  using split = typename plan::split;
   static constexpr bool sums_dq = DQ == dq_method::accumulated;
+  static_assert(!sums_dq || plan::has_one_pass, "the one-pass method runs up to MAX_UNSPLIT_HEAD_DIM");
   static constexpr bool with_options = FEATURES != backward_features::plain;
   static constexpr bool with_softcap = FEATURES == backward_features::softcapped;
   static constexpr int stages = sums_dq ? plan::one_pass_stages : plan::stages;
-  using kv_tile = shared_tile<T, plan::rows_per_consumer, D>;  // one consumer's keys, later its dK / dV
-  using q_tile = shared_tile<T, plan::block_q, D>;
-  using scores = warpgroup::accumulator<plan::block_q>;  // S^T and dP^T: a warp's 16 keys x block_q queries
+  using kv_tile = head_tile<T, plan::rows_per_consumer, D>;  // 64 keys, later (per column part) dK / dV
+  using q_tile = head_tile<T, plan::block_q, D>;
+  using gradient_tile = head_tile<T, plan::rows_per_consumer, split::cols>;  // a consumer's dK or dV
+  using scores = warpgroup::accumulator<plan::consumer_queries>;  // S^T and dP^T: a warp's 16 keys x its queries
   using operand = register_tile<T, BASE_TILE, plan::block_q>;
-  using gradient = warpgroup::accumulator<D>;
+  using gradient = warpgroup::accumulator<split::cols>;
   using query_vector = per_col_vector<scores>;
+  using score_tile = shared_tile<T, plan::rows_per_consumer, plan::block_q>;  // 64 keys' P^T or dS^T
 
   // The accumulated method's dQ exchange: each consumer's dS^T (its keys x the step's queries)
   // double-buffered by step parity (one consumer may write the next step's while the other still
   // reads this one's), and each consumer's dQ partial staged in fragment order for the reduction.
   using partials = dq_partial_plan<D>;
-  using score_tile = shared_tile<T, plan::rows_per_consumer, plan::block_q>;
   using dq_partial = warpgroup::accumulator<partials::part_cols>;
-  static_assert(plan::block_q == partials::row_parts * partials::rows, "a step's rows are its row parts");
   struct dq_exchange {
+    static_assert(plan::block_q == partials::row_parts * partials::rows, "a step's rows are its row parts");
     static constexpr int score_buffers = 2;
     static constexpr int partial_floats = partials::rows * partials::part_cols;
     score_tile grad_scores[score_buffers][plan::consumer_warpgroups];
     alignas(tma::BULK_ALIGNMENT_BYTES) float partial[plan::consumer_warpgroups][partial_floats];
   };
-  using scratch = std::conditional_t<sums_dq, dq_exchange, pipeline::none>;
+  // Split columns: each stage's P^T and dS^T, both consumers' halves, read whole by both consumers' dV
+  // and dK products. Indexed by the step's stage: a consumer writes a stage's tiles again `stages` steps
+  // later, after the barrier of the step between, which the other consumer reaches only once that
+  // stage's products have finished (ring positions run on across tasks, so no task starts them over).
+  struct shared_scores {
+    score_tile prob[stages], grad[stages];
+  };
+  using scratch = std::conditional_t<sums_dq, dq_exchange, std::conditional_t<split::splits, shared_scores, pipeline::none>>;
 
   struct resident {
-    kv_tile k[plan::consumer_warpgroups];
-    kv_tile v[plan::consumer_warpgroups];
+    kv_tile k[plan::key_tiles];
+    kv_tile v[plan::key_tiles];
   };
-  static constexpr uint32_t resident_bytes = 2 * plan::consumer_warpgroups * kv_tile::bytes;
+  static constexpr uint32_t resident_bytes = 2 * plan::key_tiles * kv_tile::bytes;
 
   // A step's query tile, its dO, and the statistics of its rows, which land with them so that the
-  // first use after the S^T product does not wait on a global load.
+  // first use after the S^T product does not wait on a global load. Split columns: no room for them
+  // (a stage's 512 bytes of statistics take 1 KB with the tiles' alignment: 228 KB > 227 KB at
+  // D = 256); they are read from global memory, issued before the S^T product's wait.
+  static constexpr bool statistics_in_stage = !split::splits;
   using statistics_vector = shared_vector<float, plan::block_q>;
-  struct stage {
+  struct stage_tiles {
     q_tile q, grad_out;
+  };
+  struct stage_tiles_and_statistics : stage_tiles {
     statistics_vector lse2, delta;
   };
-  static constexpr uint32_t stage_bytes[] = {2 * q_tile::bytes + 2 * statistics_vector::bytes};
+  using stage = std::conditional_t<statistics_in_stage, stage_tiles_and_statistics, stage_tiles>;
+  static constexpr uint32_t stage_bytes[] = {2 * q_tile::bytes +
+                                             (statistics_in_stage ? 2 * statistics_vector::bytes : 0)};
 
   struct params : std::conditional_t<with_options, options_params, no_options> {
     CUtensorMap q, k, v, grad_out, grad_k, grad_v;
     CUtensorMap lse2, delta;  // (B * Hq, statistics_rows)
+    const float* lse2_rows;   // the same statistics, read from global memory (split columns)
+    const float* delta_rows;
     float* dq_accumulator;  // accumulated: (B * Hq, statistics_rows, D) fp32 in partial order; else null
     gradient_shape shape;
   };
@@ -342,6 +369,15 @@ struct dkdv_kernel : dkdv_plan<D> {
     count,
   };
   static_assert(fits_named_barriers<barrier_id>());
+
+  // This consumer's keys (its own 64, or the block's 64 shared by both), its first column of a step's
+  // queries, and its first gradient column.
+  __device__ static int key_tile(const context& ctx) { return split::splits ? 0 : ctx.consumer; }
+  __device__ static int first_key(const context& ctx) {
+    return ctx.task.block * plan::block_kv + key_tile(ctx) * plan::rows_per_consumer;
+  }
+  __device__ static int first_query_col(const context& ctx) { return split::splits ? ctx.consumer * plan::consumer_queries : 0; }
+  __device__ static int first_gradient_col(const context& ctx) { return split::splits ? ctx.consumer * split::cols : 0; }
 
   // Query tiles: for each of the group's query heads, the tiles that see the block's keys (from the
   // first the keys can see on; under a window, up to the last).
@@ -401,10 +437,12 @@ struct dkdv_kernel : dkdv_plan<D> {
     const int index[4] = {rows.map_batch, head, rows.q_start + q0, 0};
     tma::load(s.q, p.q, full, index);
     tma::load(s.grad_out, p.grad_out, full, index);
-    int statistics_at[2];
-    statistics_index(p, t, head, q0, statistics_at);
-    tma::load(s.lse2, p.lse2, full, statistics_at);
-    tma::load(s.delta, p.delta, full, statistics_at);
+    if constexpr (statistics_in_stage) {
+      int statistics_at[2];
+      statistics_index(p, t, head, q0, statistics_at);
+      tma::load(s.lse2, p.lse2, full, statistics_at);
+      tma::load(s.delta, p.delta, full, statistics_at);
+    }
   }
 
   // Accumulated dQ, 1: this consumer's dS^T into shared memory, where every consumer that needs it
@@ -454,13 +492,79 @@ struct dkdv_kernel : dkdv_plan<D> {
     }
   }
 
+  // P^T = exp2(s2 - lse2[query]) in place of S^T (this consumer's keys from key0, its queries from q0),
+  // 0 where the key is hidden from the query; under a softcap s2 is the forward's, softcap * log2(e) *
+  // tanh(scale / softcap * q.k).
+  template <typename Statistics>
+  __device__ static void form_probabilities(const params& p, const task& t, const visibility& vis, scores& s,
+                                            const Statistics& lse2, int q0, int key0) {
+    const gradient_shape& g = p.shape;
+    if constexpr (with_softcap) warp::map<capped_score>(s, s, p.tanh_scale);
+    if constexpr (plan::statistics_from_shared) {
+      const float c = g.scale_log2;
+      lse2.map(s, [c](float2 x, float2 l) {
+        return float2{op::exp2::apply(x.x * c - l.x), op::exp2::apply(x.y * c - l.y)};
+      });
+    } else {
+      warp::mul(s, s, g.scale_log2);
+      warp::sub_col(s, s, lse2);
+      warp::exp2(s, s);
+    }
+    if constexpr (with_options) {
+      // Per key the queries [query_floor, query_end) see it (4 integers a thread, as the plain
+      // D = 64 rule's 2); a key past Nk (zero-filled) is hidden from every query.
+      const key_window w = p.window_of(t);
+      if (!w.sees_whole(q0, plan::consumer_queries, key0, plan::rows_per_consumer)) {
+        warp::mask(s, {key0 + warpgroup::warp_row(), q0},
+                   [&](int key, int query) {
+                     return key < w.k_rows && query >= w.query_floor(key) && query < w.query_end(key);
+                   },
+                   0.0f);
+      }
+    } else if (vis.needs_mask(q0, key0, plan::rows_per_consumer)) {
+      if constexpr (plan::mask_by_query_floor) {
+        warp::mask(s, {key0 + warpgroup::warp_row(), q0},
+                   [&](int key, int query) { return query >= vis.query_floor(key); }, 0.0f);
+      } else {
+        warp::mask(s, {key0 + warpgroup::warp_row(), q0}, [&](int key, int query) { return vis.visible(query, key); },
+                   0.0f);
+      }
+    }
+  }
+
+  // Split columns, the rest of a step once P^T is formed: this consumer's halves of P^T and dS^T into the
+  // stage's shared tiles, then its gradient columns of dV += P^T dO and dK += dS^T Q over all the step's
+  // queries (SS).
+  __device__ static void split_gradient_products(const context& ctx, consumer_state& state, const stage& st,
+                                                 score_tile& shared_prob, score_tile& shared_grad, scores& s,
+                                                 scores& grad_p, const query_vector& lse2, const query_vector& delta) {
+    const int query_col0 = first_query_col(ctx);
+    warp::store(shared_prob, s, warpgroup::warp_row(), query_col0);
+    if constexpr (with_softcap) {
+      warp::map<probability_times_slope>(s, s, broadcast<tile_axis::cols, query_vector>{lse2}, ctx.params.inverse_c);
+    }
+    warpgroup::wait<0>(grad_p);
+    // dS^T = P^T (dP^T - delta[query]) (under a softcap s holds P^T times the slope)
+    warp::sub_col(grad_p, grad_p, delta);
+    warp::mul(grad_p, grad_p, s);
+    warp::store(shared_grad, grad_p, warpgroup::warp_row(), query_col0);
+    // Both consumers' stmatrix writes must be visible to both consumers' wgmma.
+    publish(barrier_id::scores_shared, plan::consumer_warpgroups * WARPGROUP_THREADS);
+    const int col0 = first_gradient_col(ctx);
+    warpgroup::fence();
+    warpgroup::mma<operand_major::k, operand_major::mn>(state.grad_v, shared_prob, 0, st.grad_out, col0, true);
+    warpgroup::mma<operand_major::k, operand_major::mn>(state.grad_k, shared_grad, 0, st.q, col0, true);
+    warpgroup::commit();
+    warpgroup::wait<0>(state.grad_k, state.grad_v);
+  }
+
   __device__ static void compute(const context& ctx, consumer_state& state, pipeline::stage_inputs<dkdv_kernel>& in) {
     const params& p = ctx.params;
-    const gradient_shape& g = p.shape;
-    const visibility vis = g.vis();
-    const kv_tile& k = ctx.resident.k[ctx.consumer];
-    const kv_tile& v = ctx.resident.v[ctx.consumer];
-    const int key0 = ctx.task.block * plan::block_kv + ctx.consumer * plan::rows_per_consumer;
+    const visibility vis = p.shape.vis();
+    const kv_tile& k = ctx.resident.k[key_tile(ctx)];
+    const kv_tile& v = ctx.resident.v[key_tile(ctx)];
+    const int key0 = first_key(ctx);
+    const int query_col0 = first_query_col(ctx);
     warp::zero(state.grad_k);
     warp::zero(state.grad_v);
     scores s, grad_p;  // S^T and dP^T: rows are keys, columns queries
@@ -476,19 +580,23 @@ struct dkdv_kernel : dkdv_plan<D> {
       // S^T = K Q^T and dP^T = V dO^T, committed apart so that P^T is formed while dP^T runs.
       warpgroup::fence();
       if constexpr (plan::scores_overwritten) {
-        warpgroup::mma_overwrite<operand_major::k, operand_major::k>(s, k, 0, st.q, 0);
+        warpgroup::mma_overwrite<operand_major::k, operand_major::k>(s, k, 0, st.q, query_col0);
         warpgroup::commit();
-        warpgroup::mma_overwrite<operand_major::k, operand_major::k>(grad_p, v, 0, st.grad_out, 0);
+        warpgroup::mma_overwrite<operand_major::k, operand_major::k>(grad_p, v, 0, st.grad_out, query_col0);
         warpgroup::commit();
       } else {
-        warpgroup::mma<operand_major::k, operand_major::k>(s, k, 0, st.q, 0, false);
+        warpgroup::mma<operand_major::k, operand_major::k>(s, k, 0, st.q, query_col0, false);
         warpgroup::commit();
-        warpgroup::mma<operand_major::k, operand_major::k>(grad_p, v, 0, st.grad_out, 0, false);
+        warpgroup::mma<operand_major::k, operand_major::k>(grad_p, v, 0, st.grad_out, query_col0, false);
         warpgroup::commit();
       }
       query_vector lse2, delta;  // this lane's query columns (block_q = 64)
       shuffled_column_pairs lse2_spread, delta_spread;  // the same, spread over the warp (block_q = 128)
-      if constexpr (!plan::statistics_from_shared) {
+      if constexpr (!statistics_in_stage) {
+        const int64_t row = statistics_offset(p, ctx.task, head) + q0 + query_col0;
+        warp::load(lse2, p.lse2_rows + row);
+        warp::load(delta, p.delta_rows + row);
+      } else if constexpr (!plan::statistics_from_shared) {
         warp::load(lse2, st.lse2.data);
         // Under a softcap delta is read where it is used (below): 16 registers fewer through the
         // scores' softcap and exponentials, which kept the step within 240 registers.
@@ -498,94 +606,71 @@ struct dkdv_kernel : dkdv_plan<D> {
         delta_spread.load(st.delta.data);
       }
       warpgroup::wait<1>(s);
-
-      // P^T = exp2(s2 - lse2[query]), 0 where the key is hidden from the query; under a softcap s2 is
-      // the forward's, softcap * log2(e) * tanh(scale / softcap * q.k).
-      if constexpr (with_softcap) warp::map<capped_score>(s, s, p.tanh_scale);
       if constexpr (plan::statistics_from_shared) {
-        const float c = g.scale_log2;
-        lse2_spread.map(s, [c](float2 x, float2 l) {
-          return float2{op::exp2::apply(x.x * c - l.x), op::exp2::apply(x.y * c - l.y)};
-        });
+        form_probabilities(p, ctx.task, vis, s, lse2_spread, q0, key0);
       } else {
-        warp::mul(s, s, g.scale_log2);
-        warp::sub_col(s, s, lse2);
-        warp::exp2(s, s);
+        form_probabilities(p, ctx.task, vis, s, lse2, q0 + query_col0, key0);
       }
-      if constexpr (with_options) {
-        // Per key the queries [query_floor, query_end) see it (4 integers a thread, as the plain
-        // D = 64 rule's 2); a key past Nk (zero-filled) is hidden from every query.
-        const key_window w = p.window_of(ctx.task);
-        if (!w.sees_whole(q0, plan::block_q, key0, plan::rows_per_consumer)) {
-          warp::mask(s, {key0 + warpgroup::warp_row(), q0},
-                     [&](int key, int query) {
-                       return key < w.k_rows && query >= w.query_floor(key) && query < w.query_end(key);
-                     },
-                     0.0f);
-        }
-      } else if (vis.needs_mask(q0, key0, plan::rows_per_consumer)) {
-        if constexpr (plan::mask_by_query_floor) {
-          warp::mask(s, {key0 + warpgroup::warp_row(), q0},
-                     [&](int key, int query) { return query >= vis.query_floor(key); }, 0.0f);
-        } else {
-          warp::mask(s, {key0 + warpgroup::warp_row(), q0}, [&](int key, int query) { return vis.visible(query, key); },
-                     0.0f);
-        }
-      }
-      if constexpr (!plan::dv_after_scores) {
-        warp::copy(prob, s);
-        if constexpr (with_softcap) {
-          // s becomes what dS^T takes of it, P^T times the slope, while lse2 is at hand (kept until
-          // dS^T, lse2 pushed the step past 240 registers).
-          warp::map<probability_times_slope>(s, s, broadcast<tile_axis::cols, query_vector>{lse2}, p.inverse_c);
-        }
-        // dV += P^T dO runs while dS^T is formed.
-        warpgroup::fence();
-        warpgroup::mma<operand_major::mn>(state.grad_v, prob, st.grad_out, 0, true);
-        warpgroup::commit();
-        warpgroup::wait<1>(grad_p);  // dP^T has landed; dV may still run
-        // dS^T = P^T (dP^T - delta[query]) (under a softcap s holds P^T times the slope)
-        if constexpr (with_softcap) warp::load(delta, st.delta.data);
-        warp::sub_col(grad_p, grad_p, delta);
-        warp::mul(grad_p, grad_p, s);
-        warp::copy(grad_s, grad_p);
+      if constexpr (split::splits) {
+        split_gradient_products(ctx, state, st, ctx.scratch.prob[at.stage], ctx.scratch.grad[at.stage], s, grad_p,
+                                lse2, delta);
       } else {
-        // dS^T with P^T and dS^T packed as it is formed (FA3's order: dV is issued first of the
-        // step's products, once both operands exist).
-        warpgroup::wait<0>(grad_p);
-        if constexpr (with_softcap) {
-          delta_spread.capped_grad_scores(s, grad_p, prob, grad_s, lse2_spread, p.inverse_c);
+        if constexpr (!plan::dv_after_scores) {
+          warp::copy(prob, s);
+          if constexpr (with_softcap) {
+            // s becomes what dS^T takes of it, P^T times the slope, while lse2 is at hand (kept until
+            // dS^T, lse2 pushed the step past 240 registers).
+            warp::map<probability_times_slope>(s, s, broadcast<tile_axis::cols, query_vector>{lse2}, p.inverse_c);
+          }
+          // dV += P^T dO runs while dS^T is formed.
+          warpgroup::fence();
+          warpgroup::mma<operand_major::mn>(state.grad_v, prob, st.grad_out, 0, true);
+          warpgroup::commit();
+          warpgroup::wait<1>(grad_p);  // dP^T has landed; dV may still run
+          // dS^T = P^T (dP^T - delta[query]) (under a softcap s holds P^T times the slope)
+          if constexpr (with_softcap) warp::load(delta, st.delta.data);
+          warp::sub_col(grad_p, grad_p, delta);
+          warp::mul(grad_p, grad_p, s);
+          warp::copy(grad_s, grad_p);
         } else {
-          delta_spread.grad_scores(s, grad_p, prob, grad_s);
+          // dS^T with P^T and dS^T packed as it is formed (FA3's order: dV is issued first of the
+          // step's products, once both operands exist).
+          warpgroup::wait<0>(grad_p);
+          if constexpr (with_softcap) {
+            delta_spread.capped_grad_scores(s, grad_p, prob, grad_s, lse2_spread, p.inverse_c);
+          } else {
+            delta_spread.grad_scores(s, grad_p, prob, grad_s);
+          }
+          warpgroup::fence();
+          warpgroup::mma<operand_major::mn>(state.grad_v, prob, st.grad_out, 0, true);
+          warpgroup::commit();
+        }
+        // Accumulated dQ: dS^T goes to shared memory and the dQ partial is issued before dK += dS^T Q,
+        // so that the partial is finished, staged and handed to the bulk reduction while dK runs
+        // (FA3's order); issued after dK, its staging would follow the step's last product.
+        if constexpr (sums_dq) {
+          if constexpr (plan::dv_after_scores) {
+            share_grad_scores(ctx, step, grad_s);
+          } else {
+            share_grad_scores(ctx, step, grad_p);
+          }
         }
         warpgroup::fence();
-        warpgroup::mma<operand_major::mn>(state.grad_v, prob, st.grad_out, 0, true);
+        if constexpr (sums_dq) issue_dq_partial(ctx, step, dq);
+        warpgroup::mma<operand_major::mn>(state.grad_k, grad_s, st.q, 0, true);
         warpgroup::commit();
-      }
-      // Accumulated dQ: dS^T goes to shared memory and the dQ partial is issued before dK += dS^T Q,
-      // so that the partial is finished, staged and handed to the bulk reduction while dK runs
-      // (FA3's order); issued after dK, its staging would follow the step's last product.
-      if constexpr (sums_dq) {
-        if constexpr (plan::dv_after_scores) {
-          share_grad_scores(ctx, step, grad_s);
-        } else {
-          share_grad_scores(ctx, step, grad_p);
+        if constexpr (sums_dq) {
+          warpgroup::wait<1>(state.grad_v, prob, dq);  // dV and the partial have landed; dK may still run
+          add_dq_partial(ctx, head, q0, dq);
         }
+        warpgroup::wait<0>(state.grad_k, state.grad_v, prob, grad_s);
       }
-      warpgroup::fence();
-      if constexpr (sums_dq) issue_dq_partial(ctx, step, dq);
-      warpgroup::mma<operand_major::mn>(state.grad_k, grad_s, st.q, 0, true);
-      warpgroup::commit();
-      if constexpr (sums_dq) {
-        warpgroup::wait<1>(state.grad_v, prob, dq);  // dV and the partial have landed; dK may still run
-        add_dq_partial(ctx, head, q0, dq);
-      }
-      warpgroup::wait<0>(state.grad_k, state.grad_v, prob, grad_s);
       in.release(at);
     }
   }
 
-  // dK and dV, staged in this consumer's K and V tiles (their stores also wait for the reads of
+  // dK and dV, staged in this consumer's K and V tiles, or split, in its columns of the shared ones: after
+  // the last step's barrier no product reads K or V any more (their stores also wait for the reads of
   // the last dQ partial: one bulk-group sequence per issuing thread). Where the consumers read each
   // other's keys for dQ, neither overwrites its K before both have finished reading.
   __device__ static void store(const context& ctx, consumer_state& state) {
@@ -595,19 +680,23 @@ struct dkdv_kernel : dkdv_plan<D> {
     }
     warp::mul(state.grad_k, state.grad_k, p.shape.scale);
     const sequence_rows rows = rows_of(p, ctx.task);
-    const int key0 = ctx.task.block * plan::block_kv + ctx.consumer * plan::rows_per_consumer;
+    const int key0 = first_key(ctx);
+    const int col0 = first_gradient_col(ctx);
     if constexpr (with_options) {
       if (p.packed_grad_k != nullptr) {
         const int kv_heads = p.shape.q_heads / p.shape.group;
-        store_packed_rows<T>(p.packed_grad_k, kv_heads, ctx.task.head, rows.k_start, rows.k_rows, key0, state.grad_k);
-        store_packed_rows<T>(p.packed_grad_v, kv_heads, ctx.task.head, rows.k_start, rows.k_rows, key0, state.grad_v);
+        store_packed_rows<T>(p.packed_grad_k, kv_heads, ctx.task.head, rows.k_start, rows.k_rows, key0, state.grad_k, D,
+                             col0);
+        store_packed_rows<T>(p.packed_grad_v, kv_heads, ctx.task.head, rows.k_start, rows.k_rows, key0, state.grad_v, D,
+                             col0);
         return;
       }
     }
-    const int index[4] = {rows.map_batch, ctx.task.head, key0, 0};
+    const int index[4] = {rows.map_batch, ctx.task.head, key0, col0};
+    const int part = col0 / split::cols;
     store_outputs(barrier_after(barrier_id::consumer_epilogue, ctx.consumer), index,
-                  staged(p.grad_k, ctx.resident.k[ctx.consumer], state.grad_k),
-                  staged(p.grad_v, ctx.resident.v[ctx.consumer], state.grad_v));
+                  staged(p.grad_k, column_part<gradient_tile>(ctx.resident.k[key_tile(ctx)], part), state.grad_k),
+                  staged(p.grad_v, column_part<gradient_tile>(ctx.resident.v[key_tile(ctx)], part), state.grad_v));
   }
 
   // The reductions must have landed before the dQ conversion reads the accumulator.
@@ -669,20 +758,30 @@ __global__ void __launch_bounds__(WARPGROUP_THREADS) dq_convert_kernel(const dq_
 template <typename T, int D, backward_features FEATURES>
 struct dq_kernel : dq_plan<D> {
   using plan = dq_plan<D>;
+  using split = typename plan::split;
   static constexpr bool with_options = FEATURES != backward_features::plain;
   static constexpr bool with_softcap = FEATURES == backward_features::softcapped;
-  using q_tile = shared_tile<T, plan::rows_per_consumer, D>;  // one consumer's rows of Q / dO, later its dQ
-  using kv_tile = shared_tile<T, plan::block_kv, D>;
-  using scores = warpgroup::accumulator<plan::block_kv>;  // S and dP: a warp's 16 queries x 128 keys
+  using q_tile = head_tile<T, plan::rows_per_consumer, D>;  // 64 rows of Q / dO, later (per column part) dQ
+  using kv_tile = head_tile<T, plan::block_kv, D>;
+  using gradient_tile = head_tile<T, plan::rows_per_consumer, split::cols>;  // a consumer's dQ
+  using scores = warpgroup::accumulator<plan::consumer_keys>;  // S and dP: a warp's 16 queries x its keys
   using operand = register_tile<T, BASE_TILE, plan::block_kv>;
-  using gradient = warpgroup::accumulator<D>;
+  using gradient = warpgroup::accumulator<split::cols>;
   using row_vector = per_row_vector<scores>;
 
-  struct resident {
-    q_tile q[plan::consumer_warpgroups];
-    q_tile grad_out[plan::consumer_warpgroups];
+  // Split columns: each stage's dS, both consumers' halves, read whole by both consumers' dQ products
+  // (indexed by the step's stage, as the dK/dV kernel's shared_scores).
+  using score_tile = shared_tile<T, plan::rows_per_consumer, plan::block_kv>;
+  struct shared_scores {
+    score_tile grad[plan::stages];
   };
-  static constexpr uint32_t resident_bytes = 2 * plan::consumer_warpgroups * q_tile::bytes;
+  using scratch = std::conditional_t<split::splits, shared_scores, pipeline::none>;
+
+  struct resident {
+    q_tile q[plan::query_tiles];
+    q_tile grad_out[plan::query_tiles];
+  };
+  static constexpr uint32_t resident_bytes = 2 * plan::query_tiles * q_tile::bytes;
 
   struct stage {
     kv_tile k, v;
@@ -709,7 +808,8 @@ struct dq_kernel : dq_plan<D> {
 
   enum class barrier_id : int {
     consumer_epilogue = FIRST_NAMED_BARRIER,
-    count = consumer_epilogue + plan::consumer_warpgroups,
+    scores_shared = consumer_epilogue + plan::consumer_warpgroups,
+    count,
   };
   static_assert(fits_named_barriers<barrier_id>());
 
@@ -761,17 +861,23 @@ struct dq_kernel : dq_plan<D> {
     tma::load(s.v, p.v, full, index);
   }
 
+  // This consumer's rows (its own 64, or the block's 64 shared by both), its first column of a stage's
+  // keys, and its first gradient column.
+  __device__ static int query_tile(const context& ctx) { return split::splits ? 0 : ctx.consumer; }
   __device__ static int first_row(const context& ctx) {
-    return ctx.task.block * plan::block_q + ctx.consumer * plan::rows_per_consumer;
+    return ctx.task.block * plan::block_q + query_tile(ctx) * plan::rows_per_consumer;
   }
+  __device__ static int first_key_col(const context& ctx) { return split::splits ? ctx.consumer * plan::consumer_keys : 0; }
+  __device__ static int first_gradient_col(const context& ctx) { return split::splits ? ctx.consumer * split::cols : 0; }
 
   __device__ static void compute(const context& ctx, consumer_state& state, pipeline::stage_inputs<dq_kernel>& in) {
     const params& p = ctx.params;
     const gradient_shape& g = p.shape;
     const visibility vis = g.vis();
-    const q_tile& q = ctx.resident.q[ctx.consumer];
-    const q_tile& grad_out = ctx.resident.grad_out[ctx.consumer];
+    const q_tile& q = ctx.resident.q[query_tile(ctx)];
+    const q_tile& grad_out = ctx.resident.grad_out[query_tile(ctx)];
     const int row0 = first_row(ctx);
+    const int key_col0 = first_key_col(ctx);
     const int64_t statistics_row = statistics_offset(p, ctx.task, ctx.task.head) + row0 + warpgroup::warp_row();
     row_vector lse2, delta;
     warp::load(lse2, p.lse2 + statistics_row);
@@ -783,12 +889,12 @@ struct dq_kernel : dq_plan<D> {
     const int first_block = first_key_block(p, ctx.task);
     auto at = in.first();
     for (int j = 0; j < ctx.iterations; ++j, at.advance()) {
-      const int key0 = (first_block + j) * plan::block_kv;
+      const int key0 = (first_block + j) * plan::block_kv + key_col0;  // this consumer's first key
       const stage& st = in.wait(at);
       // S = Q K^T and dP = dO V^T
       warpgroup::fence();
-      warpgroup::mma<operand_major::k, operand_major::k>(s, q, 0, st.k, 0, false);
-      warpgroup::mma<operand_major::k, operand_major::k>(grad_p, grad_out, 0, st.v, 0, false);
+      warpgroup::mma<operand_major::k, operand_major::k>(s, q, 0, st.k, key_col0, false);
+      warpgroup::mma<operand_major::k, operand_major::k>(grad_p, grad_out, 0, st.v, key_col0, false);
       warpgroup::commit();
       warpgroup::wait<0>(s, grad_p);
 
@@ -801,11 +907,11 @@ struct dq_kernel : dq_plan<D> {
       warp::exp2(s, s);
       if constexpr (with_options) {
         const key_window w = p.window_of(ctx.task);
-        if (!w.sees_whole(row0, plan::rows_per_consumer, key0, plan::block_kv)) {
+        if (!w.sees_whole(row0, plan::rows_per_consumer, key0, plan::consumer_keys)) {
           warp::mask(s, {row0 + warpgroup::warp_row(), key0},
                      [&](int query, int key) { return key >= w.key_floor(query) && key < w.key_limit(query); }, 0.0f);
         }
-      } else if (vis.needs_mask(row0, key0, plan::block_kv)) {
+      } else if (vis.needs_mask(row0, key0, plan::consumer_keys)) {
         warp::mask(s, {row0 + warpgroup::warp_row(), key0}, [&](int query, int key) { return vis.visible(query, key); },
                    0.0f);
       }
@@ -814,30 +920,47 @@ struct dq_kernel : dq_plan<D> {
       }
       warp::sub_row(grad_p, grad_p, delta);
       warp::mul(grad_p, grad_p, s);
-      warp::copy(grad_s, grad_p);
-      // dQ += dS K
-      warpgroup::fence();
-      warpgroup::mma<operand_major::mn>(state.grad_q, grad_s, st.k, 0, true);
-      warpgroup::commit();
-      warpgroup::wait<0>(state.grad_q, grad_s);
+      if constexpr (split::splits) {
+        // Split columns: this consumer's half of dS into the stage's shared tile, then its columns of
+        // dQ += dS K over all the stage's keys (SS), once both halves are there.
+        score_tile& shared_grad = ctx.scratch.grad[at.stage];
+        warp::store(shared_grad, grad_p, warpgroup::warp_row(), key_col0);
+        publish(barrier_id::scores_shared, plan::consumer_warpgroups * WARPGROUP_THREADS);
+        warpgroup::fence();
+        warpgroup::mma<operand_major::k, operand_major::mn>(state.grad_q, shared_grad, 0, st.k,
+                                                            first_gradient_col(ctx), true);
+        warpgroup::commit();
+        warpgroup::wait<0>(state.grad_q);
+      } else {
+        warp::copy(grad_s, grad_p);
+        // dQ += dS K
+        warpgroup::fence();
+        warpgroup::mma<operand_major::mn>(state.grad_q, grad_s, st.k, 0, true);
+        warpgroup::commit();
+        warpgroup::wait<0>(state.grad_q, grad_s);
+      }
       in.release(at);
     }
   }
 
+  // dQ, staged in this consumer's Q tile, or split, in its columns of the shared one: after the last
+  // step's barrier no product reads Q any more.
   __device__ static void store(const context& ctx, consumer_state& state) {
     const params& p = ctx.params;
     warp::mul(state.grad_q, state.grad_q, p.shape.scale);
     const sequence_rows rows = rows_of(p, ctx.task);
+    const int col0 = first_gradient_col(ctx);
     if constexpr (with_options) {
       if (p.packed_grad_q != nullptr) {
         store_packed_rows<T>(p.packed_grad_q, p.shape.q_heads, ctx.task.head, rows.q_start, rows.q_rows, first_row(ctx),
-                             state.grad_q);
+                             state.grad_q, D, col0);
         return;
       }
     }
-    const int index[4] = {rows.map_batch, ctx.task.head, first_row(ctx), 0};
+    const int index[4] = {rows.map_batch, ctx.task.head, first_row(ctx), col0};
     store_outputs(barrier_after(barrier_id::consumer_epilogue, ctx.consumer), index,
-                  staged(p.grad_q, ctx.resident.q[ctx.consumer], state.grad_q));
+                  staged(p.grad_q, column_part<gradient_tile>(ctx.resident.q[query_tile(ctx)], col0 / split::cols),
+                         state.grad_q));
   }
 };
 
@@ -919,6 +1042,7 @@ constexpr int64_t ONE_PASS_MIN_KEYS = 4096;
 constexpr int ONE_PASS_ALWAYS_HEAD_DIM = 64;
 
 bool one_pass(const backward_problem& pr) {
+  if (pr.q.dim > MAX_UNSPLIT_HEAD_DIM) return false;  // (dkdv_plan::has_one_pass)
   switch (pr.method) {
     case backward_method::recompute: return false;
     case backward_method::one_pass: return true;
@@ -953,7 +1077,7 @@ std::string options_reason(const backward_problem& pr) {
   if ((pr.has_options() || pr.sinks != nullptr) && pr.q.rows + pr.k.rows > MAX_WINDOWED_ROWS) {
     return "with a window, softcap or sinks, Nq + Nk must be at most 2^30";
   }
-  return packed_reason(pr.packed, pr.q.heads, dq_plan<128>::block_q);
+  return packed_reason(pr.packed, pr.q.heads, MIN_BACKWARD_BLOCK_Q);
 }
 
 template <typename T, int D>
@@ -972,12 +1096,14 @@ std::string reason_for(const backward_problem& pr) {
   for (const auto& [name, view] : query_like) {
     if (std::string r = layout_reason<typename KV::q_tile, T>(name, view); !r.empty()) return r;
     if (std::string r = layout_reason<typename Q::q_tile, T>(name, view); !r.empty()) return r;
+    if (std::string r = layout_reason<typename Q::gradient_tile, T>(name, view); !r.empty()) return r;
   }
   const std::pair<const char*, heads_view> key_like[] = {
       {"k", pr.k}, {"v", pr.v}, {"grad_k", gradient(pr.grad_k, pr.k)}, {"grad_v", gradient(pr.grad_v, pr.v)}};
   for (const auto& [name, view] : key_like) {
     if (std::string r = layout_reason<typename KV::kv_tile, T>(name, view); !r.empty()) return r;
     if (std::string r = layout_reason<typename Q::kv_tile, T>(name, view); !r.empty()) return r;
+    if (std::string r = layout_reason<typename KV::gradient_tile, T>(name, view); !r.empty()) return r;
   }
   return {};
 }
@@ -1047,10 +1173,12 @@ cudaError_t run_dkdv(const backward_problem& pr, const workspace_view& w, cudaSt
   p.grad_out = make_tma_map<typename K::q_tile>(heads_layout<T>(pr.grad_out));
   p.k = make_tma_map<typename K::kv_tile>(heads_layout<T>(pr.k));
   p.v = make_tma_map<typename K::kv_tile>(heads_layout<T>(pr.v));
-  p.grad_k = make_tma_map<typename K::kv_tile>(heads_layout<T>(output_view(pr.grad_k, pr.k, pr.packed.given())));
-  p.grad_v = make_tma_map<typename K::kv_tile>(heads_layout<T>(output_view(pr.grad_v, pr.v, pr.packed.given())));
+  p.grad_k = make_tma_map<typename K::gradient_tile>(heads_layout<T>(output_view(pr.grad_k, pr.k, pr.packed.given())));
+  p.grad_v = make_tma_map<typename K::gradient_tile>(heads_layout<T>(output_view(pr.grad_v, pr.v, pr.packed.given())));
   p.lse2 = make_tma_map<typename K::statistics_vector>(statistics_layout(pr, w.lse2));
   p.delta = make_tma_map<typename K::statistics_vector>(statistics_layout(pr, w.delta));
+  p.lse2_rows = w.lse2;
+  p.delta_rows = w.delta;
   p.dq_accumulator = w.dq_accumulator;
   p.shape = shape_of(pr);
   if constexpr (K::with_options) set_options(pr, p);
@@ -1081,7 +1209,7 @@ cudaError_t run_dq(const backward_problem& pr, const workspace_view& w, cudaStre
   typename K::params p;
   p.q = make_tma_map<typename K::q_tile>(heads_layout<T>(pr.q));
   p.grad_out = make_tma_map<typename K::q_tile>(heads_layout<T>(pr.grad_out));
-  p.grad_q = make_tma_map<typename K::q_tile>(heads_layout<T>(output_view(pr.grad_q, pr.q, pr.packed.given())));
+  p.grad_q = make_tma_map<typename K::gradient_tile>(heads_layout<T>(output_view(pr.grad_q, pr.q, pr.packed.given())));
   p.k = make_tma_map<typename K::kv_tile>(heads_layout<T>(pr.k));
   p.v = make_tma_map<typename K::kv_tile>(heads_layout<T>(pr.v));
   p.lse2 = w.lse2;
@@ -1097,15 +1225,9 @@ cudaError_t run_sink_gradient(const backward_problem& pr, const workspace_view& 
   return pipeline::launch(sink_gradient_kernel, unsigned(pr.q.heads), SINK_GRADIENT_THREADS, 0, stream, p);
 }
 
-// dq, dk and dv by the problem's method, from the statistics.
+// The one-pass method: dq summed into the fp32 accumulator by the dK/dV pass, then converted.
 template <typename T, int D, backward_features FEATURES>
-cudaError_t run_gradients(const backward_problem& pr, const workspace_view& w, cudaStream_t stream) {
-  if (!one_pass(pr)) {
-    if (const cudaError_t err = run_dkdv<T, D, dq_method::recomputed, FEATURES>(pr, w, stream); err != cudaSuccess) {
-      return err;
-    }
-    return run_dq<T, D, FEATURES>(pr, w, stream);
-  }
+cudaError_t run_one_pass(const backward_problem& pr, const workspace_view& w, cudaStream_t stream) {
   const size_t accumulator_bytes = size_t(dq_accumulator_floats(pr)) * sizeof(float);
   if (const cudaError_t err = cudaMemsetAsync(w.dq_accumulator, 0, accumulator_bytes, stream); err != cudaSuccess) {
     return err;
@@ -1114,6 +1236,18 @@ cudaError_t run_gradients(const backward_problem& pr, const workspace_view& w, c
     return err;
   }
   return run_dq_convert<T, D>(pr, w, stream);
+}
+
+// dq, dk and dv by the problem's method, from the statistics.
+template <typename T, int D, backward_features FEATURES>
+cudaError_t run_gradients(const backward_problem& pr, const workspace_view& w, cudaStream_t stream) {
+  if constexpr (dkdv_plan<D>::has_one_pass) {
+    if (one_pass(pr)) return run_one_pass<T, D, FEATURES>(pr, w, stream);
+  }
+  if (const cudaError_t err = run_dkdv<T, D, dq_method::recomputed, FEATURES>(pr, w, stream); err != cudaSuccess) {
+    return err;
+  }
+  return run_dq<T, D, FEATURES>(pr, w, stream);
 }
 
 template <typename T, int D, backward_features FEATURES>

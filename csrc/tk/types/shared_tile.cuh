@@ -13,6 +13,8 @@
 // every panel starts on a period, and TMA, wgmma and `offset()` all see the same layout.
 #pragma once
 
+#include <type_traits>
+
 #include "../common.cuh"
 
 namespace tk {
@@ -72,6 +74,16 @@ struct alignas(SWIZZLE_PERIOD_BYTES) shared_tile {
   }
   __device__ T* panel(int p) { return reinterpret_cast<T*>(reinterpret_cast<char*>(data) + p * panel_bytes); }
 };
+
+// Columns [index * Part::cols, (index + 1) * Part::cols) of a tile as a tile of their own: whole panels,
+// so the same bytes in the same layout (e.g. one consumer's columns of a gradient, staged in a resident tile).
+template <typename Part, typename Tile>
+__device__ __forceinline__ Part& column_part(Tile& tile, int index) {
+  static_assert(std::is_same_v<typename Part::element, typename Tile::element> && Part::rows == Tile::rows &&
+                    Part::swizzle == Tile::swizzle && Tile::cols % Part::cols == 0,
+                "a column part has the tile's element, rows and swizzle, and divides its columns");
+  return *reinterpret_cast<Part*>(tile.panel(index * Part::panels));
+}
 
 // N contiguous elements, unswizzled: one row that TMA moves as a single box of a 2-D layout (e.g. a
 // per-row statistic for a step's rows), read back with ordinary loads. It offers the members that
