@@ -32,7 +32,7 @@ using tk::element_type;
 // rather than in attention.cuh so that the registration declares them to Python (kernel_support.h).
 // The backward's plans hold dK and dV (or dQ) of 64 rows x D in a consumer's registers up to D = 128;
 // at 192 and 256 the two consumers own the same 64 rows and half of the columns each (column_split,
-// attention.cuh; written and compiled, not yet run on a GPU). D = 96 runs the D = 128 backward on
+// attention.cuh). D = 96 runs the D = 128 backward on
 // zero-padded copies (csrc/torch/attention.cpp).
 using forward_head_dims = one_of<64, 96, 128, 192, 256>;
 using backward_head_dims = one_of<64, 128, 192, 256>;
