@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import tk_ops
-from models.layers import at_least_fp32, make_linear, reference_attention, to_autocast_dtype
+from models.layers import at_least_fp32, init_weights, make_linear, reference_attention, to_autocast_dtype
 
 
 @dataclasses.dataclass
@@ -269,7 +269,7 @@ class BertForMaskedLM(torch.nn.Module):
         self.bert = BertModel(config)
         self.cls = BertOnlyMLMHead(config)
         self.cls.predictions.decoder.weight = self.bert.embeddings.word_embeddings.weight
-        self.apply(self._init_weights)
+        self.apply(lambda module: init_weights(module, config.initializer_range))
 
     @property
     def tied_weights(self) -> dict[str, str]:
@@ -283,12 +283,6 @@ class BertForMaskedLM(torch.nn.Module):
     def blocks(self) -> torch.nn.ModuleList:
         """The repeated blocks (the units of per-block compile and FSDP sharding)."""
         return self.bert.encoder.layer
-
-    def _init_weights(self, module: torch.nn.Module) -> None:
-        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
-            torch.nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
-        if isinstance(module, torch.nn.Linear) and module.bias is not None:
-            torch.nn.init.zeros_(module.bias)
 
     def forward(
         self,

@@ -52,6 +52,15 @@ def make_linear(in_features: int, out_features: int, *, bias: bool, reference: b
     return cls(in_features, out_features, bias=bias)
 
 
+def init_weights(module: torch.nn.Module, std: float) -> None:
+    """Hugging Face's init of one module (``model.apply``): linear and embedding weights from N(0, std^2),
+    linear biases zero; other modules untouched."""
+    if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+        torch.nn.init.normal_(module.weight, mean=0.0, std=std)
+    if isinstance(module, torch.nn.Linear) and module.bias is not None:
+        torch.nn.init.zeros_(module.bias)
+
+
 def rotary_inverse_frequencies(rotary_dim: int, theta: float) -> torch.Tensor:
     """``theta ** (-2i / rotary_dim)`` for i < rotary_dim / 2, in fp32 (Hugging Face's default rope)."""
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
@@ -261,18 +270,12 @@ class CausalLM(torch.nn.Module):
         if c.tie_word_embeddings:
             self.lm_head.weight = embedding.weight
         kept = {id(inner) for module in self.modules() if isinstance(module, keep) for inner in module.modules()}
-        self.apply(lambda module: None if id(module) in kept else self._init_weights(module))
+        self.apply(lambda module: None if id(module) in kept else init_weights(module, c.initializer_range))
 
     @property
     def tied_weights(self) -> dict[str, str]:
         """state_dict key -> the key it shares its tensor with (dropped from checkpoints)."""
         return {"lm_head.weight": self.EMBEDDING_KEY} if self.config.tie_word_embeddings else {}
-
-    def _init_weights(self, module: torch.nn.Module) -> None:
-        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
-            torch.nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
-        if isinstance(module, torch.nn.Linear) and module.bias is not None:
-            torch.nn.init.zeros_(module.bias)
 
     def forward(
         self,
