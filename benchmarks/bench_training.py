@@ -32,8 +32,8 @@ few 0.01 nats). training.png has, per model and preset, the loss curves and the 
 with ``--grad-accum 2`` against two GPUs under torchrun (NCCL) with DDP and with FSDP2, which see
 the same batches, so their per-step losses should agree to rounding (``max_step_gap``).
 
-Needs the prepared data (``python -m models.data prepare``, carried as ``.data/``), a GPU, and for
-the peer variants the carried peer packages (``.baselines``, see gpu_session.sh). ``--dry-run`` runs
+Needs the prepared data (``python -m models.data prepare``: ``.data/``), a GPU, and for the peer
+variants the peer packages (``benchmarks/wheels/baselines.sh`` puts them in ``.baselines``). ``--dry-run`` runs
 them on the CPU (fp32, no MFU; the nano presets for 2 steps unless --preset and --steps say
 otherwise, every step timed).
 """

@@ -250,8 +250,13 @@ BACKWARD_HEAD_DIMS = [64, 128, 192, 256]
 @pytest.mark.parametrize("q_len, key_len", [(1, 1), (17, 17), (1000, 1000), (4097, 4097), (300, 1000), (1000, 300)])
 @pytest.mark.parametrize("method", BACKWARD_METHODS)
 def test_kernel_against_float64(monkeypatch, dtype, head_dim, causal, q_len, key_len, method):
+    check_kernels_against_naive(monkeypatch, method, 1, q_len, key_len, head_dim, dtype, causal)
+
+
+def check_kernels_against_naive(monkeypatch, method, batch, q_len, key_len, head_dim, dtype, causal):
+    """Forward and backward of GQA 4/2 heads on the kernels (no fallback) against float64, by ``method``."""
     deterministic = use_backward_method(monkeypatch, method)
-    inputs = make_qkv(1, 4, 2, q_len, key_len, head_dim, dtype=dtype, device="cuda")
+    inputs = make_qkv(batch, 4, 2, q_len, key_len, head_dim, dtype=dtype, device="cuda")
     with tk_testing.runs_the_kernels("attention", "attention_bwd"):
         check_against_naive(*inputs, causal, deterministic=deterministic)
 
@@ -504,10 +509,7 @@ SPLIT_STEP_SHAPES = [(31, 33), (32, 96), (33, 65), (64, 64), (65, 127), (97, 200
 @pytest.mark.parametrize("method", BACKWARD_METHODS)
 def test_kernel_split_column_step_edges(monkeypatch, head_dim, dtype, causal, q_len, key_len, method):
     """Gradients against float64 where the split plans' 32-row halves and 64-row blocks end."""
-    deterministic = use_backward_method(monkeypatch, method)
-    inputs = make_qkv(2, 4, 2, q_len, key_len, head_dim, dtype=dtype, device="cuda")
-    with tk_testing.runs_the_kernels("attention", "attention_bwd"):
-        check_against_naive(*inputs, causal, deterministic=deterministic)
+    check_kernels_against_naive(monkeypatch, method, 2, q_len, key_len, head_dim, dtype, causal)
 
 
 # Scales the forward's scale-and-subtract FFMA must handle (the default 1/sqrt(D) is everywhere above):

@@ -11,6 +11,7 @@ namespace tk::gdn {
 
 constexpr float L2NORM_EPS = 1e-6f;  // tk_ops' (fla's, Hugging Face's) l2norm epsilon
 constexpr int ROW_VECTOR_BYTES = 16;  // one vector load of a row of q, k or v
+constexpr int ELEMENT_BYTES = 2;      // q, k, v and o: bf16 or fp16
 
 // Sequence n's rows: row `start` of batch `batch` onwards, `length` of them (B rows of T, or the packed
 // sequences of cu_seqlens in batch 0).
@@ -32,7 +33,7 @@ __device__ __forceinline__ const T* row_of(const heads_view& view, int batch, in
 
 // Every row of the 16-bit view starts on a 16-byte boundary (its base and strides allow vector loads).
 inline bool aligned_rows(const heads_view& view) {
-  constexpr int64_t ELEMENTS_PER_VECTOR = ROW_VECTOR_BYTES / 2;
+  constexpr int64_t ELEMENTS_PER_VECTOR = ROW_VECTOR_BYTES / ELEMENT_BYTES;
   const auto multiple = [](int64_t stride) { return stride % ELEMENTS_PER_VECTOR == 0; };
   return reinterpret_cast<uintptr_t>(view.data) % ROW_VECTOR_BYTES == 0 && multiple(view.batch_stride) &&
          multiple(view.head_stride) && multiple(view.row_stride);

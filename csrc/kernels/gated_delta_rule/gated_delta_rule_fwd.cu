@@ -764,9 +764,9 @@ cudaError_t run(const forward_problem& p, cudaStream_t stream) {
 int64_t workspace_bytes(int64_t chunks, int64_t key_heads, int64_t value_heads, int64_t key_dim, int64_t value_dim) {
   const int64_t positions = chunks * value_heads * CHUNK;  // of gamma, W, U0 and P
   const int64_t key_positions = chunks * key_heads * CHUNK;  // of Q and K
-  constexpr int64_t element_bytes = 2;  // bf16 or fp16
-  return positions * (int64_t(sizeof(float)) + (key_dim + value_dim + CHUNK) * element_bytes) +
-         key_positions * 2 * key_dim * element_bytes;  // Q and K
+  constexpr int64_t QUERY_AND_KEY = 2;  // the rows of Q and K each key position has
+  return positions * (int64_t(sizeof(float)) + (key_dim + value_dim + CHUNK) * ELEMENT_BYTES) +
+         key_positions * QUERY_AND_KEY * key_dim * ELEMENT_BYTES;
 }
 
 std::string unsupported_reason(const forward_problem& p) {
